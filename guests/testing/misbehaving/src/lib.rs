@@ -1,0 +1,256 @@
+//! A deliberately bad devicelet module, for exercising the host's sandbox in tests: it traps,
+//! spins, fails or eats memory on demand. Never deploy it.
+//!
+//! It imports only `devicelet:plugin/log` (no sysfs or /dev grants needed) and serves one
+//! resource of made-up devices.
+//!
+//! # Config
+//!
+//! The registry's `[module.config]` table, every key optional; unknown keys are refused with
+//! [`PluginError::InvalidConfig`]:
+//!
+//! ```toml
+//! [module.config]
+//! resource = "bad"      # the resource name init returns
+//! devices = 2           # how many devices enumerate lists: dev-0 .. dev-{N-1}
+//! init = "ok"           # a mode (below) for each call
+//! enumerate = "ok"
+//! health = "ok"
+//! allocate = "ok"
+//! prestart = "ok"
+//! preferred = "ok"
+//! ```
+//!
+//! Modes, applied at the start of each call (for `init`, once the config has parsed):
+//!
+//! - `"ok"`: behave (see below);
+//! - `"trap"`: panic, which traps the instance;
+//! - `"loop"`: spin forever without returning, so the host's deadline has to interrupt it;
+//! - `"error"`: return `PluginError::Failed("requested failure")`;
+//! - `"memory"`: allocate and touch 1 MiB blocks, keeping them all, until allocation fails
+//!   (which traps); meant for `allocate`, accepted for every call.
+//!
+//! Setting `prestart` or `preferred` at all (to any mode, `"ok"` included) makes the resource ask
+//! the kubelet for the call (`ResourceInfo::prestart` / `preferred_allocation`); leaving the key
+//! out keeps the flag false.
+//!
+//! Behaviour in mode `"ok"`:
+//!
+//! - `enumerate`: `devices` healthy devices `dev-0` .. `dev-{N-1}`;
+//! - `health`: each requested ID healthy if it is one of those devices, unhealthy otherwise;
+//! - `allocate`: container edits with the single env `MISBEHAVING_DEVICES=<IDs joined by ,>`;
+//! - `prestart`: succeeds;
+//! - `preferred`: the *last* `size` IDs of `available` (ignoring `must-include`), so tests can
+//!   tell the module's answer from the kubelet's default choice.
+//!
+//! Every method answers a resource name other than `resource` with
+//! `PluginError::UnknownResource` (after applying its mode).
+
+use devicelet_sdk::{
+    ContainerEdits, Device, DeviceHealth, Health, Plugin, PluginError, ResourceInfo, export_plugin,
+};
+use serde::Deserialize;
+
+/// What a call does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Mode {
+    #[default]
+    Ok,
+    Trap,
+    Loop,
+    Error,
+    Memory,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct Config {
+    #[serde(default = "default_resource")]
+    resource: String,
+    #[serde(default = "default_devices")]
+    devices: u32,
+    #[serde(default)]
+    init: Mode,
+    #[serde(default)]
+    enumerate: Mode,
+    #[serde(default)]
+    health: Mode,
+    #[serde(default)]
+    allocate: Mode,
+    /// `Some` asks for prestart calls.
+    #[serde(default)]
+    prestart: Option<Mode>,
+    /// `Some` asks for preferred-allocation calls.
+    #[serde(default)]
+    preferred: Option<Mode>,
+}
+
+fn default_resource() -> String {
+    "bad".to_string()
+}
+
+fn default_devices() -> u32 {
+    2
+}
+
+/// Runs `mode` for the call named `call`; returns only for [`Mode::Ok`].
+fn misbehave(call: &str, mode: Mode) -> Result<(), PluginError> {
+    match mode {
+        Mode::Ok => Ok(()),
+        Mode::Error => Err(PluginError::Failed("requested failure".to_string())),
+        Mode::Trap => panic!("misbehaving: {call} traps as configured"),
+        Mode::Loop => spin(),
+        Mode::Memory => memory_bomb(),
+    }
+}
+
+/// Spins forever; `black_box` keeps the optimiser from proving the loop side-effect free.
+fn spin() -> ! {
+    let mut counter = 0u64;
+    loop {
+        counter = std::hint::black_box(counter).wrapping_add(1);
+    }
+}
+
+/// Allocates 1 MiB blocks filled with non-zero bytes (so every page is really touched) and keeps
+/// them all, until the allocator fails and the instance traps.
+fn memory_bomb() -> ! {
+    const BLOCK: usize = 1 << 20;
+    let mut hoard: Vec<Vec<u8>> = Vec::new();
+    loop {
+        let block = vec![0xa5u8; BLOCK];
+        hoard.push(std::hint::black_box(block));
+        std::hint::black_box(&mut hoard);
+    }
+}
+
+struct Misbehaving {
+    config: Config,
+    ids: Vec<String>,
+}
+
+impl Misbehaving {
+    fn check(&self, call: &str, mode: Mode, resource: &str) -> Result<(), PluginError> {
+        misbehave(call, mode)?;
+        if resource == self.config.resource {
+            Ok(())
+        } else {
+            Err(PluginError::UnknownResource(resource.to_string()))
+        }
+    }
+}
+
+fn parse_config(config: &str) -> Result<Config, PluginError> {
+    let text = if config.trim().is_empty() {
+        "{}"
+    } else {
+        config
+    };
+    serde_json::from_str(text).map_err(|e| PluginError::InvalidConfig(e.to_string()))
+}
+
+impl Plugin for Misbehaving {
+    fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+        let config = parse_config(config)?;
+        misbehave("init", config.init)?;
+        let ids = (0..config.devices).map(|i| format!("dev-{i}")).collect();
+        let info = ResourceInfo::new(config.resource.clone())
+            .with_prestart(config.prestart.is_some())
+            .with_preferred_allocation(config.preferred.is_some());
+        devicelet_sdk::info!(
+            "misbehaving: serving {} with {} devices as configured: {config:?}",
+            config.resource,
+            config.devices
+        );
+        Ok((Misbehaving { config, ids }, vec![info]))
+    }
+
+    fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+        self.check("enumerate", self.config.enumerate, resource)?;
+        Ok(self.ids.iter().map(Device::healthy).collect())
+    }
+
+    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
+        self.check("health", self.config.health, resource)?;
+        Ok(ids
+            .iter()
+            .map(|id| {
+                let health = if self.ids.contains(id) {
+                    Health::Healthy
+                } else {
+                    Health::Unhealthy
+                };
+                DeviceHealth::new(id.clone(), health)
+            })
+            .collect())
+    }
+
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+        self.check("allocate", self.config.allocate, resource)?;
+        Ok(ContainerEdits::default().env("MISBEHAVING_DEVICES", ids.join(",")))
+    }
+
+    fn prestart(&mut self, resource: &str, _ids: &[String]) -> Result<(), PluginError> {
+        self.check(
+            "prestart",
+            self.config.prestart.unwrap_or_default(),
+            resource,
+        )
+    }
+
+    fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[String],
+        _must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError> {
+        self.check(
+            "preferred",
+            self.config.preferred.unwrap_or_default(),
+            resource,
+        )?;
+        Ok(last(available, size))
+    }
+}
+
+/// The last `size` entries of `available` (all of them when there are fewer).
+fn last(available: &[String], size: usize) -> Vec<String> {
+    available[available.len().saturating_sub(size)..].to_vec()
+}
+
+export_plugin!(Misbehaving);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let config = parse_config("{}").unwrap();
+        assert_eq!(config.resource, "bad");
+        assert_eq!(config.devices, 2);
+        assert_eq!(config.allocate, Mode::Ok);
+        assert!(config.prestart.is_none() && config.preferred.is_none());
+    }
+
+    #[test]
+    fn modes_and_unknown_keys() {
+        let config = parse_config(r#"{"allocate": "memory", "prestart": "ok"}"#).unwrap();
+        assert_eq!(config.allocate, Mode::Memory);
+        assert_eq!(config.prestart, Some(Mode::Ok));
+        let Err(PluginError::InvalidConfig(msg)) = parse_config(r#"{"alocate": "trap"}"#) else {
+            panic!("unknown key accepted");
+        };
+        assert!(msg.contains("alocate"), "{msg}");
+        assert!(parse_config(r#"{"init": "explode"}"#).is_err());
+    }
+
+    #[test]
+    fn preferred_takes_the_tail() {
+        let ids: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(last(&ids, 2), vec!["b".to_string(), "c".to_string()]);
+        assert_eq!(last(&ids, 5), ids);
+    }
+}

@@ -1,0 +1,81 @@
+//! Keeping one resource's device snapshot current: re-enumerate at the module's interval and
+//! publish a new snapshot only when something changed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::kubelet::plugin_server::Snapshot;
+use crate::sandbox::{Device, Health, ModuleHandle};
+
+/// The first snapshot. A module that cannot enumerate yet starts with no devices.
+pub async fn initial(module: &ModuleHandle, resource: &str) -> Snapshot {
+    match module.enumerate(resource).await {
+        Ok(devices) => Arc::new(sorted(devices)),
+        Err(e) => {
+            tracing::warn!("{e}");
+            Arc::new(Vec::new())
+        }
+    }
+}
+
+fn sorted(mut devices: Vec<Device>) -> Vec<Device> {
+    devices.sort_by(|a, b| a.id.cmp(&b.id));
+    devices
+}
+
+/// While the module fails, its devices stay listed but Unhealthy, so the kubelet stops
+/// admitting pods to them instead of failing admissions in a loop.
+fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
+    devices
+        .iter()
+        .map(|d| Device {
+            health: Health::Unhealthy,
+            ..d.clone()
+        })
+        .collect()
+}
+
+pub async fn watch_devices(
+    module: ModuleHandle,
+    resource: String,
+    interval: Duration,
+    devices: watch::Sender<Snapshot>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticker.tick().await;
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let next = match module.enumerate(&resource).await {
+            Ok(found) => {
+                if failing {
+                    tracing::info!(module = module.name(), resource, "enumerate works again");
+                    failing = false;
+                }
+                sorted(found)
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(resource, "{e}; reporting its devices Unhealthy");
+                    failing = true;
+                }
+                all_unhealthy(&devices.borrow())
+            }
+        };
+        devices.send_if_modified(|current| {
+            if **current == next {
+                false
+            } else {
+                *current = Arc::new(next);
+                true
+            }
+        });
+    }
+}

@@ -1,0 +1,131 @@
+//! `devicelet demo`: the agent with the reference module, a fixture device tree and the kubelet
+//! simulator, all in one process, showing registration, devices, allocations and a hot-unplug.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::agent::{Agent, AgentOptions};
+use crate::config::Registry;
+use crate::fixture::{FixtureTree, NodeType};
+use crate::kubelet::api::deviceplugin::{ContainerAllocateResponse, Device};
+use crate::kubelet::simulator::Simulator;
+
+const REGISTRY: &str = include_str!("registry.toml");
+const WAIT: Duration = Duration::from_secs(10);
+
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Directory holding the compiled reference modules (`generic_dev.wasm`).
+    #[arg(long, default_value = "target/wasm32-wasip2/release")]
+    pub module_dir: PathBuf,
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let work = tempfile::tempdir().context("creating a scratch directory")?;
+    let tree = FixtureTree::new(&work.path().join("node"))?;
+    tree.add_node("/dev/fuse", NodeType::Char, 10, 229)?;
+    tree.add_node("/dev/net/tun", NodeType::Char, 10, 200)?;
+    tree.add_node("/dev/ttyUSB0", NodeType::Char, 188, 0)?;
+    tree.add_node("/dev/ttyUSB1", NodeType::Char, 188, 1)?;
+    println!("fixture node tree: {}", tree.root().display());
+
+    let module_dir = std::path::absolute(&args.module_dir)?;
+    let registry_file = work.path().join("registry.toml");
+    std::fs::write(
+        &registry_file,
+        REGISTRY
+            .replace("@HOST_ROOT@", &tree.root().display().to_string())
+            .replace("@MODULE_DIR@", &module_dir.display().to_string()),
+    )?;
+    let registry = Registry::load(&registry_file)?;
+
+    let plugin_dir = work.path().join("device-plugins");
+    let kubelet = Simulator::start(&plugin_dir).await?;
+    println!(
+        "kubelet simulator listening on {}",
+        plugin_dir.join("kubelet.sock").display()
+    );
+
+    let agent = Agent::start(AgentOptions {
+        registry,
+        plugin_dir: plugin_dir.clone(),
+    })
+    .await?;
+    if let Some(e) = agent.load_errors().first() {
+        anyhow::bail!("{e}");
+    }
+    for served in agent.resources() {
+        let state = kubelet
+            .wait_until(&served.name, WAIT, |r| r.streaming && r.snapshots > 0)
+            .await?;
+        println!(
+            "\nregistered {} (module {}, endpoint {})\n  capacity {}, allocatable {}: {}",
+            state.name,
+            served.module,
+            state.endpoint,
+            state.capacity,
+            state.allocatable,
+            devices(&state.devices)
+        );
+    }
+
+    for (resource, count) in [("devicelet.io/fuse", 2), ("devicelet.io/serial", 1)] {
+        let a = kubelet.allocate(resource, count).await?;
+        println!("\nallocated {count} × {resource}: {:?}", a.device_ids);
+        if let Some(p) = &a.preferred {
+            println!("  the module preferred {p:?}");
+        }
+        print_response(&a.response);
+        if a.prestarted {
+            println!("  PreStartContainer: ok");
+        }
+    }
+
+    println!("\nunplugging /dev/ttyUSB1 …");
+    tree.remove("/dev/ttyUSB1")?;
+    let state = kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.capacity == 1)
+        .await?;
+    println!(
+        "  new snapshot of devicelet.io/serial: {}",
+        devices(&state.devices)
+    );
+
+    agent.shutdown().await;
+    kubelet.shutdown().await;
+    println!("\ndone");
+    Ok(())
+}
+
+fn devices(devices: &[Device]) -> String {
+    devices
+        .iter()
+        .map(|d| format!("{} ({})", d.id, d.health))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn print_response(r: &ContainerAllocateResponse) {
+    for d in &r.devices {
+        println!(
+            "  device {} -> {} ({})",
+            d.host_path, d.container_path, d.permissions
+        );
+    }
+    for m in &r.mounts {
+        println!(
+            "  mount {} -> {} (read-only: {})",
+            m.host_path, m.container_path, m.read_only
+        );
+    }
+    let mut envs: Vec<_> = r.envs.iter().collect();
+    envs.sort();
+    for (k, v) in envs {
+        println!("  env {k}={v}");
+    }
+    for c in &r.cdi_devices {
+        println!("  cdi {}", c.name);
+    }
+}

@@ -1,0 +1,54 @@
+//! The `devicelet` command line.
+
+mod demo;
+mod run;
+pub mod simulate;
+mod validate;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "devicelet",
+    version,
+    about = "Kubernetes device plugins as sandboxed WebAssembly modules"
+)]
+pub struct Cli {
+    /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`).
+    #[arg(long, global = true, default_value = "info")]
+    pub log: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve every resource of the registry's modules to the kubelet.
+    Run(run::RunArgs),
+    /// Check a registry and load its modules without serving anything.
+    Validate(validate::ValidateArgs),
+    /// Run the built-in kubelet simulator, for trying a module locally.
+    Simulate(simulate::SimulateArgs),
+    /// The agent with the reference modules against the simulator and a fixture device tree.
+    Demo(demo::DemoArgs),
+}
+
+pub async fn main(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(args) => run::run(args).await,
+        Command::Validate(args) => validate::run(args).await,
+        Command::Simulate(args) => simulate::run(args).await,
+        Command::Demo(args) => demo::run(args).await,
+    }
+}
+
+/// Waits for SIGINT or SIGTERM, the ways a DaemonSet pod or a terminal stops us.
+pub async fn stop_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}

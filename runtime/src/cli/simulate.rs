@@ -1,0 +1,396 @@
+//! `devicelet simulate`: run the kubelet simulator in the foreground, so a vendor can point
+//! devicelet (or any device plugin) at it and watch what the kubelet would see.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::kubelet::api::deviceplugin::Device;
+use crate::kubelet::names;
+use crate::kubelet::simulator::{Allocation, SimEvent, Simulator};
+
+/// Arguments of `devicelet simulate`.
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    /// The kubelet's device-plugin directory to serve `kubelet.sock` in. Like a starting kubelet,
+    /// the simulator deletes the sockets already there.
+    #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+    pub dir: PathBuf,
+    /// e.g. `--allocate devicelet.io/fuse=2`: after that resource registers, allocate 2 devices
+    /// once and print the response. Repeatable.
+    #[arg(long)]
+    pub allocate: Vec<String>,
+}
+
+/// One `--allocate RESOURCE=COUNT` request.
+#[derive(Debug, Clone, PartialEq)]
+struct Request {
+    resource: String,
+    count: usize,
+}
+
+fn parse_request(text: &str) -> anyhow::Result<Request> {
+    let Some((resource, count)) = text.rsplit_once('=') else {
+        bail!("--allocate {text:?}: expected RESOURCE=COUNT, e.g. devicelet.io/fuse=2");
+    };
+    if let Err(why) = names::validate_resource_name(resource) {
+        bail!(
+            "--allocate {text:?}: {resource:?} is not a resource name the kubelet accepts: {why}"
+        );
+    }
+    let count: usize =
+        count.parse().ok().filter(|n| *n > 0).with_context(|| {
+            format!("--allocate {text:?}: the count must be a positive integer")
+        })?;
+    Ok(Request {
+        resource: resource.to_owned(),
+        count,
+    })
+}
+
+/// Runs the simulator until Ctrl-C or SIGTERM, printing registrations, snapshot changes and the
+/// requested allocations to stdout.
+pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    let mut pending = args
+        .allocate
+        .iter()
+        .map(|text| parse_request(text))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+
+    let sim = Simulator::start(&args.dir).await.with_context(|| {
+        format!(
+            "cannot start the kubelet simulator in {}",
+            args.dir.display()
+        )
+    })?;
+    let mut events = sim.events();
+    println!(
+        "simulated kubelet listening on {}; waiting for device plugins to register",
+        sim.socket().display()
+    );
+
+    let stop = super::stop_signal();
+    tokio::pin!(stop);
+    let mut last_devices: BTreeMap<String, Vec<Device>> = BTreeMap::new();
+    loop {
+        let event = tokio::select! {
+            result = &mut stop => {
+                result?;
+                break;
+            }
+            event = events.recv() => event,
+        };
+        let event = match event {
+            Ok(event) => event,
+            Err(RecvError::Lagged(missed)) => {
+                println!("(output fell behind: {missed} events not shown)");
+                continue;
+            }
+            Err(RecvError::Closed) => break,
+        };
+        if let Some(text) = describe(&event, &mut last_devices) {
+            println!("{text}");
+        }
+        if let SimEvent::Snapshot {
+            resource,
+            allocatable,
+            ..
+        } = &event
+        {
+            // Each requested allocation once, as soon as its resource has enough devices.
+            let (ready, waiting) = std::mem::take(&mut pending)
+                .into_iter()
+                .partition(|r| r.resource == *resource && r.count <= *allocatable);
+            pending = waiting;
+            for request in ready {
+                let sim = sim.clone();
+                tokio::spawn(async move {
+                    let text = match sim.allocate(&request.resource, request.count).await {
+                        Ok(allocation) => format_allocation(&allocation),
+                        Err(e) => format!(
+                            "allocation of {} {} failed: {e}",
+                            request.count, request.resource
+                        ),
+                    };
+                    println!("{text}");
+                });
+            }
+        }
+    }
+    println!("stopping the simulated kubelet");
+    sim.shutdown().await;
+    Ok(())
+}
+
+/// A line (or block) for an event; snapshots show what changed since the last one.
+fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) -> Option<String> {
+    Some(match event {
+        SimEvent::Registered {
+            resource,
+            endpoint,
+            options,
+            registrations,
+        } => format!(
+            "registered {resource} at endpoint {endpoint} (registration {registrations}; \
+             pre_start_required={}, get_preferred_allocation_available={})",
+            options.pre_start_required, options.get_preferred_allocation_available
+        ),
+        SimEvent::Rejected {
+            resource,
+            endpoint,
+            reason,
+        } => format!("REFUSED registration of {resource:?} at endpoint {endpoint:?}: {reason}"),
+        SimEvent::Snapshot {
+            resource,
+            number,
+            devices,
+            capacity,
+            allocatable,
+        } => {
+            let previous = last_devices.insert(resource.clone(), devices.clone());
+            let mut text = format!(
+                "{resource}: snapshot {number}: capacity {capacity}, allocatable {allocatable}"
+            );
+            let changes = device_changes(previous.as_deref().unwrap_or_default(), devices);
+            if changes.is_empty() {
+                text.push_str(" (no change)");
+            }
+            for change in changes {
+                let _ = write!(text, "\n  {change}");
+            }
+            text
+        }
+        SimEvent::StreamEnded { resource, reason } => {
+            format!("{resource}: {reason}; allocatable is now 0")
+        }
+        SimEvent::Restarted { sockets_removed } => {
+            format!("simulated kubelet restarted ({sockets_removed} sockets removed)")
+        }
+        SimEvent::Allocated { .. } | SimEvent::Released { .. } => return None,
+    })
+}
+
+/// `+ id health`, `- id`, `~ id old -> new` lines between two sorted device lists.
+fn device_changes(before: &[Device], after: &[Device]) -> Vec<String> {
+    let before: BTreeMap<&str, &Device> = before.iter().map(|d| (d.id.as_str(), d)).collect();
+    let after: BTreeMap<&str, &Device> = after.iter().map(|d| (d.id.as_str(), d)).collect();
+    let mut lines = Vec::new();
+    for (id, device) in &after {
+        match before.get(id) {
+            None => lines.push(format!("+ {id} {}{}", device.health, numa(device))),
+            Some(old) if old.health != device.health || old.topology != device.topology => lines
+                .push(format!(
+                    "~ {id} {} -> {}{}",
+                    old.health,
+                    device.health,
+                    numa(device)
+                )),
+            Some(_) => {}
+        }
+    }
+    for id in before.keys().filter(|id| !after.contains_key(*id)) {
+        lines.push(format!("- {id}"));
+    }
+    lines
+}
+
+fn numa(device: &Device) -> String {
+    match &device.topology {
+        Some(topology) if !topology.nodes.is_empty() => {
+            let nodes: Vec<String> = topology.nodes.iter().map(|n| n.id.to_string()).collect();
+            format!(" (NUMA {})", nodes.join(","))
+        }
+        _ => String::new(),
+    }
+}
+
+/// The full answer for one container, as a container runtime would apply it.
+fn format_allocation(allocation: &Allocation) -> String {
+    let response = &allocation.response;
+    let mut text = format!(
+        "allocation {} of {}: {}",
+        allocation.id,
+        allocation.resource,
+        allocation.device_ids.join(", ")
+    );
+    match &allocation.preferred {
+        Some(preferred) => {
+            let _ = write!(
+                text,
+                "\n  GetPreferredAllocation answered: [{}]",
+                preferred.join(", ")
+            );
+        }
+        None => text.push_str("\n  GetPreferredAllocation: not offered by the plugin"),
+    }
+    section(
+        &mut text,
+        "envs",
+        sorted(&response.envs, |k, v| format!("{k}={v}")),
+    );
+    section(
+        &mut text,
+        "mounts",
+        response
+            .mounts
+            .iter()
+            .map(|m| {
+                format!(
+                    "{} -> {}{}",
+                    m.host_path,
+                    m.container_path,
+                    if m.read_only { " (read-only)" } else { "" }
+                )
+            })
+            .collect(),
+    );
+    section(
+        &mut text,
+        "devices",
+        response
+            .devices
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} -> {} ({})",
+                    d.host_path, d.container_path, d.permissions
+                )
+            })
+            .collect(),
+    );
+    section(
+        &mut text,
+        "annotations",
+        sorted(&response.annotations, |k, v| format!("{k}={v}")),
+    );
+    section(
+        &mut text,
+        "cdi devices",
+        response
+            .cdi_devices
+            .iter()
+            .map(|d| d.name.clone())
+            .collect(),
+    );
+    let _ = write!(
+        text,
+        "\n  PreStartContainer: {}",
+        if allocation.prestarted {
+            "called, succeeded"
+        } else {
+            "not required by the plugin"
+        }
+    );
+    text
+}
+
+fn sorted(
+    map: &std::collections::HashMap<String, String>,
+    line: impl Fn(&str, &str) -> String,
+) -> Vec<String> {
+    let sorted: BTreeMap<_, _> = map.iter().collect();
+    sorted.into_iter().map(|(k, v)| line(k, v)).collect()
+}
+
+fn section(text: &mut String, title: &str, lines: Vec<String>) {
+    if lines.is_empty() {
+        let _ = write!(text, "\n  {title}: none");
+        return;
+    }
+    let _ = write!(text, "\n  {title}:");
+    for line in lines {
+        let _ = write!(text, "\n    {line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kubelet::api::deviceplugin::{
+        CdiDevice, ContainerAllocateResponse, DeviceSpec, HEALTHY, Mount, UNHEALTHY,
+    };
+
+    #[test]
+    fn parses_allocation_requests() {
+        assert_eq!(
+            parse_request("devicelet.io/fuse=2").unwrap(),
+            Request {
+                resource: "devicelet.io/fuse".into(),
+                count: 2
+            }
+        );
+        for bad in [
+            "devicelet.io/fuse",
+            "devicelet.io/fuse=0",
+            "devicelet.io/fuse=x",
+            "fuse=1",
+        ] {
+            assert!(parse_request(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn dev(id: &str, health: &str) -> Device {
+        Device {
+            id: id.into(),
+            health: health.into(),
+            topology: None,
+        }
+    }
+
+    #[test]
+    fn shows_device_changes() {
+        let before = [dev("a", HEALTHY), dev("b", HEALTHY)];
+        let after = [dev("b", UNHEALTHY), dev("c", HEALTHY)];
+        assert_eq!(
+            device_changes(&before, &after),
+            ["~ b Healthy -> Unhealthy", "+ c Healthy", "- a"]
+        );
+        assert!(device_changes(&after, &after).is_empty());
+    }
+
+    #[test]
+    fn prints_the_whole_response() {
+        let allocation = Allocation {
+            id: 1,
+            resource: "devicelet.io/fuse".into(),
+            device_ids: vec!["fuse-0".into()],
+            preferred: None,
+            response: ContainerAllocateResponse {
+                envs: [
+                    ("B".to_owned(), "2".to_owned()),
+                    ("A".to_owned(), "1".to_owned()),
+                ]
+                .into(),
+                mounts: vec![Mount {
+                    container_path: "/c".into(),
+                    host_path: "/h".into(),
+                    read_only: true,
+                }],
+                devices: vec![DeviceSpec {
+                    container_path: "/dev/fuse".into(),
+                    host_path: "/dev/fuse".into(),
+                    permissions: "rw".into(),
+                }],
+                annotations: Default::default(),
+                cdi_devices: vec![CdiDevice {
+                    name: "devicelet.io/fuse=fuse-0".into(),
+                }],
+            },
+            prestarted: false,
+        };
+        let text = format_allocation(&allocation);
+        for expected in [
+            "allocation 1 of devicelet.io/fuse: fuse-0",
+            "envs:\n    A=1\n    B=2",
+            "/h -> /c (read-only)",
+            "/dev/fuse -> /dev/fuse (rw)",
+            "annotations: none",
+            "cdi devices:\n    devicelet.io/fuse=fuse-0",
+        ] {
+            assert!(text.contains(expected), "{expected:?} in\n{text}");
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! What a module may read from the host. A module sees nothing of sysfs or /dev unless its
+//! registry entry grants it, and grants are glob patterns over absolute paths so that an operator
+//! can say "the PCI devices" (`/sys/bus/pci/devices/*`) without listing every address.
+
+use glob::{MatchOptions, Pattern};
+
+use super::error::RegistryError;
+use super::value::Node;
+
+/// The host paths a module may read, as glob patterns. Empty (the default) grants nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// Patterns under `/sys/`, for enumerating devices and reading their attributes.
+    pub sysfs: Vec<Pattern>,
+    /// Patterns under `/dev/`, for device nodes handed to containers.
+    pub dev: Vec<Pattern>,
+}
+
+/// `*`, `?` and `[...]` never match `/`: a grant of `/sys/class/tty/*` must not reach
+/// `/sys/class/tty/ttyS0/device/driver/...`. Only `**` crosses directories, and only when the
+/// operator writes it.
+const MATCH: MatchOptions = MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: false,
+};
+
+impl Grants {
+    /// Whether `path` (an absolute host path as the module names it, not prefixed by the host
+    /// root) is under one of the sysfs grants.
+    ///
+    /// A path that is not absolute and normalised (`.`, `..` or empty components) is refused
+    /// outright rather than matched: `*` matches `..`, so `/sys/x/*/../../etc` would otherwise
+    /// slip past `/sys/x/**`. Symlinks are the caller's to resolve before asking.
+    pub fn allows_sysfs(&self, path: &str) -> bool {
+        allows(&self.sysfs, path)
+    }
+
+    /// Whether `path` is under one of the /dev grants; see [`Grants::allows_sysfs`].
+    pub fn allows_dev(&self, path: &str) -> bool {
+        allows(&self.dev, path)
+    }
+
+    /// Whether nothing at all is granted.
+    pub fn is_empty(&self) -> bool {
+        self.sysfs.is_empty() && self.dev.is_empty()
+    }
+}
+
+fn allows(patterns: &[Pattern], path: &str) -> bool {
+    normalized_absolute(path).is_ok()
+        && patterns
+            .iter()
+            .any(|pattern| pattern.matches_with(path, MATCH))
+}
+
+const KEYS: &[&str] = &["sysfs", "dev"];
+
+/// Reads a `[module.grants]` table.
+pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
+    let table = node.table("a table of grants, e.g. { dev = [\"/dev/fuse\"] }")?;
+    let mut grants = Grants::default();
+    for entry in table.entries() {
+        match entry.name {
+            "sysfs" => grants.sysfs = patterns(&entry.node, "/sys/")?,
+            "dev" => grants.dev = patterns(&entry.node, "/dev/")?,
+            _ => return Err(entry.unknown(KEYS)),
+        }
+    }
+    Ok(grants)
+}
+
+fn patterns(node: &Node<'_>, prefix: &str) -> Result<Vec<Pattern>, RegistryError> {
+    let example = format!("an array of glob patterns, e.g. [\"{prefix}*\"]");
+    node.array(&example)?
+        .iter()
+        .map(|item| {
+            let text = item.str()?;
+            pattern(text, prefix).map_err(|(index, message)| item.error_in_str(index, message))
+        })
+        .collect()
+}
+
+/// A grant pattern: an absolute, normalised path under `prefix`, valid as a glob.
+fn pattern(text: &str, prefix: &str) -> Result<Pattern, (usize, String)> {
+    if !text.starts_with(prefix) {
+        return Err((
+            0,
+            format!("grant {text:?} is not under {prefix}: it must start with {prefix:?}"),
+        ));
+    }
+    normalized_absolute(text).map_err(|index| {
+        (
+            index,
+            format!(
+                "grant {text:?} is not a normalised absolute path: it must not contain empty, \".\" \
+                 or \"..\" components, nor end with '/'"
+            ),
+        )
+    })?;
+    Pattern::new(text).map_err(|error| {
+        (
+            error.pos,
+            format!("grant {text:?} is not a valid glob pattern: {}", error.msg),
+        )
+    })
+}
+
+/// `Ok` when `path` starts with `/` and every component is non-empty and neither `.` nor `..`;
+/// otherwise the character index of the first bad component.
+fn normalized_absolute(path: &str) -> Result<(), usize> {
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(0);
+    };
+    let mut index = 1;
+    for component in rest.split('/') {
+        if component.is_empty() || component == "." || component == ".." {
+            return Err(index);
+        }
+        index += component.chars().count() + 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grants(sysfs: &[&str], dev: &[&str]) -> Grants {
+        let compile = |patterns: &[&str], prefix| {
+            patterns
+                .iter()
+                .map(|p| pattern(p, prefix).unwrap())
+                .collect()
+        };
+        Grants {
+            sysfs: compile(sysfs, "/sys/"),
+            dev: compile(dev, "/dev/"),
+        }
+    }
+
+    #[test]
+    fn star_stays_within_one_component() {
+        let g = grants(&["/sys/bus/pci/devices/*"], &["/dev/fuse", "/dev/ttyUSB*"]);
+        assert!(g.allows_sysfs("/sys/bus/pci/devices/0000:00:1f.2"));
+        assert!(!g.allows_sysfs("/sys/bus/pci/devices/0000:00:1f.2/vendor"));
+        assert!(!g.allows_sysfs("/sys/bus/pci/devices"));
+        assert!(g.allows_dev("/dev/fuse"));
+        assert!(g.allows_dev("/dev/ttyUSB0"));
+        assert!(!g.allows_dev("/dev/ttyUSB0/x"));
+        assert!(!g.allows_dev("/dev/fuse2"));
+        // sysfs grants say nothing about /dev and vice versa.
+        assert!(!g.allows_dev("/sys/bus/pci/devices/0000:00:1f.2"));
+        assert!(!g.allows_sysfs("/dev/fuse"));
+        assert!(!Grants::default().allows_dev("/dev/fuse"));
+        assert!(Grants::default().is_empty());
+    }
+
+    #[test]
+    fn double_star_crosses_directories_but_not_upwards() {
+        let g = grants(&["/sys/class/net/**"], &["/dev/*"]);
+        assert!(g.allows_sysfs("/sys/class/net/eth0/address"));
+        assert!(!g.allows_sysfs("/sys/class/net/../../../etc/shadow"));
+        assert!(!g.allows_dev("/dev/.."));
+        assert!(!g.allows_dev("/dev/."));
+        assert!(!g.allows_dev("/dev//fuse"));
+        assert!(!g.allows_dev("dev/fuse"));
+        assert!(g.allows_dev("/dev/fuse"));
+    }
+
+    #[test]
+    fn patterns_are_checked() {
+        assert!(
+            pattern("/dev/fuse", "/sys/")
+                .unwrap_err()
+                .1
+                .contains("is not under /sys/")
+        );
+        assert!(
+            pattern("dev/fuse", "/dev/")
+                .unwrap_err()
+                .1
+                .contains("is not under /dev/")
+        );
+        assert!(
+            pattern("/dev", "/dev/")
+                .unwrap_err()
+                .1
+                .contains("is not under /dev/")
+        );
+        assert_eq!(pattern("/dev/", "/dev/").unwrap_err().0, 5);
+        assert_eq!(pattern("/dev/a/../b", "/dev/").unwrap_err().0, 7);
+        assert_eq!(pattern("/dev//a", "/dev/").unwrap_err().0, 5);
+        let (index, message) = pattern("/dev/tty[", "/dev/").unwrap_err();
+        assert_eq!(index, 8);
+        assert!(message.contains("not a valid glob pattern"), "{message}");
+    }
+}

@@ -1,0 +1,35 @@
+//! Defaults and bounds for the registry's settings. They are public so that the CLI, the loader
+//! and the documentation can quote the same numbers the validator enforces.
+
+use std::time::Duration;
+
+/// Read sysfs and /dev from the real root unless a fixture tree is named.
+pub const DEFAULT_HOST_ROOT: &str = "/";
+
+/// Domain given to resource names that a module states as a bare suffix (`fuse` becomes
+/// `devicelet.io/fuse`): the kubelet only accepts extended resources with a domain.
+pub const DEFAULT_RESOURCE_DOMAIN: &str = "devicelet.io";
+
+/// How often a module is asked for device health when the registry does not say.
+pub const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
+/// Polling faster than this costs more CPU than any device state changes warrant.
+pub const HEALTH_INTERVAL_MIN: Duration = Duration::from_millis(100);
+/// Slower than this and the kubelet would keep scheduling onto devices long dead.
+pub const HEALTH_INTERVAL_MAX: Duration = Duration::from_secs(60 * 60);
+
+/// How long one call into a module may run when the registry does not say.
+pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(2);
+/// A deadline below a millisecond cannot be enforced meaningfully by epoch interruption.
+pub const CALL_DEADLINE_MIN: Duration = Duration::from_millis(1);
+/// The kubelet gives `PreStartContainer` 30s in all (`KubeletPreStartContainerRPCTimeoutInSecs`);
+/// a module call must leave room for devicelet's own work and the reply inside that budget.
+pub const CALL_DEADLINE_MAX: Duration = Duration::from_secs(25);
+
+/// Linear memory a module may grow to when the registry does not say.
+pub const DEFAULT_MEMORY_LIMIT: u64 = 64 * 1024 * 1024;
+/// Below a mebibyte even a trivial component cannot instantiate (one wasm page is 64KiB and the
+/// guest's allocator and stack need several).
+pub const MEMORY_LIMIT_MIN: u64 = 1024 * 1024;
+/// A device plugin has no business holding more than this on a node that runs workloads; it is
+/// also the most a 32-bit wasm memory can address.
+pub const MEMORY_LIMIT_MAX: u64 = 4 * 1024 * 1024 * 1024;

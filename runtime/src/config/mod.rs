@@ -1,0 +1,61 @@
+//! The node's module registry: the TOML file that tells devicelet which WebAssembly device
+//! modules to run, what each may touch on the host, and how tightly each is limited.
+//!
+//! The registry is written by hand by an operator, so everything here aims at one thing: a bad file
+//! is refused before any module starts, with an error that says which file, which line and column,
+//! and which key (e.g. `module[1].call-deadline`) is wrong and what would be right. Nothing is
+//! silently ignored: an unknown key anywhere outside a module's free-form `config` table is an
+//! error, because a misspelt `memory-limit` that quietly fell back to the default would be worse
+//! than a refusal.
+//!
+//! The format, with every optional key at its default:
+//!
+//! ```toml
+//! host-root = "/"                        # where sysfs and /dev are read from
+//! resource-domain = "devicelet.io"       # prefixed to bare resource names
+//!
+//! [[module]]
+//! name = "generic-dev"                   # unique; a DNS label
+//! path = "generic_dev.wasm"              # relative to this file's directory
+//! resource-domain = "devicelet.io"       # per-module override
+//! health-interval = "5s"                 # 100ms ..= 1h
+//! call-deadline = "2s"                   # 1ms ..= 25s
+//! memory-limit = "64MiB"                 # 1MiB ..= 4GiB
+//! # sha256 = "<64 hex digits>"           # checked against the module file when given
+//!
+//! [module.grants]                        # nothing is granted by default
+//! sysfs = ["/sys/bus/pci/devices/*"]
+//! dev = ["/dev/fuse", "/dev/ttyUSB*"]
+//!
+//! [module.config]                        # any table; handed to the module as JSON
+//! groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 10 }]
+//! ```
+//!
+//! This module only validates the text. Whether `path` exists, whether the file's digest matches
+//! `sha256`, and whether the module's imports fit its grants are the loader's business, because
+//! only the loader can name the module *and* the failing file in one message.
+
+mod error;
+mod grants;
+mod json;
+mod keypath;
+mod limits;
+mod module;
+mod names;
+mod registry;
+mod source;
+mod units;
+mod value;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::RegistryError;
+pub use grants::Grants;
+pub use limits::{
+    CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_HOST_ROOT, DEFAULT_MEMORY_LIMIT, DEFAULT_RESOURCE_DOMAIN, HEALTH_INTERVAL_MAX,
+    HEALTH_INTERVAL_MIN, MEMORY_LIMIT_MAX, MEMORY_LIMIT_MIN,
+};
+pub use module::ModuleSpec;
+pub use registry::Registry;

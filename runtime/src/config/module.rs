@@ -1,0 +1,178 @@
+//! One `[[module]]` entry of the registry: which component to run, under which limits, with which
+//! grants and configuration.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::error::RegistryError;
+use super::grants::{self, Grants};
+use super::json;
+use super::limits::{
+    CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_MEMORY_LIMIT, HEALTH_INTERVAL_MAX, HEALTH_INTERVAL_MIN, MEMORY_LIMIT_MAX,
+    MEMORY_LIMIT_MIN,
+};
+use super::names;
+use super::units;
+use super::value::Node;
+
+/// A validated `[[module]]` entry, with every default applied and every path resolved, so that
+/// nothing downstream needs to know the registry's syntax or its location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleSpec {
+    /// Unique within the registry; names the module in logs, errors, sockets and metrics.
+    pub name: String,
+    /// The component file. Resolved against the registry file's directory when written relative,
+    /// so a registry and its modules can be moved together. Not checked for existence here.
+    pub path: PathBuf,
+    /// Domain for the module's bare resource names: its own `resource-domain`, else the
+    /// registry's.
+    pub resource_domain: String,
+    /// How often the module's health is polled.
+    pub health_interval: Duration,
+    /// How long any one call into the module may run before it is interrupted.
+    pub call_deadline: Duration,
+    /// Bytes of linear memory the module may grow to.
+    pub memory_limit: u64,
+    /// Expected SHA-256 of the module file, lowercase hex; when set, a file that does not match
+    /// is refused, so a swapped binary cannot run under another module's grants.
+    pub sha256: Option<String>,
+    /// What the module may read from the host.
+    pub grants: Grants,
+    /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
+    pub config: serde_json::Value,
+}
+
+const KEYS: &[&str] = &[
+    "name",
+    "path",
+    "resource-domain",
+    "health-interval",
+    "call-deadline",
+    "memory-limit",
+    "sha256",
+    "grants",
+    "config",
+];
+
+/// A module as read, with where its name was written, for reporting duplicates.
+pub(super) struct Parsed {
+    pub(super) spec: ModuleSpec,
+    pub(super) name_span: Range<usize>,
+}
+
+/// Reads one `[[module]]` table. `base` is the registry file's directory; `default_domain` the
+/// registry-wide resource domain.
+pub(super) fn parse(
+    node: &Node<'_>,
+    base: &Path,
+    default_domain: &str,
+) -> Result<Parsed, RegistryError> {
+    let table = node.table("a table, written [[module]]")?;
+    let mut name = None;
+    let mut path = None;
+    let mut resource_domain = None;
+    let mut health_interval = DEFAULT_HEALTH_INTERVAL;
+    let mut call_deadline = DEFAULT_CALL_DEADLINE;
+    let mut memory_limit = DEFAULT_MEMORY_LIMIT;
+    let mut sha256 = None;
+    let mut grants = Grants::default();
+    let mut config = serde_json::Value::Object(serde_json::Map::new());
+
+    for entry in table.entries() {
+        let node = &entry.node;
+        match entry.name {
+            "name" => {
+                let text = node.str()?;
+                names::check_module_name(text)
+                    .map_err(|(index, message)| node.error_in_str(index, message))?;
+                name = Some((text.to_string(), node.span()));
+            }
+            "path" => path = Some(module_path(node, base)?),
+            "resource-domain" => resource_domain = Some(resource_domain_of(node)?),
+            "health-interval" => {
+                health_interval = duration(node, HEALTH_INTERVAL_MIN, HEALTH_INTERVAL_MAX)?
+            }
+            "call-deadline" => {
+                call_deadline = duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?
+            }
+            "memory-limit" => memory_limit = size(node, MEMORY_LIMIT_MIN, MEMORY_LIMIT_MAX)?,
+            "sha256" => {
+                let text = node.str()?;
+                let digest = names::normalize_sha256(text)
+                    .map_err(|(index, message)| node.error_in_str(index, message))?;
+                sha256 = Some(digest);
+            }
+            "grants" => grants = grants::parse(node)?,
+            "config" => config = json::config(node)?,
+            _ => return Err(entry.unknown(KEYS)),
+        }
+    }
+
+    let (name, name_span) = name.ok_or_else(|| table.missing("name"))?;
+    let path = path.ok_or_else(|| table.missing("path"))?;
+    Ok(Parsed {
+        spec: ModuleSpec {
+            name,
+            path,
+            resource_domain: resource_domain.unwrap_or_else(|| default_domain.to_string()),
+            health_interval,
+            call_deadline,
+            memory_limit,
+            sha256,
+            grants,
+            config,
+        },
+        name_span,
+    })
+}
+
+fn module_path(node: &Node<'_>, base: &Path) -> Result<PathBuf, RegistryError> {
+    let text = node.str()?;
+    if text.is_empty() {
+        return Err(node
+            .error("the module path is empty; expected a .wasm file, e.g. \"generic_dev.wasm\""));
+    }
+    Ok(base.join(text))
+}
+
+/// A `resource-domain` value; shared with the registry's top level.
+pub(super) fn resource_domain_of(node: &Node<'_>) -> Result<String, RegistryError> {
+    let text = node.str()?;
+    names::check_resource_domain(text)
+        .map_err(|(index, message)| node.error_in_str(index, message))?;
+    Ok(text.to_string())
+}
+
+fn duration(node: &Node<'_>, min: Duration, max: Duration) -> Result<Duration, RegistryError> {
+    let text = node
+        .get()
+        .as_str()
+        .ok_or_else(|| node.type_error("a duration string such as \"5s\" or \"500ms\""))?;
+    let value = units::parse_duration(text).map_err(|message| node.error(message))?;
+    if value < min || value > max {
+        return Err(node.error(format!(
+            "duration {text:?} is out of range: expected {} to {}",
+            units::format_duration(min),
+            units::format_duration(max)
+        )));
+    }
+    Ok(value)
+}
+
+fn size(node: &Node<'_>, min: u64, max: u64) -> Result<u64, RegistryError> {
+    let text = node
+        .get()
+        .as_str()
+        .ok_or_else(|| node.type_error("a size string such as \"64MiB\""))?;
+    let value = units::parse_size(text).map_err(|message| node.error(message))?;
+    if value < min || value > max {
+        return Err(node.error(format!(
+            "size {text:?} is out of range: expected {} to {}",
+            units::format_size(min),
+            units::format_size(max)
+        )));
+    }
+    Ok(value)
+}

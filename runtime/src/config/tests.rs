@@ -1,0 +1,645 @@
+//! Registry-level tests: a full valid registry, then one test per kind of bad input, each checking
+//! the line, the key and the gist of the message.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::{Registry, RegistryError};
+
+const FILE: &str = "/etc/devicelet/registry.toml";
+
+fn parse(text: &str) -> Result<Registry, RegistryError> {
+    Registry::parse(text, Path::new(FILE))
+}
+
+/// Parses `text`, expecting an error, and returns (line, column, key, message) for assertions.
+#[track_caller]
+fn invalid(text: &str) -> (usize, usize, Option<String>, String) {
+    match parse(text) {
+        Ok(registry) => panic!("expected an error, got {registry:#?}"),
+        Err(RegistryError::Invalid {
+            file,
+            line,
+            column,
+            key,
+            message,
+        }) => {
+            assert_eq!(file, Path::new(FILE));
+            (line, column, key, message)
+        }
+        Err(other) => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+/// Asserts the error is at `line`, names `key`, and its message contains `needle`; also that the
+/// rendered error carries file, line and key. Returns the rendered error.
+#[track_caller]
+fn assert_invalid(text: &str, line: usize, key: Option<&str>, needle: &str) -> String {
+    let (got_line, column, got_key, message) = invalid(text);
+    assert_eq!(got_line, line, "line of {message:?}");
+    assert_eq!(got_key.as_deref(), key, "key of {message:?}");
+    assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    let rendered = parse(text).unwrap_err().to_string();
+    assert!(
+        rendered.starts_with(&format!("{FILE}:{line}:{column}: ")),
+        "{rendered}"
+    );
+    if let Some(key) = key {
+        assert!(rendered.contains(&format!("key `{key}`: ")), "{rendered}");
+    }
+    rendered
+}
+
+const MINIMAL: &str = "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n";
+
+#[test]
+fn full_registry() {
+    let text = r#"
+# A node with two modules.
+host-root = "/var/lib/devicelet/fixture"
+resource-domain = "example.com"
+
+[[module]]
+name = "generic-dev"
+path = "modules/generic_dev.wasm"
+resource-domain = "squat.ai"
+health-interval = "500ms"
+call-deadline = "3s"
+memory-limit = "128MiB"
+sha256 = "0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789ABCDEF"
+
+[module.grants]
+sysfs = ["/sys/bus/pci/devices/*"]
+dev = ["/dev/fuse", "/dev/ttyUSB*"]
+
+[module.config]
+groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 10 }]
+ratio = 0.5
+enabled = true
+since = 1979-05-27T07:32:00Z
+"odd key" = { nested = [1, [2, "three"]] }
+
+[[module]]
+name = "usb"
+path = "/opt/devicelet/usb.wasm"
+"#;
+    let registry = parse(text).unwrap();
+    assert_eq!(registry.file, PathBuf::from(FILE));
+    assert_eq!(
+        registry.host_root,
+        PathBuf::from("/var/lib/devicelet/fixture")
+    );
+    assert_eq!(registry.modules.len(), 2);
+
+    let generic = &registry.modules[0];
+    assert_eq!(generic.name, "generic-dev");
+    assert_eq!(
+        generic.path,
+        PathBuf::from("/etc/devicelet/modules/generic_dev.wasm")
+    );
+    assert_eq!(generic.resource_domain, "squat.ai");
+    assert_eq!(generic.health_interval, Duration::from_millis(500));
+    assert_eq!(generic.call_deadline, Duration::from_secs(3));
+    assert_eq!(generic.memory_limit, 128 * 1024 * 1024);
+    assert_eq!(
+        generic.sha256.as_deref(),
+        Some(&*"0123456789abcdef".repeat(4))
+    );
+    let patterns = |ps: &[glob::Pattern]| {
+        ps.iter()
+            .map(|p| p.as_str().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(patterns(&generic.grants.sysfs), ["/sys/bus/pci/devices/*"]);
+    assert_eq!(patterns(&generic.grants.dev), ["/dev/fuse", "/dev/ttyUSB*"]);
+    assert!(generic.grants.allows_dev("/dev/ttyUSB3"));
+    assert!(!generic.grants.allows_dev("/dev/ttyS0"));
+    assert_eq!(
+        generic.config,
+        json!({
+            "groups": [{ "name": "fuse", "paths": ["/dev/fuse"], "count": 10 }],
+            "ratio": 0.5,
+            "enabled": true,
+            "since": "1979-05-27T07:32:00Z",
+            "odd key": { "nested": [1, [2, "three"]] },
+        })
+    );
+
+    // Defaults: the registry's domain, and the documented limits; nothing granted; config {}.
+    let usb = registry.module("usb").unwrap();
+    assert_eq!(usb.path, PathBuf::from("/opt/devicelet/usb.wasm"));
+    assert_eq!(usb.resource_domain, "example.com");
+    assert_eq!(usb.health_interval, super::DEFAULT_HEALTH_INTERVAL);
+    assert_eq!(usb.call_deadline, super::DEFAULT_CALL_DEADLINE);
+    assert_eq!(usb.memory_limit, super::DEFAULT_MEMORY_LIMIT);
+    assert_eq!(usb.sha256, None);
+    assert!(usb.grants.is_empty());
+    assert_eq!(usb.config, json!({}));
+    assert!(registry.module("nope").is_none());
+}
+
+#[test]
+fn minimal_registry_takes_every_default() {
+    let registry = Registry::parse(MINIMAL, Path::new("registry.toml")).unwrap();
+    assert_eq!(registry.host_root, PathBuf::from("/"));
+    let module = &registry.modules[0];
+    // A registry named without a directory resolves modules against the current directory.
+    assert_eq!(module.path, PathBuf::from("a.wasm"));
+    assert_eq!(module.resource_domain, "devicelet.io");
+    assert_eq!(module.health_interval, Duration::from_secs(5));
+    assert_eq!(module.call_deadline, Duration::from_secs(2));
+    assert_eq!(module.memory_limit, 64 << 20);
+}
+
+#[test]
+fn inline_module_tables_are_accepted() {
+    let text =
+        "module = [{ name = \"a\", path = \"a.wasm\", grants = { dev = [\"/dev/fuse\"] } }]\n";
+    let registry = parse(text).unwrap();
+    assert!(registry.modules[0].grants.allows_dev("/dev/fuse"));
+}
+
+#[test]
+fn load_reads_the_file_and_resolves_against_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("registry.toml");
+    std::fs::write(&file, MINIMAL).unwrap();
+    let registry = Registry::load(&file).unwrap();
+    assert_eq!(registry.file, file);
+    assert_eq!(registry.modules[0].path, dir.path().join("a.wasm"));
+}
+
+#[test]
+fn load_reports_unreadable_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("missing.toml");
+    let error = Registry::load(&file).unwrap_err();
+    assert!(
+        matches!(&error, RegistryError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+    );
+    assert_eq!(error.file(), file);
+    let rendered = error.to_string();
+    assert!(
+        rendered.starts_with(&format!(
+            "{}: cannot read the module registry: ",
+            file.display()
+        )),
+        "{rendered}"
+    );
+}
+
+#[test]
+fn load_reports_invalid_utf8_with_its_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("registry.toml");
+    std::fs::write(&file, b"[[module]]\nname = \"a\xffb\"\n").unwrap();
+    match Registry::load(&file).unwrap_err() {
+        RegistryError::Invalid {
+            line,
+            column,
+            message,
+            ..
+        } => {
+            assert_eq!((line, column), (2, 10));
+            assert!(message.contains("not valid UTF-8"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn toml_syntax_error() {
+    let rendered = assert_invalid(
+        "[[module]]\nname = \"a\npath = \"a.wasm\"\n",
+        2,
+        None,
+        "invalid TOML",
+    );
+    assert!(!rendered.contains("key `"), "{rendered}");
+}
+
+#[test]
+fn toml_duplicate_key() {
+    assert_invalid(
+        "[[module]]\nname = \"a\"\nname = \"b\"\npath = \"a.wasm\"\n",
+        3,
+        None,
+        "duplicate key `name`",
+    );
+}
+
+#[test]
+fn unknown_top_level_key() {
+    assert_invalid(
+        "host-roots = \"/\"\n[[module]]\nname = \"a\"\npath = \"a.wasm\"\n",
+        1,
+        Some("host-roots"),
+        "unknown key; did you mean `host-root`?",
+    );
+    // `[modules]` instead of `[[module]]`.
+    assert_invalid(
+        "[[modules]]\nname = \"a\"\npath = \"a.wasm\"\n",
+        1,
+        Some("modules"),
+        "unknown key; did you mean `module`? (allowed here: host-root, resource-domain, module)",
+    );
+}
+
+#[test]
+fn unknown_module_key() {
+    let text = "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n\n[[module]]\nname = \"b\"\npath = \"b.wasm\"\nhealth_interval = \"1s\"\n";
+    let (_, column, _, _) = invalid(text);
+    assert_eq!(column, 1);
+    assert_invalid(
+        text,
+        8,
+        Some("module[1].health_interval"),
+        "did you mean `health-interval`?",
+    );
+}
+
+#[test]
+fn unknown_grants_key() {
+    let text =
+        "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n[module.grants]\ndevs = [\"/dev/fuse\"]\n";
+    assert_invalid(
+        text,
+        5,
+        Some("module[0].grants.devs"),
+        "allowed here: sysfs, dev",
+    );
+}
+
+#[test]
+fn config_is_free_form() {
+    let text = format!(
+        "{MINIMAL}[module.config]\nanything = {{ goes = [\"here\", 1] }}\nhealth_interval = 3\n"
+    );
+    let registry = parse(&text).unwrap();
+    assert_eq!(
+        registry.modules[0].config,
+        json!({ "anything": { "goes": ["here", 1] }, "health_interval": 3 })
+    );
+}
+
+#[test]
+fn config_values_json_cannot_carry() {
+    let text = format!("{MINIMAL}[module.config]\nlimits = {{ ratio = nan }}\n");
+    assert_invalid(
+        &text,
+        5,
+        Some("module[0].config.limits.ratio"),
+        "JSON has no NaN or infinity",
+    );
+    let text = format!("{MINIMAL}config = \"verbose\"\n");
+    assert_invalid(&text, 4, Some("module[0].config"), "expected a table");
+}
+
+#[test]
+fn wrong_types() {
+    let cases = [
+        (
+            "host-root = 1\n",
+            1,
+            "host-root",
+            "expected a string, found an integer",
+        ),
+        (
+            "resource-domain = [\"a\"]\n",
+            1,
+            "resource-domain",
+            "expected a string, found an array",
+        ),
+    ];
+    for (prefix, line, key, needle) in cases {
+        assert_invalid(&format!("{prefix}{MINIMAL}"), line, Some(key), needle);
+    }
+    let cases = [
+        (
+            "name = 7",
+            "module[0].name",
+            "expected a string, found an integer",
+        ),
+        (
+            "path = true",
+            "module[0].path",
+            "expected a string, found a boolean",
+        ),
+        (
+            "health-interval = 5",
+            "module[0].health-interval",
+            "expected a duration string such as \"5s\"",
+        ),
+        (
+            "call-deadline = 1.5",
+            "module[0].call-deadline",
+            "found a float",
+        ),
+        (
+            "memory-limit = 67108864",
+            "module[0].memory-limit",
+            "expected a size string such as \"64MiB\"",
+        ),
+        (
+            "sha256 = 1979-05-27",
+            "module[0].sha256",
+            "found a datetime",
+        ),
+        (
+            "grants = [\"/dev/fuse\"]",
+            "module[0].grants",
+            "expected a table of grants",
+        ),
+        (
+            "grants.dev = \"/dev/fuse\"",
+            "module[0].grants.dev",
+            "expected an array of glob patterns, e.g. [\"/dev/*\"]",
+        ),
+        (
+            "grants.dev = [\"/dev/fuse\", 3]",
+            "module[0].grants.dev[1]",
+            "expected a string, found an integer",
+        ),
+    ];
+    for (line, key, needle) in cases {
+        let mut text = format!("[[module]]\n{line}\n");
+        if !line.starts_with("name") {
+            text.push_str("name = \"a\"\n");
+        }
+        if !line.starts_with("path") {
+            text.push_str("path = \"a.wasm\"\n");
+        }
+        assert_invalid(&text, 2, Some(key), needle);
+    }
+    // `[module]` instead of `[[module]]`.
+    assert_invalid(
+        "[module]\nname = \"a\"\npath = \"a.wasm\"\n",
+        1,
+        Some("module"),
+        "expected an array of tables, written [[module]], found a table",
+    );
+    assert_invalid(
+        "module = [\"a\"]\n",
+        1,
+        Some("module[0]"),
+        "expected a table, written [[module]], found a string",
+    );
+}
+
+#[test]
+fn missing_required_keys() {
+    let text = "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n\n[[module]]\nname = \"b\"\n";
+    assert_invalid(
+        text,
+        5,
+        Some("module[1].path"),
+        "missing required key `path`",
+    );
+    let text = "[[module]]\npath = \"a.wasm\"\n";
+    let (_, column, _, _) = invalid(text);
+    assert_eq!(column, 1);
+    assert_invalid(
+        text,
+        1,
+        Some("module[0].name"),
+        "missing required key `name`",
+    );
+    // Inline: point at the brace that opens the module.
+    assert_invalid(
+        "module = [\n  { path = \"a.wasm\" },\n]\n",
+        2,
+        Some("module[0].name"),
+        "missing required key `name`",
+    );
+}
+
+#[test]
+fn invalid_module_names() {
+    let cases = [
+        ("\"\"", 1, "it is empty"),
+        ("\"Generic\"", 2, "'G' is not allowed"),
+        ("\"gen_dev\"", 5, "'_' is not allowed"),
+        ("\"-dev\"", 2, "must not start with '-'"),
+        ("\"dev-\"", 5, "must not end with '-'"),
+    ];
+    for (value, column, needle) in cases {
+        let text = format!("[[module]]\nname = {value}\npath = \"a.wasm\"\n");
+        let (_, got_column, _, _) = invalid(&text);
+        // The column points at the offending character inside the string (8 is the quote).
+        assert_eq!(got_column, 7 + column, "{value}");
+        assert_invalid(&text, 2, Some("module[0].name"), needle);
+    }
+    let long = "x".repeat(64);
+    let text = format!("[[module]]\nname = \"{long}\"\npath = \"a.wasm\"\n");
+    assert_invalid(
+        &text,
+        2,
+        Some("module[0].name"),
+        "64 characters is longer than 63",
+    );
+}
+
+#[test]
+fn duplicate_module_names_point_at_the_second() {
+    let text = "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n\n[[module]]\nname = \"b\"\npath = \"b.wasm\"\n\n[[module]]\nname = \"a\"\npath = \"c.wasm\"\n";
+    assert_invalid(
+        text,
+        10,
+        Some("module[2].name"),
+        "duplicate module name \"a\": `module[0]` at line 2 already has it",
+    );
+}
+
+#[test]
+fn bad_durations() {
+    let text = format!("{MINIMAL}call-deadline = \"2 s\"\n");
+    let rendered = assert_invalid(
+        &text,
+        4,
+        Some("module[0].call-deadline"),
+        "invalid duration \"2 s\"",
+    );
+    assert!(rendered.ends_with("e.g. 500ms, 2s, 1m"), "{rendered}");
+    let text = format!("{MINIMAL}health-interval = \"1h30m\"\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].health-interval"),
+        "e.g. 500ms, 2s, 1m",
+    );
+}
+
+#[test]
+fn bad_sizes() {
+    let text = format!("{MINIMAL}memory-limit = \"64 MiB\"\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].memory-limit"),
+        "invalid size \"64 MiB\"",
+    );
+    let text = format!("{MINIMAL}memory-limit = \"64mb\"\n");
+    assert_invalid(&text, 4, Some("module[0].memory-limit"), "e.g. 64MiB");
+}
+
+#[test]
+fn bad_sha256() {
+    let text = format!("{MINIMAL}sha256 = \"abc123\"\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].sha256"),
+        "expected exactly 64 hexadecimal digits, found 6",
+    );
+    let text = format!("{MINIMAL}sha256 = \"{}z\"\n", "0".repeat(63));
+    let (_, column, _, _) = invalid(&text);
+    assert_eq!(column, 10 + 63 + 1);
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].sha256"),
+        "'z' is not a hexadecimal digit",
+    );
+}
+
+#[test]
+fn out_of_range_values() {
+    let cases = [
+        (
+            "health-interval = \"50ms\"",
+            "module[0].health-interval",
+            "duration \"50ms\" is out of range: expected 100ms to 1h",
+        ),
+        (
+            "health-interval = \"2h\"",
+            "module[0].health-interval",
+            "expected 100ms to 1h",
+        ),
+        (
+            "call-deadline = \"0ms\"",
+            "module[0].call-deadline",
+            "duration \"0ms\" is out of range: expected 1ms to 25s",
+        ),
+        (
+            "call-deadline = \"30s\"",
+            "module[0].call-deadline",
+            "expected 1ms to 25s",
+        ),
+        (
+            "memory-limit = \"512KiB\"",
+            "module[0].memory-limit",
+            "size \"512KiB\" is out of range: expected 1MiB to 4GiB",
+        ),
+        (
+            "memory-limit = \"5GB\"",
+            "module[0].memory-limit",
+            "expected 1MiB to 4GiB",
+        ),
+        (
+            "memory-limit = \"99999999999GiB\"",
+            "module[0].memory-limit",
+            "too large",
+        ),
+    ];
+    for (line, key, needle) in cases {
+        assert_invalid(&format!("{MINIMAL}{line}\n"), 4, Some(key), needle);
+    }
+}
+
+#[test]
+fn bad_grants() {
+    let cases = [
+        (
+            "sysfs = [\"/dev/fuse\"]",
+            "module[0].grants.sysfs[0]",
+            "grant \"/dev/fuse\" is not under /sys/",
+        ),
+        (
+            "dev = [\"/dev/fuse\", \"fuse\"]",
+            "module[0].grants.dev[1]",
+            "grant \"fuse\" is not under /dev/",
+        ),
+        (
+            "dev = [\"/dev/../etc/shadow\"]",
+            "module[0].grants.dev[0]",
+            "is not a normalised absolute path",
+        ),
+        (
+            "dev = [\"/dev/tty[\"]",
+            "module[0].grants.dev[0]",
+            "is not a valid glob pattern",
+        ),
+        (
+            "sysfs = [\"/sys/class/**x\"]",
+            "module[0].grants.sysfs[0]",
+            "is not a valid glob pattern",
+        ),
+    ];
+    for (line, key, needle) in cases {
+        assert_invalid(
+            &format!("{MINIMAL}[module.grants]\n{line}\n"),
+            5,
+            Some(key),
+            needle,
+        );
+    }
+}
+
+#[test]
+fn bad_resource_domains() {
+    assert_invalid(
+        &format!("resource-domain = \"Example.com\"\n{MINIMAL}"),
+        1,
+        Some("resource-domain"),
+        "invalid resource domain \"Example.com\"",
+    );
+    assert_invalid(
+        &format!("{MINIMAL}resource-domain = \"squat..ai\"\n"),
+        4,
+        Some("module[0].resource-domain"),
+        "it is empty",
+    );
+}
+
+#[test]
+fn host_root_must_be_absolute() {
+    assert_invalid(
+        &format!("host-root = \"fixtures/host\"\n{MINIMAL}"),
+        1,
+        Some("host-root"),
+        "not an absolute path",
+    );
+    assert_invalid(
+        &format!("host-root = \"\"\n{MINIMAL}"),
+        1,
+        Some("host-root"),
+        "not an absolute path",
+    );
+}
+
+#[test]
+fn empty_path() {
+    assert_invalid(
+        "[[module]]\nname = \"a\"\npath = \"\"\n",
+        3,
+        Some("module[0].path"),
+        "the module path is empty",
+    );
+}
+
+#[test]
+fn no_modules() {
+    for text in ["", "# nothing yet\n", "host-root = \"/\"\n"] {
+        let (_, column, _, _) = invalid(text);
+        assert_eq!(column, 1);
+        assert_invalid(text, 1, Some("module"), "the registry lists no modules");
+    }
+    assert_invalid(
+        "host-root = \"/\"\nmodule = []\n",
+        2,
+        Some("module"),
+        "the registry lists no modules",
+    );
+}

@@ -1,0 +1,202 @@
+//! One resource's `v1beta1.DevicePlugin` service: the kubelet's calls, answered by the module.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::api::deviceplugin as api;
+use crate::sandbox::{CallError, ContainerEdits, Device, Health, ModuleHandle};
+
+/// The device set the kubelet sees: replaced as a whole whenever anything in it changes.
+pub type Snapshot = Arc<Vec<Device>>;
+
+/// What the kubelet reaches through one socket.
+#[derive(Clone)]
+pub struct ResourcePlugin {
+    /// The module's own name for the resource (what it declared in `init`).
+    local: Arc<str>,
+    module: ModuleHandle,
+    options: api::DevicePluginOptions,
+    devices: watch::Receiver<Snapshot>,
+    /// Flips to true when the agent stops, ending every ListAndWatch stream.
+    stop: watch::Receiver<bool>,
+}
+
+impl ResourcePlugin {
+    pub fn new(
+        local: &str,
+        module: ModuleHandle,
+        options: api::DevicePluginOptions,
+        devices: watch::Receiver<Snapshot>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        ResourcePlugin {
+            local: local.into(),
+            module,
+            options,
+            devices,
+            stop,
+        }
+    }
+}
+
+/// Module failures reach the kubelet (and so the pod's events) with the module named.
+fn status(e: CallError) -> Status {
+    match e {
+        CallError::Plugin { .. } | CallError::InvalidOutput { .. } => {
+            Status::internal(e.to_string())
+        }
+        CallError::Deadline { .. } => Status::deadline_exceeded(e.to_string()),
+        CallError::Trap { .. } | CallError::Unavailable { .. } => {
+            Status::unavailable(e.to_string())
+        }
+    }
+}
+
+pub fn to_wire(devices: &[Device]) -> api::ListAndWatchResponse {
+    api::ListAndWatchResponse {
+        devices: devices
+            .iter()
+            .map(|d| api::Device {
+                id: d.id.clone(),
+                health: match d.health {
+                    Health::Healthy => api::HEALTHY.into(),
+                    Health::Unhealthy => api::UNHEALTHY.into(),
+                },
+                topology: (!d.numa_nodes.is_empty()).then(|| api::TopologyInfo {
+                    nodes: d
+                        .numa_nodes
+                        .iter()
+                        .map(|&id| api::NumaNode { id })
+                        .collect(),
+                }),
+            })
+            .collect(),
+    }
+}
+
+fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
+    api::ContainerAllocateResponse {
+        envs: e.envs.into_iter().collect::<HashMap<_, _>>(),
+        mounts: e
+            .mounts
+            .into_iter()
+            .map(|m| api::Mount {
+                container_path: m.container_path,
+                host_path: m.host_path,
+                read_only: m.read_only,
+            })
+            .collect(),
+        devices: e
+            .devices
+            .into_iter()
+            .map(|d| api::DeviceSpec {
+                container_path: d.container_path,
+                host_path: d.host_path,
+                permissions: d.permissions,
+            })
+            .collect(),
+        annotations: e.annotations.into_iter().collect::<HashMap<_, _>>(),
+        cdi_devices: e
+            .cdi_devices
+            .into_iter()
+            .map(|name| api::CdiDevice { name })
+            .collect(),
+    }
+}
+
+type SnapshotStream = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<api::Empty>,
+    ) -> Result<Response<api::DevicePluginOptions>, Status> {
+        Ok(Response::new(self.options))
+    }
+
+    type ListAndWatchStream = SnapshotStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<api::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let (tx, rx) = mpsc::channel(4);
+        let (mut devices, mut stop) = (self.devices.clone(), self.stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let snapshot = devices.borrow_and_update().clone();
+                if tx.send(Ok(to_wire(&snapshot))).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    changed = devices.changed() => if changed.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<api::PreferredAllocationRequest>,
+    ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
+        let mut container_responses = Vec::new();
+        for c in request.into_inner().container_requests {
+            let size = u32::try_from(c.allocation_size)
+                .map_err(|_| Status::invalid_argument("allocation_size is negative"))?;
+            let ids = self
+                .module
+                .preferred(
+                    &self.local,
+                    c.available_device_i_ds,
+                    c.must_include_device_i_ds,
+                    size,
+                )
+                .await
+                .map_err(status)?;
+            container_responses
+                .push(api::ContainerPreferredAllocationResponse { device_i_ds: ids });
+        }
+        Ok(Response::new(api::PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<api::AllocateRequest>,
+    ) -> Result<Response<api::AllocateResponse>, Status> {
+        let mut container_responses = Vec::new();
+        for c in request.into_inner().container_requests {
+            let edits = self
+                .module
+                .allocate(&self.local, c.devices_ids)
+                .await
+                .map_err(status)?;
+            container_responses.push(edits_to_wire(edits));
+        }
+        Ok(Response::new(api::AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        request: Request<api::PreStartContainerRequest>,
+    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        self.module
+            .prestart(&self.local, request.into_inner().devices_ids)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}

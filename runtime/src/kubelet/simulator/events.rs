@@ -1,0 +1,75 @@
+//! The simulated kubelet's event log: what it would write to its own log, as values.
+//!
+//! Every event is also logged with `tracing`; the broadcast channel lets the CLI (and tests that
+//! want a transcript) follow along without polling.
+
+use crate::kubelet::api::deviceplugin::{Device, DevicePluginOptions};
+
+/// Something the simulated kubelet did or saw, in the order it happened.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum SimEvent {
+    /// `Register` succeeded.
+    Registered {
+        /// The resource name.
+        resource: String,
+        /// The socket file name inside the plugin directory.
+        endpoint: String,
+        /// The options from `GetDevicePluginOptions`.
+        options: DevicePluginOptions,
+        /// How many times the resource has now been registered.
+        registrations: u32,
+    },
+    /// `Register` failed; `reason` is the message the plugin got back.
+    Rejected {
+        /// The resource name as sent.
+        resource: String,
+        /// The endpoint as sent.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+    /// A ListAndWatch message replaced the device set.
+    Snapshot {
+        /// The resource name.
+        resource: String,
+        /// The message's number on the current stream, from 1.
+        number: u64,
+        /// The devices, sorted by id.
+        devices: Vec<Device>,
+        /// Capacity after the snapshot.
+        capacity: usize,
+        /// Allocatable after the snapshot.
+        allocatable: usize,
+    },
+    /// The current ListAndWatch stream ended; allocatable is now 0.
+    StreamEnded {
+        /// The resource name.
+        resource: String,
+        /// How it ended (the status message, or "closed by the plugin").
+        reason: String,
+    },
+    /// An allocation was recorded.
+    Allocated {
+        /// The allocation id.
+        id: u64,
+        /// The resource name.
+        resource: String,
+        /// The devices.
+        device_ids: Vec<String>,
+    },
+    /// An allocation was released.
+    Released {
+        /// The allocation id.
+        id: u64,
+        /// The resource name.
+        resource: String,
+        /// The devices that are free again.
+        device_ids: Vec<String>,
+    },
+    /// The simulated kubelet restarted: sockets deleted, every plugin must register again.
+    Restarted {
+        /// How many socket files were deleted.
+        sockets_removed: usize,
+    },
+}

@@ -1,0 +1,293 @@
+//! A scriptable in-test device plugin, served on a socket next to the simulated kubelet.
+
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::transport::Server;
+use tonic::{Request, Response, Status};
+
+use crate::kubelet::api::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use crate::kubelet::api::deviceplugin::registration_client::RegistrationClient;
+use crate::kubelet::api::deviceplugin::*;
+use crate::kubelet::uds;
+
+/// How the fake answers `Allocate`.
+#[derive(Clone)]
+pub enum AllocateMode {
+    /// One container response naming the devices.
+    Normal,
+    /// No container responses.
+    Empty,
+    Fail(Status),
+    /// Never answers.
+    Hang,
+}
+
+/// The calls the fake received, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Call {
+    Options,
+    ListAndWatch,
+    Preferred(Vec<ContainerPreferredAllocationRequest>),
+    Allocate(Vec<ContainerAllocateRequest>),
+    PreStart(Vec<String>),
+}
+
+pub struct Fake {
+    pub options: Mutex<DevicePluginOptions>,
+    pub options_error: Mutex<Option<Status>>,
+    pub preferred: Mutex<Result<Vec<String>, Status>>,
+    pub allocate: Mutex<AllocateMode>,
+    pub prestart_error: Mutex<Option<Status>>,
+    pub calls: Mutex<Vec<Call>>,
+    /// ListAndWatch streams the simulated kubelet dropped (cancelled).
+    pub cancelled_streams: AtomicUsize,
+    devices: watch::Sender<Vec<Device>>,
+    /// Bumping it ends every open ListAndWatch stream (cleanly).
+    end_streams: watch::Sender<u64>,
+}
+
+impl Fake {
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn record(&self, call: Call) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    /// Sends a new snapshot on every open stream.
+    pub fn set_devices(&self, devices: Vec<Device>) {
+        self.devices.send_replace(devices);
+    }
+
+    pub fn end_streams(&self) {
+        self.end_streams.send_modify(|n| *n += 1);
+    }
+}
+
+pub fn device(id: &str, health: &str) -> Device {
+    Device {
+        id: id.to_owned(),
+        health: health.to_owned(),
+        topology: Some(TopologyInfo {
+            nodes: vec![NumaNode { id: 0 }],
+        }),
+    }
+}
+
+pub fn healthy(ids: &[&str]) -> Vec<Device> {
+    ids.iter().map(|id| device(id, HEALTHY)).collect()
+}
+
+/// A fake plugin serving on `dir/endpoint`.
+pub struct FakePlugin {
+    pub endpoint: String,
+    pub fake: Arc<Fake>,
+    server: JoinHandle<()>,
+}
+
+impl FakePlugin {
+    pub fn serve(
+        dir: &Path,
+        endpoint: &str,
+        options: DevicePluginOptions,
+        devices: Vec<Device>,
+    ) -> FakePlugin {
+        let fake = Arc::new(Fake {
+            options: Mutex::new(options),
+            options_error: Mutex::new(None),
+            preferred: Mutex::new(Ok(Vec::new())),
+            allocate: Mutex::new(AllocateMode::Normal),
+            prestart_error: Mutex::new(None),
+            calls: Mutex::new(Vec::new()),
+            cancelled_streams: AtomicUsize::new(0),
+            devices: watch::Sender::new(devices),
+            end_streams: watch::Sender::new(0),
+        });
+        let listener = uds::bind(&dir.join(endpoint)).unwrap();
+        let service = DevicePluginServer::new(Service(Arc::clone(&fake)));
+        let server = tokio::spawn(async move {
+            Server::builder()
+                .add_service(service)
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+        FakePlugin {
+            endpoint: endpoint.to_owned(),
+            fake,
+            server,
+        }
+    }
+
+    /// Registers with the kubelet at `kubelet_sock`, sending `options` as the request's.
+    pub async fn register_as(
+        &self,
+        kubelet_sock: &Path,
+        version: &str,
+        resource: &str,
+        options: DevicePluginOptions,
+    ) -> Result<(), Status> {
+        register(kubelet_sock, version, &self.endpoint, resource, options).await
+    }
+
+    /// Registers `resource` properly: the request's options are the ones the plugin answers.
+    pub async fn register(&self, kubelet_sock: &Path, resource: &str) -> Result<(), Status> {
+        let options = *self.fake.options.lock().unwrap();
+        self.register_as(kubelet_sock, VERSION, resource, options)
+            .await
+    }
+}
+
+impl Drop for FakePlugin {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+pub async fn register(
+    kubelet_sock: &Path,
+    version: &str,
+    endpoint: &str,
+    resource: &str,
+    options: DevicePluginOptions,
+) -> Result<(), Status> {
+    let channel = uds::connect(kubelet_sock).await.unwrap();
+    RegistrationClient::new(channel)
+        .register(RegisterRequest {
+            version: version.to_owned(),
+            endpoint: endpoint.to_owned(),
+            resource_name: resource.to_owned(),
+            options: Some(options),
+        })
+        .await
+        .map(|_| ())
+}
+
+struct Service(Arc<Fake>);
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for Service {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        self.0.record(Call::Options);
+        if let Some(status) = self.0.options_error.lock().unwrap().clone() {
+            return Err(status);
+        }
+        Ok(Response::new(*self.0.options.lock().unwrap()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        self.0.record(Call::ListAndWatch);
+        let (tx, rx) = mpsc::channel(16);
+        let fake = Arc::clone(&self.0);
+        let mut devices = fake.devices.subscribe();
+        let mut end = fake.end_streams.subscribe();
+        tokio::spawn(async move {
+            loop {
+                let snapshot = devices.borrow_and_update().clone();
+                if tx
+                    .send(Ok(ListAndWatchResponse { devices: snapshot }))
+                    .await
+                    .is_err()
+                {
+                    fake.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+                tokio::select! {
+                    _ = tx.closed() => {
+                        fake.cancelled_streams.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                    _ = end.changed() => return,
+                    _ = devices.changed() => {}
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        self.0
+            .record(Call::Preferred(request.into_inner().container_requests));
+        let answer = self.0.preferred.lock().unwrap().clone()?;
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses: vec![ContainerPreferredAllocationResponse {
+                device_i_ds: answer,
+            }],
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let requests = request.into_inner().container_requests;
+        self.0.record(Call::Allocate(requests.clone()));
+        let mode = self.0.allocate.lock().unwrap().clone();
+        match mode {
+            AllocateMode::Normal => Ok(Response::new(AllocateResponse {
+                container_responses: requests
+                    .iter()
+                    .map(|r| ContainerAllocateResponse {
+                        envs: [("FAKE_DEVICES".to_owned(), r.devices_ids.join(","))].into(),
+                        mounts: vec![Mount {
+                            container_path: "/fake".to_owned(),
+                            host_path: "/var/fake".to_owned(),
+                            read_only: true,
+                        }],
+                        devices: vec![DeviceSpec {
+                            container_path: "/dev/fake".to_owned(),
+                            host_path: "/dev/fake".to_owned(),
+                            permissions: "rw".to_owned(),
+                        }],
+                        annotations: [("fake".to_owned(), "yes".to_owned())].into(),
+                        cdi_devices: vec![CdiDevice {
+                            name: "example.com/fake=all".to_owned(),
+                        }],
+                    })
+                    .collect(),
+            })),
+            AllocateMode::Empty => Ok(Response::new(AllocateResponse {
+                container_responses: Vec::new(),
+            })),
+            AllocateMode::Fail(status) => Err(status),
+            AllocateMode::Hang => {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Err(Status::internal("unreachable"))
+            }
+        }
+    }
+
+    async fn pre_start_container(
+        &self,
+        request: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        self.0
+            .record(Call::PreStart(request.into_inner().devices_ids));
+        if let Some(status) = self.0.prestart_error.lock().unwrap().clone() {
+            return Err(status);
+        }
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

@@ -1,0 +1,307 @@
+//! A stand-in for the kubelet's device manager, for our integration tests and for vendors trying
+//! their module locally (`devicelet simulate`).
+//!
+//! It behaves as `KUBELET.md` describes the real kubelet, and in particular **fails where the
+//! kubelet fails**: a plugin that registers before it serves, sends a path as endpoint, picks a
+//! resource name the kubelet refuses, answers `Allocate` with no container responses, or lets
+//! ListAndWatch end, sees here what it would see on a node. A simulator that is more forgiving
+//! than the kubelet would let tests pass that fail in production.
+//!
+//! What it does, per `KUBELET.md`:
+//! - serves `v1beta1.Registration` on `kubelet.sock` in the plugin directory, after deleting
+//!   every socket there, as a starting kubelet does (§7);
+//! - `Register` checks version, resource name and endpoint, dials the plugin (10 s), and calls
+//!   `GetDevicePluginOptions` before answering; those options, not the request's, are used (§1–2);
+//! - consumes ListAndWatch: every message is a full snapshot; capacity = all devices,
+//!   allocatable = those exactly `"Healthy"`, 0 as soon as the stream ends (§3);
+//! - a re-registration of a resource replaces its client (§8);
+//! - [`Simulator::allocate`] follows the kubelet's GetPreferredAllocation → Allocate →
+//!   PreStartContainer sequence (§4–5), and [`Simulator::restart`] simulates a kubelet restart.
+//!
+//! Where the kubelet waits forever (§6) the simulator gives up after
+//! [`SimConfig::stall_limit`] with [`SimError::Stalled`], so a test fails instead of hanging.
+//!
+//! Not simulated: topology-manager alignment, init-container device reuse, the 5-minute grace
+//! after which a resource whose stream ended disappears, the PodResources API, and the
+//! plugin-watcher registration route (§11).
+
+mod allocate;
+mod endpoint;
+mod error;
+mod events;
+mod registration;
+mod server;
+mod state;
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{broadcast, watch};
+use tracing::info;
+
+use crate::kubelet::api::deviceplugin::KUBELET_SOCKET;
+
+pub use error::SimError;
+pub use events::SimEvent;
+pub use state::{Allocation, ResourceState};
+
+use server::ServerHandle;
+use state::Registry;
+
+/// Timings of the simulated kubelet. The defaults are the kubelet's; tests shorten them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// How long `Register` keeps trying to connect to the plugin's socket (kubelet: 10 s).
+    pub dial_timeout: Duration,
+    /// The deadline of `PreStartContainer` (kubelet: 30 s).
+    pub prestart_timeout: Duration,
+    /// How long to wait for `GetDevicePluginOptions`, `GetPreferredAllocation` and `Allocate`,
+    /// on which the kubelet sets no deadline at all. Past it the simulator reports
+    /// [`SimError::Stalled`] (or refuses the registration) instead of hanging. Default 30 s.
+    pub stall_limit: Duration,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            dial_timeout: Duration::from_secs(10),
+            prestart_timeout: Duration::from_secs(30),
+            stall_limit: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A running simulated kubelet. Cheap to clone: all clones share one simulator. Dropping the
+/// last clone stops it (without removing `kubelet.sock`; [`shutdown`](Self::shutdown) does).
+#[derive(Clone)]
+pub struct Simulator {
+    inner: Arc<Inner>,
+    _guard: Arc<StopOnDrop>,
+}
+
+/// State shared by the handle, the Registration service and the ListAndWatch tasks.
+struct Inner {
+    dir: PathBuf,
+    socket: PathBuf,
+    config: SimConfig,
+    registry: Mutex<Registry>,
+    /// Bumped on every change, for [`Simulator::wait_until`].
+    changed: watch::Sender<u64>,
+    events: broadcast::Sender<SimEvent>,
+    /// The incarnation of the kubelet now serving; registrations of an earlier one are refused.
+    epoch: AtomicU64,
+    server: Mutex<Option<ServerHandle>>,
+    /// The kubelet admits one pod at a time.
+    admission: tokio::sync::Mutex<()>,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes waiters, and publishes `event` if given. Called with the registry locked, so that
+    /// events come out in the order the state changed.
+    fn notify(&self, event: Option<SimEvent>) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+        if let Some(event) = event {
+            // No subscriber is fine.
+            let _ = self.events.send(event);
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    fn next_epoch(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Stops the server and every stream task without waiting (drop).
+    fn abort(&self) {
+        self.next_epoch();
+        let server = self
+            .server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(server) = server {
+            server.abort();
+        }
+        self.lock().abort_streams();
+    }
+}
+
+/// Stops the simulator when the last handle goes: the server task and stream tasks hold the
+/// shared state alive, so this guard, held only by handles, is what notices.
+struct StopOnDrop(Arc<Inner>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Simulator {
+    /// Creates `plugin_dir` if missing and serves `v1beta1.Registration` on
+    /// `plugin_dir/kubelet.sock`, with the kubelet's timings.
+    ///
+    /// Like a starting kubelet it first deletes every socket file in `plugin_dir` (keeping the
+    /// checkpoint), so plugins already serving there must notice and register again. It refuses
+    /// to start if something already accepts connections on `kubelet.sock` (a real kubelet, or
+    /// another simulator), rather than taking its socket away.
+    pub async fn start(plugin_dir: &Path) -> Result<Simulator, SimError> {
+        Self::start_with(plugin_dir, SimConfig::default()).await
+    }
+
+    /// [`start`](Self::start) with other timings (tests use short ones).
+    pub async fn start_with(plugin_dir: &Path, config: SimConfig) -> Result<Simulator, SimError> {
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| SimError::Io { path, source }
+        };
+        tokio::fs::create_dir_all(plugin_dir)
+            .await
+            .map_err(io(plugin_dir))?;
+        let dir = plugin_dir.to_owned();
+        let socket = dir.join(KUBELET_SOCKET);
+        if server::accepts_connections(&socket).await {
+            return Err(SimError::AlreadyServed { path: socket });
+        }
+        let removed = server::remove_sockets(&dir).map_err(io(&dir))?;
+
+        let inner = Arc::new(Inner {
+            dir,
+            socket,
+            config,
+            registry: Mutex::new(Registry::default()),
+            changed: watch::Sender::new(0),
+            events: broadcast::Sender::new(1024),
+            epoch: AtomicU64::new(0),
+            server: Mutex::new(None),
+            admission: tokio::sync::Mutex::new(()),
+        });
+        server::serve(&inner)?;
+        info!(
+            "simulated kubelet serving {} ({removed} stale sockets removed)",
+            inner.socket.display()
+        );
+        Ok(Simulator {
+            _guard: Arc::new(StopOnDrop(Arc::clone(&inner))),
+            inner,
+        })
+    }
+
+    /// The device-plugin directory, as given to [`start`](Self::start): plugins bind their
+    /// sockets here.
+    pub fn plugin_dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The simulated kubelet's registration socket, `plugin_dir/kubelet.sock`.
+    pub fn socket(&self) -> &Path {
+        &self.inner.socket
+    }
+
+    /// The timings in use.
+    pub fn config(&self) -> &SimConfig {
+        &self.inner.config
+    }
+
+    /// Snapshot of what the simulated kubelet knows about one resource, None if never
+    /// registered.
+    pub fn resource(&self, name: &str) -> Option<ResourceState> {
+        self.inner.lock().snapshot(name)
+    }
+
+    /// Snapshots of every resource ever registered, sorted by name.
+    pub fn resources(&self) -> Vec<ResourceState> {
+        let registry = self.inner.lock();
+        registry
+            .resources
+            .values()
+            .map(|r| r.state.clone())
+            .collect()
+    }
+
+    /// Follows what happens from now on (registrations, refusals, snapshots, stream ends,
+    /// allocations). A subscriber that falls more than 1024 events behind gets
+    /// `RecvError::Lagged`.
+    pub fn events(&self) -> broadcast::Receiver<SimEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// Waits until `pred` holds for the resource (which may not be registered yet), woken by
+    /// every change rather than polling. On timeout the error shows the last state, so a failing
+    /// test says what the kubelet saw instead.
+    pub async fn wait_until(
+        &self,
+        name: &str,
+        timeout: Duration,
+        pred: impl Fn(&ResourceState) -> bool,
+    ) -> Result<ResourceState, SimError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        // Subscribe before looking, so a change between the look and the wait is not missed.
+        let mut changes = self.inner.changed.subscribe();
+        loop {
+            let last = self.resource(name);
+            if let Some(state) = last.as_ref().filter(|s| pred(s)) {
+                return Ok(state.clone());
+            }
+            // The sender lives as long as `self`, so `changed` fails only by timing out.
+            if !matches!(
+                tokio::time::timeout_at(deadline, changes.changed()).await,
+                Ok(Ok(()))
+            ) {
+                return Err(SimError::Timeout {
+                    resource: name.to_owned(),
+                    after: timeout,
+                    last: self.resource(name).map(Box::new),
+                });
+            }
+        }
+    }
+
+    /// Simulates a kubelet restart (KUBELET.md §7): stops serving, drops every plugin client and
+    /// stream, deletes every socket in the directory (keeping the checkpoint), and serves
+    /// `kubelet.sock` again. Resources stay known with capacity 0 until their plugins register
+    /// again; allocations survive, as in the kubelet's checkpoint.
+    pub async fn restart(&self) -> Result<(), SimError> {
+        let inner = &self.inner;
+        server::stop(inner).await;
+        inner.lock().forget_endpoints();
+        let removed = server::remove_sockets(&inner.dir).map_err(|source| SimError::Io {
+            path: inner.dir.clone(),
+            source,
+        })?;
+        {
+            let _registry = inner.lock();
+            inner.notify(Some(SimEvent::Restarted {
+                sockets_removed: removed,
+            }));
+        }
+        info!("simulated kubelet restarted: {removed} sockets removed");
+        server::serve(inner)
+    }
+
+    /// Stops serving, stops every ListAndWatch consumer and removes `kubelet.sock`.
+    pub async fn shutdown(self) {
+        let inner = &self.inner;
+        server::stop(inner).await;
+        inner.abort();
+        match std::fs::remove_file(&inner.socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!("cannot remove {}: {e}", inner.socket.display()),
+        }
+        info!("simulated kubelet stopped");
+    }
+}

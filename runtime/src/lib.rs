@@ -1,0 +1,11 @@
+//! devicelet: one node agent serving the kubelet's device-plugin API for many device types,
+//! with the vendor-specific logic in sandboxed WebAssembly components.
+//!
+//! The host/guest seam is [`sandbox::bindings`]; the kubelet lifecycle lives in [`kubelet`].
+
+pub mod agent;
+pub mod cli;
+pub mod config;
+pub mod fixture;
+pub mod kubelet;
+pub mod sandbox;

@@ -1,0 +1,309 @@
+//! One long-lived instance per module, owned by one task and fed by a channel.
+//!
+//! Every call carries a deadline. A call that traps or misses its deadline poisons the instance
+//! (wasmtime will not re-enter it), so the actor drops the store and instantiates afresh for the
+//! next call. Callers never wait past their deadline, even when queued behind a stuck call.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use wasmtime::{Store, StoreLimitsBuilder};
+
+use super::bindings::v0_1::{DevicePlugin, wit};
+use super::error::{CallError, CallKind, LoadError};
+use super::host::HostState;
+use super::loader::LoadedModule;
+use super::types::{ContainerEdits, Device, Health, PluginError, ResourceInfo};
+
+/// Calls queued per module before callers are told it is busy.
+const QUEUE: usize = 64;
+
+struct Instance {
+    store: Store<HostState>,
+    plugin: DevicePlugin,
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A unit of work for the actor. Returns whether the instance must be discarded.
+type Work = Box<dyn for<'a> FnOnce(&'a mut Instance) -> BoxFuture<'a, bool> + Send>;
+
+struct Job {
+    due: Instant,
+    work: Work,
+}
+
+/// How a call failed inside the instance.
+enum Failure {
+    Plugin(PluginError),
+    Trap(String),
+}
+
+/// A cheap handle to a running module. Clones share the module's actor.
+#[derive(Clone)]
+pub struct ModuleHandle {
+    name: Arc<str>,
+    deadline: Duration,
+    resources: Arc<[ResourceInfo]>,
+    jobs: mpsc::Sender<Job>,
+}
+
+impl ModuleHandle {
+    /// Instantiates the module, calls `init` with its config and starts its actor.
+    pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
+        let name = module.name.clone();
+        let deadline = module.spec.call_deadline;
+        let config = module.spec.config.to_string();
+        let (instance, resources) = instantiate(&module, &config).await.map_err(|e| match e {
+            Failure::Plugin(error) => LoadError::Init {
+                module: name.to_string(),
+                source: CallError::Plugin {
+                    module: name.to_string(),
+                    call: CallKind::Init,
+                    error,
+                },
+            },
+            Failure::Trap(message) => LoadError::Init {
+                module: name.to_string(),
+                source: CallError::Trap {
+                    module: name.to_string(),
+                    call: CallKind::Init,
+                    message,
+                },
+            },
+        })?;
+        let (jobs, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(run(module, config, Some(instance), rx));
+        Ok(ModuleHandle {
+            name,
+            deadline,
+            resources: resources.into(),
+            jobs,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The resources the module declared at `init`.
+    pub fn resources(&self) -> &[ResourceInfo] {
+        &self.resources
+    }
+
+    pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
+        let resource = resource.to_owned();
+        self.call(CallKind::Enumerate, move |i| {
+            Box::pin(async move {
+                let r = i.plugin.devicelet_plugin_plugin();
+                r.call_enumerate(&mut i.store, &resource).await
+            })
+        })
+        .await
+        .map(|d| d.into_iter().map(Device::from).collect())
+    }
+
+    pub async fn health(
+        &self,
+        resource: &str,
+        ids: Vec<String>,
+    ) -> Result<Vec<(String, Health)>, CallError> {
+        let resource = resource.to_owned();
+        self.call(CallKind::Health, move |i| {
+            Box::pin(async move {
+                let r = i.plugin.devicelet_plugin_plugin();
+                r.call_health(&mut i.store, &resource, &ids).await
+            })
+        })
+        .await
+        .map(|h| h.into_iter().map(|d| (d.id, d.health.into())).collect())
+    }
+
+    pub async fn allocate(
+        &self,
+        resource: &str,
+        ids: Vec<String>,
+    ) -> Result<ContainerEdits, CallError> {
+        let resource = resource.to_owned();
+        self.call(CallKind::Allocate, move |i| {
+            Box::pin(async move {
+                let r = i.plugin.devicelet_plugin_plugin();
+                r.call_allocate(&mut i.store, &resource, &ids).await
+            })
+        })
+        .await
+        .map(ContainerEdits::from)
+    }
+
+    pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
+        let resource = resource.to_owned();
+        self.call(CallKind::Prestart, move |i| {
+            Box::pin(async move {
+                let r = i.plugin.devicelet_plugin_plugin();
+                r.call_prestart(&mut i.store, &resource, &ids).await
+            })
+        })
+        .await
+    }
+
+    pub async fn preferred(
+        &self,
+        resource: &str,
+        available: Vec<String>,
+        must_include: Vec<String>,
+        size: u32,
+    ) -> Result<Vec<String>, CallError> {
+        let resource = resource.to_owned();
+        self.call(CallKind::Preferred, move |i| {
+            Box::pin(async move {
+                let r = i.plugin.devicelet_plugin_plugin();
+                r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
+                    .await
+            })
+        })
+        .await
+    }
+
+    /// Queues `f` on the actor and waits for its answer, never longer than the deadline.
+    async fn call<T, F>(&self, kind: CallKind, f: F) -> Result<T, CallError>
+    where
+        T: Send + 'static,
+        F: for<'a> FnOnce(
+                &'a mut Instance,
+            )
+                -> BoxFuture<'a, wasmtime::Result<Result<T, wit::PluginError>>>
+            + Send
+            + 'static,
+    {
+        let due = Instant::now() + self.deadline;
+        let (tx, rx) = oneshot::channel::<Result<T, Failure>>();
+        let work: Work = Box::new(move |instance| {
+            Box::pin(async move {
+                let (answer, poisoned) = match f(instance).await {
+                    Ok(Ok(v)) => (Ok(v), false),
+                    Ok(Err(e)) => (Err(Failure::Plugin(e.into())), false),
+                    Err(trap) => (Err(Failure::Trap(format!("{trap:#}"))), true),
+                };
+                let _ = tx.send(answer);
+                poisoned
+            })
+        });
+        let module = self.name.to_string();
+        let deadline_error = || CallError::Deadline {
+            module: module.clone(),
+            call: kind,
+            deadline: self.deadline,
+        };
+        let sent = tokio::time::timeout_at(due, self.jobs.send(Job { due, work })).await;
+        match sent {
+            Err(_) => return Err(deadline_error()),
+            Ok(Err(_)) => return Err(CallError::Unavailable { module }),
+            Ok(Ok(())) => {}
+        }
+        match tokio::time::timeout_at(due, rx).await {
+            Err(_) | Ok(Err(_)) => Err(deadline_error()),
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(Failure::Plugin(error)))) => Err(CallError::Plugin {
+                module,
+                call: kind,
+                error,
+            }),
+            Ok(Ok(Err(Failure::Trap(message)))) => Err(CallError::Trap {
+                module,
+                call: kind,
+                message,
+            }),
+        }
+    }
+}
+
+/// A fresh store and instance with the module's limits, initialised with its config.
+async fn instantiate(
+    module: &LoadedModule,
+    config: &str,
+) -> Result<(Instance, Vec<ResourceInfo>), Failure> {
+    let limits = StoreLimitsBuilder::new()
+        .memory_size(usize::try_from(module.spec.memory_limit).unwrap_or(usize::MAX))
+        .trap_on_grow_failure(true)
+        .build();
+    let state = HostState::new(
+        module.name.clone(),
+        module.host_root.clone(),
+        module.grants.clone(),
+        limits,
+    );
+    let mut store = Store::new(module.pre.engine(), state);
+    store.limiter(|s| &mut s.limits);
+    // Yield to the runtime at every epoch tick, so the deadline below can fire.
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_async_yield_and_update(1);
+    let deadline = module.spec.call_deadline;
+    let init = async {
+        let plugin = module.pre.instantiate_async(&mut store).await?;
+        let resources = plugin
+            .devicelet_plugin_plugin()
+            .call_init(&mut store, config)
+            .await?;
+        Ok::<_, wasmtime::Error>((plugin, resources))
+    };
+    match tokio::time::timeout(deadline, init).await {
+        Err(_) => Err(Failure::Trap(format!(
+            "init missed its {deadline:?} deadline"
+        ))),
+        Ok(Err(trap)) => Err(Failure::Trap(format!("{trap:#}"))),
+        Ok(Ok((_, Err(e)))) => Err(Failure::Plugin(e.into())),
+        Ok(Ok((plugin, Ok(resources)))) => Ok((
+            Instance { store, plugin },
+            resources.into_iter().map(ResourceInfo::from).collect(),
+        )),
+    }
+}
+
+async fn run(
+    module: LoadedModule,
+    config: String,
+    mut instance: Option<Instance>,
+    mut jobs: mpsc::Receiver<Job>,
+) {
+    while let Some(job) = jobs.recv().await {
+        if Instant::now() >= job.due {
+            continue;
+        }
+        if instance.is_none() {
+            match instantiate(&module, &config).await {
+                Ok((fresh, _)) => {
+                    tracing::info!(module = &*module.name, "module re-instantiated");
+                    instance = Some(fresh);
+                }
+                Err(Failure::Plugin(e)) => {
+                    tracing::warn!(module = &*module.name, "re-instantiation failed: {e}");
+                    continue;
+                }
+                Err(Failure::Trap(m)) => {
+                    tracing::warn!(module = &*module.name, "re-instantiation failed: {m}");
+                    continue;
+                }
+            }
+        }
+        let Some(running) = instance.as_mut() else {
+            continue;
+        };
+        let poisoned = match tokio::time::timeout_at(job.due, (job.work)(running)).await {
+            Ok(poisoned) => poisoned,
+            Err(_) => {
+                tracing::warn!(
+                    module = &*module.name,
+                    "call missed its deadline; instance discarded"
+                );
+                true
+            }
+        };
+        if poisoned {
+            instance = None;
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! Why a module could not be loaded, or why a call into it failed. Every message names the module,
+//! because an operator reading a pod event or a log line must know which vendor to blame.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::types::PluginError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("module `{module}`: cannot read {path}: {source}")]
+    Read {
+        module: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "module `{module}`: {path} has sha256 {actual}, but the registry expects {expected}; refusing to load it"
+    )]
+    Digest {
+        module: String,
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("module `{module}`: {path} is not a valid WebAssembly component: {message}")]
+    Compile {
+        module: String,
+        path: PathBuf,
+        message: String,
+    },
+    #[error(
+        "module `{module}` imports `{import}`, which its registry grants do not allow (grant it in [module.grants])"
+    )]
+    UngrantedImport { module: String, import: String },
+    #[error("module `{module}` imports `{import}`, which devicelet does not provide")]
+    UnknownImport { module: String, import: String },
+    #[error("module `{module}` does not export the devicelet plugin interface: {message}")]
+    NotAPlugin { module: String, message: String },
+    #[error("module `{module}` failed to initialise: {source}")]
+    Init { module: String, source: CallError },
+    #[error("module `{module}`: {message}")]
+    Invalid { module: String, message: String },
+}
+
+/// The names of the calls into a module, for error messages and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    Init,
+    Enumerate,
+    Health,
+    Allocate,
+    Prestart,
+    Preferred,
+}
+
+impl std::fmt::Display for CallKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CallKind::Init => "init",
+            CallKind::Enumerate => "enumerate",
+            CallKind::Health => "health",
+            CallKind::Allocate => "allocate",
+            CallKind::Prestart => "prestart",
+            CallKind::Preferred => "preferred",
+        })
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CallError {
+    #[error("module `{module}` returned an error from {call}: {error}")]
+    Plugin {
+        module: String,
+        call: CallKind,
+        error: PluginError,
+    },
+    #[error("module `{module}` trapped in {call}: {message}")]
+    Trap {
+        module: String,
+        call: CallKind,
+        message: String,
+    },
+    #[error("module `{module}` missed its {deadline:?} deadline in {call}")]
+    Deadline {
+        module: String,
+        call: CallKind,
+        deadline: Duration,
+    },
+    #[error("module `{module}` returned an invalid answer from {call}: {message}")]
+    InvalidOutput {
+        module: String,
+        call: CallKind,
+        message: String,
+    },
+    #[error("module `{module}` is not running")]
+    Unavailable { module: String },
+}

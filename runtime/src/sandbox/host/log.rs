@@ -1,0 +1,29 @@
+//! `devicelet:plugin/log`: a module's log lines become tracing events tagged with its name.
+
+use super::HostState;
+use crate::sandbox::bindings::v0_1::devicelet::plugin::log::{Host, Level};
+
+/// Longest log line kept; the rest is cut so a module cannot flood the agent's log.
+const MAX_LINE: usize = 4096;
+
+impl Host for HostState {
+    fn log(&mut self, level: Level, message: String) {
+        let mut message = message;
+        if message.len() > MAX_LINE {
+            let mut cut = MAX_LINE;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+            message.push('…');
+        }
+        let module = &*self.module;
+        match level {
+            Level::Trace => tracing::trace!(module, "{message}"),
+            Level::Debug => tracing::debug!(module, "{message}"),
+            Level::Info => tracing::info!(module, "{message}"),
+            Level::Warn => tracing::warn!(module, "{message}"),
+            Level::Error => tracing::error!(module, "{message}"),
+        }
+    }
+}

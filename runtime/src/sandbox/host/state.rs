@@ -1,0 +1,48 @@
+//! What one module's store holds: its identity, its grants, its WASI context and its limits.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use wasmtime::StoreLimits;
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::config::Grants;
+
+pub struct HostState {
+    pub(crate) module: Arc<str>,
+    pub(crate) host_root: Arc<PathBuf>,
+    pub(crate) grants: Arc<Grants>,
+    pub(crate) limits: StoreLimits,
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl HostState {
+    /// A module gets WASI with no preopened directories, no sockets, no environment and no
+    /// inherited stdio: only what Rust's std needs to start.
+    pub fn new(
+        module: Arc<str>,
+        host_root: Arc<PathBuf>,
+        grants: Arc<Grants>,
+        limits: StoreLimits,
+    ) -> Self {
+        HostState {
+            module,
+            host_root,
+            grants,
+            limits,
+            wasi: WasiCtx::builder().build(),
+            table: ResourceTable::new(),
+        }
+    }
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! Turning a registry entry into something that can be instantiated: read, compile, check the
+//! imports against the grants, link only what is granted.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use wasmtime::Engine;
+use wasmtime::component::{Component, HasSelf, Linker};
+
+use super::bindings::imports;
+use super::bindings::v0_1::{DevicePluginPre, devicelet::plugin};
+use super::error::LoadError;
+use super::host::HostState;
+use crate::config::{Grants, ModuleSpec};
+
+/// A compiled, linked module, ready to be instantiated any number of times (once at start, again
+/// after each crash).
+#[derive(Clone)]
+pub struct LoadedModule {
+    pub(crate) name: Arc<str>,
+    pub(crate) spec: Arc<ModuleSpec>,
+    pub(crate) host_root: Arc<PathBuf>,
+    pub(crate) grants: Arc<Grants>,
+    pub(crate) pre: DevicePluginPre<HostState>,
+}
+
+/// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread.
+pub fn load(
+    engine: &Engine,
+    spec: &ModuleSpec,
+    host_root: &std::path::Path,
+) -> Result<LoadedModule, LoadError> {
+    let module = spec.name.clone();
+    let bytes = std::fs::read(&spec.path).map_err(|source| LoadError::Read {
+        module: module.clone(),
+        path: spec.path.clone(),
+        source,
+    })?;
+    if let Some(expected) = &spec.sha256 {
+        let actual = hex(&Sha256::digest(&bytes));
+        if &actual != expected {
+            return Err(LoadError::Digest {
+                module: module.clone(),
+                path: spec.path.clone(),
+                expected: expected.clone(),
+                actual,
+            });
+        }
+    }
+    let component = Component::from_binary(engine, &bytes).map_err(|e| LoadError::Compile {
+        module: module.clone(),
+        path: spec.path.clone(),
+        message: format!("{e:#}"),
+    })?;
+    check_imports(engine, &component, spec)?;
+    let linker = linker(engine, &spec.grants).map_err(|e| LoadError::Invalid {
+        module: module.clone(),
+        message: format!("linking host interfaces: {e:#}"),
+    })?;
+    let pre = linker
+        .instantiate_pre(&component)
+        .map_err(|e| LoadError::Invalid {
+            module: module.clone(),
+            message: format!("{e:#}"),
+        })?;
+    let pre = DevicePluginPre::new(pre).map_err(|e| LoadError::NotAPlugin {
+        module: module.clone(),
+        message: format!("{e:#}"),
+    })?;
+    Ok(LoadedModule {
+        name: module.into(),
+        spec: Arc::new(spec.clone()),
+        host_root: Arc::new(host_root.to_owned()),
+        grants: Arc::new(spec.grants.clone()),
+        pre,
+    })
+}
+
+/// Names the first import the module is not allowed, before wasmtime's less specific link error.
+fn check_imports(
+    engine: &Engine,
+    component: &Component,
+    spec: &ModuleSpec,
+) -> Result<(), LoadError> {
+    for (name, _) in component.component_type().imports(engine) {
+        let granted = match name {
+            imports::LOG | imports::TYPES => true,
+            imports::SYSFS => !spec.grants.sysfs.is_empty(),
+            imports::DEVNODES => !spec.grants.dev.is_empty(),
+            wasi if wasi.starts_with("wasi:") => true,
+            other if other.starts_with("devicelet:plugin/") => false,
+            other => {
+                return Err(LoadError::UnknownImport {
+                    module: spec.name.clone(),
+                    import: other.to_owned(),
+                });
+            }
+        };
+        if !granted {
+            return Err(LoadError::UngrantedImport {
+                module: spec.name.clone(),
+                import: name.to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState>> {
+    let mut linker = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+    plugin::log::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+    if !grants.sysfs.is_empty() {
+        plugin::sysfs::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+    }
+    if !grants.dev.is_empty() {
+        plugin::devnodes::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+    }
+    Ok(linker)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

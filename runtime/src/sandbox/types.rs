@@ -1,0 +1,64 @@
+//! The host's view of what modules say, independent of the WIT version that said it.
+//!
+//! Everything above the sandbox (gRPC, health diffing, the ledger) uses these types, so a new WIT
+//! major version only needs a new bindings module that converts into them.
+
+/// A resource a module serves, as declared by its `init`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResourceInfo {
+    /// A bare suffix (`fuse`) or a full extended resource name (`vendor.com/fuse`).
+    pub name: String,
+    pub prestart: bool,
+    pub preferred_allocation: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Device {
+    pub id: String,
+    pub health: Health,
+    pub numa_nodes: Vec<i64>,
+    pub attributes: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub container_path: String,
+    pub host_path: String,
+    pub read_only: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceNode {
+    pub container_path: String,
+    pub host_path: String,
+    pub permissions: String,
+}
+
+/// What a container needs to use its allocated devices.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerEdits {
+    pub envs: Vec<(String, String)>,
+    pub mounts: Vec<Mount>,
+    pub devices: Vec<DeviceNode>,
+    pub annotations: Vec<(String, String)>,
+    pub cdi_devices: Vec<String>,
+}
+
+/// An error a module reported itself (as opposed to a trap or a missed deadline).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PluginError {
+    #[error("invalid config: {0}")]
+    InvalidConfig(String),
+    #[error("unknown resource: {0}")]
+    UnknownResource(String),
+    #[error("unknown device: {0}")]
+    UnknownDevice(String),
+    #[error("{0}")]
+    Failed(String),
+}

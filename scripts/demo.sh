@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets everything up on a fresh machine (only the Rust toolchain needed) and runs devicelet's main
+# job on its embedded default: the agent with the generic-dev reference module, against the
+# built-in kubelet simulator and a fixture device tree. Needs root (or CAP_MKNOD) for the
+# fixture's device nodes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rustup target add wasm32-wasip2
+cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving
+target="${CARGO_TARGET_DIR:-target}"
+cargo run -p devicelet -- demo --module-dir "$target/wasm32-wasip2/release"

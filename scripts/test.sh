@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets everything up on a fresh machine (only the Rust toolchain needed) and runs every test:
+# formatting, lints, the host's unit tests and the scenario tests over real sockets with the
+# reference and misbehaving modules. Needs root (or CAP_MKNOD) for fixture device nodes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rustup target add wasm32-wasip2
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+cargo fmt --all -- --check
+guests=(-p devicelet-sdk -p generic-dev -p misbehaving)
+cargo build --release --target wasm32-wasip2 "${guests[@]}"
+cargo clippy --target wasm32-wasip2 "${guests[@]}" -- -D warnings
+cargo clippy --all-targets -- -D warnings
+cargo test

@@ -1,0 +1,716 @@
+//! Write a devicelet device module in Rust: implement one trait, invoke one macro.
+//!
+//! devicelet owns everything that is the same for every kind of device (kubelet sockets,
+//! registration, health diffing, bookkeeping, sharing, CDI). A module only answers the
+//! vendor-specific questions: which devices exist, are they healthy, what does a container need
+//! to use them, and optionally what to check before a container starts and which devices to
+//! prefer. This crate hides the WebAssembly component plumbing of the `devicelet:plugin` WIT
+//! world behind the [`Plugin`] trait and the [`export_plugin!`] macro, so a vendor crate depends
+//! on `devicelet-sdk` alone.
+//!
+//! # Building
+//!
+//! A module is a `cdylib` built for `wasm32-wasip2`, which makes `cargo` emit a component
+//! directly:
+//!
+//! ```toml
+//! [lib]
+//! crate-type = ["cdylib"]
+//!
+//! [dependencies]
+//! devicelet-sdk = "0.1"
+//! ```
+//!
+//! ```sh
+//! cargo build --target wasm32-wasip2 --release
+//! ```
+//!
+//! Do not build a module for the host target: the component exports only make sense inside the
+//! devicelet sandbox.
+//!
+//! # Capabilities
+//!
+//! The registry grants each module the host interfaces it may use: `log` always, [`sysfs`] and
+//! [`devnodes`] only with matching grants. A component that imports an interface the registry
+//! did not grant fails to load, so the SDK never touches an import on its own: calling a
+//! function of [`sysfs`] or [`devnodes`] anywhere in your code is what makes your component
+//! import that interface, and not calling it keeps the import out.
+//!
+//! # Example
+//!
+//! A complete module serving every `/dev/kvm`-like node the registry grants as one resource:
+//!
+//! ```no_run
+//! use devicelet_sdk::{
+//!     devnodes, export_plugin, ContainerEdits, Device, Plugin, PluginError, ResourceInfo,
+//! };
+//!
+//! struct Kvm {
+//!     pattern: String,
+//! }
+//!
+//! impl Plugin for Kvm {
+//!     fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+//!         // The registry's config table arrives as JSON; this module takes no options.
+//!         if !matches!(config.trim(), "" | "{}") {
+//!             return Err(PluginError::InvalidConfig("kvm takes no options".into()));
+//!         }
+//!         devicelet_sdk::info!("serving /dev/kvm");
+//!         Ok((Kvm { pattern: "/dev/kvm".into() }, vec![ResourceInfo::new("kvm")]))
+//!     }
+//!
+//!     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+//!         if resource != "kvm" {
+//!             return Err(PluginError::UnknownResource(resource.into()));
+//!         }
+//!         let nodes = devnodes::glob(&self.pattern)
+//!             .map_err(|e| PluginError::Failed(format!("glob {}: {e}", self.pattern)))?;
+//!         Ok(nodes
+//!             .iter()
+//!             .map(|path| Device::healthy(path.trim_start_matches("/dev/").replace('/', "-")))
+//!             .collect())
+//!     }
+//!
+//!     fn allocate(&mut self, _resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+//!         let mut edits = ContainerEdits::default();
+//!         for id in ids {
+//!             let path = format!("/dev/{}", id.replace('-', "/"));
+//!             edits = edits.device(&path, &path, "rw");
+//!         }
+//!         Ok(edits.env("KVM_DEVICES", ids.join(",")))
+//!     }
+//!
+//!     // `health`, `prestart` and `preferred` keep their defaults: health re-enumerates,
+//!     // prestart does nothing, preferred takes devices in order.
+//! }
+//!
+//! export_plugin!(Kvm);
+//! ```
+//!
+//! # Errors and panics
+//!
+//! Return a [`PluginError`] for anything the host should report and carry on from. A panic traps
+//! the instance: the host drops it, creates a fresh one (calling [`Plugin::init`] again) after a
+//! backoff and reports the module's devices unhealthy meanwhile. So panic only on bugs, never on
+//! bad input from the config or the host file system.
+
+#![warn(missing_docs)]
+
+// Lets the generated bindings name this crate the same way from inside it and from a vendor
+// crate's `export_plugin!` expansion.
+extern crate self as devicelet_sdk;
+
+use std::cell::RefCell;
+
+#[doc(hidden)]
+pub mod bindings {
+    #![allow(missing_docs)]
+    wit_bindgen::generate!({
+        world: "device-plugin",
+        path: "../wit",
+        pub_export_macro: true,
+        export_macro_name: "__export_device_plugin",
+        default_bindings_module: "devicelet_sdk::bindings",
+        runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
+        additional_derives: [PartialEq, Eq],
+        additional_type_attributes: {
+            "devicelet:plugin/types@0.1.0/container-edits": [#[derive(Default)]],
+        },
+    });
+}
+
+use bindings::devicelet::plugin::types as wit_types;
+use bindings::exports::devicelet::plugin::plugin::Guest;
+
+pub use bindings::devicelet::plugin::devnodes::{NodeInfo, NodeKind};
+pub use bindings::devicelet::plugin::log::Level;
+pub use wit_types::{
+    ContainerEdits, Device, DeviceHealth, DeviceNode, FsError, Health, Mount, PluginError,
+    ResourceInfo,
+};
+
+/// The vendor logic of a module: one value of this type lives in the instance between calls.
+///
+/// The host calls [`Plugin::init`] once per instance and every other method afterwards, one call
+/// at a time. Each method gets the resource name as [`Plugin::init`] returned it, so a module
+/// serving several resources dispatches on it; answer a name you do not serve with
+/// [`PluginError::UnknownResource`].
+///
+/// Calls are bounded by host deadlines (a module that spins is interrupted and restarted), so
+/// keep every method to quick reads of sysfs and /dev; the host polls `enumerate`/`health` at the
+/// module's interval rather than expecting the module to watch for changes.
+pub trait Plugin: Sized + 'static {
+    /// Parses the registry's config table (JSON text) and says which resources the module
+    /// serves.
+    ///
+    /// Reject anything you do not understand with [`PluginError::InvalidConfig`]: a typo in the
+    /// registry should stop the module at startup, not silently change what it serves.
+    fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError>;
+
+    /// Every device of the resource, present and healthy or not.
+    ///
+    /// The host diffs successive answers, so a device that disappears should simply be left
+    /// out, and IDs must be stable across calls (the kubelet allocates by them).
+    fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
+
+    /// A cheap re-check of the given devices, polled more often than `enumerate`.
+    ///
+    /// The default re-enumerates and reports each requested ID's health, with IDs that are no
+    /// longer listed as unhealthy; override it when a targeted check is cheaper.
+    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
+        let devices = self.enumerate(resource)?;
+        Ok(health_from_devices(&devices, ids))
+    }
+
+    /// What a container needs to use the given devices.
+    ///
+    /// The host checks the answer against the module's grants (device nodes and mounts must
+    /// fall under them), so return exactly what the container needs and nothing broader.
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
+
+    /// Runs before each container using the devices starts, when the resource asked for it with
+    /// [`ResourceInfo::prestart`]. An error keeps the container from starting.
+    ///
+    /// The default does nothing.
+    fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError> {
+        let _ = (resource, ids);
+        Ok(())
+    }
+
+    /// Chooses `size` devices from `available`, including all of `must_include`, when the
+    /// resource asked for it with [`ResourceInfo::preferred_allocation`].
+    ///
+    /// The kubelet treats the answer as a hint, but a good one (same NUMA node, same switch,
+    /// spread over physical devices) is the point of asking. The default is
+    /// [`default_preferred`].
+    fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError> {
+        let _ = resource;
+        Ok(default_preferred(available, must_include, size))
+    }
+}
+
+/// The health of each of `ids` according to a fresh enumeration: an ID missing from `devices`
+/// is reported unhealthy, because a device the module can no longer see cannot be used.
+pub fn health_from_devices(devices: &[Device], ids: &[String]) -> Vec<DeviceHealth> {
+    ids.iter()
+        .map(|id| {
+            let health = devices
+                .iter()
+                .find(|d| &d.id == id)
+                .map_or(Health::Unhealthy, |d| d.health);
+            DeviceHealth {
+                id: id.clone(),
+                health,
+            }
+        })
+        .collect()
+}
+
+/// `must_include` first, then the rest of `available` in order, until `size` devices are
+/// chosen.
+///
+/// Duplicates are dropped. If `must_include` alone exceeds `size`, all of it is still returned:
+/// the kubelet requires every must-include device in the answer, and rejecting the request is
+/// its call, not the module's.
+pub fn default_preferred(
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+) -> Vec<String> {
+    let mut chosen: Vec<String> = Vec::with_capacity(size.max(must_include.len()));
+    for id in must_include {
+        if !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    }
+    for id in available {
+        if chosen.len() >= size {
+            break;
+        }
+        if !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    }
+    chosen
+}
+
+impl Device {
+    /// A healthy device with no NUMA affinity and no attributes.
+    pub fn healthy(id: impl Into<String>) -> Self {
+        Self::new(id, Health::Healthy)
+    }
+
+    /// An unhealthy device: still listed so the kubelet knows it exists but won't allocate it.
+    pub fn unhealthy(id: impl Into<String>) -> Self {
+        Self::new(id, Health::Unhealthy)
+    }
+
+    /// A device with the given health, no NUMA affinity and no attributes.
+    pub fn new(id: impl Into<String>, health: Health) -> Self {
+        Self {
+            id: id.into(),
+            health,
+            numa_nodes: Vec::new(),
+            attributes: Vec::new(),
+        }
+    }
+
+    /// Adds a NUMA node, which the kubelet's topology manager uses to align devices with CPUs.
+    pub fn numa_node(mut self, node: i64) -> Self {
+        if !self.numa_nodes.contains(&node) {
+            self.numa_nodes.push(node);
+        }
+        self
+    }
+
+    /// Adds a free-form fact (model, PCI address...) the host may use for policies and metrics.
+    pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.attributes.push((key.into(), value.into()));
+        self
+    }
+}
+
+impl DeviceHealth {
+    /// Pairs an ID with its health.
+    pub fn new(id: impl Into<String>, health: Health) -> Self {
+        Self {
+            id: id.into(),
+            health,
+        }
+    }
+}
+
+impl ResourceInfo {
+    /// A resource that needs neither prestart nor preferred-allocation calls.
+    ///
+    /// `name` is a suffix the host prefixes with the registry's resource domain (`fuse`), or a
+    /// full extended resource name (`vendor.com/fuse`).
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            prestart: false,
+            preferred_allocation: false,
+        }
+    }
+
+    /// Asks the kubelet to call [`Plugin::prestart`] before each container using the resource.
+    pub fn with_prestart(mut self, prestart: bool) -> Self {
+        self.prestart = prestart;
+        self
+    }
+
+    /// Asks the kubelet to call [`Plugin::preferred`] before each allocation.
+    pub fn with_preferred_allocation(mut self, preferred: bool) -> Self {
+        self.preferred_allocation = preferred;
+        self
+    }
+}
+
+impl ContainerEdits {
+    /// Sets an environment variable in the container.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.envs.push((key.into(), value.into()));
+        self
+    }
+
+    /// Makes a device node available in the container; `permissions` is any combination of
+    /// `r`, `w` and `m` (mknod).
+    pub fn device(
+        mut self,
+        host_path: impl Into<String>,
+        container_path: impl Into<String>,
+        permissions: impl Into<String>,
+    ) -> Self {
+        self.devices.push(DeviceNode {
+            host_path: host_path.into(),
+            container_path: container_path.into(),
+            permissions: permissions.into(),
+        });
+        self
+    }
+
+    /// Bind-mounts a host path into the container.
+    pub fn mount(
+        mut self,
+        host_path: impl Into<String>,
+        container_path: impl Into<String>,
+        read_only: bool,
+    ) -> Self {
+        self.mounts.push(Mount {
+            host_path: host_path.into(),
+            container_path: container_path.into(),
+            read_only,
+        });
+        self
+    }
+
+    /// Adds an annotation to the container, for runtimes and hooks that key on them.
+    pub fn annotation(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.annotations.push((key.into(), value.into()));
+        self
+    }
+
+    /// Names a fully qualified CDI device (`vendor.com/class=name`) for the runtime to inject.
+    pub fn cdi(mut self, name: impl Into<String>) -> Self {
+        self.cdi_devices.push(name.into());
+        self
+    }
+}
+
+impl NodeInfo {
+    /// Whether the node is a character or block device, i.e. something a container can be
+    /// given through the device cgroup.
+    pub fn is_device(&self) -> bool {
+        matches!(self.kind, NodeKind::Character | NodeKind::Block)
+    }
+}
+
+impl From<FsError> for PluginError {
+    /// Lets `?` turn a file-system failure into a generic failure; prefer mapping it yourself
+    /// when the path matters to whoever reads the error.
+    fn from(err: FsError) -> Self {
+        PluginError::Failed(fs_error_message(&err))
+    }
+}
+
+fn fs_error_message(err: &FsError) -> String {
+    match err {
+        FsError::NotFound => "not found".to_string(),
+        FsError::Denied(why) => format!("denied: {why}"),
+        FsError::Io(why) => format!("I/O error: {why}"),
+    }
+}
+
+/// Log lines that the host turns into tracing events tagged with the module's name.
+///
+/// The `log` interface is always granted. The macros [`trace!`], [`debug!`], [`info!`],
+/// [`warn!`] and [`error!`] take `format!` arguments.
+pub mod log {
+    pub use crate::bindings::devicelet::plugin::log::Level;
+
+    /// Sends one line at the given level; the host decides whether it is shown.
+    pub fn log(level: Level, message: &str) {
+        crate::bindings::devicelet::plugin::log::log(level, message);
+    }
+
+    /// Logs at trace level.
+    pub fn trace(message: &str) {
+        log(Level::Trace, message);
+    }
+
+    /// Logs at debug level.
+    pub fn debug(message: &str) {
+        log(Level::Debug, message);
+    }
+
+    /// Logs at info level.
+    pub fn info(message: &str) {
+        log(Level::Info, message);
+    }
+
+    /// Logs at warn level.
+    pub fn warn(message: &str) {
+        log(Level::Warn, message);
+    }
+
+    /// Logs at error level.
+    pub fn error(message: &str) {
+        log(Level::Error, message);
+    }
+}
+
+/// Logs a `format!`-style message at trace level through the host.
+#[macro_export]
+macro_rules! trace {
+    ($($arg:tt)*) => { $crate::log::log($crate::log::Level::Trace, &::std::format!($($arg)*)) };
+}
+
+/// Logs a `format!`-style message at debug level through the host.
+#[macro_export]
+macro_rules! debug {
+    ($($arg:tt)*) => { $crate::log::log($crate::log::Level::Debug, &::std::format!($($arg)*)) };
+}
+
+/// Logs a `format!`-style message at info level through the host.
+#[macro_export]
+macro_rules! info {
+    ($($arg:tt)*) => { $crate::log::log($crate::log::Level::Info, &::std::format!($($arg)*)) };
+}
+
+/// Logs a `format!`-style message at warn level through the host.
+#[macro_export]
+macro_rules! warn {
+    ($($arg:tt)*) => { $crate::log::log($crate::log::Level::Warn, &::std::format!($($arg)*)) };
+}
+
+/// Logs a `format!`-style message at error level through the host.
+#[macro_export]
+macro_rules! error {
+    ($($arg:tt)*) => { $crate::log::log($crate::log::Level::Error, &::std::format!($($arg)*)) };
+}
+
+/// Read access to the sysfs paths the registry grants the module.
+///
+/// Paths are absolute (`/sys/bus/pci/devices/...`); the host resolves them inside the granted
+/// root and refuses anything else with [`FsError::Denied`]. Using any function here makes the
+/// component import the `sysfs` interface, which then needs a sysfs grant in the registry.
+pub mod sysfs {
+    use crate::FsError;
+    use crate::bindings::devicelet::plugin::sysfs as host;
+
+    /// The file's raw contents (capped in size by the host).
+    pub fn read(path: &str) -> Result<Vec<u8>, FsError> {
+        host::read(path)
+    }
+
+    /// The file's contents as text with surrounding whitespace trimmed, which is how sysfs
+    /// attributes (`0x10de\n`) are meant to be read.
+    ///
+    /// Contents that are not UTF-8 give [`FsError::Io`].
+    pub fn read_to_string(path: &str) -> Result<String, FsError> {
+        let bytes = host::read(path)?;
+        match String::from_utf8(bytes) {
+            Ok(text) => Ok(text.trim().to_string()),
+            Err(_) => Err(FsError::Io(format!("{path}: contents are not UTF-8"))),
+        }
+    }
+
+    /// A numeric attribute, decimal or `0x` hexadecimal (`numa_node` holds `-1`, `vendor`
+    /// holds `0x1002`); unparsable contents give [`FsError::Io`].
+    pub fn read_i64(path: &str) -> Result<i64, FsError> {
+        let text = read_to_string(path)?;
+        let (negative, digits) = match text.strip_prefix('-') {
+            Some(rest) => (true, rest),
+            None => (false, text.as_str()),
+        };
+        let parsed = match digits
+            .strip_prefix("0x")
+            .or_else(|| digits.strip_prefix("0X"))
+        {
+            Some(hex) => i64::from_str_radix(hex, 16),
+            None => digits.parse::<i64>(),
+        };
+        match parsed {
+            Ok(value) if negative => Ok(-value),
+            Ok(value) => Ok(value),
+            Err(_) => Err(FsError::Io(format!("{path}: {text:?} is not a number"))),
+        }
+    }
+
+    /// Entry names of a directory, sorted.
+    pub fn list(path: &str) -> Result<Vec<String>, FsError> {
+        host::list(path)
+    }
+
+    /// The target of a symbolic link as stored (often relative, e.g. `../../../0000:01:00.0`);
+    /// sysfs encodes relationships such as a device's driver or IOMMU group this way.
+    pub fn read_link(path: &str) -> Result<String, FsError> {
+        host::read_link(path)
+    }
+}
+
+/// Discovery of the device nodes under /dev the registry grants the module.
+///
+/// Using any function here makes the component import the `devnodes` interface, which then
+/// needs a /dev grant in the registry.
+pub mod devnodes {
+    use crate::bindings::devicelet::plugin::devnodes as host;
+    use crate::{FsError, NodeInfo};
+
+    /// Granted paths matching the pattern (`*`, `?`, `[...]`), sorted. A pattern that matches
+    /// nothing gives an empty list, not an error.
+    pub fn glob(pattern: &str) -> Result<Vec<String>, FsError> {
+        host::glob(pattern)
+    }
+
+    /// Kind, major/minor numbers and permission bits of a node.
+    pub fn stat(path: &str) -> Result<NodeInfo, FsError> {
+        host::stat(path)
+    }
+}
+
+thread_local! {
+    /// The instance [`Plugin::init`] created. A component instance is single-threaded and the
+    /// host never re-enters it, so a thread-local cell is all the synchronisation needed.
+    static INSTANCE: RefCell<Option<Box<dyn ErasedPlugin>>> = const { RefCell::new(None) };
+}
+
+/// The object-safe part of [`Plugin`], so the instance can live in one non-generic static.
+trait ErasedPlugin {
+    fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
+    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError>;
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
+    fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError>;
+    fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError>;
+}
+
+impl<P: Plugin> ErasedPlugin for P {
+    fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+        Plugin::enumerate(self, resource)
+    }
+    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
+        Plugin::health(self, resource, ids)
+    }
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+        Plugin::allocate(self, resource, ids)
+    }
+    fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError> {
+        Plugin::prestart(self, resource, ids)
+    }
+    fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError> {
+        Plugin::preferred(self, resource, available, must_include, size)
+    }
+}
+
+fn with_instance<T>(
+    f: impl FnOnce(&mut dyn ErasedPlugin) -> Result<T, PluginError>,
+) -> Result<T, PluginError> {
+    INSTANCE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => match slot.as_mut() {
+            Some(plugin) => f(plugin.as_mut()),
+            None => Err(PluginError::Failed("not initialised".to_string())),
+        },
+        Err(_) => Err(PluginError::Failed("plugin re-entered".to_string())),
+    })
+}
+
+/// Implementation details used by [`export_plugin!`]; not part of the API.
+#[doc(hidden)]
+pub mod __private {
+    pub use wit_bindgen;
+
+    use super::*;
+
+    /// Binds the WIT export to a [`Plugin`] type; the export macro names it through a type
+    /// alias because the generated macro only accepts an identifier.
+    pub struct Adapter<P>(std::marker::PhantomData<P>);
+
+    impl<P: Plugin> Guest for Adapter<P> {
+        fn init(config: String) -> Result<Vec<ResourceInfo>, PluginError> {
+            // Drop any previous instance first so a failed re-init leaves "not initialised"
+            // rather than a stale plugin configured from an older config.
+            let cleared = INSTANCE.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut slot) => {
+                    *slot = None;
+                    true
+                }
+                Err(_) => false,
+            });
+            if !cleared {
+                return Err(PluginError::Failed("plugin re-entered".to_string()));
+            }
+            let (plugin, resources) = P::init(&config)?;
+            INSTANCE.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut slot) => {
+                    *slot = Some(Box::new(plugin));
+                    Ok(resources)
+                }
+                Err(_) => Err(PluginError::Failed("plugin re-entered".to_string())),
+            })
+        }
+
+        fn enumerate(resource_name: String) -> Result<Vec<Device>, PluginError> {
+            with_instance(|p| p.enumerate(&resource_name))
+        }
+
+        fn health(
+            resource_name: String,
+            ids: Vec<String>,
+        ) -> Result<Vec<DeviceHealth>, PluginError> {
+            with_instance(|p| p.health(&resource_name, &ids))
+        }
+
+        fn allocate(
+            resource_name: String,
+            ids: Vec<String>,
+        ) -> Result<ContainerEdits, PluginError> {
+            with_instance(|p| p.allocate(&resource_name, &ids))
+        }
+
+        fn prestart(resource_name: String, ids: Vec<String>) -> Result<(), PluginError> {
+            with_instance(|p| p.prestart(&resource_name, &ids))
+        }
+
+        fn preferred(
+            resource_name: String,
+            available: Vec<String>,
+            must_include: Vec<String>,
+            size: u32,
+        ) -> Result<Vec<String>, PluginError> {
+            let size = usize::try_from(size).unwrap_or(usize::MAX);
+            with_instance(|p| p.preferred(&resource_name, &available, &must_include, size))
+        }
+    }
+}
+
+/// Exports a [`Plugin`] implementation as the module's `devicelet:plugin/plugin` interface.
+///
+/// Invoke it once, at the top level of the module's crate:
+///
+/// ```ignore
+/// devicelet_sdk::export_plugin!(MyPlugin);
+/// ```
+#[macro_export]
+macro_rules! export_plugin {
+    ($plugin:ty) => {
+        const _: () = {
+            type __DeviceletPluginExport = $crate::__private::Adapter<$plugin>;
+            $crate::__export_device_plugin_impl!(
+                __DeviceletPluginExport with_types_in $crate::bindings
+            );
+        };
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn default_preferred_puts_must_include_first() {
+        let got = default_preferred(&ids(&["a", "b", "c", "d"]), &ids(&["c"]), 3);
+        assert_eq!(got, ids(&["c", "a", "b"]));
+    }
+
+    #[test]
+    fn default_preferred_never_drops_must_include() {
+        let got = default_preferred(&ids(&["a", "b"]), &ids(&["a", "b"]), 1);
+        assert_eq!(got, ids(&["a", "b"]));
+    }
+
+    #[test]
+    fn health_marks_missing_ids_unhealthy() {
+        let devices = vec![Device::healthy("a"), Device::unhealthy("b")];
+        let got = health_from_devices(&devices, &ids(&["a", "b", "c"]));
+        assert_eq!(
+            got,
+            vec![
+                DeviceHealth::new("a", Health::Healthy),
+                DeviceHealth::new("b", Health::Unhealthy),
+                DeviceHealth::new("c", Health::Unhealthy),
+            ]
+        );
+    }
+}

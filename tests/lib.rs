@@ -1,0 +1,167 @@
+//! Scenario harness: builds the guest modules once per test binary, lays out a fixture node
+//! (device tree + kubelet device-plugin directory), and runs the real agent against the kubelet
+//! simulator over real Unix sockets.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use devicelet::agent::{Agent, AgentOptions};
+use devicelet::config::Registry;
+use devicelet::fixture::{FixtureTree, NodeType};
+use devicelet::kubelet::simulator::Simulator;
+
+/// Generous: the machine is shared and noisy; tests wait on events, this only bounds a hang.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives inside the workspace")
+        .to_owned()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|p| {
+            if p.is_absolute() {
+                p
+            } else {
+                workspace_root().join(p)
+            }
+        })
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+/// The directory of the compiled guest modules, built on first use (cargo makes it a no-op when
+/// they are fresh, and serialises concurrent test binaries on its lock).
+pub fn module_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let _ = Command::new("rustup")
+            .args(["target", "add", "wasm32-wasip2"])
+            .output();
+        let status = cargo()
+            .args([
+                "build",
+                "--quiet",
+                "--release",
+                "--target",
+                "wasm32-wasip2",
+                "-p",
+                "generic-dev",
+                "-p",
+                "misbehaving",
+            ])
+            .status()
+            .expect("running cargo to build the guest modules");
+        assert!(status.success(), "building the guest modules failed");
+        target_dir().join("wasm32-wasip2/release")
+    })
+}
+
+/// The `devicelet` binary, built on first use.
+pub fn devicelet_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let status = cargo()
+            .args(["build", "--quiet", "-p", "devicelet", "--bin", "devicelet"])
+            .status()
+            .expect("running cargo to build devicelet");
+        assert!(status.success(), "building devicelet failed");
+        target_dir().join("debug/devicelet")
+    })
+}
+
+/// A fixture node: its `/` tree, its kubelet (the simulator) and a scratch directory.
+pub struct Node {
+    pub dir: tempfile::TempDir,
+    pub tree: FixtureTree,
+    pub kubelet: Simulator,
+}
+
+impl Node {
+    pub async fn new() -> Node {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tree = FixtureTree::new(&dir.path().join("root")).expect("fixture tree");
+        let kubelet = Simulator::start(&dir.path().join("device-plugins"))
+            .await
+            .expect("starting the kubelet simulator");
+        Node { dir, tree, kubelet }
+    }
+
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.dir.path().join("device-plugins")
+    }
+
+    pub fn add_char(&self, path: &str, major: u32, minor: u32) {
+        self.tree
+            .add_node(path, NodeType::Char, major, minor)
+            .expect("creating a fixture device node");
+    }
+
+    /// Writes a registry whose `host-root` is this node's tree and whose module paths are
+    /// relative to the built guests. `modules` is the `[[module]]` part, TOML.
+    pub fn registry(&self, modules: &str) -> PathBuf {
+        let file = self.dir.path().join("registry.toml");
+        let text = format!(
+            "host-root = {:?}\n\n{}",
+            self.tree.root().display().to_string(),
+            modules.replace("@MODULES@", &module_dir().display().to_string())
+        );
+        std::fs::write(&file, text).expect("writing the registry");
+        file
+    }
+
+    pub async fn start_agent(&self, modules: &str) -> Agent {
+        let registry = Registry::load(&self.registry(modules)).expect("a valid registry");
+        Agent::start(AgentOptions {
+            registry,
+            plugin_dir: self.plugin_dir(),
+        })
+        .await
+        .expect("starting the agent")
+    }
+}
+
+/// The generic-dev module serving the given `[module.config]` TOML, with /dev granted.
+pub fn generic_dev(config: &str) -> String {
+    format!(
+        r#"[[module]]
+name = "generic-dev"
+path = "@MODULES@/generic_dev.wasm"
+health-interval = "100ms"
+call-deadline = "2s"
+
+[module.grants]
+dev = ["/dev/*", "/dev/net/*"]
+
+[module.config]
+{config}
+"#
+    )
+}
+
+/// The misbehaving module with the given config table (inline TOML key/values).
+pub fn misbehaving(name: &str, config: &str, deadline: &str) -> String {
+    format!(
+        r#"[[module]]
+name = "{name}"
+path = "@MODULES@/misbehaving.wasm"
+health-interval = "100ms"
+call-deadline = "{deadline}"
+memory-limit = "16MiB"
+
+[module.config]
+{config}
+"#
+    )
+}

@@ -1,0 +1,169 @@
+//! A module that traps or never returns costs its own resource an error, within its deadline,
+//! and nothing else: the agent keeps serving every other resource.
+
+use std::time::{Duration, Instant};
+
+use devicelet_tests::{Node, WAIT, generic_dev, misbehaving};
+
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+
+async fn assert_other_module_still_allocates(node: &Node) {
+    let fuse = node
+        .kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("the healthy module keeps serving");
+    assert_eq!(fuse.response.devices.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trapping_allocate_is_a_grpc_error_naming_the_module() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!(
+        "{}\n{}",
+        generic_dev(FUSE),
+        misbehaving(
+            "trapper",
+            r#"resource = "bad"
+allocate = "trap""#,
+            "1s"
+        )
+    );
+    let agent = node.start_agent(&modules).await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("bad registered");
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse registered");
+
+    let err = node
+        .kubelet
+        .allocate("devicelet.io/bad", 1)
+        .await
+        .expect_err("a trapping allocate fails the admission");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("trapper") && msg.contains("trapped in allocate"),
+        "{msg}"
+    );
+
+    // The instance was replaced: the module still answers the calls that work.
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.streaming && r.allocatable == 2
+        })
+        .await
+        .expect("the trapping module still lists its devices");
+    assert_other_module_still_allocates(&node).await;
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn looping_allocate_fails_within_its_deadline() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!(
+        "{}\n{}",
+        generic_dev(FUSE),
+        misbehaving(
+            "spinner",
+            r#"resource = "bad"
+allocate = "loop""#,
+            "300ms"
+        )
+    );
+    let agent = node.start_agent(&modules).await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("bad registered");
+
+    let started = Instant::now();
+    let err = node
+        .kubelet
+        .allocate("devicelet.io/bad", 1)
+        .await
+        .expect_err("a looping allocate fails the admission");
+    let took = started.elapsed();
+    let msg = err.to_string();
+    assert!(msg.contains("spinner") && msg.contains("deadline"), "{msg}");
+    // Bounded by the module's deadline, not by the kubelet (which has none): a hang would hit
+    // WAIT-scale times. Generous slack for a loaded machine.
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse registered");
+    assert_other_module_still_allocates(&node).await;
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn module_returning_an_error_is_reported_with_its_message() {
+    let node = Node::new().await;
+    let agent = node
+        .start_agent(&misbehaving(
+            "refuser",
+            r#"resource = "bad"
+allocate = "error""#,
+            "1s",
+        ))
+        .await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("bad registered");
+    let msg = node
+        .kubelet
+        .allocate("devicelet.io/bad", 1)
+        .await
+        .expect_err("the module's error fails the admission")
+        .to_string();
+    assert!(
+        msg.contains("refuser") && msg.contains("requested failure"),
+        "{msg}"
+    );
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn module_preferences_are_used_when_offered() {
+    let node = Node::new().await;
+    let agent = node
+        .start_agent(&misbehaving(
+            "chooser",
+            r#"resource = "bad"
+devices = 4
+preferred = "ok"
+prestart = "ok""#,
+            "1s",
+        ))
+        .await;
+    let state = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 4)
+        .await
+        .expect("bad registered");
+    assert!(state.options.get_preferred_allocation_available && state.options.pre_start_required);
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/bad", 2)
+        .await
+        .expect("allocate");
+    // The module prefers the last ids offered; the kubelet alone would take the first.
+    assert_eq!(a.device_ids, ["dev-2", "dev-3"]);
+    assert_eq!(
+        a.response
+            .envs
+            .get("MISBEHAVING_DEVICES")
+            .map(String::as_str),
+        Some("dev-2,dev-3")
+    );
+    assert!(a.prestarted);
+    agent.shutdown().await;
+}

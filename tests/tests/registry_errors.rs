@@ -1,0 +1,157 @@
+//! `devicelet validate` refuses each kind of bad registry (or bad module) with a message naming
+//! the file, the line and the key (or the module), and accepts a good one.
+
+use std::process::Command;
+
+use devicelet_tests::{Node, devicelet_bin, generic_dev, module_dir};
+
+/// Runs `devicelet validate` on a registry and returns (success, stdout + stderr).
+fn validate(node: &Node, modules: &str) -> (bool, String) {
+    let file = node.registry(modules);
+    let out = Command::new(devicelet_bin())
+        .args(["validate", "--config"])
+        .arg(&file)
+        .output()
+        .expect("running devicelet validate");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn assert_refused(node: &Node, modules: &str, expected: &[&str]) {
+    let (ok, text) = validate(node, modules);
+    assert!(!ok, "validate accepted:\n{modules}\n{text}");
+    for e in expected {
+        assert!(text.contains(e), "expected {e:?} in:\n{text}");
+    }
+}
+
+const GOOD: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#;
+
+#[tokio::test]
+async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
+    let node = Node::new().await;
+    let (ok, text) = validate(&node, &generic_dev(GOOD));
+    assert!(ok, "{text}");
+    assert!(text.contains("resource devicelet.io/fuse"), "{text}");
+    assert!(text.contains("may use device nodes: /dev/*"), "{text}");
+}
+
+#[tokio::test]
+async fn each_kind_of_bad_registry_names_file_line_and_key() {
+    let node = Node::new().await;
+    // The harness writes `host-root = ...` on line 1 and a blank line 2; modules start on line 3.
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\nhelth-interval = \"1s\"\n",
+            &[
+                "registry.toml:6:",
+                "module[0].helth-interval",
+                "unknown key",
+            ],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\ncall-deadline = \"2 s\"\n",
+            &[
+                "registry.toml:6:",
+                "module[0].call-deadline",
+                "invalid duration",
+            ],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\nmemory-limit = 64\n",
+            &["registry.toml:6:", "module[0].memory-limit"],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\ncall-deadline = \"1h\"\n",
+            &["registry.toml:6:", "out of range"],
+        ),
+        (
+            "[[module]]\npath = \"x.wasm\"\n",
+            &["registry.toml:3:", "module[0].name", "missing required key"],
+        ),
+        (
+            "[[module]]\nname = \"Bad_Name\"\npath = \"x.wasm\"\n",
+            &["registry.toml:4:", "module[0].name"],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\n[[module]]\nname = \"a\"\npath = \"y.wasm\"\n",
+            &["registry.toml:7:", "module[1].name", "duplicate"],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\n[module.grants]\ndev = [\"/etc/passwd\"]\n",
+            &["registry.toml:7:", "module[0].grants.dev[0]"],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\nsha256 = \"abc\"\n",
+            &["registry.toml:6:", "module[0].sha256"],
+        ),
+        (
+            "[[module]]\nname = \"a\"\npath = \"x.wasm\"\nhealth-interval = \n",
+            &["registry.toml:6:", "invalid TOML"],
+        ),
+        ("", &["registry.toml:1:", "no modules"]),
+    ];
+    for (modules, expected) in cases {
+        assert_refused(&node, modules, expected);
+    }
+}
+
+#[tokio::test]
+async fn a_missing_or_broken_module_is_named() {
+    let node = Node::new().await;
+    assert_refused(
+        &node,
+        "[[module]]\nname = \"ghost\"\npath = \"/nonexistent/ghost.wasm\"\n",
+        &["module `ghost`", "/nonexistent/ghost.wasm"],
+    );
+    let garbage = node.dir.path().join("garbage.wasm");
+    std::fs::write(&garbage, b"not wasm at all").expect("write");
+    assert_refused(
+        &node,
+        &format!(
+            "[[module]]\nname = \"garbage\"\npath = {:?}\n",
+            garbage.display().to_string()
+        ),
+        &["module `garbage`", "not a valid WebAssembly component"],
+    );
+}
+
+#[tokio::test]
+async fn a_module_importing_an_ungranted_interface_fails_to_load() {
+    let node = Node::new().await;
+    let no_grants = format!(
+        "[[module]]\nname = \"generic-dev\"\npath = \"{}/generic_dev.wasm\"\n[module.config]\n{GOOD}\n",
+        module_dir().display()
+    );
+    assert_refused(
+        &node,
+        &no_grants,
+        &[
+            "module `generic-dev`",
+            "devicelet:plugin/devnodes",
+            "grants",
+        ],
+    );
+}
+
+#[tokio::test]
+async fn a_module_whose_digest_differs_from_the_registry_is_refused() {
+    let node = Node::new().await;
+    let wrong = "0".repeat(64);
+    let modules = generic_dev(GOOD).replace(
+        "health-interval",
+        &format!("sha256 = \"{wrong}\"\nhealth-interval"),
+    );
+    assert_refused(&node, &modules, &["module `generic-dev`", "sha256", &wrong]);
+}
+
+#[tokio::test]
+async fn a_module_rejecting_its_config_is_named_with_its_reason() {
+    let node = Node::new().await;
+    let modules = generic_dev(r#"groups = [{ name = "fuse", pathz = ["/dev/fuse"] }]"#);
+    assert_refused(&node, &modules, &["module `generic-dev`", "pathz"]);
+}
