@@ -122,15 +122,49 @@ impl Node {
     }
 
     pub async fn start_agent(&self, modules: &str) -> Agent {
+        self.start_agent_with(modules, |_| {}).await
+    }
+
+    /// Starts the agent after letting `adjust` change its options.
+    pub async fn start_agent_with(
+        &self,
+        modules: &str,
+        adjust: impl FnOnce(&mut AgentOptions),
+    ) -> Agent {
         let registry = Registry::load(&self.registry(modules)).expect("a valid registry");
-        Agent::start(AgentOptions {
-            registry,
-            plugin_dir: self.plugin_dir(),
-        })
-        .await
-        .expect("starting the agent")
+        let mut options = AgentOptions::new(registry, self.plugin_dir());
+        adjust(&mut options);
+        Agent::start(options).await.expect("starting the agent")
+    }
+
+    /// Options for an agent that keeps a ledger and reconciles it with this node's kubelet.
+    pub fn with_ledger(&self) -> impl FnOnce(&mut AgentOptions) + '_ {
+        move |o| {
+            o.state_dir = Some(self.state_dir());
+            o.pod_resources = Some(self.kubelet.pod_resources_socket().to_owned());
+            o.reconcile_interval = Duration::from_millis(100);
+            o.reconcile_grace = Duration::from_secs(5);
+        }
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
     }
 }
+
+/// Polls `cond` until it holds; for conditions that have no event to wait on.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+impl Node {}
 
 /// The generic-dev module serving the given `[module.config]` TOML, with /dev granted.
 pub fn generic_dev(config: &str) -> String {
@@ -159,6 +193,9 @@ path = "@MODULES@/misbehaving.wasm"
 health-interval = "100ms"
 call-deadline = "{deadline}"
 memory-limit = "16MiB"
+
+[module.grants]
+sysfs = ["/sys/testing"]
 
 [module.config]
 {config}

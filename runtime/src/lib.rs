@@ -8,4 +8,5 @@ pub mod cli;
 pub mod config;
 pub mod fixture;
 pub mod kubelet;
+pub mod ledger;
 pub mod sandbox;

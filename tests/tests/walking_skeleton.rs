@@ -157,11 +157,7 @@ async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask
     // PreStart really runs the module's check: with the adapter gone, the container must not
     // start, and the error names the module.
     node.tree.remove("/dev/ttyUSB1").expect("unplug");
-    let served = agent
-        .resources()
-        .iter()
-        .find(|r| r.name == "devicelet.io/serial")
-        .expect("served");
+    let served = agent.resource("devicelet.io/serial").expect("served");
     let mut plugin =
         DevicePluginClient::new(uds::connect(&served.socket).await.expect("dial plugin"));
     let err = plugin

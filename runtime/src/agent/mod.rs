@@ -1,37 +1,139 @@
-//! The agent: loads every module in the registry and serves each resource it declares.
+//! The agent: loads every module in the registry and serves each resource it declares, keeps
+//! doing so across kubelet restarts, module crashes and registry edits, and keeps the ledger.
 //!
 //! A module that fails to load is reported and skipped; the others are served regardless, so one
 //! broken vendor module never takes the node's other device types down.
 
 mod health;
+mod kubelet_watch;
+mod lifecycle;
+mod modules;
+mod reconcile;
+mod reload;
 mod resource;
+pub mod status;
 
-use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use anyhow::Context;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+use wasmtime::Engine;
 
 use crate::config::Registry;
-use crate::sandbox::loader::load;
-use crate::sandbox::{LoadError, ModuleHandle, engine};
+use crate::ledger::Ledger;
+use crate::sandbox::engine;
 
+pub use modules::start_module;
 pub use resource::{ServedResource, qualify};
 
-/// Where the agent serves and what it serves.
+/// Where the agent serves, what it serves and where it keeps its state.
 #[derive(Debug, Clone)]
 pub struct AgentOptions {
     pub registry: Registry,
     /// The kubelet's device-plugin directory: our sockets go here, next to `kubelet.sock`.
     pub plugin_dir: PathBuf,
+    /// Holds the ledger checkpoint and the status socket. None keeps the ledger in memory and
+    /// serves no status (the demo, most tests).
+    pub state_dir: Option<PathBuf>,
+    /// The kubelet's PodResources socket; None disables reconciliation.
+    pub pod_resources: Option<PathBuf>,
+    pub reconcile_interval: Duration,
+    /// How long a fresh allocation may be missing from PodResources before it counts as ended.
+    pub reconcile_grace: Duration,
+    /// Apply edits of the registry file and replaced module files without a restart.
+    pub hot_reload: bool,
 }
 
-/// A running agent. Dropping it without [`Agent::shutdown`] leaves its tasks running.
+impl AgentOptions {
+    pub fn new(registry: Registry, plugin_dir: PathBuf) -> AgentOptions {
+        AgentOptions {
+            registry,
+            plugin_dir,
+            state_dir: None,
+            pod_resources: None,
+            reconcile_interval: Duration::from_secs(30),
+            reconcile_grace: Duration::from_secs(60),
+            hot_reload: true,
+        }
+    }
+}
+
+/// What the agent's background tasks share.
+pub(crate) struct Shared {
+    engine: Engine,
+    instance: String,
+    plugin_dir: PathBuf,
+    ledger: Ledger,
+    kubelet_events: watch::Receiver<u64>,
+    modules: Mutex<BTreeMap<String, modules::RunningModule>>,
+    load_errors: Mutex<Vec<String>>,
+    reload_error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn serving(&self) -> resource::Serving<'_> {
+        resource::Serving {
+            plugin_dir: &self.plugin_dir,
+            instance: &self.instance,
+            kubelet_events: &self.kubelet_events,
+            ledger: &self.ledger,
+        }
+    }
+
+    fn lock_modules(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, modules::RunningModule>> {
+        self.modules.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_load_errors(&self, errors: Vec<String>) {
+        *self.load_errors.lock().unwrap_or_else(|p| p.into_inner()) = errors;
+    }
+
+    fn resources(&self) -> Vec<ServedResource> {
+        self.lock_modules()
+            .values()
+            .flat_map(|m| m.resources.iter().map(|r| r.served.clone()))
+            .collect()
+    }
+
+    /// Starts the given modules, recording (not failing on) the ones that cannot start.
+    async fn start_modules(&self, registry: &Registry, names: &[String]) -> Vec<String> {
+        let mut errors = Vec::new();
+        for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
+            match modules::start(&self.engine, spec, &registry.host_root, &self.serving()).await {
+                Ok((running, resource_errors)) => {
+                    for r in &running.resources {
+                        tracing::info!(module = spec.name, resource = r.served.name, "serving");
+                    }
+                    errors.extend(resource_errors);
+                    self.lock_modules().insert(spec.name.clone(), running);
+                }
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        for e in &errors {
+            tracing::error!("{e}");
+        }
+        errors
+    }
+
+    async fn stop_module(&self, name: &str) {
+        let running = self.lock_modules().remove(name);
+        if let Some(running) = running {
+            running.stop().await;
+        }
+    }
+}
+
+/// A running agent. Stop it with [`Agent::shutdown`].
 pub struct Agent {
-    resources: Vec<ServedResource>,
-    load_errors: Vec<LoadError>,
+    shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     tasks: JoinSet<()>,
+    _kubelet_watch: kubelet_watch::KubeletWatch,
 }
 
 impl Agent {
@@ -40,91 +142,141 @@ impl Agent {
     pub async fn start(options: AgentOptions) -> anyhow::Result<Agent> {
         let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let instance = instance_id();
+        std::fs::create_dir_all(&options.plugin_dir)
+            .with_context(|| format!("creating {}", options.plugin_dir.display()))?;
+        remove_stale_sockets(&options.plugin_dir, &instance);
+        let kubelet_watch = kubelet_watch::watch_plugin_dir(&options.plugin_dir)
+            .with_context(|| format!("watching {}", options.plugin_dir.display()))?;
+        let ledger = match &options.state_dir {
+            Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,
+            None => Ledger::in_memory(),
+        };
+        let shared = Arc::new(Shared {
+            engine,
+            instance,
+            plugin_dir: options.plugin_dir.clone(),
+            ledger,
+            kubelet_events: kubelet_watch.events.clone(),
+            modules: Mutex::new(BTreeMap::new()),
+            load_errors: Mutex::new(Vec::new()),
+            reload_error: Mutex::new(None),
+        });
+        let names: Vec<String> = options
+            .registry
+            .modules
+            .iter()
+            .map(|m| m.name.clone())
+            .collect();
+        let errors = shared.start_modules(&options.registry, &names).await;
+        shared.set_load_errors(errors);
+
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
-        let mut resources = Vec::new();
-        let mut load_errors = Vec::new();
-        for spec in &options.registry.modules {
-            let handle = match start_module(&engine, spec, &options.registry.host_root).await {
-                Ok(handle) => handle,
-                Err(e) => {
-                    tracing::error!("{e}");
-                    load_errors.push(e);
-                    continue;
-                }
-            };
-            for info in handle.resources() {
-                match resource::serve(
-                    &handle,
-                    spec,
-                    info,
-                    &options.plugin_dir,
-                    &instance,
-                    stopped.clone(),
-                    &mut tasks,
-                )
-                .await
-                {
-                    Ok(served) => resources.push(served),
-                    Err(e) => {
-                        let e = LoadError::Invalid {
-                            module: spec.name.clone(),
-                            message: format!("{e:#}"),
-                        };
-                        tracing::error!("{e}");
-                        load_errors.push(e);
-                    }
-                }
-            }
+        if options.hot_reload {
+            let watcher = reload::RegistryWatch::new(&options.registry)
+                .context("watching the registry for edits")?;
+            tasks.spawn(reload::run(
+                shared.clone(),
+                options.registry.clone(),
+                watcher,
+                stopped.clone(),
+            ));
+        }
+        if let Some(socket) = options.pod_resources.clone() {
+            tasks.spawn(reconcile::run(
+                shared.clone(),
+                socket,
+                options.reconcile_interval,
+                options.reconcile_grace,
+                stopped.clone(),
+            ));
+        }
+        if let Some(dir) = &options.state_dir {
+            let listener = status::bind(dir)?;
+            tasks.spawn(status::serve(shared.clone(), listener, stopped.clone()));
         }
         Ok(Agent {
-            resources,
-            load_errors,
+            shared,
             stop,
             tasks,
+            _kubelet_watch: kubelet_watch,
         })
     }
 
-    pub fn resources(&self) -> &[ServedResource] {
-        &self.resources
+    /// Every resource currently served.
+    pub fn resources(&self) -> Vec<ServedResource> {
+        self.shared.resources()
     }
 
-    /// Modules (or resources) that could not be served, each naming the module.
-    pub fn load_errors(&self) -> &[LoadError] {
-        &self.load_errors
+    /// The served resource called `name`, if any.
+    pub fn resource(&self, name: &str) -> Option<ServedResource> {
+        self.resources().into_iter().find(|r| r.name == name)
     }
 
-    /// Ends the ListAndWatch streams, stops serving and removes our sockets.
+    /// Why modules (or their resources) of the current registry are not served; each names the
+    /// module.
+    pub fn load_errors(&self) -> Vec<String> {
+        self.shared
+            .load_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Why the last registry edit was refused, if it was.
+    pub fn reload_error(&self) -> Option<String> {
+        self.shared
+            .reload_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.shared.ledger
+    }
+
+    /// What `devicelet status` shows.
+    pub fn status(&self) -> status::Status {
+        status::collect(&self.shared)
+    }
+
+    /// Ends the ListAndWatch streams, stops serving, removes our sockets and flushes the ledger.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
         while self.tasks.join_next().await.is_some() {}
-        for r in &self.resources {
-            let _ = std::fs::remove_file(&r.socket);
+        let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();
+        for name in names {
+            self.shared.stop_module(&name).await;
+        }
+        if let Err(e) = self.shared.ledger.flush() {
+            tracing::error!("flushing the ledger: {e}");
         }
     }
 }
 
-/// Compiles (on a blocking thread), instantiates and initialises one module.
-pub async fn start_module(
-    engine: &wasmtime::Engine,
-    spec: &crate::config::ModuleSpec,
-    host_root: &std::path::Path,
-) -> Result<ModuleHandle, LoadError> {
-    let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
-    let loaded = tokio::task::spawn_blocking(move || load(&engine, &spec_owned, &root))
-        .await
-        .map_err(|e| LoadError::Invalid {
-            module: spec.name.clone(),
-            message: format!("loader panicked: {e}"),
-        })??;
-    ModuleHandle::start(loaded).await
-}
-
-/// Unique per agent process, so a rolling upgrade never has two agents on one socket file.
 fn instance_id() -> String {
     let millis = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis())
         .unwrap_or_default();
     format!("{millis}-{}", std::process::id())
+}
+
+/// Sockets left by an earlier agent (killed before it could clean up) would make the kubelet's
+/// dial fail confusingly and accumulate; ours are recreated anyway.
+fn remove_stale_sockets(plugin_dir: &Path, instance: &str) {
+    let Ok(entries) = std::fs::read_dir(plugin_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with("devicelet-") && name.ends_with(".sock") && !name.contains(instance) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!("removed stale socket {name} of an earlier agent"),
+                Err(e) => tracing::warn!("cannot remove stale socket {name}: {e}"),
+            }
+        }
+    }
 }

@@ -1,24 +1,20 @@
-//! Serving one resource: its socket, its DevicePlugin server, its device watcher and its
-//! registration with the kubelet.
+//! Serving one resource: its device watcher and its lifecycle with the kubelet.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use anyhow::Context;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio::task::JoinHandle;
 
 use super::health;
+use super::lifecycle::Lifecycle;
 use crate::config::ModuleSpec;
-use crate::kubelet::api::deviceplugin::{
-    DevicePluginOptions, device_plugin_server::DevicePluginServer,
-};
+use crate::kubelet::api::deviceplugin::DevicePluginOptions;
+use crate::kubelet::names;
 use crate::kubelet::plugin_server::{ResourcePlugin, Snapshot};
-use crate::kubelet::{names, registration, uds};
+use crate::ledger::Ledger;
 use crate::sandbox::{ModuleHandle, ResourceInfo};
 
-/// A resource the agent serves.
+/// A resource the agent serves, as others (status, tests) may observe it.
 #[derive(Debug, Clone)]
 pub struct ServedResource {
     /// The extended resource name the kubelet knows (`vendor.com/type`).
@@ -27,6 +23,27 @@ pub struct ServedResource {
     pub socket: PathBuf,
     pub options: DevicePluginOptions,
     pub devices: watch::Receiver<Snapshot>,
+    /// How many times the kubelet accepted our registration (once per kubelet start).
+    pub registrations: watch::Receiver<u32>,
+}
+
+/// A served resource and what stops it.
+pub struct RunningResource {
+    pub served: ServedResource,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningResource {
+    /// Ends its ListAndWatch stream (the kubelet sees allocatable drop to 0), stops serving and
+    /// removes its socket.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        let _ = std::fs::remove_file(&self.served.socket);
+    }
 }
 
 /// A bare suffix gets the module's domain; a full name is kept as the module gave it.
@@ -38,30 +55,37 @@ pub fn qualify(domain: &str, name: &str) -> String {
     }
 }
 
+/// Where and as whom to serve.
+pub struct Serving<'a> {
+    pub plugin_dir: &'a Path,
+    /// Unique per agent process, so a rolling upgrade never has two agents on one socket file.
+    pub instance: &'a str,
+    pub kubelet_events: &'a watch::Receiver<u64>,
+    pub ledger: &'a Ledger,
+}
+
 pub async fn serve(
     module: &ModuleHandle,
     spec: &ModuleSpec,
     info: &ResourceInfo,
-    plugin_dir: &Path,
-    instance: &str,
-    stop: watch::Receiver<bool>,
-    tasks: &mut JoinSet<()>,
-) -> anyhow::Result<ServedResource> {
+    at: &Serving<'_>,
+) -> Result<RunningResource, String> {
     let name = qualify(&spec.resource_domain, &info.name);
     names::validate_resource_name(&name)
-        .map_err(|e| anyhow::anyhow!("declared an invalid resource name: {e}"))?;
+        .map_err(|e| format!("declared an invalid resource name: {e}"))?;
     let endpoint = format!(
-        "devicelet-{}-{instance}.sock",
-        name.replace(['/', '.'], "_")
+        "devicelet-{}-{}.sock",
+        name.replace(['/', '.'], "_"),
+        at.instance
     );
-    let socket = plugin_dir.join(&endpoint);
     let options = DevicePluginOptions {
         pre_start_required: info.prestart,
         get_preferred_allocation_available: info.preferred_allocation,
     };
+    let (stop_tx, stop) = watch::channel(false);
 
     let (devices_tx, devices) = watch::channel(health::initial(module, &info.name).await);
-    tasks.spawn(health::watch_devices(
+    let watcher = tokio::spawn(health::watch_devices(
         module.clone(),
         info.name.clone(),
         spec.health_interval,
@@ -69,76 +93,39 @@ pub async fn serve(
         stop.clone(),
     ));
 
-    std::fs::create_dir_all(plugin_dir)
-        .with_context(|| format!("creating {}", plugin_dir.display()))?;
-    let listener = uds::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
     let plugin = ResourcePlugin::new(
+        &name,
         &info.name,
         module.clone(),
         options,
         devices.clone(),
+        at.ledger.clone(),
         stop.clone(),
     );
-    let mut shutdown = stop.clone();
-    let server_name = name.clone();
-    tasks.spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .add_service(DevicePluginServer::new(plugin))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                let _ = shutdown.wait_for(|s| *s).await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(resource = server_name, "device-plugin server failed: {e}");
+    let (registrations_tx, registrations) = watch::channel(0);
+    let lifecycle = tokio::spawn(
+        Lifecycle {
+            plugin_dir: at.plugin_dir.to_owned(),
+            endpoint: endpoint.clone(),
+            resource: name.clone(),
+            options,
+            plugin,
+            kubelet_events: at.kubelet_events.clone(),
+            stop,
+            registrations: registrations_tx,
         }
-    });
-    tasks.spawn(register_until_accepted(
-        plugin_dir.to_owned(),
-        endpoint,
-        name.clone(),
-        options,
-        stop,
-    ));
-    Ok(ServedResource {
-        name,
-        module: spec.name.clone(),
-        socket,
-        options,
-        devices,
+        .run(),
+    );
+    Ok(RunningResource {
+        served: ServedResource {
+            name,
+            module: spec.name.clone(),
+            socket: at.plugin_dir.join(endpoint),
+            options,
+            devices,
+            registrations,
+        },
+        stop: stop_tx,
+        tasks: vec![watcher, lifecycle],
     })
-}
-
-const FIRST_RETRY: Duration = Duration::from_millis(20);
-const LAST_RETRY: Duration = Duration::from_secs(5);
-
-/// The kubelet may not be up yet, or its socket may exist a moment before it accepts: retry
-/// fast at first, then back off, and log the trouble once rather than in a loop.
-async fn register_until_accepted(
-    plugin_dir: PathBuf,
-    endpoint: String,
-    resource: String,
-    options: DevicePluginOptions,
-    mut stop: watch::Receiver<bool>,
-) {
-    let mut delay = FIRST_RETRY;
-    let mut complained = false;
-    loop {
-        match registration::register(&plugin_dir, &endpoint, &resource, options).await {
-            Ok(()) => {
-                tracing::info!(resource, endpoint, "registered with the kubelet");
-                return;
-            }
-            Err(e) => {
-                if !complained {
-                    tracing::warn!(resource, "{e}; retrying with backoff");
-                    complained = true;
-                }
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = stop.wait_for(|s| *s) => return,
-        }
-        delay = (delay * 2).min(LAST_RETRY);
-    }
 }

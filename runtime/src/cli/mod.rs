@@ -3,6 +3,7 @@
 mod demo;
 mod run;
 pub mod simulate;
+mod status;
 mod validate;
 
 use clap::{Parser, Subcommand};
@@ -27,6 +28,8 @@ pub enum Command {
     Run(run::RunArgs),
     /// Check a registry and load its modules without serving anything.
     Validate(validate::ValidateArgs),
+    /// Show what a running agent serves: resources, devices, health and holders.
+    Status(status::StatusArgs),
     /// Run the built-in kubelet simulator, for trying a module locally.
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
@@ -37,6 +40,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args).await,
         Command::Validate(args) => validate::run(args).await,
+        Command::Status(args) => status::run(args).await,
         Command::Simulate(args) => simulate::run(args).await,
         Command::Demo(args) => demo::run(args).await,
     }

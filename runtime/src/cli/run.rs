@@ -15,16 +15,29 @@ pub struct RunArgs {
     /// The kubelet's device-plugin directory, where `kubelet.sock` lives.
     #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
     pub kubelet_dir: PathBuf,
+    /// The kubelet's PodResources socket, asked which pod holds which device.
+    #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
+    pub pod_resources_socket: PathBuf,
+    /// Where the allocation ledger and the status socket live (created 0700).
+    #[arg(long, default_value = "/var/lib/devicelet")]
+    pub state_dir: PathBuf,
+    /// How often the ledger is reconciled with PodResources, e.g. 30s.
+    #[arg(long, default_value = "30s", value_parser = crate::config::parse_duration)]
+    pub reconcile_interval: std::time::Duration,
+    /// Ignore edits of the registry and module files until restarted.
+    #[arg(long)]
+    pub no_hot_reload: bool,
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
-    let agent = Agent::start(AgentOptions {
-        registry,
-        plugin_dir: args.kubelet_dir,
-    })
-    .await
-    .context("starting the agent")?;
+    let mut options = AgentOptions::new(registry, args.kubelet_dir);
+    options.state_dir = Some(args.state_dir);
+    options.pod_resources = Some(args.pod_resources_socket);
+    options.reconcile_interval = args.reconcile_interval;
+    options.reconcile_grace = args.reconcile_interval * 2;
+    options.hot_reload = !args.no_hot_reload;
+    let agent = Agent::start(options).await.context("starting the agent")?;
     for r in agent.resources() {
         tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");
     }

@@ -4,13 +4,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::kubelet::api::deviceplugin::Device;
 use crate::kubelet::names;
-use crate::kubelet::simulator::{Allocation, SimEvent, Simulator};
+use crate::kubelet::simulator::{Allocation, SimConfig, SimEvent, Simulator};
 
 /// Arguments of `devicelet simulate`.
 #[derive(clap::Args, Debug)]
@@ -21,8 +22,23 @@ pub struct SimulateArgs {
     pub dir: PathBuf,
     /// e.g. `--allocate devicelet.io/fuse=2`: after that resource registers, allocate 2 devices
     /// once and print the response. Repeatable.
+    /// Each allocation goes to a new pod, `default/pod-<allocation id>`, container `main`, as
+    /// the PodResources API then reports it.
     #[arg(long)]
     pub allocate: Vec<String>,
+    /// Where to serve the PodResources API (`v1.PodResourcesLister`). Default:
+    /// `pod-resources/kubelet.sock` next to `--dir`, as on a node.
+    #[arg(long)]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Restart the simulated kubelet this often (e.g. `30s`, `5m`), to watch a plugin recover:
+    /// each restart deletes the sockets in `--dir` and re-creates `kubelet.sock`, and every
+    /// plugin must register again. Allocations survive, as in the kubelet's checkpoint.
+    #[arg(long, value_parser = crate::config::parse_duration)]
+    pub restart_every: Option<Duration>,
+    /// After a restart, how long `kubelet.sock` exists before it accepts connections (connecting
+    /// earlier is refused), as on a node where a plugin can see the file a moment too early.
+    #[arg(long, default_value = "50ms", value_parser = crate::config::parse_duration)]
+    pub accept_delay: Duration,
 }
 
 /// One `--allocate RESOURCE=COUNT` request.
@@ -60,26 +76,58 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .map(|text| parse_request(text))
         .collect::<anyhow::Result<Vec<_>>>()?;
 
-    let sim = Simulator::start(&args.dir).await.with_context(|| {
-        format!(
-            "cannot start the kubelet simulator in {}",
-            args.dir.display()
-        )
-    })?;
+    if args.restart_every.is_some_and(|every| every.is_zero()) {
+        bail!("--restart-every must be longer than 0");
+    }
+
+    let config = SimConfig {
+        accept_delay: args.accept_delay,
+        pod_resources_socket: args.pod_resources_socket.clone(),
+        ..SimConfig::default()
+    };
+    let sim = Simulator::start_with(&args.dir, config)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot start the kubelet simulator in {}",
+                args.dir.display()
+            )
+        })?;
     let mut events = sim.events();
     println!(
         "simulated kubelet listening on {}; waiting for device plugins to register",
         sim.socket().display()
     );
+    println!(
+        "PodResources API (v1.PodResourcesLister) on {}",
+        sim.pod_resources_socket().display()
+    );
+    if let Some(every) = args.restart_every {
+        println!("restarting the simulated kubelet every {every:?}");
+    }
 
     let stop = super::stop_signal();
     tokio::pin!(stop);
+    let mut restarts = args.restart_every.map(|every| {
+        let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval
+    });
+    let mut restart_count = 0u64;
     let mut last_devices: BTreeMap<String, Vec<Device>> = BTreeMap::new();
     loop {
         let event = tokio::select! {
             result = &mut stop => {
                 result?;
                 break;
+            }
+            () = next_restart(restarts.as_mut()) => {
+                restart_count += 1;
+                println!("restarting the simulated kubelet (restart {restart_count})");
+                sim.restart()
+                    .await
+                    .context("restarting the simulated kubelet")?;
+                continue;
             }
             event = events.recv() => event,
         };
@@ -125,6 +173,16 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The next `--restart-every` tick; never without the option.
+async fn next_restart(restarts: Option<&mut tokio::time::Interval>) {
+    match restarts {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// A line (or block) for an event; snapshots show what changed since the last one.
 fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) -> Option<String> {
     Some(match event {
@@ -167,8 +225,14 @@ fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) 
             format!("{resource}: {reason}; allocatable is now 0")
         }
         SimEvent::Restarted { sockets_removed } => {
-            format!("simulated kubelet restarted ({sockets_removed} sockets removed)")
+            // The new kubelet knows no devices until the plugins register again.
+            last_devices.clear();
+            format!(
+                "simulated kubelet restarted ({sockets_removed} sockets removed); every plugin must \
+             register again"
+            )
         }
+        SimEvent::Serving => "kubelet.sock accepts connections again".to_owned(),
         SimEvent::Allocated { .. } | SimEvent::Released { .. } => return None,
     })
 }
@@ -211,9 +275,12 @@ fn numa(device: &Device) -> String {
 fn format_allocation(allocation: &Allocation) -> String {
     let response = &allocation.response;
     let mut text = format!(
-        "allocation {} of {}: {}",
+        "allocation {} of {} to pod {}/{} container {}: {}",
         allocation.id,
         allocation.resource,
+        allocation.pod.namespace,
+        allocation.pod.name,
+        allocation.pod.container,
         allocation.device_ids.join(", ")
     );
     match &allocation.preferred {
@@ -312,6 +379,7 @@ mod tests {
     use crate::kubelet::api::deviceplugin::{
         CdiDevice, ContainerAllocateResponse, DeviceSpec, HEALTHY, Mount, UNHEALTHY,
     };
+    use crate::kubelet::simulator::PodRef;
 
     #[test]
     fn parses_allocation_requests() {
@@ -355,6 +423,7 @@ mod tests {
     fn prints_the_whole_response() {
         let allocation = Allocation {
             id: 1,
+            pod: PodRef::generated(1),
             resource: "devicelet.io/fuse".into(),
             device_ids: vec!["fuse-0".into()],
             preferred: None,
@@ -383,7 +452,7 @@ mod tests {
         };
         let text = format_allocation(&allocation);
         for expected in [
-            "allocation 1 of devicelet.io/fuse: fuse-0",
+            "allocation 1 of devicelet.io/fuse to pod default/pod-1 container main: fuse-0",
             "envs:\n    A=1\n    B=2",
             "/h -> /c (read-only)",
             "/dev/fuse -> /dev/fuse (rw)",

@@ -45,6 +45,8 @@ mod names;
 mod registry;
 mod source;
 mod units;
+
+pub use units::parse_duration;
 mod value;
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ const SIZE_HELP: &str =
     "expected a whole number followed by a unit (B, KiB, MiB, GiB, or KB, MB, GB), e.g. 64MiB";
 
 /// Parses `"<digits><unit>"` with unit `ms`, `s`, `m` or `h`.
-pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let invalid = || format!("invalid duration {text:?}: {DURATION_HELP}");
     let (number, unit) = split_number(text).ok_or_else(invalid)?;
     let millis_per_unit: u64 = match unit {

@@ -10,6 +10,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::api::deviceplugin as api;
+use crate::ledger::Ledger;
 use crate::sandbox::{CallError, ContainerEdits, Device, Health, ModuleHandle};
 
 /// The device set the kubelet sees: replaced as a whole whenever anything in it changes.
@@ -18,28 +19,35 @@ pub type Snapshot = Arc<Vec<Device>>;
 /// What the kubelet reaches through one socket.
 #[derive(Clone)]
 pub struct ResourcePlugin {
+    /// The extended resource name, as the kubelet and the ledger know it.
+    resource: Arc<str>,
     /// The module's own name for the resource (what it declared in `init`).
     local: Arc<str>,
     module: ModuleHandle,
     options: api::DevicePluginOptions,
     devices: watch::Receiver<Snapshot>,
+    ledger: Ledger,
     /// Flips to true when the agent stops, ending every ListAndWatch stream.
     stop: watch::Receiver<bool>,
 }
 
 impl ResourcePlugin {
     pub fn new(
+        resource: &str,
         local: &str,
         module: ModuleHandle,
         options: api::DevicePluginOptions,
         devices: watch::Receiver<Snapshot>,
+        ledger: Ledger,
         stop: watch::Receiver<bool>,
     ) -> Self {
         ResourcePlugin {
+            resource: resource.into(),
             local: local.into(),
             module,
             options,
             devices,
+            ledger,
             stop,
         }
     }
@@ -179,9 +187,17 @@ impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
         for c in request.into_inner().container_requests {
             let edits = self
                 .module
-                .allocate(&self.local, c.devices_ids)
+                .allocate(&self.local, c.devices_ids.clone())
                 .await
                 .map_err(status)?;
+            // The container gets its devices even if the checkpoint cannot be written; the
+            // next PodResources reconciliation adopts the allocation.
+            if let Err(e) = self.ledger.record(&self.resource, &c.devices_ids) {
+                tracing::error!(
+                    resource = &*self.resource,
+                    "allocation not checkpointed: {e}"
+                );
+            }
             container_responses.push(edits_to_wire(edits));
         }
         Ok(Response::new(api::AllocateResponse {

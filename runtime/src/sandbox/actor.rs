@@ -35,18 +35,29 @@ type Work = Box<dyn for<'a> FnOnce(&'a mut Instance) -> BoxFuture<'a, bool> + Se
 struct Job {
     due: Instant,
     work: Work,
+    /// Answers the caller without running `work`.
+    refuse: Box<dyn FnOnce(String) + Send>,
+}
+
+impl Job {
+    fn refuse(self, reason: String) {
+        (self.refuse)(reason)
+    }
 }
 
 /// How a call failed inside the instance.
 enum Failure {
     Plugin(PluginError),
     Trap(String),
+    /// The instance is down (crashed, backing off); the call never reached the module.
+    Unavailable(String),
 }
 
 /// A cheap handle to a running module. Clones share the module's actor.
 #[derive(Clone)]
 pub struct ModuleHandle {
     name: Arc<str>,
+    digest: Arc<str>,
     deadline: Duration,
     resources: Arc<[ResourceInfo]>,
     jobs: mpsc::Sender<Job>,
@@ -56,6 +67,7 @@ impl ModuleHandle {
     /// Instantiates the module, calls `init` with its config and starts its actor.
     pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
+        let digest = module.digest.as_str().into();
         let deadline = module.spec.call_deadline;
         let config = module.spec.config.to_string();
         let (instance, resources) = instantiate(&module, &config).await.map_err(|e| match e {
@@ -67,7 +79,7 @@ impl ModuleHandle {
                     error,
                 },
             },
-            Failure::Trap(message) => LoadError::Init {
+            Failure::Trap(message) | Failure::Unavailable(message) => LoadError::Init {
                 module: name.to_string(),
                 source: CallError::Trap {
                     module: name.to_string(),
@@ -80,6 +92,7 @@ impl ModuleHandle {
         tokio::spawn(run(module, config, Some(instance), rx));
         Ok(ModuleHandle {
             name,
+            digest,
             deadline,
             resources: resources.into(),
             jobs,
@@ -88,6 +101,11 @@ impl ModuleHandle {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// sha256 of the module file this instance was compiled from.
+    pub fn digest(&self) -> &str {
+        &self.digest
     }
 
     /// The resources the module declared at `init`.
@@ -181,14 +199,24 @@ impl ModuleHandle {
     {
         let due = Instant::now() + self.deadline;
         let (tx, rx) = oneshot::channel::<Result<T, Failure>>();
+        // Whichever of `work` and `refuse` the actor runs answers the caller.
+        let reply = Arc::new(std::sync::Mutex::new(Some(tx)));
+        let refuse_reply = reply.clone();
+        let refuse = Box::new(move |reason: String| {
+            if let Some(tx) = refuse_reply.lock().ok().and_then(|mut tx| tx.take()) {
+                let _ = tx.send(Err(Failure::Unavailable(reason)));
+            }
+        });
         let work: Work = Box::new(move |instance| {
             Box::pin(async move {
-                let (answer, poisoned) = match f(instance).await {
+                let (result, poisoned) = match f(instance).await {
                     Ok(Ok(v)) => (Ok(v), false),
                     Ok(Err(e)) => (Err(Failure::Plugin(e.into())), false),
                     Err(trap) => (Err(Failure::Trap(format!("{trap:#}"))), true),
                 };
-                let _ = tx.send(answer);
+                if let Some(tx) = reply.lock().ok().and_then(|mut tx| tx.take()) {
+                    let _ = tx.send(result);
+                }
                 poisoned
             })
         });
@@ -198,10 +226,15 @@ impl ModuleHandle {
             call: kind,
             deadline: self.deadline,
         };
-        let sent = tokio::time::timeout_at(due, self.jobs.send(Job { due, work })).await;
+        let sent = tokio::time::timeout_at(due, self.jobs.send(Job { due, work, refuse })).await;
         match sent {
             Err(_) => return Err(deadline_error()),
-            Ok(Err(_)) => return Err(CallError::Unavailable { module }),
+            Ok(Err(_)) => {
+                return Err(CallError::Unavailable {
+                    module,
+                    reason: "its actor has stopped".into(),
+                });
+            }
             Ok(Ok(())) => {}
         }
         match tokio::time::timeout_at(due, rx).await {
@@ -217,6 +250,9 @@ impl ModuleHandle {
                 call: kind,
                 message,
             }),
+            Ok(Ok(Err(Failure::Unavailable(reason)))) => {
+                Err(CallError::Unavailable { module, reason })
+            }
         }
     }
 }
@@ -263,28 +299,66 @@ async fn instantiate(
     }
 }
 
+/// First wait before re-instantiating a crashed module; doubles on every crash in a row.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// When a crashed module may be instantiated again, and how long the next wait will be.
+struct Backoff {
+    retry_at: Option<Instant>,
+    next: Duration,
+}
+
+impl Backoff {
+    fn crashed(&mut self) {
+        self.retry_at = Some(Instant::now() + self.next);
+        self.next = (self.next * 2).min(MAX_BACKOFF);
+    }
+
+    fn succeeded(&mut self) {
+        self.retry_at = None;
+        self.next = FIRST_BACKOFF;
+    }
+}
+
 async fn run(
     module: LoadedModule,
     config: String,
     mut instance: Option<Instance>,
     mut jobs: mpsc::Receiver<Job>,
 ) {
+    let name = &*module.name;
+    let mut backoff = Backoff {
+        retry_at: None,
+        next: FIRST_BACKOFF,
+    };
     while let Some(job) = jobs.recv().await {
         if Instant::now() >= job.due {
             continue;
         }
         if instance.is_none() {
+            if let Some(at) = backoff.retry_at.filter(|at| Instant::now() < *at) {
+                job.refuse(format!(
+                    "restarting after a crash; next attempt in {:?}",
+                    at - Instant::now()
+                ));
+                continue;
+            }
             match instantiate(&module, &config).await {
                 Ok((fresh, _)) => {
-                    tracing::info!(module = &*module.name, "module re-instantiated");
+                    tracing::info!(module = name, "module re-instantiated");
                     instance = Some(fresh);
                 }
                 Err(Failure::Plugin(e)) => {
-                    tracing::warn!(module = &*module.name, "re-instantiation failed: {e}");
+                    tracing::warn!(module = name, "re-instantiation failed: {e}");
+                    backoff.crashed();
+                    job.refuse(format!("re-instantiation failed: {e}"));
                     continue;
                 }
-                Err(Failure::Trap(m)) => {
-                    tracing::warn!(module = &*module.name, "re-instantiation failed: {m}");
+                Err(Failure::Trap(m) | Failure::Unavailable(m)) => {
+                    tracing::warn!(module = name, "re-instantiation failed: {m}");
+                    backoff.crashed();
+                    job.refuse(format!("re-instantiation failed: {m}"));
                     continue;
                 }
             }
@@ -296,7 +370,7 @@ async fn run(
             Ok(poisoned) => poisoned,
             Err(_) => {
                 tracing::warn!(
-                    module = &*module.name,
+                    module = name,
                     "call missed its deadline; instance discarded"
                 );
                 true
@@ -304,6 +378,9 @@ async fn run(
         };
         if poisoned {
             instance = None;
+            backoff.crashed();
+        } else {
+            backoff.succeeded();
         }
     }
 }

@@ -93,6 +93,6 @@ pub enum CallError {
         call: CallKind,
         message: String,
     },
-    #[error("module `{module}` is not running")]
-    Unavailable { module: String },
+    #[error("module `{module}` is not running: {reason}")]
+    Unavailable { module: String, reason: String },
 }

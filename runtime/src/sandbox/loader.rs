@@ -23,6 +23,8 @@ pub struct LoadedModule {
     pub(crate) host_root: Arc<PathBuf>,
     pub(crate) grants: Arc<Grants>,
     pub(crate) pre: DevicePluginPre<HostState>,
+    /// sha256 of the `.wasm` file, lowercase hex: tells a hot reload whether the file changed.
+    pub digest: String,
 }
 
 /// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread.
@@ -37,16 +39,16 @@ pub fn load(
         path: spec.path.clone(),
         source,
     })?;
-    if let Some(expected) = &spec.sha256 {
-        let actual = hex(&Sha256::digest(&bytes));
-        if &actual != expected {
-            return Err(LoadError::Digest {
-                module: module.clone(),
-                path: spec.path.clone(),
-                expected: expected.clone(),
-                actual,
-            });
-        }
+    let digest = hex(&Sha256::digest(&bytes));
+    if let Some(expected) = &spec.sha256
+        && &digest != expected
+    {
+        return Err(LoadError::Digest {
+            module: module.clone(),
+            path: spec.path.clone(),
+            expected: expected.clone(),
+            actual: digest,
+        });
     }
     let component = Component::from_binary(engine, &bytes).map_err(|e| LoadError::Compile {
         module: module.clone(),
@@ -74,6 +76,7 @@ pub fn load(
         host_root: Arc::new(host_root.to_owned()),
         grants: Arc::new(spec.grants.clone()),
         pre,
+        digest,
     })
 }
 

@@ -1,8 +1,8 @@
 //! A deliberately bad devicelet module, for exercising the host's sandbox in tests: it traps,
 //! spins, fails or eats memory on demand. Never deploy it.
 //!
-//! It imports only `devicelet:plugin/log` (no sysfs or /dev grants needed) and serves one
-//! resource of made-up devices.
+//! It imports `devicelet:plugin/log` and `devicelet:plugin/sysfs` (for the `switch` file, so
+//! its registry entry needs a sysfs grant) and serves one resource of made-up devices.
 //!
 //! # Config
 //!
@@ -19,6 +19,8 @@
 //! allocate = "ok"
 //! prestart = "ok"
 //! preferred = "ok"
+//! switch = "/sys/testing/switch"  # optional: a granted sysfs file whose content, read at every
+//!                                 # enumerate, overrides the enumerate mode while it exists
 //! ```
 //!
 //! Modes, applied at the start of each call (for `init`, once the config has parsed):
@@ -28,7 +30,8 @@
 //! - `"loop"`: spin forever without returning, so the host's deadline has to interrupt it;
 //! - `"error"`: return `PluginError::Failed("requested failure")`;
 //! - `"memory"`: allocate and touch 1 MiB blocks, keeping them all, until allocation fails
-//!   (which traps); meant for `allocate`, accepted for every call.
+//!   (which traps); meant for `allocate`, accepted for every call;
+//! - `"unhealthy"`: like `"ok"`, but enumerate reports every device Unhealthy.
 //!
 //! Setting `prestart` or `preferred` at all (to any mode, `"ok"` included) makes the resource ask
 //! the kubelet for the call (`ResourceInfo::prestart` / `preferred_allocation`); leaving the key
@@ -61,6 +64,7 @@ enum Mode {
     Loop,
     Error,
     Memory,
+    Unhealthy,
 }
 
 #[derive(Debug, Deserialize)]
@@ -84,6 +88,10 @@ struct Config {
     /// `Some` asks for preferred-allocation calls.
     #[serde(default)]
     preferred: Option<Mode>,
+    /// A sysfs file overriding `enumerate` while it exists, so a test can change the module's
+    /// behaviour at run time.
+    #[serde(default)]
+    switch: Option<String>,
 }
 
 fn default_resource() -> String {
@@ -97,7 +105,7 @@ fn default_devices() -> u32 {
 /// Runs `mode` for the call named `call`; returns only for [`Mode::Ok`].
 fn misbehave(call: &str, mode: Mode) -> Result<(), PluginError> {
     match mode {
-        Mode::Ok => Ok(()),
+        Mode::Ok | Mode::Unhealthy => Ok(()),
         Mode::Error => Err(PluginError::Failed("requested failure".to_string())),
         Mode::Trap => panic!("misbehaving: {call} traps as configured"),
         Mode::Loop => spin(),
@@ -167,8 +175,23 @@ impl Plugin for Misbehaving {
     }
 
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
-        self.check("enumerate", self.config.enumerate, resource)?;
-        Ok(self.ids.iter().map(Device::healthy).collect())
+        let mode = match &self.config.switch {
+            Some(file) => match devicelet_sdk::sysfs::read_to_string(file) {
+                Ok(text) => serde_json::from_value(serde_json::Value::String(text))
+                    .map_err(|e| PluginError::Failed(format!("{file}: {e}")))?,
+                Err(_) => self.config.enumerate,
+            },
+            None => self.config.enumerate,
+        };
+        self.check("enumerate", mode, resource)?;
+        Ok(self
+            .ids
+            .iter()
+            .map(|id| match mode {
+                Mode::Unhealthy => Device::unhealthy(id),
+                _ => Device::healthy(id),
+            })
+            .collect())
     }
 
     fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {

@@ -48,11 +48,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         plugin_dir.join("kubelet.sock").display()
     );
 
-    let agent = Agent::start(AgentOptions {
-        registry,
-        plugin_dir: plugin_dir.clone(),
-    })
-    .await?;
+    let mut options = AgentOptions::new(registry, plugin_dir.clone());
+    options.hot_reload = false;
+    let agent = Agent::start(options).await?;
     if let Some(e) = agent.load_errors().first() {
         anyhow::bail!("{e}");
     }

@@ -10,7 +10,7 @@ use super::Simulator;
 use super::endpoint;
 use super::error::SimError;
 use super::events::SimEvent;
-use super::state::Allocation;
+use super::state::{Allocation, PodRef, Registry};
 
 impl Simulator {
     /// Allocates `count` devices of `resource` to one container, exactly as the kubelet does:
@@ -35,7 +35,46 @@ impl Simulator {
     /// that stalls holds up every other allocation too. The kubelet sets no deadline on the
     /// options, preferred and allocate calls; the simulator reports [`SimError::Stalled`] after
     /// [`SimConfig::stall_limit`](super::SimConfig::stall_limit).
+    ///
+    /// The container is a new pod's: `default/pod-<allocation id>`, container `main`
+    /// ([`PodRef::generated`]). [`allocate_for`](Self::allocate_for) names the container.
     pub async fn allocate(&self, resource: &str, count: usize) -> Result<Allocation, SimError> {
+        self.admit(None, resource, count).await
+    }
+
+    /// [`allocate`](Self::allocate) for a named container: the allocation is reported under
+    /// `pod` by the PodResources API (`List`, `Get`) until [`release`](Self::release) or
+    /// [`terminate_pod`](Self::terminate_pod). Several containers of a pod, and several
+    /// resources of a container, may hold devices; a container that already holds devices of
+    /// `resource` is refused ([`SimError::AlreadyAllocated`]), as the kubelet allocates once per
+    /// container and resource. Namespace, pod and container names must not be empty.
+    pub async fn allocate_for(
+        &self,
+        pod: &PodRef,
+        resource: &str,
+        count: usize,
+    ) -> Result<Allocation, SimError> {
+        for (what, value) in [
+            ("namespace", &pod.namespace),
+            ("pod name", &pod.name),
+            ("container name", &pod.container),
+        ] {
+            if value.is_empty() {
+                return Err(SimError::InvalidPod {
+                    pod: pod.clone(),
+                    reason: format!("the {what} is empty"),
+                });
+            }
+        }
+        self.admit(Some(pod), resource, count).await
+    }
+
+    async fn admit(
+        &self,
+        pod: Option<&PodRef>,
+        resource: &str,
+        count: usize,
+    ) -> Result<Allocation, SimError> {
         let inner = &self.inner;
         if count == 0 {
             return Err(SimError::ZeroCount {
@@ -46,6 +85,15 @@ impl Simulator {
 
         let (mut client, options, candidates) = {
             let registry = inner.lock();
+            if let Some(pod) = pod
+                && let Some(allocation_id) = registry.held_by(pod, resource)
+            {
+                return Err(SimError::AlreadyAllocated {
+                    pod: pod.clone(),
+                    resource: resource.to_owned(),
+                    allocation_id,
+                });
+            }
             let candidates = registry.candidates(resource)?;
             if candidates.len() < count {
                 return Err(SimError::Insufficient {
@@ -70,17 +118,22 @@ impl Simulator {
 
         let response = endpoint::allocate(&mut client, resource, &device_ids, limit).await?;
 
-        let id = {
+        // Admission is serialized, so the id peeked here is the one recorded.
+        let (id, pod) = {
             let mut registry = inner.lock();
-            let id = registry.record_allocation(resource, device_ids.clone());
+            let pod = pod
+                .cloned()
+                .unwrap_or_else(|| PodRef::generated(registry.next_allocation_id()));
+            let id = registry.record_allocation(pod.clone(), resource, device_ids.clone());
             inner.notify(Some(SimEvent::Allocated {
                 id,
+                pod: pod.clone(),
                 resource: resource.to_owned(),
                 device_ids: device_ids.clone(),
             }));
-            id
+            (id, pod)
         };
-        info!("{resource}: allocation {id} of {device_ids:?}");
+        info!("{resource}: allocation {id} of {device_ids:?} to {pod}");
         drop(admission);
 
         let prestarted = self
@@ -93,6 +146,7 @@ impl Simulator {
 
         Ok(Allocation {
             id,
+            pod,
             resource: resource.to_owned(),
             device_ids,
             preferred,
@@ -114,16 +168,46 @@ impl Simulator {
         Ok(true)
     }
 
-    /// Frees what a pod held (the pod terminated), so its devices are candidates again. The
-    /// plugin is not told, as in the kubelet (KUBELET.md §9). Unknown ids are ignored.
+    /// Frees one allocation, as when its pod terminates: its devices are candidates again and
+    /// the PodResources API no longer reports them (the pod disappears from `List` once it holds
+    /// nothing). The plugin is not told, as in the kubelet (KUBELET.md §9). Unknown ids are
+    /// ignored.
+    ///
+    /// The kubelet frees devices per pod; for a pod with several allocations (several
+    /// containers or resources, see [`allocate_for`](Self::allocate_for)) use
+    /// [`terminate_pod`](Self::terminate_pod). For a pod made by [`allocate`](Self::allocate)
+    /// the two are the same.
     pub fn release(&self, allocation_id: u64) {
         let mut registry = self.inner.lock();
-        if let Some((resource, device_ids)) = registry.release(allocation_id) {
-            info!("{resource}: released allocation {allocation_id} of {device_ids:?}");
+        self.release_locked(&mut registry, allocation_id);
+    }
+
+    /// Pod `namespace/name` terminated: every allocation of any of its containers is freed (see
+    /// [`release`](Self::release)). Returns the ids freed, in order; empty if the pod held
+    /// nothing.
+    pub fn terminate_pod(&self, namespace: &str, name: &str) -> Vec<u64> {
+        let mut registry = self.inner.lock();
+        let ids = registry.allocations_of_pod(namespace, name);
+        for id in &ids {
+            self.release_locked(&mut registry, *id);
+        }
+        if !ids.is_empty() {
+            info!("pod {namespace}/{name} terminated: allocations {ids:?} released");
+        }
+        ids
+    }
+
+    fn release_locked(&self, registry: &mut Registry, allocation_id: u64) {
+        if let Some(record) = registry.release(allocation_id) {
+            info!(
+                "{}: released allocation {allocation_id} of {:?} ({})",
+                record.resource, record.device_ids, record.pod
+            );
             self.inner.notify(Some(SimEvent::Released {
                 id: allocation_id,
-                resource,
-                device_ids,
+                pod: record.pod,
+                resource: record.resource,
+                device_ids: record.device_ids,
             }));
         }
     }

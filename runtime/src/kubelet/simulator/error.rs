@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::state::ResourceState;
+use super::state::{PodRef, ResourceState};
 
 /// Why a [`Simulator`](super::Simulator) call failed.
 ///
@@ -46,6 +46,30 @@ pub enum SimError {
     ZeroCount {
         /// The resource asked for.
         resource: String,
+    },
+
+    /// [`Simulator::allocate_for`](super::Simulator::allocate_for) was given a pod the kubelet
+    /// could not have (an empty name).
+    #[error("invalid pod for an allocation ({pod}): {reason}")]
+    InvalidPod {
+        /// The pod as given.
+        pod: PodRef,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The container already holds devices of this resource: the kubelet allocates once per
+    /// container and resource.
+    #[error(
+        "{pod} already holds {resource} devices (allocation {allocation_id}); the kubelet allocates once per container and resource"
+    )]
+    AlreadyAllocated {
+        /// The container.
+        pod: PodRef,
+        /// The resource.
+        resource: String,
+        /// The allocation it holds.
+        allocation_id: u64,
     },
 
     /// Fewer healthy, unallocated devices than requested (the kubelet's own wording).

@@ -5,6 +5,8 @@
 
 use crate::kubelet::api::deviceplugin::{Device, DevicePluginOptions};
 
+use super::state::PodRef;
+
 /// Something the simulated kubelet did or saw, in the order it happened.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -53,6 +55,8 @@ pub enum SimEvent {
     Allocated {
         /// The allocation id.
         id: u64,
+        /// The container that holds (held) the devices.
+        pod: PodRef,
         /// The resource name.
         resource: String,
         /// The devices.
@@ -62,14 +66,20 @@ pub enum SimEvent {
     Released {
         /// The allocation id.
         id: u64,
+        /// The container that holds (held) the devices.
+        pod: PodRef,
         /// The resource name.
         resource: String,
         /// The devices that are free again.
         device_ids: Vec<String>,
     },
     /// The simulated kubelet restarted: sockets deleted, every plugin must register again.
+    /// `kubelet.sock` exists from now on but accepts connections only after
+    /// [`SimConfig::accept_delay`](super::SimConfig::accept_delay) (see [`SimEvent::Serving`]).
     Restarted {
         /// How many socket files were deleted.
         sockets_removed: usize,
     },
+    /// `kubelet.sock` accepts connections again after a restart.
+    Serving,
 }

@@ -160,7 +160,10 @@ pub async fn register(
     resource: &str,
     options: DevicePluginOptions,
 ) -> Result<(), Status> {
-    let channel = uds::connect(kubelet_sock).await.unwrap();
+    // Connecting fails while `kubelet.sock` does not accept connections (after a restart).
+    let channel = uds::connect(kubelet_sock)
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot connect to the kubelet: {e:?}")))?;
     RegistrationClient::new(channel)
         .register(RegisterRequest {
             version: version.to_owned(),

@@ -15,20 +15,29 @@
 //! - consumes ListAndWatch: every message is a full snapshot; capacity = all devices,
 //!   allocatable = those exactly `"Healthy"`, 0 as soon as the stream ends (§3);
 //! - a re-registration of a resource replaces its client (§8);
-//! - [`Simulator::allocate`] follows the kubelet's GetPreferredAllocation → Allocate →
-//!   PreStartContainer sequence (§4–5), and [`Simulator::restart`] simulates a kubelet restart.
+//! - [`Simulator::allocate`] / [`Simulator::allocate_for`] follow the kubelet's
+//!   GetPreferredAllocation → Allocate → PreStartContainer sequence (§4–5) for a container of a
+//!   pod; [`Simulator::release`] / [`Simulator::terminate_pod`] end it;
+//! - serves `v1.PodResourcesLister` on its own socket ([`Simulator::pod_resources_socket`],
+//!   by default `<plugin_dir>/../pod-resources/kubelet.sock`), telling which container holds
+//!   which devices (§9); it keeps serving across restarts, and allocations survive them (the
+//!   kubelet's checkpoint);
+//! - [`Simulator::restart`] simulates a kubelet restart: sockets in the plugin directory deleted
+//!   (checkpoint kept), plugins forgotten, and a new `kubelet.sock` that exists
+//!   [`SimConfig::accept_delay`] before it accepts connections (§7).
 //!
 //! Where the kubelet waits forever (§6) the simulator gives up after
 //! [`SimConfig::stall_limit`] with [`SimError::Stalled`], so a test fails instead of hanging.
 //!
 //! Not simulated: topology-manager alignment, init-container device reuse, the 5-minute grace
-//! after which a resource whose stream ended disappears, the PodResources API, and the
-//! plugin-watcher registration route (§11).
+//! after which a resource whose stream ended disappears, CPU/memory/dynamic resources in the
+//! PodResources API, pods without devices, and the plugin-watcher registration route (§11).
 
 mod allocate;
 mod endpoint;
 mod error;
 mod events;
+mod podresources;
 mod registration;
 mod server;
 mod state;
@@ -50,7 +59,7 @@ use crate::kubelet::api::deviceplugin::KUBELET_SOCKET;
 
 pub use error::SimError;
 pub use events::SimEvent;
-pub use state::{Allocation, ResourceState};
+pub use state::{Allocation, PodRef, ResourceState};
 
 use server::ServerHandle;
 use state::Registry;
@@ -66,6 +75,14 @@ pub struct SimConfig {
     /// on which the kubelet sets no deadline at all. Past it the simulator reports
     /// [`SimError::Stalled`] (or refuses the registration) instead of hanging. Default 30 s.
     pub stall_limit: Duration,
+    /// After a [`restart`](Simulator::restart), how long `kubelet.sock` exists before it accepts
+    /// connections; until then connecting fails with `ECONNREFUSED`, as between the kubelet's
+    /// `bind` and `listen` (KUBELET.md §7: retry quickly). Default 50 ms; zero serves at once.
+    /// [`start`](Simulator::start) always serves at once.
+    pub accept_delay: Duration,
+    /// Where to serve the PodResources API. None: `pod-resources/kubelet.sock` next to the
+    /// plugin directory, as on a node (`/var/lib/kubelet/pod-resources/kubelet.sock`).
+    pub pod_resources_socket: Option<PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -74,8 +91,21 @@ impl Default for SimConfig {
             dial_timeout: Duration::from_secs(10),
             prestart_timeout: Duration::from_secs(30),
             stall_limit: Duration::from_secs(30),
+            accept_delay: Duration::from_millis(50),
+            pod_resources_socket: None,
         }
     }
+}
+
+/// The PodResources socket's default place for `plugin_dir`: `pod-resources/kubelet.sock` in its
+/// parent directory (`/var/lib/kubelet/device-plugins` → `/var/lib/kubelet/pod-resources/kubelet.sock`).
+pub fn default_pod_resources_socket(plugin_dir: &Path) -> PathBuf {
+    let parent = match (plugin_dir.file_name(), plugin_dir.parent()) {
+        (Some(_), Some(parent)) => parent.to_owned(),
+        // `/`, `..`, `foo/..`: no name to strip.
+        _ => plugin_dir.join(".."),
+    };
+    parent.join("pod-resources").join(KUBELET_SOCKET)
 }
 
 /// A running simulated kubelet. Cheap to clone: all clones share one simulator. Dropping the
@@ -90,6 +120,7 @@ pub struct Simulator {
 struct Inner {
     dir: PathBuf,
     socket: PathBuf,
+    pod_resources_socket: PathBuf,
     config: SimConfig,
     registry: Mutex<Registry>,
     /// Bumped on every change, for [`Simulator::wait_until`].
@@ -98,6 +129,8 @@ struct Inner {
     /// The incarnation of the kubelet now serving; registrations of an earlier one are refused.
     epoch: AtomicU64,
     server: Mutex<Option<ServerHandle>>,
+    /// The PodResources server, which runs from start to shutdown, restarts included.
+    pod_server: Mutex<Option<ServerHandle>>,
     /// The kubelet admits one pod at a time.
     admission: tokio::sync::Mutex<()>,
 }
@@ -136,7 +169,17 @@ impl Inner {
         if let Some(server) = server {
             server.abort();
         }
+        if let Some(server) = self.take_pod_server() {
+            server.abort();
+        }
         self.lock().abort_streams();
+    }
+
+    fn take_pod_server(&self) -> Option<ServerHandle> {
+        self.pod_server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 }
 
@@ -152,12 +195,17 @@ impl Drop for StopOnDrop {
 
 impl Simulator {
     /// Creates `plugin_dir` if missing and serves `v1beta1.Registration` on
-    /// `plugin_dir/kubelet.sock`, with the kubelet's timings.
+    /// `plugin_dir/kubelet.sock`, and `v1.PodResourcesLister` on
+    /// [`pod_resources_socket`](Self::pod_resources_socket), with the kubelet's timings. Both
+    /// accept connections when this returns.
     ///
     /// Like a starting kubelet it first deletes every socket file in `plugin_dir` (keeping the
     /// checkpoint), so plugins already serving there must notice and register again. It refuses
-    /// to start if something already accepts connections on `kubelet.sock` (a real kubelet, or
-    /// another simulator), rather than taking its socket away.
+    /// to start if something already accepts connections on `kubelet.sock` or on the
+    /// PodResources socket (a real kubelet, or another simulator), rather than taking its socket
+    /// away. As that socket lives next to `plugin_dir` by default, simulators running side by
+    /// side (parallel tests) need plugin directories with distinct parents, e.g.
+    /// `<tempdir>/device-plugins`, or their own [`SimConfig::pod_resources_socket`].
     pub async fn start(plugin_dir: &Path) -> Result<Simulator, SimError> {
         Self::start_with(plugin_dir, SimConfig::default()).await
     }
@@ -173,26 +221,48 @@ impl Simulator {
             .map_err(io(plugin_dir))?;
         let dir = plugin_dir.to_owned();
         let socket = dir.join(KUBELET_SOCKET);
-        if server::accepts_connections(&socket).await {
-            return Err(SimError::AlreadyServed { path: socket });
+        let pod_resources_socket = config
+            .pod_resources_socket
+            .clone()
+            .unwrap_or_else(|| default_pod_resources_socket(&dir));
+        for path in [&socket, &pod_resources_socket] {
+            if server::accepts_connections(path).await {
+                return Err(SimError::AlreadyServed { path: path.clone() });
+            }
+        }
+        if let Some(parent) = pod_resources_socket.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(io(parent))?;
         }
         let removed = server::remove_sockets(&dir).map_err(io(&dir))?;
 
         let inner = Arc::new(Inner {
             dir,
             socket,
+            pod_resources_socket,
             config,
             registry: Mutex::new(Registry::default()),
             changed: watch::Sender::new(0),
             events: broadcast::Sender::new(1024),
             epoch: AtomicU64::new(0),
             server: Mutex::new(None),
+            pod_server: Mutex::new(None),
             admission: tokio::sync::Mutex::new(()),
         });
-        server::serve(&inner)?;
+        let pod_server = server::serve_pod_resources(&inner)?;
+        *inner
+            .pod_server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(pod_server);
+        if let Err(e) = server::serve(&inner, Duration::ZERO) {
+            inner.abort();
+            return Err(e);
+        }
         info!(
-            "simulated kubelet serving {} ({removed} stale sockets removed)",
-            inner.socket.display()
+            "simulated kubelet serving {} ({removed} stale sockets removed), PodResources on {}",
+            inner.socket.display(),
+            inner.pod_resources_socket.display()
         );
         Ok(Simulator {
             _guard: Arc::new(StopOnDrop(Arc::clone(&inner))),
@@ -211,6 +281,13 @@ impl Simulator {
         &self.inner.socket
     }
 
+    /// Where the PodResources API (`v1.PodResourcesLister`) is served: by default
+    /// `pod-resources/kubelet.sock` next to the plugin directory, or
+    /// [`SimConfig::pod_resources_socket`].
+    pub fn pod_resources_socket(&self) -> &Path {
+        &self.inner.pod_resources_socket
+    }
+
     /// The timings in use.
     pub fn config(&self) -> &SimConfig {
         &self.inner.config
@@ -220,6 +297,11 @@ impl Simulator {
     /// registered.
     pub fn resource(&self, name: &str) -> Option<ResourceState> {
         self.inner.lock().snapshot(name)
+    }
+
+    /// How many times `name` was registered successfully, across restarts; 0 if never.
+    pub fn registrations(&self, name: &str) -> u32 {
+        self.resource(name).map_or(0, |r| r.registrations)
     }
 
     /// Snapshots of every resource ever registered, sorted by name.
@@ -271,9 +353,15 @@ impl Simulator {
     }
 
     /// Simulates a kubelet restart (KUBELET.md §7): stops serving, drops every plugin client and
-    /// stream, deletes every socket in the directory (keeping the checkpoint), and serves
-    /// `kubelet.sock` again. Resources stay known with capacity 0 until their plugins register
-    /// again; allocations survive, as in the kubelet's checkpoint.
+    /// stream, deletes every socket file in the plugin directory (keeping
+    /// `kubelet_internal_checkpoint`, and files that are not sockets), and serves `kubelet.sock`
+    /// again. Resources stay known with capacity 0 until their plugins register again
+    /// ([`ResourceState::registrations`] keeps counting); allocations survive, as in the
+    /// kubelet's checkpoint, and the PodResources API keeps serving them.
+    ///
+    /// Returns once the new `kubelet.sock` exists. It accepts connections only
+    /// [`SimConfig::accept_delay`] later (then [`SimEvent::Serving`] is published); a plugin
+    /// dialing before that gets `ECONNREFUSED` and must retry, as on a node.
     pub async fn restart(&self) -> Result<(), SimError> {
         let inner = &self.inner;
         server::stop(inner).await;
@@ -289,18 +377,24 @@ impl Simulator {
             }));
         }
         info!("simulated kubelet restarted: {removed} sockets removed");
-        server::serve(inner)
+        server::serve(inner, inner.config.accept_delay)
     }
 
-    /// Stops serving, stops every ListAndWatch consumer and removes `kubelet.sock`.
+    /// Stops serving, stops every ListAndWatch consumer and removes `kubelet.sock` and the
+    /// PodResources socket.
     pub async fn shutdown(self) {
         let inner = &self.inner;
         server::stop(inner).await;
+        if let Some(pod_server) = inner.take_pod_server() {
+            pod_server.stop().await;
+        }
         inner.abort();
-        match std::fs::remove_file(&inner.socket) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!("cannot remove {}: {e}", inner.socket.display()),
+        for path in [&inner.socket, &inner.pod_resources_socket] {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!("cannot remove {}: {e}", path.display()),
+            }
         }
         info!("simulated kubelet stopped");
     }

@@ -26,19 +26,26 @@ fn options(
     }
 }
 
-async fn simulator() -> (TempDir, Simulator) {
+fn test_config() -> SimConfig {
+    SimConfig {
+        dial_timeout: Duration::from_millis(300),
+        prestart_timeout: Duration::from_secs(5),
+        stall_limit: Duration::from_millis(300),
+        ..SimConfig::default()
+    }
+}
+
+/// A simulator on `<tmp>/device-plugins`, PodResources on `<tmp>/pod-resources/kubelet.sock`.
+async fn simulator_with(config: SimConfig) -> (TempDir, Simulator) {
     let dir = TempDir::new().unwrap();
-    let sim = Simulator::start_with(
-        dir.path(),
-        SimConfig {
-            dial_timeout: Duration::from_millis(300),
-            prestart_timeout: Duration::from_secs(5),
-            stall_limit: Duration::from_millis(300),
-        },
-    )
-    .await
-    .unwrap();
+    let sim = Simulator::start_with(&dir.path().join("device-plugins"), config)
+        .await
+        .unwrap();
     (dir, sim)
+}
+
+async fn simulator() -> (TempDir, Simulator) {
+    simulator_with(test_config()).await
 }
 
 /// A fake plugin with `devices`, registered and with its first snapshot seen.
@@ -103,8 +110,13 @@ async fn registration_then_first_snapshot_is_visible() {
         .unwrap();
     assert_eq!((state.capacity, state.allocatable), (1, 1));
     assert_eq!(state.devices[0].id, "e0");
+    let plugin_dir = sim.plugin_dir().to_owned();
+    let pod_resources = sim.pod_resources_socket().to_owned();
+    assert_eq!(pod_resources, dir.path().join("pod-resources/kubelet.sock"));
+    assert!(pod_resources.exists());
     sim.shutdown().await;
-    assert!(!dir.path().join("kubelet.sock").exists());
+    assert!(!plugin_dir.join("kubelet.sock").exists());
+    assert!(!pod_resources.exists());
 }
 
 #[tokio::test]
@@ -454,16 +466,36 @@ async fn reregistration_replaces_the_client() {
     assert_eq!(state.snapshots, 1);
 }
 
+/// Registers until the kubelet accepts it, as a plugin must after a restart (KUBELET.md §7):
+/// retrying quickly while `kubelet.sock` refuses connections.
+async fn register_retrying(sim: &Simulator, plugin: &FakePlugin) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match plugin.register(sim.socket(), RESOURCE).await {
+            Ok(()) => return,
+            Err(status) if status.code() == Code::Unavailable => {
+                assert!(std::time::Instant::now() < deadline, "{status:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+}
+
 #[tokio::test]
 async fn restart_deletes_sockets_and_forgets_plugins() {
-    let (dir, sim) = simulator().await;
+    let (_dir, sim) = simulator().await;
+    let dir = sim.plugin_dir().to_owned();
     let plugin = registered(&sim, options(false, false), &["a", "b"]).await;
     let held = sim.allocate(RESOURCE, 1).await.unwrap();
-    std::fs::write(dir.path().join(server::CHECKPOINT), "{}").unwrap();
+    std::fs::write(dir.join(server::CHECKPOINT), "{}").unwrap();
+    std::fs::write(dir.join("notes.txt"), "kept").unwrap();
 
     sim.restart().await.unwrap();
-    assert!(!dir.path().join("fake-1.sock").exists());
-    assert!(dir.path().join(server::CHECKPOINT).exists());
+    assert!(!dir.join("fake-1.sock").exists());
+    assert!(dir.join(server::CHECKPOINT).exists());
+    assert!(dir.join("notes.txt").exists());
+    assert!(sim.socket().exists());
     let state = sim.resource(RESOURCE).unwrap();
     assert_eq!(
         (state.capacity, state.allocatable, state.streaming),
@@ -482,33 +514,125 @@ async fn restart_deletes_sockets_and_forgets_plugins() {
         options(false, false),
         healthy(&["a", "b"]),
     );
-    plugin.register(sim.socket(), RESOURCE).await.unwrap();
+    register_retrying(&sim, &plugin).await;
     let state = sim
         .wait_until(RESOURCE, WAIT, |r| r.registrations == 2 && r.snapshots >= 1)
         .await
         .unwrap();
     assert_eq!(state.allocatable, 2);
+    assert_eq!(sim.registrations(RESOURCE), 2);
+    assert_eq!(sim.registrations("devicelet.io/none"), 0);
     let next = sim.allocate(RESOURCE, 1).await.unwrap();
     assert_eq!(next.device_ids, ["b"]);
     assert_ne!(held.device_ids, next.device_ids);
 }
 
 #[tokio::test]
+async fn kubelet_sock_refuses_connections_for_accept_delay_after_restart() {
+    let delay = Duration::from_millis(400);
+    let (_dir, sim) = simulator_with(SimConfig {
+        accept_delay: delay,
+        ..test_config()
+    })
+    .await;
+    let plugin = registered(&sim, options(false, false), &["a"]).await;
+    let mut events = sim.events();
+
+    let restarted = std::time::Instant::now();
+    sim.restart().await.unwrap();
+    // The file is there at once ...
+    assert!(sim.socket().exists());
+    drop(plugin);
+    let plugin = FakePlugin::serve(
+        sim.plugin_dir(),
+        "fake-2.sock",
+        options(false, false),
+        healthy(&["a"]),
+    );
+    // ... but a connection is refused until the delay has passed, and so is a registration.
+    let early = tokio::net::UnixStream::connect(sim.socket()).await;
+    let register_early = plugin.register(sim.socket(), RESOURCE).await;
+    if restarted.elapsed() < delay {
+        let err = early.expect_err("kubelet.sock accepted a connection during accept_delay");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+        let status = register_early.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert_eq!(sim.registrations(RESOURCE), 1);
+    }
+    // (A machine too loaded to get here within the delay proves nothing either way.)
+
+    register_retrying(&sim, &plugin).await;
+    assert!(restarted.elapsed() >= delay);
+    sim.wait_until(RESOURCE, WAIT, |r| r.registrations == 2 && r.snapshots >= 1)
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        seen.push(event);
+    }
+    let restarted_at = seen
+        .iter()
+        .position(|e| matches!(e, SimEvent::Restarted { .. }))
+        .unwrap();
+    let serving_at = seen
+        .iter()
+        .position(|e| matches!(e, SimEvent::Serving))
+        .unwrap();
+    let registered_at = seen
+        .iter()
+        .position(|e| matches!(e, SimEvent::Registered { .. }))
+        .unwrap();
+    assert!(
+        restarted_at < serving_at && serving_at < registered_at,
+        "{seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_during_accept_delay_stops_cleanly() {
+    let (_dir, sim) = simulator_with(SimConfig {
+        accept_delay: Duration::from_secs(60),
+        ..test_config()
+    })
+    .await;
+    sim.restart().await.unwrap();
+    let socket = sim.socket().to_owned();
+    // A second restart while the first is still not accepting.
+    sim.restart().await.unwrap();
+    assert!(socket.exists());
+    tokio::time::timeout(Duration::from_secs(2), sim.shutdown())
+        .await
+        .unwrap();
+    assert!(!socket.exists());
+}
+
+#[tokio::test]
 async fn a_second_simulator_on_a_live_directory_is_refused() {
-    let (dir, _sim) = simulator().await;
-    let err = Simulator::start(dir.path()).await.err().unwrap();
+    let (dir, sim) = simulator().await;
+    let err = Simulator::start(sim.plugin_dir()).await.err().unwrap();
     assert!(matches!(err, SimError::AlreadyServed { .. }), "{err}");
+    // Another plugin directory, but the same PodResources socket.
+    let err = Simulator::start(&dir.path().join("other"))
+        .await
+        .err()
+        .unwrap();
+    let SimError::AlreadyServed { path } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(path, sim.pod_resources_socket());
 }
 
 #[tokio::test]
 async fn start_deletes_stale_sockets() {
-    let dir = TempDir::new().unwrap();
-    let stale = dir.path().join("old-plugin.sock");
+    let tmp = TempDir::new().unwrap();
+    let dir = tmp.path().join("device-plugins");
+    std::fs::create_dir(&dir).unwrap();
+    let stale = dir.join("old-plugin.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&stale).unwrap();
-    std::fs::write(dir.path().join("notes.txt"), "kept").unwrap();
-    let sim = Simulator::start(dir.path()).await.unwrap();
+    std::fs::write(dir.join("notes.txt"), "kept").unwrap();
+    let sim = Simulator::start(&dir).await.unwrap();
     assert!(!stale.exists());
-    assert!(dir.path().join("notes.txt").exists());
+    assert!(dir.join("notes.txt").exists());
     assert!(sim.socket().exists());
     sim.shutdown().await;
 }
@@ -527,4 +651,352 @@ async fn wait_until_times_out_with_the_last_state() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("allocatable: 1"), "{err}");
+}
+
+mod pod_resources {
+    use tonic::transport::Channel;
+
+    use super::*;
+    use crate::kubelet::api::deviceplugin::{Device, NumaNode, TopologyInfo};
+    use crate::kubelet::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+    use crate::kubelet::api::podresources::{
+        self as pr, AllocatableResourcesRequest, ContainerDevices, ContainerResources,
+        GetPodResourcesRequest, ListPodResourcesRequest, PodResources,
+    };
+    use crate::kubelet::uds;
+
+    const OTHER: &str = "devicelet.io/other";
+
+    async fn client(sim: &Simulator) -> PodResourcesListerClient<Channel> {
+        PodResourcesListerClient::new(uds::connect(sim.pod_resources_socket()).await.unwrap())
+    }
+
+    async fn list(client: &mut PodResourcesListerClient<Channel>) -> Vec<PodResources> {
+        client
+            .list(ListPodResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .pod_resources
+    }
+
+    async fn get(
+        client: &mut PodResourcesListerClient<Channel>,
+        namespace: &str,
+        name: &str,
+    ) -> Result<PodResources, Status> {
+        client
+            .get(GetPodResourcesRequest {
+                pod_name: name.to_owned(),
+                pod_namespace: namespace.to_owned(),
+            })
+            .await
+            .map(|r| r.into_inner().pod_resources.unwrap())
+    }
+
+    fn numa_device(id: &str, health: &str, nodes: &[i64]) -> Device {
+        Device {
+            id: id.to_owned(),
+            health: health.to_owned(),
+            topology: (!nodes.is_empty()).then(|| TopologyInfo {
+                nodes: nodes.iter().map(|id| NumaNode { id: *id }).collect(),
+            }),
+        }
+    }
+
+    /// One kubelet entry: one device, on one NUMA node (or without topology).
+    fn entry(resource: &str, id: &str, node: Option<i64>) -> ContainerDevices {
+        ContainerDevices {
+            resource_name: resource.to_owned(),
+            device_ids: vec![id.to_owned()],
+            topology: node.map(|id| pr::TopologyInfo {
+                nodes: vec![pr::NumaNode { id }],
+            }),
+        }
+    }
+
+    fn container(name: &str, devices: Vec<ContainerDevices>) -> ContainerResources {
+        ContainerResources {
+            name: name.to_owned(),
+            devices,
+            ..Default::default()
+        }
+    }
+
+    fn pod(namespace: &str, name: &str, containers: Vec<ContainerResources>) -> PodResources {
+        PodResources {
+            name: name.to_owned(),
+            namespace: namespace.to_owned(),
+            containers,
+        }
+    }
+
+    #[tokio::test]
+    async fn list_get_and_allocatable_over_the_socket() {
+        let (_dir, sim) = simulator().await;
+        let mut pods = client(&sim).await;
+        assert_eq!(list(&mut pods).await, vec![]);
+
+        let fake = FakePlugin::serve(
+            sim.plugin_dir(),
+            "fake-1.sock",
+            options(false, false),
+            vec![
+                numa_device("d0", HEALTHY, &[0]),
+                numa_device("d1", HEALTHY, &[1]),
+                numa_device("d2", HEALTHY, &[0, 1]),
+                numa_device("d3", HEALTHY, &[]),
+                numa_device("d4", UNHEALTHY, &[0]),
+            ],
+        );
+        fake.register(sim.socket(), RESOURCE).await.unwrap();
+        let other = FakePlugin::serve(
+            sim.plugin_dir(),
+            "other-1.sock",
+            options(false, false),
+            healthy(&["o0", "o1"]),
+        );
+        other.register(sim.socket(), OTHER).await.unwrap();
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        sim.wait_until(OTHER, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+
+        let trainer = PodRef::new("team-a", "trainer", "main");
+        let sidecar = PodRef::new("team-a", "trainer", "sidecar");
+        let a = sim.allocate_for(&trainer, RESOURCE, 2).await.unwrap();
+        assert_eq!(
+            (a.pod.clone(), a.device_ids.clone()),
+            (trainer.clone(), vec!["d0".into(), "d1".into()])
+        );
+        let b = sim.allocate_for(&sidecar, RESOURCE, 1).await.unwrap();
+        assert_eq!(b.device_ids, ["d2"]);
+        sim.allocate_for(&trainer, OTHER, 1).await.unwrap();
+        let generated = sim.allocate(RESOURCE, 1).await.unwrap();
+        assert_eq!(
+            generated.pod,
+            PodRef::new("default", format!("pod-{}", generated.id), "main")
+        );
+        assert_eq!(generated.device_ids, ["d3"]);
+
+        let expected_trainer = pod(
+            "team-a",
+            "trainer",
+            vec![
+                container(
+                    "main",
+                    vec![
+                        entry(RESOURCE, "d0", Some(0)),
+                        entry(RESOURCE, "d1", Some(1)),
+                        entry(OTHER, "o0", Some(0)),
+                    ],
+                ),
+                // A device on two NUMA nodes is reported once per node, as by the kubelet.
+                container(
+                    "sidecar",
+                    vec![
+                        entry(RESOURCE, "d2", Some(0)),
+                        entry(RESOURCE, "d2", Some(1)),
+                    ],
+                ),
+            ],
+        );
+        let expected_generated = pod(
+            "default",
+            &generated.pod.name,
+            vec![container("main", vec![entry(RESOURCE, "d3", None)])],
+        );
+        assert_eq!(
+            list(&mut pods).await,
+            vec![expected_generated.clone(), expected_trainer.clone()]
+        );
+        assert_eq!(
+            get(&mut pods, "team-a", "trainer").await.unwrap(),
+            expected_trainer
+        );
+        assert_eq!(
+            get(&mut pods, "default", &generated.pod.name)
+                .await
+                .unwrap(),
+            expected_generated
+        );
+        // The kubelet answers an unknown pod with a plain error: code Unknown.
+        let status = get(&mut pods, "team-b", "trainer").await.unwrap_err();
+        assert_eq!(status.code(), Code::Unknown);
+        assert_eq!(
+            status.message(),
+            "pod trainer in namespace team-b not found"
+        );
+
+        // Every healthy device, allocated or not; the unhealthy d4 is left out.
+        let allocatable = pods
+            .get_allocatable_resources(AllocatableResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            allocatable.devices,
+            vec![
+                entry(RESOURCE, "d0", Some(0)),
+                entry(RESOURCE, "d1", Some(1)),
+                entry(RESOURCE, "d2", Some(0)),
+                entry(RESOURCE, "d2", Some(1)),
+                entry(RESOURCE, "d3", None),
+                entry(OTHER, "o0", Some(0)),
+                entry(OTHER, "o1", Some(0)),
+            ]
+        );
+        assert!(allocatable.cpu_ids.is_empty() && allocatable.memory.is_empty());
+
+        // A device turning unhealthy leaves GetAllocatableResources, not List.
+        fake.fake.set_devices(vec![
+            numa_device("d0", UNHEALTHY, &[0]),
+            numa_device("d1", HEALTHY, &[1]),
+        ]);
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 2)
+            .await
+            .unwrap();
+        let allocatable = pods
+            .get_allocatable_resources(AllocatableResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .devices;
+        assert_eq!(allocatable[0], entry(RESOURCE, "d1", Some(1)));
+        assert_eq!(allocatable.len(), 3);
+        assert_eq!(
+            get(&mut pods, "team-a", "trainer").await.unwrap(),
+            expected_trainer
+        );
+    }
+
+    #[tokio::test]
+    async fn release_and_terminate_pod_free_devices_and_leave_list() {
+        let (_dir, sim) = simulator().await;
+        let _plugin = registered(&sim, options(false, false), &["a", "b"]).await;
+        let mut pods = client(&sim).await;
+        let mut events = sim.events();
+
+        let main = PodRef::new("ns", "web", "main");
+        let side = PodRef::new("ns", "web", "side");
+        let first = sim.allocate_for(&main, RESOURCE, 1).await.unwrap();
+        let second = sim.allocate_for(&side, RESOURCE, 1).await.unwrap();
+        assert_eq!(
+            (first.device_ids.as_slice(), second.device_ids.as_slice()),
+            (&["a".to_owned()][..], &["b".to_owned()][..])
+        );
+        let err = sim.allocate_for(&main, RESOURCE, 1).await.unwrap_err();
+        assert!(
+            matches!(&err, SimError::AlreadyAllocated { allocation_id, .. } if *allocation_id == first.id),
+            "{err}"
+        );
+        let err = sim
+            .allocate_for(&PodRef::new("ns", "web", ""), RESOURCE, 1)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, SimError::InvalidPod { .. }), "{err}");
+
+        // One container's allocation ends: its device is free, the pod stays with the other.
+        sim.release(first.id);
+        let listed = list(&mut pods).await;
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].containers.len(), 1);
+        assert_eq!(listed[0].containers[0].name, "side");
+        let reused = sim.allocate(RESOURCE, 1).await.unwrap();
+        assert_eq!(reused.device_ids, ["a"]);
+
+        // The pod terminates: everything it held is free and it leaves List and Get.
+        assert_eq!(sim.terminate_pod("ns", "web"), vec![second.id]);
+        let listed = list(&mut pods).await;
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].name, reused.pod.name);
+        assert_eq!(
+            get(&mut pods, "ns", "web").await.unwrap_err().code(),
+            Code::Unknown
+        );
+        assert_eq!(sim.terminate_pod("ns", "web"), Vec::<u64>::new());
+        let again = sim.allocate_for(&main, RESOURCE, 1).await.unwrap();
+        assert_eq!(again.device_ids, ["b"]);
+
+        sim.release(reused.id);
+        sim.release(again.id);
+        assert_eq!(list(&mut pods).await, vec![]);
+
+        let mut released = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            if let SimEvent::Released { id, pod, .. } = event {
+                released.push((id, pod));
+            }
+        }
+        assert_eq!(
+            released,
+            vec![
+                (first.id, main.clone()),
+                (second.id, side),
+                (reused.id, reused.pod.clone()),
+                (again.id, main),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn pod_resources_keep_serving_across_restarts() {
+        let (_dir, sim) = simulator().await;
+        let plugin = FakePlugin::serve(
+            sim.plugin_dir(),
+            "fake-1.sock",
+            options(false, false),
+            vec![
+                numa_device("a", HEALTHY, &[1]),
+                numa_device("b", HEALTHY, &[0]),
+            ],
+        );
+        plugin.register(sim.socket(), RESOURCE).await.unwrap();
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        let worker = PodRef::new("batch", "job-1", "worker");
+        sim.allocate_for(&worker, RESOURCE, 1).await.unwrap();
+        let mut pods = client(&sim).await;
+        let before = list(&mut pods).await;
+        assert_eq!(
+            before,
+            vec![pod(
+                "batch",
+                "job-1",
+                vec![container("worker", vec![entry(RESOURCE, "a", Some(1))])]
+            )]
+        );
+
+        sim.restart().await.unwrap();
+        sim.restart().await.unwrap();
+        assert!(sim.pod_resources_socket().exists());
+        // The same connection and a new one both still work; the allocation, with its NUMA
+        // node, survived (the checkpoint), though no plugin reports devices yet.
+        assert_eq!(list(&mut pods).await, before);
+        assert_eq!(list(&mut client(&sim).await).await, before);
+        let allocatable = pods
+            .get_allocatable_resources(AllocatableResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(allocatable.devices, vec![]);
+
+        // Once the plugin is back, the held device is still not handed out again.
+        drop(plugin);
+        let plugin = FakePlugin::serve(
+            sim.plugin_dir(),
+            "fake-2.sock",
+            options(false, false),
+            healthy(&["a", "b"]),
+        );
+        register_retrying(&sim, &plugin).await;
+        sim.wait_until(RESOURCE, WAIT, |r| r.registrations == 2 && r.snapshots >= 1)
+            .await
+            .unwrap();
+        assert_eq!(sim.allocate(RESOURCE, 1).await.unwrap().device_ids, ["b"]);
+        assert_eq!(list(&mut pods).await.len(), 2);
+    }
 }

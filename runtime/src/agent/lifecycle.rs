@@ -1,0 +1,187 @@
+//! One resource's life with the kubelet: serve, register, and do both again whenever the kubelet
+//! restarts (our socket vanished, or `kubelet.sock` is a new file), until told to stop.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::kubelet::api::deviceplugin::{
+    DevicePluginOptions, KUBELET_SOCKET, device_plugin_server::DevicePluginServer,
+};
+use crate::kubelet::plugin_server::ResourcePlugin;
+use crate::kubelet::{registration, uds};
+
+/// What the lifecycle needs to serve and register one resource.
+pub struct Lifecycle {
+    pub plugin_dir: PathBuf,
+    pub endpoint: String,
+    pub resource: String,
+    pub options: DevicePluginOptions,
+    pub plugin: ResourcePlugin,
+    /// Bumped by the directory watcher on every creation or removal.
+    pub kubelet_events: watch::Receiver<u64>,
+    pub stop: watch::Receiver<bool>,
+    /// Counts successful registrations, for status and tests.
+    pub registrations: watch::Sender<u32>,
+}
+
+/// Retries start fast (`kubelet.sock` can exist a moment before it accepts) and back off to
+/// `LAST_RETRY` when there is no kubelet at all.
+const FIRST_RETRY: Duration = Duration::from_millis(5);
+const LAST_RETRY: Duration = Duration::from_secs(2);
+/// A safety net under inotify (e.g. the directory itself was replaced): re-check this often.
+const RECHECK: Duration = Duration::from_secs(5);
+
+/// Which `kubelet.sock` we registered with: a restarted kubelet makes a new file.
+fn kubelet_identity(plugin_dir: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(plugin_dir.join(KUBELET_SOCKET))
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+impl Lifecycle {
+    fn socket(&self) -> PathBuf {
+        self.plugin_dir.join(&self.endpoint)
+    }
+
+    pub async fn run(mut self) {
+        let mut bind_failures = 0u32;
+        loop {
+            if *self.stop.borrow() {
+                return;
+            }
+            let (server_stop, server_stopped) = watch::channel(false);
+            if let Err(e) = self.start_server(server_stopped) {
+                if bind_failures == 0 {
+                    tracing::error!(resource = self.resource, "cannot serve: {e}; retrying");
+                }
+                bind_failures += 1;
+                if self.pause(LAST_RETRY).await {
+                    return;
+                }
+                continue;
+            }
+            bind_failures = 0;
+            let Some(registered_with) = self.register().await else {
+                let _ = server_stop.send(true);
+                return;
+            };
+            let stopped = self.wait_for_kubelet_restart(registered_with).await;
+            let _ = server_stop.send(true);
+            if stopped {
+                return;
+            }
+            tracing::info!(
+                resource = self.resource,
+                "kubelet restarted; serving and registering again"
+            );
+        }
+    }
+
+    fn start_server(&self, server_stopped: watch::Receiver<bool>) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.plugin_dir)?;
+        let listener = uds::bind(&self.socket())?;
+        restrict_to_owner(&self.socket());
+        let plugin = self.plugin.clone();
+        let (mut stop, mut server_stopped) = (self.stop.clone(), server_stopped);
+        let resource = self.resource.clone();
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(DevicePluginServer::new(plugin))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => {}
+                        _ = server_stopped.wait_for(|s| *s) => {}
+                    }
+                })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(resource, "device-plugin server failed: {e}");
+            }
+        });
+        Ok(())
+    }
+
+    /// Registers, retrying until the kubelet accepts; returns the `kubelet.sock` identity it
+    /// registered with, or None when told to stop.
+    async fn register(&mut self) -> Option<Option<(u64, u64)>> {
+        let mut delay = FIRST_RETRY;
+        let mut complained = false;
+        loop {
+            let identity = kubelet_identity(&self.plugin_dir);
+            let attempt = registration::register(
+                &self.plugin_dir,
+                &self.endpoint,
+                &self.resource,
+                self.options,
+            )
+            .await;
+            match attempt {
+                Ok(()) => {
+                    self.registrations.send_modify(|n| *n += 1);
+                    tracing::info!(
+                        resource = self.resource,
+                        endpoint = self.endpoint,
+                        "registered with the kubelet"
+                    );
+                    return Some(identity);
+                }
+                Err(e) if !complained => {
+                    tracing::warn!(resource = self.resource, "{e}; retrying with backoff");
+                    complained = true;
+                }
+                Err(_) => {}
+            }
+            // A new kubelet.sock wakes us at once; otherwise back off.
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = kubelet_changed(&mut self.kubelet_events) => {}
+                _ = self.stop.wait_for(|s| *s) => return None,
+            }
+            delay = (delay * 2).min(LAST_RETRY);
+        }
+    }
+
+    /// Waits until the kubelet restarted (returns false) or we are told to stop (true).
+    async fn wait_for_kubelet_restart(&mut self, registered_with: Option<(u64, u64)>) -> bool {
+        loop {
+            tokio::select! {
+                _ = kubelet_changed(&mut self.kubelet_events) => {}
+                _ = tokio::time::sleep(RECHECK) => {}
+                _ = self.stop.wait_for(|s| *s) => return true,
+            }
+            let socket_gone = !self.socket().exists();
+            let kubelet_replaced =
+                kubelet_identity(&self.plugin_dir).is_some_and(|now| Some(now) != registered_with);
+            if socket_gone || kubelet_replaced {
+                return false;
+            }
+        }
+    }
+
+    /// Sleeps, returning true if told to stop meanwhile.
+    async fn pause(&mut self, d: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => false,
+            _ = self.stop.wait_for(|s| *s) => true,
+        }
+    }
+}
+
+/// Resolves on the next directory event; never, once the watcher is gone (the timers take over).
+async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
+    if events.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Only the kubelet (root) may talk to a plugin socket.
+fn restrict_to_owner(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        tracing::warn!("cannot restrict {} to its owner: {e}", path.display());
+    }
+}

@@ -1,0 +1,179 @@
+//! Hot reload: an edit of the registry file, or a replaced `.wasm`, adds, removes or upgrades
+//! modules without a restart. Untouched modules keep serving (their ListAndWatch streams stay
+//! open); a broken registry is refused with a clear error and the running set keeps serving.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, watch};
+
+use super::Shared;
+use crate::config::{ModuleSpec, Registry};
+
+/// Editors save in several steps (write a temp file, rename): wait for quiet before reloading.
+const SETTLE: Duration = Duration::from_millis(150);
+
+/// inotify on the directories holding the registry and the module files.
+pub struct RegistryWatch {
+    watcher: RecommendedWatcher,
+    dirs: BTreeSet<PathBuf>,
+    files: Arc<std::sync::Mutex<BTreeSet<PathBuf>>>,
+    events: mpsc::UnboundedReceiver<()>,
+}
+
+/// The files whose change matters: the registry and every module's `.wasm`.
+fn files_of(registry: &Registry) -> BTreeSet<PathBuf> {
+    std::iter::once(registry.file.clone())
+        .chain(registry.modules.iter().map(|m| m.path.clone()))
+        .map(|p| std::path::absolute(&p).unwrap_or(p))
+        .collect()
+}
+
+impl RegistryWatch {
+    pub fn new(registry: &Registry) -> notify::Result<RegistryWatch> {
+        let (tx, events) = mpsc::unbounded_channel();
+        let files = Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+        let interesting = files.clone();
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let hit = match event {
+                Ok(e) => {
+                    let files = interesting.lock().unwrap_or_else(|p| p.into_inner());
+                    e.paths.iter().any(|p| files.contains(p))
+                }
+                Err(_) => true,
+            };
+            if hit {
+                let _ = tx.send(());
+            }
+        })?;
+        let mut watch = RegistryWatch {
+            watcher,
+            dirs: BTreeSet::new(),
+            files,
+            events,
+        };
+        watch.follow(registry);
+        Ok(watch)
+    }
+
+    /// Watches the directories of `registry`'s files (and only those).
+    fn follow(&mut self, registry: &Registry) {
+        let files = files_of(registry);
+        let dirs: BTreeSet<PathBuf> = files
+            .iter()
+            .filter_map(|f| f.parent().map(Path::to_owned))
+            .collect();
+        for gone in self.dirs.difference(&dirs) {
+            let _ = self.watcher.unwatch(gone);
+        }
+        for new in dirs.difference(&self.dirs) {
+            if let Err(e) = self.watcher.watch(new, RecursiveMode::NonRecursive) {
+                tracing::warn!("cannot watch {} for changes: {e}", new.display());
+            }
+        }
+        self.dirs = dirs;
+        *self.files.lock().unwrap_or_else(|p| p.into_inner()) = files;
+    }
+
+    /// The next change, after it settled; None once the watcher is gone.
+    async fn changed(&mut self) -> Option<()> {
+        self.events.recv().await?;
+        loop {
+            tokio::select! {
+                more = self.events.recv() => more?,
+                _ = tokio::time::sleep(SETTLE) => return Some(()),
+            }
+        }
+    }
+}
+
+pub async fn run(
+    shared: Arc<Shared>,
+    mut current: Registry,
+    mut watch: RegistryWatch,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            changed = watch.changed() => if changed.is_none() { return },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let next = match Registry::load(&current.file) {
+            Ok(next) => next,
+            Err(e) => {
+                let running = shared.lock_modules().len();
+                tracing::error!(
+                    "registry edit refused: {e}; still serving the previous {running} module(s)"
+                );
+                *shared
+                    .reload_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                continue;
+            }
+        };
+        *shared
+            .reload_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+        apply(&shared, &current, &next).await;
+        watch.follow(&next);
+        current = next;
+    }
+}
+
+fn file_digest(path: &Path) -> Option<String> {
+    let bytes = std::fs::read(path).ok()?;
+    Some(
+        Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+    )
+}
+
+/// Whether a running module must be restarted to match its new registry entry.
+fn needs_restart(running: &super::modules::RunningModule, new: &ModuleSpec) -> bool {
+    running.spec != *new || file_digest(&new.path).as_deref() != Some(running.handle.digest())
+}
+
+async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
+    let root_changed = old.host_root != new.host_root;
+    let (to_stop, to_start): (Vec<String>, Vec<String>) = {
+        let running = shared.lock_modules();
+        let stop = running
+            .iter()
+            .filter(|(name, m)| {
+                root_changed
+                    || new
+                        .modules
+                        .iter()
+                        .find(|s| &&s.name == name)
+                        .is_none_or(|spec| needs_restart(m, spec))
+            })
+            .map(|(name, _)| name.clone())
+            .collect::<Vec<_>>();
+        let start = new
+            .modules
+            .iter()
+            .filter(|s| !running.contains_key(&s.name) || stop.contains(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        (stop, start)
+    };
+    for name in &to_stop {
+        tracing::info!(module = name, "stopping for the registry edit");
+        shared.stop_module(name).await;
+    }
+    let errors = shared.start_modules(new, &to_start).await;
+    tracing::info!(
+        stopped = to_stop.len(),
+        started = to_start.len() - errors.len().min(to_start.len()),
+        "registry edit applied"
+    );
+    shared.set_load_errors(errors);
+}

@@ -1,0 +1,137 @@
+//! What a running agent serves, with device health and holders: answered as one JSON document
+//! per connection on `<state dir>/status.sock`, and printed by `devicelet status`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+
+use super::Shared;
+use crate::ledger::Holder;
+use crate::sandbox::Health;
+
+pub const STATUS_SOCKET: &str = "status.sock";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub resources: Vec<ResourceStatus>,
+    /// Modules of the registry that are not served, each error naming its module.
+    pub load_errors: Vec<String>,
+    /// Why the last registry edit was refused, if it was.
+    pub reload_error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    pub name: String,
+    pub module: String,
+    pub socket: PathBuf,
+    pub registrations: u32,
+    pub devices: Vec<DeviceStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    pub id: String,
+    pub healthy: bool,
+    /// The pod holding the device, once PodResources told us; `allocated` without a holder means
+    /// allocated but not yet seen in PodResources.
+    pub allocated: bool,
+    pub holder: Option<Holder>,
+}
+
+pub(super) fn collect(shared: &Shared) -> Status {
+    let resources = shared
+        .resources()
+        .into_iter()
+        .map(|r| {
+            let holders = shared.ledger.holders(&r.name);
+            let devices = r
+                .devices
+                .borrow()
+                .iter()
+                .map(|d| {
+                    let held = holders.iter().find(|(id, _)| *id == d.id);
+                    DeviceStatus {
+                        id: d.id.clone(),
+                        healthy: d.health == Health::Healthy,
+                        allocated: held.is_some(),
+                        holder: held.and_then(|(_, h)| h.clone()),
+                    }
+                })
+                .collect();
+            ResourceStatus {
+                registrations: *r.registrations.borrow(),
+                name: r.name,
+                module: r.module,
+                socket: r.socket,
+                devices,
+            }
+        })
+        .collect();
+    Status {
+        resources,
+        load_errors: shared
+            .load_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+        reload_error: shared
+            .reload_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    }
+}
+
+/// Binds the status socket (0600: it tells who runs what on the node).
+pub(super) fn bind(state_dir: &Path) -> anyhow::Result<UnixListener> {
+    use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
+    let path = state_dir.join(STATUS_SOCKET);
+    let listener = crate::kubelet::uds::bind(&path)
+        .with_context(|| format!("binding the status socket {}", path.display()))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("restricting {}", path.display()))?;
+    Ok(listener)
+}
+
+pub(super) async fn serve(
+    shared: Arc<Shared>,
+    listener: UnixListener,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let mut conn = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    tracing::warn!("status socket: {e}");
+                    continue;
+                }
+            },
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let body = serde_json::to_vec(&collect(&shared)).unwrap_or_default();
+        tokio::spawn(async move {
+            let _ = conn.write_all(&body).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+/// Asks the agent whose state directory is `state_dir` for its status.
+pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
+    use anyhow::Context;
+    let path = state_dir.join(STATUS_SOCKET);
+    let mut conn = UnixStream::connect(&path)
+        .await
+        .with_context(|| format!("no agent answers at {}", path.display()))?;
+    let mut body = Vec::new();
+    conn.read_to_end(&mut body).await?;
+    serde_json::from_slice(&body)
+        .with_context(|| format!("reading the status from {}", path.display()))
+}

@@ -1,0 +1,55 @@
+//! `devicelet status`: what a running agent serves, and who holds what.
+
+use std::path::PathBuf;
+
+use crate::agent::status::{self, Status};
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// The running agent's state directory.
+    #[arg(long, default_value = "/var/lib/devicelet")]
+    pub state_dir: PathBuf,
+    /// Print the raw JSON document.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    let status = status::read(&args.state_dir).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", render(&status));
+    }
+    Ok(())
+}
+
+fn render(status: &Status) -> String {
+    let mut out = String::new();
+    for r in &status.resources {
+        let healthy = r.devices.iter().filter(|d| d.healthy).count();
+        out += &format!(
+            "{} (module {}, {} devices, {healthy} healthy, registered {} time(s))\n",
+            r.name,
+            r.module,
+            r.devices.len(),
+            r.registrations
+        );
+        for d in &r.devices {
+            let health = if d.healthy { "Healthy" } else { "Unhealthy" };
+            let holder = match (&d.holder, d.allocated) {
+                (Some(h), _) => format!("{}/{} container {}", h.namespace, h.pod, h.container),
+                (None, true) => "allocated, pod not yet known".into(),
+                (None, false) => "free".into(),
+            };
+            out += &format!("  {:<24} {:<9} {holder}\n", d.id, health);
+        }
+    }
+    for e in &status.load_errors {
+        out += &format!("not served: {e}\n");
+    }
+    if let Some(e) = &status.reload_error {
+        out += &format!("last registry edit refused: {e}\n");
+    }
+    out
+}

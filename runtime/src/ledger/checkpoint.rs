@@ -1,0 +1,407 @@
+//! The on-disk checkpoint: `state_dir/ledger.json`, written atomically.
+//!
+//! Format: `{ "version": 1, "next_id": N, "entries": [Entry, ...] }`, mode 0600, in a 0700
+//! directory. A write goes to a uniquely named temp file in the same directory, is fsynced,
+//! renamed over `ledger.json`, and the directory is fsynced, so a crash at any point leaves
+//! either the old or the new checkpoint, never a partial one. A file that does not parse, has
+//! another version, or whose ids are inconsistent is renamed aside to
+//! `ledger.json.corrupt-<unix millis>` and the ledger starts empty.
+
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::{self, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tracing::{debug, warn};
+
+use super::entry::{Entry, to_millis};
+use super::error::LedgerError;
+use super::state::State;
+
+/// The checkpoint's file name inside the state directory.
+pub const FILE_NAME: &str = "ledger.json";
+/// The only checkpoint version this build reads and writes.
+pub const VERSION: u64 = 1;
+
+const DIR_MODE: u32 = 0o700;
+const FILE_MODE: u32 = 0o600;
+/// Temp files are `ledger.json.tmp-<pid>-<nanos>-<seq>`.
+const TEMP_PREFIX: &str = "ledger.json.tmp-";
+/// A temp file older than this was left by a crash (a checkpoint takes milliseconds); another
+/// agent sharing the directory during a rolling upgrade may own a younger one.
+const STALE_TEMP_AGE: Duration = Duration::from_secs(60);
+
+#[derive(Serialize)]
+struct Out<'a> {
+    version: u64,
+    next_id: u64,
+    entries: &'a [Entry],
+}
+
+#[derive(Deserialize)]
+struct In {
+    next_id: u64,
+    entries: Vec<Entry>,
+}
+
+/// The checkpoint's bytes for `state`.
+pub(crate) fn encode(state: &State) -> Result<Vec<u8>, serde_json::Error> {
+    let out = Out {
+        version: VERSION,
+        next_id: state.next_id,
+        entries: &state.entries,
+    };
+    let mut bytes = serde_json::to_vec_pretty(&out)?;
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// The state in `bytes`, or why it cannot be trusted.
+pub(crate) fn decode(bytes: &[u8]) -> Result<State, String> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    match value.get("version") {
+        Some(v) if *v == VERSION => {}
+        Some(v) => {
+            return Err(format!(
+                "unsupported version {v} (this build reads {VERSION})"
+            ));
+        }
+        None => return Err("no `version` field".to_owned()),
+    }
+    let In { next_id, entries } = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    let state = State { next_id, entries };
+    state.check()?;
+    Ok(state)
+}
+
+/// Where a ledger keeps its checkpoint.
+#[derive(Debug)]
+pub(crate) struct Store {
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+impl Store {
+    /// Creates `dir` (0700) if missing, removes temp files crashed writers left there, and
+    /// restores the checkpoint, setting a corrupt one aside.
+    pub fn open(dir: &Path) -> Result<(Store, State), LedgerError> {
+        ensure_dir(dir)?;
+        remove_stale_temps(dir);
+        let store = Store {
+            dir: dir.to_owned(),
+            file: dir.join(FILE_NAME),
+        };
+        let state = store.load()?;
+        Ok((store, state))
+    }
+
+    /// The checkpoint file.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    fn load(&self) -> Result<State, LedgerError> {
+        let bytes = match fs::read(&self.file) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(State::default()),
+            Err(e) => return Err(LedgerError::io("read", &self.file, e)),
+        };
+        match decode(&bytes) {
+            Ok(state) => Ok(state),
+            Err(reason) => {
+                let aside = self.set_aside()?;
+                warn!(
+                    file = %self.file.display(),
+                    error = %reason,
+                    renamed_to = %aside.display(),
+                    "ledger checkpoint {} is corrupt ({reason}); renamed it to {} and starting \
+                     with an empty ledger",
+                    self.file.display(),
+                    aside.display(),
+                );
+                Ok(State::default())
+            }
+        }
+    }
+
+    /// Renames the checkpoint to `ledger.json.corrupt-<unix millis>[-n]`, keeping earlier ones.
+    fn set_aside(&self) -> Result<PathBuf, LedgerError> {
+        let stem = format!("{FILE_NAME}.corrupt-{}", to_millis(SystemTime::now()));
+        let mut aside = self.dir.join(&stem);
+        let mut n = 0u32;
+        while fs::symlink_metadata(&aside).is_ok() {
+            n += 1;
+            aside = self.dir.join(format!("{stem}-{n}"));
+        }
+        fs::rename(&self.file, &aside).map_err(|e| LedgerError::io("rename", &self.file, e))?;
+        sync_dir(&self.dir)?;
+        Ok(aside)
+    }
+
+    /// Writes `state` atomically: temp file, fsync, rename over the checkpoint, fsync the dir.
+    pub fn save(&self, state: &State) -> Result<(), LedgerError> {
+        let bytes = encode(state).map_err(|source| LedgerError::Encode {
+            path: self.file.clone(),
+            source,
+        })?;
+        let (temp, file) = create_temp(&self.dir)?;
+        let written = write_and_sync(file, &bytes)
+            .map_err(|e| LedgerError::io("write", &temp, e))
+            .and_then(|()| {
+                fs::rename(&temp, &self.file).map_err(|e| LedgerError::io("rename", &temp, e))
+            });
+        if let Err(e) = written {
+            if let Err(rm) = fs::remove_file(&temp) {
+                debug!(file = %temp.display(), error = %rm, "cannot remove ledger temp file");
+            }
+            return Err(e);
+        }
+        sync_dir(&self.dir)
+    }
+}
+
+fn write_and_sync(mut file: File, bytes: &[u8]) -> io::Result<()> {
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+fn ensure_dir(dir: &Path) -> Result<(), LedgerError> {
+    match fs::metadata(dir) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(DIR_MODE)
+                .create(dir)
+                .map_err(|e| LedgerError::io("create directory", dir, e))?;
+            // The umask may have taken bits away; state it exactly.
+            fs::set_permissions(dir, fs::Permissions::from_mode(DIR_MODE))
+                .map_err(|e| LedgerError::io("chmod", dir, e))
+        }
+        Err(e) => Err(LedgerError::io("stat", dir, e)),
+    }
+}
+
+/// A new, exclusively created temp file in `dir`, mode 0600.
+fn create_temp(dir: &Path) -> Result<(PathBuf, File), LedgerError> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let pid = std::process::id();
+    let mut attempt = 0;
+    loop {
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{TEMP_PREFIX}{pid}-{nanos}-{seq}"));
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .open(&path)
+        {
+            Ok(file) => {
+                // The umask may have taken bits away; state it exactly.
+                if let Err(e) = file.set_permissions(fs::Permissions::from_mode(FILE_MODE)) {
+                    drop(file);
+                    let _ = fs::remove_file(&path);
+                    return Err(LedgerError::io("chmod", &path, e));
+                }
+                return Ok((path, file));
+            }
+            // Two agents in separate pid namespaces may share a pid; try another name.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 8 => attempt += 1,
+            Err(e) => return Err(LedgerError::io("create", &path, e)),
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), LedgerError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| LedgerError::io("fsync directory", dir, e))
+}
+
+/// Best effort: removes `ledger.json.tmp-*` files older than [`STALE_TEMP_AGE`].
+fn remove_stale_temps(dir: &Path) {
+    let Ok(read) = fs::read_dir(dir) else { return };
+    for entry in read.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            continue;
+        }
+        let age = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok());
+        if age.is_some_and(|age| age > STALE_TEMP_AGE) {
+            let path = entry.path();
+            match fs::remove_file(&path) {
+                Ok(()) => debug!(file = %path.display(), "removed a stale ledger temp file"),
+                Err(e) => debug!(file = %path.display(), error = %e, "cannot remove stale temp"),
+            }
+        }
+    }
+}
+
+/// The names in `dir` that are ledger temp files (for tests).
+#[cfg(test)]
+pub(crate) fn temp_files(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(TEMP_PREFIX))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state_with(n: usize) -> State {
+        let mut s = State::default();
+        for i in 0..n {
+            s.push(
+                "devicelet.io/fuse",
+                vec![format!("fuse-{i}")],
+                None,
+                SystemTime::now(),
+            );
+        }
+        s
+    }
+
+    #[test]
+    fn encode_decode_round_trip() {
+        let s = state_with(3);
+        let bytes = encode(&s).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(json["version"], 1);
+        assert_eq!(json["next_id"], 4);
+        assert_eq!(json["entries"].as_array().unwrap().len(), 3);
+        assert_eq!(decode(&bytes).unwrap(), s);
+    }
+
+    #[test]
+    fn decode_refuses_what_it_cannot_trust() {
+        for (bytes, why) in [
+            (&b""[..], "EOF"),
+            (b"{\"version\":1,\"next_id\":3,\"entr", "EOF"),
+            (b"[]", "version"),
+            (b"{\"next_id\":1,\"entries\":[]}", "version"),
+            (
+                b"{\"version\":2,\"next_id\":1,\"entries\":[]}",
+                "unsupported version 2",
+            ),
+            (
+                b"{\"version\":\"1\",\"next_id\":1,\"entries\":[]}",
+                "unsupported version",
+            ),
+            (b"{\"version\":1,\"entries\":[]}", "next_id"),
+            (
+                b"{\"version\":1,\"next_id\":1,\"entries\":[{\"id\":1}]}",
+                "missing field",
+            ),
+            (
+                b"{\"version\":1,\"next_id\":1,\"entries\":[{\"id\":1,\"resource\":\"r\",\
+                  \"device_ids\":[],\"allocated_at\":0,\"holder\":null}]}",
+                "next_id",
+            ),
+        ] {
+            let err = decode(bytes).unwrap_err();
+            assert!(
+                err.contains(why),
+                "{:?}: {err}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn save_sets_modes_and_leaves_no_temp_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a/state");
+        let (store, state) = Store::open(&dir).unwrap();
+        assert_eq!(state, State::default());
+        assert_eq!(
+            fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        assert!(!store.file().exists(), "opening alone writes nothing");
+        let s = state_with(2);
+        store.save(&s).unwrap();
+        assert_eq!(
+            fs::metadata(store.file()).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(temp_files(&dir), Vec::<String>::new());
+        assert_eq!(decode(&fs::read(store.file()).unwrap()).unwrap(), s);
+    }
+
+    #[test]
+    fn existing_directory_keeps_its_mode() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o750)).unwrap();
+        Store::open(tmp.path()).unwrap();
+        assert_eq!(
+            fs::metadata(tmp.path()).unwrap().permissions().mode() & 0o777,
+            0o750
+        );
+    }
+
+    #[test]
+    fn stale_temp_files_are_removed_young_ones_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let old = tmp.path().join(format!("{TEMP_PREFIX}1-2-3"));
+        let young = tmp.path().join(format!("{TEMP_PREFIX}4-5-6"));
+        let other = tmp.path().join("unrelated");
+        for p in [&old, &young, &other] {
+            fs::write(p, b"{").unwrap();
+        }
+        let past = SystemTime::now() - Duration::from_secs(3600);
+        File::options()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .set_modified(past)
+            .unwrap();
+        Store::open(tmp.path()).unwrap();
+        assert!(!old.exists());
+        assert!(young.exists());
+        assert!(other.exists());
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_an_error_naming_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::create_dir(tmp.path().join(FILE_NAME)).unwrap();
+        let err = Store::open(tmp.path()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(FILE_NAME), "{msg}");
+        assert!(
+            matches!(err, LedgerError::Io { action: "read", .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn corrupt_copies_are_kept_side_by_side() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join(FILE_NAME);
+        for _ in 0..2 {
+            fs::write(&file, b"garbage").unwrap();
+            let (_, state) = Store::open(tmp.path()).unwrap();
+            assert_eq!(state, State::default());
+        }
+        let aside: Vec<_> = fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("ledger.json.corrupt-"))
+            .collect();
+        assert_eq!(aside.len(), 2, "{aside:?}");
+        assert!(!file.exists());
+    }
+}

@@ -1,0 +1,482 @@
+//! Tests of the ledger as a whole: persistence, corruption, atomicity, reconciliation.
+
+use std::fs;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use super::checkpoint::temp_files;
+use super::*;
+use crate::kubelet::api::podresources::{ContainerDevices, ContainerResources, PodResources};
+
+const FUSE: &str = "devicelet.io/fuse";
+const GPU: &str = "vendor.com/gpu";
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn ids(ids: &[&str]) -> Vec<String> {
+    ids.iter().map(|s| (*s).to_owned()).collect()
+}
+
+fn holder(ns: &str, pod: &str, container: &str) -> Holder {
+    Holder {
+        namespace: ns.into(),
+        pod: pod.into(),
+        container: container.into(),
+    }
+}
+
+/// (resource, device ids) pairs of one container.
+type Devices<'a> = &'a [(&'a str, &'a [&'a str])];
+
+/// A pod with containers, each with (resource, device ids) pairs. Each device gets its own
+/// `ContainerDevices`, as the kubelet reports them.
+fn pod(ns: &str, name: &str, containers: &[(&str, Devices)]) -> PodResources {
+    PodResources {
+        name: name.into(),
+        namespace: ns.into(),
+        containers: containers
+            .iter()
+            .map(|(cname, devices)| ContainerResources {
+                name: (*cname).into(),
+                devices: devices
+                    .iter()
+                    .flat_map(|(resource, ids)| {
+                        ids.iter().map(|id| ContainerDevices {
+                            resource_name: (*resource).into(),
+                            device_ids: vec![(*id).into()],
+                            topology: None,
+                        })
+                    })
+                    .collect(),
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
+fn list(pods: Vec<PodResources>) -> ListPodResourcesResponse {
+    ListPodResourcesResponse {
+        pod_resources: pods,
+    }
+}
+
+fn only_fuse(r: &str) -> bool {
+    r == FUSE
+}
+
+#[test]
+fn record_then_reopen_restores_entries_and_next_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    assert_eq!(ledger.file(), Some(dir.path().join(FILE_NAME).as_path()));
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap(), 1);
+    assert_eq!(ledger.record(GPU, &ids(&["gpu-0"])).unwrap(), 2);
+    let before = ledger.entries();
+    assert_eq!(before.len(), 2);
+    assert_eq!(before[0].device_ids, ids(&["fuse-0", "fuse-1"]));
+    assert_eq!(before[0].holder, None);
+    drop(ledger);
+
+    let reopened = Ledger::open(dir.path()).unwrap();
+    assert_eq!(reopened.entries(), before);
+    assert_eq!(
+        reopened.record(FUSE, &ids(&["fuse-2"])).unwrap(),
+        3,
+        "ids are never reused"
+    );
+}
+
+#[test]
+fn ids_are_not_reused_after_entries_are_freed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    let report = ledger
+        .reconcile(&list(vec![]), Duration::ZERO, &only_fuse)
+        .unwrap();
+    assert_eq!(report.freed.len(), 1);
+    drop(ledger);
+    let reopened = Ledger::open(dir.path()).unwrap();
+    assert!(reopened.entries().is_empty());
+    assert_eq!(reopened.record(FUSE, &ids(&["fuse-0"])).unwrap(), 2);
+}
+
+/// Captures what `tracing` logs while `f` runs.
+fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned();
+    (out, text)
+}
+
+#[test]
+fn corrupt_checkpoint_is_set_aside_and_logged() {
+    for (content, reason) in [
+        (
+            &b"{\"version\":1,\"next_id\":3,\"entries\":[{\"id\""[..],
+            "EOF",
+        ),
+        (b"\x00\xff not json", "expected value"),
+        (
+            b"{\"version\":9,\"next_id\":1,\"entries\":[]}",
+            "unsupported version 9",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(FILE_NAME);
+        fs::write(&file, content).unwrap();
+        let (ledger, log) = logged(|| Ledger::open(dir.path()).unwrap());
+        assert!(ledger.entries().is_empty());
+        assert!(!file.exists());
+        let aside: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().contains("ledger.json.corrupt-"))
+            .collect();
+        assert_eq!(aside.len(), 1, "{aside:?}");
+        assert_eq!(
+            fs::read(&aside[0]).unwrap(),
+            content,
+            "the bad file is kept as it was"
+        );
+        assert!(log.contains("WARN"), "{log}");
+        assert!(log.contains(&file.display().to_string()), "{log}");
+        assert!(log.contains(reason), "{log}");
+
+        // The ledger works and its next checkpoint is a fresh, valid one.
+        assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
+        assert_eq!(
+            Ledger::open(dir.path()).unwrap().entries(),
+            ledger.entries()
+        );
+    }
+}
+
+#[test]
+fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(FILE_NAME);
+    let ledger = Ledger::open(dir.path()).unwrap();
+    ledger.record(FUSE, &ids(&["seed"])).unwrap();
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (file, stop) = (file.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let bytes = fs::read(&file).expect("ledger.json is never missing once written");
+                checkpoint::decode(&bytes).expect("ledger.json always parses");
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let ledger = ledger.clone();
+            std::thread::spawn(move || {
+                for i in 0..25 {
+                    ledger.record(FUSE, &[format!("dev-{w}-{i}")]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(reader.join().unwrap() > 0);
+
+    assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    let restored = Ledger::open(dir.path()).unwrap().entries();
+    assert_eq!(restored.len(), 101);
+    assert_eq!(restored, ledger.entries());
+    let mut seen: Vec<u64> = restored.iter().map(|e| e.id).collect();
+    seen.dedup();
+    assert_eq!(seen, (1..=101).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_failed_checkpoint_keeps_the_entry_and_a_later_write_catches_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("state");
+    let ledger = Ledger::open(&dir).unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+
+    let err = ledger.record(FUSE, &ids(&["fuse-0"])).unwrap_err();
+    assert!(matches!(err, LedgerError::Io { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains(&dir.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(ledger.entries().len(), 1, "kept in memory");
+
+    fs::create_dir(&dir).unwrap();
+    // Nothing changes in this pass, but the pending write is retried.
+    let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse).unwrap();
+    assert!(!report.changed());
+    assert_eq!(Ledger::open(&dir).unwrap().entries(), ledger.entries());
+}
+
+#[test]
+fn in_memory_ledger_never_writes() {
+    let ledger = Ledger::in_memory();
+    assert_eq!(ledger.file(), None);
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
+    ledger.flush().unwrap();
+    let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
+    assert_eq!(
+        ledger
+            .reconcile(&pods, HOUR, &only_fuse)
+            .unwrap()
+            .attributed,
+        1
+    );
+}
+
+#[test]
+fn flush_writes_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    assert!(!dir.path().join(FILE_NAME).exists());
+    ledger.flush().unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&fs::read(dir.path().join(FILE_NAME)).unwrap()).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({ "version": 1, "next_id": 1, "entries": [] })
+    );
+}
+
+#[test]
+fn reconcile_attributes_holders_and_checkpoints_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-2"])).unwrap();
+    let pods = list(vec![
+        pod(
+            "default",
+            "web",
+            &[("app", &[(FUSE, &["fuse-1", "fuse-0"])]), ("side", &[])],
+        ),
+        pod(
+            "batch",
+            "job",
+            &[("main", &[(GPU, &["gpu-0"]), (FUSE, &["fuse-2"])])],
+        ),
+    ]);
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    assert_eq!(report.attributed, 2);
+    assert!(report.freed.is_empty());
+    assert!(report.adopted.is_empty(), "the GPU is not ours: {report:?}");
+    assert_eq!(report.pending, 0);
+    assert_eq!(
+        report.to_string(),
+        "2 attributed, 0 freed, 0 adopted, 0 pending"
+    );
+
+    assert_eq!(
+        ledger.holders(FUSE),
+        vec![
+            ("fuse-0".to_owned(), Some(holder("default", "web", "app"))),
+            ("fuse-1".to_owned(), Some(holder("default", "web", "app"))),
+            ("fuse-2".to_owned(), Some(holder("batch", "job", "main"))),
+        ]
+    );
+    assert!(ledger.holders(GPU).is_empty());
+    assert_eq!(
+        Ledger::open(dir.path()).unwrap().entries(),
+        ledger.entries()
+    );
+
+    // A second identical pass changes nothing.
+    let again = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    assert!(!again.changed(), "{again:?}");
+}
+
+#[test]
+fn reconcile_frees_entries_whose_pod_vanished() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-1"])).unwrap();
+    let both = list(vec![
+        pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]),
+        pod("ns", "b", &[("c", &[(FUSE, &["fuse-1"])])]),
+    ]);
+    assert_eq!(
+        ledger
+            .reconcile(&both, HOUR, &only_fuse)
+            .unwrap()
+            .attributed,
+        2
+    );
+
+    // Pod a ended: its entry goes at once, whatever the grace.
+    let one = list(vec![pod("ns", "b", &[("c", &[(FUSE, &["fuse-1"])])])]);
+    let report = ledger.reconcile(&one, HOUR, &only_fuse).unwrap();
+    assert_eq!(report.freed.len(), 1);
+    assert_eq!(report.freed[0].device_ids, ids(&["fuse-0"]));
+    assert_eq!(report.freed[0].holder, Some(holder("ns", "a", "c")));
+    assert_eq!(
+        ledger.holders(FUSE),
+        vec![("fuse-1".to_owned(), Some(holder("ns", "b", "c")))]
+    );
+}
+
+#[test]
+fn an_entry_is_held_only_by_a_container_with_all_its_devices() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    // Same ids under another resource, and only part of them under ours: no match.
+    let pods = list(vec![
+        pod("ns", "other", &[("c", &[(GPU, &["fuse-0", "fuse-1"])])]),
+        pod("ns", "part", &[("c", &[(FUSE, &["fuse-0"])])]),
+    ]);
+    let report = ledger.reconcile(&pods, HOUR, &|_| false).unwrap();
+    assert_eq!(report.attributed, 0);
+    assert_eq!(report.pending, 1);
+    assert_eq!(ledger.entries()[0].holder, None);
+}
+
+#[test]
+fn reconcile_respects_grace_for_fresh_entries() {
+    let mut state = state::State::default();
+    let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    state.push(FUSE, ids(&["fuse-0"]), None, t0);
+    let grace = Duration::from_secs(30);
+    let empty = list(vec![]);
+
+    let report = state.reconcile(&empty, grace, t0 + Duration::from_secs(29), &only_fuse);
+    assert_eq!((report.pending, report.freed.len()), (1, 0));
+    // A clock that went backwards makes the entry young, not old.
+    let report = state.reconcile(&empty, grace, t0 - HOUR, &only_fuse);
+    assert_eq!((report.pending, report.freed.len()), (1, 0));
+    let report = state.reconcile(&empty, grace, t0 + grace, &only_fuse);
+    assert_eq!((report.pending, report.freed.len()), (0, 1));
+    assert!(state.entries.is_empty());
+}
+
+#[test]
+fn a_fresh_entry_that_shows_up_is_attributed_within_grace() {
+    let mut state = state::State::default();
+    let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    state.push(FUSE, ids(&["fuse-0"]), None, t0);
+    let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
+    let report = state.reconcile(&pods, Duration::from_secs(30), t0 + HOUR, &only_fuse);
+    assert_eq!(report.attributed, 1);
+    assert!(report.freed.is_empty());
+}
+
+#[test]
+fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    let pods = list(vec![
+        // fuse-0 is known; fuse-1 in the same container is not.
+        pod("ns", "known", &[("c", &[(FUSE, &["fuse-0", "fuse-1"])])]),
+        pod(
+            "ns",
+            "lost",
+            &[("c", &[(FUSE, &["fuse-3", "fuse-2"]), (GPU, &["gpu-0"])])],
+        ),
+    ]);
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    assert_eq!(report.attributed, 1);
+    let adopted: Vec<_> = report
+        .adopted
+        .iter()
+        .map(|e| (e.id, e.resource.as_str(), e.device_ids.clone()))
+        .collect();
+    assert_eq!(
+        adopted,
+        vec![
+            (2, FUSE, ids(&["fuse-1"])),
+            (3, FUSE, ids(&["fuse-3", "fuse-2"]))
+        ]
+    );
+    assert_eq!(report.adopted[1].holder, Some(holder("ns", "lost", "c")));
+    assert_eq!(ledger.entries().len(), 3);
+    assert!(ledger.holders(GPU).is_empty());
+
+    // Adopted entries are ordinary entries: stable on the next pass, freed when the pod ends.
+    assert!(!ledger.reconcile(&pods, HOUR, &only_fuse).unwrap().changed());
+    let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse).unwrap();
+    assert_eq!(report.freed.len(), 3);
+    assert!(ledger.entries().is_empty());
+}
+
+#[test]
+fn a_newer_entry_supersedes_an_older_one_of_the_same_container() {
+    let ledger = Ledger::in_memory();
+    // Init container got fuse-0; the app container reused it and got fuse-1 too.
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    let pods = list(vec![pod(
+        "ns",
+        "p",
+        &[("app", &[(FUSE, &["fuse-0", "fuse-1"])])],
+    )]);
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    assert_eq!(
+        report.freed.iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert!(report.adopted.is_empty());
+    assert_eq!(
+        ledger.entries().iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![2]
+    );
+}
+
+#[test]
+fn the_current_holder_is_kept_when_several_containers_qualify() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    let b = pod("ns", "b", &[("c", &[(FUSE, &["fuse-0"])])]);
+    let a = pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]);
+    ledger
+        .reconcile(&list(vec![b.clone()]), HOUR, &only_fuse)
+        .unwrap();
+    let report = ledger
+        .reconcile(&list(vec![a, b]), HOUR, &only_fuse)
+        .unwrap();
+    assert_eq!(report.attributed, 0);
+    assert_eq!(ledger.entries()[0].holder, Some(holder("ns", "b", "c")));
+}
+
+#[test]
+fn an_entry_without_devices_is_never_held() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &[]).unwrap();
+    let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
+    let report = ledger.reconcile(&pods, HOUR, &|_| false).unwrap();
+    assert_eq!((report.attributed, report.pending), (0, 1));
+}
+
+#[test]
+fn ledger_is_send_sync_and_clones_share_state() {
+    fn assert_send_sync<T: Send + Sync + Clone + 'static>() {}
+    assert_send_sync::<Ledger>();
+    let a = Ledger::in_memory();
+    let b = a.clone();
+    a.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    assert_eq!(b.entries().len(), 1);
+}

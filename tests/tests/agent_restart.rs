@@ -1,0 +1,110 @@
+//! The agent as operators run it (the real binary): killed with SIGKILL and started again, it
+//! removes its predecessor's sockets, registers again and restores the same ledger; SIGTERM
+//! stops it cleanly.
+
+use std::process::{Child, Command, Stdio};
+
+use devicelet::agent::status;
+use devicelet::kubelet::simulator::PodRef;
+use devicelet_tests::{Node, WAIT, devicelet_bin, generic_dev};
+
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+
+fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
+    Command::new(devicelet_bin())
+        .arg("run")
+        .arg("--config")
+        .arg(registry)
+        .arg("--kubelet-dir")
+        .arg(node.plugin_dir())
+        .arg("--state-dir")
+        .arg(node.state_dir())
+        .arg("--pod-resources-socket")
+        .arg(node.kubelet.pod_resources_socket())
+        .args(["--reconcile-interval", "100ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning devicelet run")
+}
+
+async fn holder_of(node: &Node, device: &str) -> Option<String> {
+    let status = status::read(&node.state_dir()).await.ok()?;
+    status
+        .resources
+        .iter()
+        .flat_map(|r| &r.devices)
+        .find(|d| d.id == device)
+        .and_then(|d| d.holder.as_ref())
+        .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container))
+}
+
+async fn wait_for_holder(node: &Node, device: &str) -> String {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        if let Some(h) = holder_of(node, device).await {
+            return h;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no holder for {device}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_with_sigkill_comes_back_with_the_same_ledger() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let registry = node.registry(&generic_dev(FUSE));
+
+    let mut first = spawn_agent(&node, &registry);
+    let before = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 1 && r.allocatable == 2
+        })
+        .await
+        .expect("the first agent registers");
+    let pod = PodRef::new("default", "db", "postgres");
+    let allocation = node
+        .kubelet
+        .allocate_for(&pod, "devicelet.io/fuse", 1)
+        .await
+        .expect("allocate");
+    let device = allocation.device_ids[0].clone();
+    let holder = wait_for_holder(&node, &device).await;
+    assert_eq!(holder, "default/db/postgres");
+
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    let stale = node.plugin_dir().join(&before.endpoint);
+    assert!(stale.exists(), "a killed agent leaves its socket behind");
+
+    let mut second = spawn_agent(&node, &registry);
+    let after = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 2 && r.streaming && r.endpoint != before.endpoint
+        })
+        .await
+        .expect("the second agent registers again");
+    assert!(!stale.exists(), "the predecessor's socket was removed");
+    assert_eq!(
+        wait_for_holder(&node, &device).await,
+        holder,
+        "the ledger survived SIGKILL"
+    );
+
+    // SIGTERM: streams end, the socket goes, the process exits cleanly.
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe { libc::kill(second.id() as i32, libc::SIGTERM) };
+    let exit = second.wait().expect("reaped");
+    assert!(exit.success(), "{exit:?}");
+    assert!(!node.plugin_dir().join(&after.endpoint).exists());
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| !r.streaming)
+        .await
+        .expect("the stream ended");
+}

@@ -1,0 +1,253 @@
+//! A lifecycle that never loses a device: kubelet restarts, module crashes, health that
+//! recovers, registry edits and the allocation ledger.
+
+use devicelet_tests::{Node, WAIT, eventually, generic_dev, misbehaving};
+
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+
+fn bad_with_switch() -> String {
+    misbehaving(
+        "flaky",
+        r#"resource = "bad"
+switch = "/sys/testing/switch""#,
+        "500ms",
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restarts_a_hundred_times_without_losing_a_registration() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 1 && r.allocatable == 2
+        })
+        .await
+        .expect("first registration");
+    for restart in 1..=100u32 {
+        node.kubelet.restart().await.expect("kubelet restart");
+        node.kubelet
+            .wait_until("devicelet.io/fuse", WAIT, |r| {
+                r.registrations == restart + 1 && r.streaming && r.allocatable == 2
+            })
+            .await
+            .unwrap_or_else(|e| panic!("registration lost after restart {restart}: {e}"));
+    }
+    // Devices are still allocatable through the last kubelet.
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocate after restarts");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn module_trapping_in_enumerate_turns_unhealthy_then_recovers_without_touching_others() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!("{}\n{}", generic_dev(FUSE), bad_with_switch());
+    let agent = node.start_agent(&modules).await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("bad healthy");
+    let fuse_before = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse healthy");
+
+    node.tree
+        .write_file("/sys/testing/switch", "trap")
+        .expect("switch");
+    let down = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.capacity == 2 && r.allocatable == 0
+        })
+        .await
+        .expect("a crashing module's devices turn Unhealthy");
+    assert!(down.devices.iter().all(|d| d.health == "Unhealthy"));
+    assert!(
+        down.streaming,
+        "the stream stays open while the module is down"
+    );
+
+    std::fs::remove_file(node.tree.path("/sys/testing/switch")).expect("unswitch");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the module recovers and its devices are Healthy again");
+
+    let fuse_after = node
+        .kubelet
+        .resource("devicelet.io/fuse")
+        .expect("fuse known");
+    assert!(fuse_after.streaming);
+    assert_eq!(fuse_after.registrations, fuse_before.registrations);
+    assert_eq!(
+        fuse_after.snapshots, fuse_before.snapshots,
+        "the other stream saw nothing"
+    );
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_becomes_healthy_again_is_advertised_healthy_again() {
+    let node = Node::new().await;
+    let agent = node.start_agent(&bad_with_switch()).await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("healthy at first");
+    node.tree
+        .write_file("/sys/testing/switch", "unhealthy")
+        .expect("switch");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.capacity == 2 && r.allocatable == 0
+        })
+        .await
+        .expect("unhealthy");
+    node.tree
+        .write_file("/sys/testing/switch", "ok")
+        .expect("switch");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("healthy again");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_edit_adds_a_module_while_the_first_stream_stays_open() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    let before = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+
+    node.registry(&format!("{}\n{}", generic_dev(FUSE), bad_with_switch()));
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the added module is served");
+
+    let after = node
+        .kubelet
+        .resource("devicelet.io/fuse")
+        .expect("fuse known");
+    assert!(after.streaming);
+    assert_eq!(
+        after.registrations, before.registrations,
+        "fuse was not re-registered"
+    );
+    assert_eq!(
+        after.snapshots, before.snapshots,
+        "fuse's stream was not restarted"
+    );
+
+    // And removing it again ends only its stream.
+    node.registry(&generic_dev(FUSE));
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            !r.streaming && r.allocatable == 0
+        })
+        .await
+        .expect("the removed module's stream ends");
+    assert!(
+        node.kubelet
+            .resource("devicelet.io/fuse")
+            .is_some_and(|r| r.streaming)
+    );
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_registry_edit_is_refused_and_the_running_set_keeps_serving() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+
+    node.registry(&generic_dev(FUSE).replace("call-deadline", "cal-deadline"));
+    eventually("the edit to be refused", || agent.reload_error().is_some()).await;
+    let error = agent.reload_error().unwrap_or_default();
+    assert!(
+        error.contains("registry.toml:") && error.contains("cal-deadline"),
+        "{error}"
+    );
+
+    let fuse = node
+        .kubelet
+        .resource("devicelet.io/fuse")
+        .expect("fuse known");
+    assert!(fuse.streaming && fuse.registrations == 1);
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("the old set keeps serving");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_pod_frees_its_devices_in_the_ledger() {
+    use devicelet::kubelet::simulator::PodRef;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node
+        .start_agent_with(&generic_dev(FUSE), node.with_ledger())
+        .await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+
+    let pod = PodRef::new("team-a", "trainer", "main");
+    let allocation = node
+        .kubelet
+        .allocate_for(&pod, "devicelet.io/fuse", 1)
+        .await
+        .expect("allocate");
+    let held = &allocation.device_ids[0];
+    let holder_of = |agent: &devicelet::agent::Agent| {
+        agent
+            .status()
+            .resources
+            .into_iter()
+            .flat_map(|r| r.devices)
+            .find(|d| &d.id == held)
+            .and_then(|d| d.holder)
+    };
+    eventually("the ledger to learn the holder", || {
+        holder_of(&agent).is_some()
+    })
+    .await;
+    let holder = holder_of(&agent).expect("holder");
+    assert_eq!(
+        (
+            holder.namespace.as_str(),
+            holder.pod.as_str(),
+            holder.container.as_str()
+        ),
+        ("team-a", "trainer", "main")
+    );
+
+    node.kubelet.terminate_pod("team-a", "trainer");
+    eventually("the ledger to free the device", || {
+        agent
+            .ledger()
+            .entries()
+            .iter()
+            .all(|e| !e.device_ids.contains(held))
+    })
+    .await;
+    agent.shutdown().await;
+}
