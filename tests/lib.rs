@@ -60,6 +60,8 @@ pub fn module_dir() -> &'static Path {
                 "generic-dev",
                 "-p",
                 "misbehaving",
+                "-p",
+                "hostile",
             ])
             .status()
             .expect("running cargo to build the guest modules");
@@ -200,5 +202,27 @@ sysfs = ["/sys/testing"]
 [module.config]
 {config}
 "#
+    )
+}
+
+/// The hostile module with `attack` (and `path`, if any), granted `/sys/class/granted` and
+/// `/dev/fuse` only.
+pub fn hostile(attack: &str, path: Option<&str>) -> String {
+    let path = path.map(|p| format!("path = {p:?}\n")).unwrap_or_default();
+    format!(
+        r#"[[module]]
+name = "hostile"
+path = "@MODULES@/hostile.wasm"
+health-interval = "100ms"
+call-deadline = "1s"
+memory-limit = "64MiB"
+
+[module.grants]
+sysfs = ["/sys/class/granted"]
+dev = ["/dev/fuse"]
+
+[module.config]
+attack = "{attack}"
+{path}"#
     )
 }

@@ -25,6 +25,7 @@ use wasmtime::Engine;
 
 use crate::config::Registry;
 use crate::ledger::Ledger;
+use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
 
 pub use modules::start_module;
@@ -46,6 +47,8 @@ pub struct AgentOptions {
     pub reconcile_grace: Duration,
     /// Apply edits of the registry file and replaced module files without a restart.
     pub hot_reload: bool,
+    /// Where compiled modules are kept between starts (created 0700); None compiles every time.
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl AgentOptions {
@@ -58,6 +61,7 @@ impl AgentOptions {
             reconcile_interval: Duration::from_secs(30),
             reconcile_grace: Duration::from_secs(60),
             hot_reload: true,
+            cache_dir: None,
         }
     }
 }
@@ -65,6 +69,7 @@ impl AgentOptions {
 /// What the agent's background tasks share.
 pub(crate) struct Shared {
     engine: Engine,
+    cache: Option<Arc<CompileCache>>,
     instance: String,
     plugin_dir: PathBuf,
     ledger: Ledger,
@@ -103,7 +108,15 @@ impl Shared {
     async fn start_modules(&self, registry: &Registry, names: &[String]) -> Vec<String> {
         let mut errors = Vec::new();
         for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
-            match modules::start(&self.engine, spec, &registry.host_root, &self.serving()).await {
+            match modules::start(
+                &self.engine,
+                self.cache.clone(),
+                spec,
+                &registry.host_root,
+                &self.serving(),
+            )
+            .await
+            {
                 Ok((running, resource_errors)) => {
                     for r in &running.resources {
                         tracing::info!(module = spec.name, resource = r.served.name, "serving");
@@ -151,8 +164,16 @@ impl Agent {
             Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,
             None => Ledger::in_memory(),
         };
+        // Only saves time: a cache that cannot be used is reported, not fatal.
+        let cache = options.cache_dir.as_deref().and_then(|dir| {
+            CompileCache::open(dir)
+                .inspect_err(|e| tracing::error!("{e}; compiling modules without a cache"))
+                .ok()
+                .map(Arc::new)
+        });
         let shared = Arc::new(Shared {
             engine,
+            cache,
             instance,
             plugin_dir: options.plugin_dir.clone(),
             ledger,
@@ -230,6 +251,11 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// What the compile cache did since start; None without one.
+    pub fn cache_stats(&self) -> Option<CacheStats> {
+        self.shared.cache.as_ref().map(|c| c.stats())
     }
 
     pub fn ledger(&self) -> &Ledger {

@@ -2,11 +2,13 @@
 //! and stopping one (end its streams, remove its sockets).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use wasmtime::Engine;
 
 use super::resource::{self, RunningResource, Serving};
 use crate::config::ModuleSpec;
+use crate::sandbox::cache::CompileCache;
 use crate::sandbox::loader::load;
 use crate::sandbox::{LoadError, ModuleHandle};
 
@@ -24,19 +26,22 @@ impl RunningModule {
     }
 }
 
-/// Compiles (on a blocking thread), instantiates and initialises one module.
+/// Compiles (on a blocking thread, or loads it precompiled from `cache`), instantiates and
+/// initialises one module.
 pub async fn start_module(
     engine: &Engine,
+    cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
 ) -> Result<ModuleHandle, LoadError> {
     let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
-    let loaded = tokio::task::spawn_blocking(move || load(&engine, &spec_owned, &root))
-        .await
-        .map_err(|e| LoadError::Invalid {
-            module: spec.name.clone(),
-            message: format!("loader panicked: {e}"),
-        })??;
+    let loaded =
+        tokio::task::spawn_blocking(move || load(&engine, cache.as_deref(), &spec_owned, &root))
+            .await
+            .map_err(|e| LoadError::Invalid {
+                module: spec.name.clone(),
+                message: format!("loader panicked: {e}"),
+            })??;
     ModuleHandle::start(loaded).await
 }
 
@@ -44,11 +49,12 @@ pub async fn start_module(
 /// reported (each error names the module) and skipped; the others are served.
 pub async fn start(
     engine: &Engine,
+    cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
     at: &Serving<'_>,
 ) -> Result<(RunningModule, Vec<String>), LoadError> {
-    let handle = start_module(engine, spec, host_root).await?;
+    let handle = start_module(engine, cache, spec, host_root).await?;
     let mut resources = Vec::new();
     let mut errors = Vec::new();
     for info in handle.resources() {

@@ -11,17 +11,27 @@ use tokio::sync::watch;
 
 use super::Shared;
 use crate::ledger::Holder;
-use crate::sandbox::Health;
+use crate::sandbox::{Health, ModuleStats};
 
 pub const STATUS_SOCKET: &str = "status.sock";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
+    pub modules: Vec<ModuleStatus>,
     pub resources: Vec<ResourceStatus>,
     /// Modules of the registry that are not served, each error naming its module.
     pub load_errors: Vec<String>,
     /// Why the last registry edit was refused, if it was.
     pub reload_error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleStatus {
+    pub name: String,
+    /// sha256 of the running module file.
+    pub digest: String,
+    /// Traps, missed deadlines, refused answers...: what the sandbox caught so far.
+    pub stats: ModuleStats,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,6 +54,15 @@ pub struct DeviceStatus {
 }
 
 pub(super) fn collect(shared: &Shared) -> Status {
+    let modules = shared
+        .lock_modules()
+        .values()
+        .map(|m| ModuleStatus {
+            name: m.spec.name.clone(),
+            digest: m.handle.digest().to_owned(),
+            stats: m.handle.stats(),
+        })
+        .collect();
     let resources = shared
         .resources()
         .into_iter()
@@ -73,6 +92,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
         })
         .collect();
     Status {
+        modules,
         resources,
         load_errors: shared
             .load_errors

@@ -21,6 +21,10 @@ pub struct RunArgs {
     /// Where the allocation ledger and the status socket live (created 0700).
     #[arg(long, default_value = "/var/lib/devicelet")]
     pub state_dir: PathBuf,
+    /// Where compiled modules are kept between starts (created 0700; must be ours and writable
+    /// by nobody else). Defaults to `cache` in the state directory: /var/lib/devicelet/cache.
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
     /// How often the ledger is reconciled with PodResources, e.g. 30s.
     #[arg(long, default_value = "30s", value_parser = crate::config::parse_duration)]
     pub reconcile_interval: std::time::Duration,
@@ -32,6 +36,10 @@ pub struct RunArgs {
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
     let mut options = AgentOptions::new(registry, args.kubelet_dir);
+    let cache_dir = args
+        .cache_dir
+        .unwrap_or_else(|| args.state_dir.join("cache"));
+    options.cache_dir = Some(cache_dir);
     options.state_dir = Some(args.state_dir);
     options.pod_resources = Some(args.pod_resources_socket);
     options.reconcile_interval = args.reconcile_interval;

@@ -26,6 +26,18 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
 
 fn render(status: &Status) -> String {
     let mut out = String::new();
+    for m in &status.modules {
+        let s = m.stats;
+        out += &format!(
+            "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors\n",
+            m.name,
+            m.digest.get(..12).unwrap_or(&m.digest),
+            s.traps,
+            s.deadlines,
+            s.violations,
+            s.errors
+        );
+    }
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();
         out += &format!(

@@ -19,7 +19,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let engine = new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let mut failures = 0;
     for spec in &registry.modules {
-        match start_module(&engine, spec, &registry.host_root).await {
+        match start_module(&engine, None, spec, &registry.host_root).await {
             Ok(module) => {
                 println!("module `{}` ({}): ok", spec.name, spec.path.display());
                 for r in module.resources() {

@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -18,6 +19,30 @@ use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
 use super::loader::LoadedModule;
 use super::types::{ContainerEdits, Device, Health, PluginError, ResourceInfo};
+use super::validate;
+use crate::config::Grants;
+
+#[derive(Default)]
+struct Counters {
+    traps: AtomicU64,
+    deadlines: AtomicU64,
+    violations: AtomicU64,
+    errors: AtomicU64,
+    unavailable: AtomicU64,
+}
+
+/// How often calls into a module failed, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModuleStats {
+    pub traps: u64,
+    pub deadlines: u64,
+    /// Answers refused because they broke a rule (see [`super::validate`]).
+    pub violations: u64,
+    /// Errors the module reported itself.
+    pub errors: u64,
+    /// Calls refused while the module was down (crashed, backing off).
+    pub unavailable: u64,
+}
 
 /// Calls queued per module before callers are told it is busy.
 const QUEUE: usize = 64;
@@ -58,6 +83,8 @@ enum Failure {
 pub struct ModuleHandle {
     name: Arc<str>,
     digest: Arc<str>,
+    grants: Arc<Grants>,
+    stats: Arc<Counters>,
     deadline: Duration,
     resources: Arc<[ResourceInfo]>,
     jobs: mpsc::Sender<Job>,
@@ -68,6 +95,7 @@ impl ModuleHandle {
     pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
         let digest = module.digest.as_str().into();
+        let grants = module.grants.clone();
         let deadline = module.spec.call_deadline;
         let config = module.spec.config.to_string();
         let (instance, resources) = instantiate(&module, &config).await.map_err(|e| match e {
@@ -93,6 +121,8 @@ impl ModuleHandle {
         Ok(ModuleHandle {
             name,
             digest,
+            grants,
+            stats: Arc::default(),
             deadline,
             resources: resources.into(),
             jobs,
@@ -122,7 +152,11 @@ impl ModuleHandle {
             })
         })
         .await
-        .map(|d| d.into_iter().map(Device::from).collect())
+        .map(|d| d.into_iter().map(Device::from).collect::<Vec<_>>())
+        .and_then(|d| {
+            self.check(CallKind::Enumerate, validate::devices(&d))
+                .map(|()| d)
+        })
     }
 
     pub async fn health(
@@ -131,14 +165,28 @@ impl ModuleHandle {
         ids: Vec<String>,
     ) -> Result<Vec<(String, Health)>, CallError> {
         let resource = resource.to_owned();
-        self.call(CallKind::Health, move |i| {
-            Box::pin(async move {
-                let r = i.plugin.devicelet_plugin_plugin();
-                r.call_health(&mut i.store, &resource, &ids).await
+        let asked = ids.clone();
+        let answer = self
+            .call(CallKind::Health, move |i| {
+                Box::pin(async move {
+                    let r = i.plugin.devicelet_plugin_plugin();
+                    r.call_health(&mut i.store, &resource, &ids).await
+                })
             })
-        })
-        .await
-        .map(|h| h.into_iter().map(|d| (d.id, d.health.into())).collect())
+            .await?;
+        let unasked = answer.iter().find(|d| !asked.contains(&d.id));
+        let verdict = match unasked {
+            Some(d) => Err(format!(
+                "health reported for device {:?}, which was not asked about",
+                d.id
+            )),
+            None => Ok(()),
+        };
+        self.check(CallKind::Health, verdict)?;
+        Ok(answer
+            .into_iter()
+            .map(|d| (d.id, d.health.into()))
+            .collect())
     }
 
     pub async fn allocate(
@@ -155,6 +203,10 @@ impl ModuleHandle {
         })
         .await
         .map(ContainerEdits::from)
+        .and_then(|e| {
+            self.check(CallKind::Allocate, validate::edits(&e, &self.grants))
+                .map(|()| e)
+        })
     }
 
     pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
@@ -176,14 +228,62 @@ impl ModuleHandle {
         size: u32,
     ) -> Result<Vec<String>, CallError> {
         let resource = resource.to_owned();
-        self.call(CallKind::Preferred, move |i| {
-            Box::pin(async move {
-                let r = i.plugin.devicelet_plugin_plugin();
-                r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
-                    .await
+        let offered = available.clone();
+        let chosen = self
+            .call(CallKind::Preferred, move |i| {
+                Box::pin(async move {
+                    let r = i.plugin.devicelet_plugin_plugin();
+                    r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
+                        .await
+                })
             })
+            .await?;
+        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        self.check(
+            CallKind::Preferred,
+            validate::chosen_ids(&chosen, &offered, size),
+        )?;
+        Ok(chosen)
+    }
+
+    /// What went wrong with this module so far, for status and metrics.
+    pub fn stats(&self) -> ModuleStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ModuleStats {
+            traps: get(&self.stats.traps),
+            deadlines: get(&self.stats.deadlines),
+            violations: get(&self.stats.violations),
+            errors: get(&self.stats.errors),
+            unavailable: get(&self.stats.unavailable),
+        }
+    }
+
+    /// Turns a broken rule into a counted, logged call error.
+    fn check(
+        &self,
+        call: CallKind,
+        verdict: Result<(), validate::Violation>,
+    ) -> Result<(), CallError> {
+        verdict.map_err(|message| {
+            self.stats.violations.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(module = &*self.name, %call, "refused the module's answer: {message}");
+            CallError::InvalidOutput {
+                module: self.name.to_string(),
+                call,
+                message,
+            }
         })
-        .await
+    }
+
+    fn count(&self, e: &CallError) {
+        let counter = match e {
+            CallError::Plugin { .. } => &self.stats.errors,
+            CallError::Trap { .. } => &self.stats.traps,
+            CallError::Deadline { .. } => &self.stats.deadlines,
+            CallError::InvalidOutput { .. } => &self.stats.violations,
+            CallError::Unavailable { .. } => &self.stats.unavailable,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Queues `f` on the actor and waits for its answer, never longer than the deadline.
@@ -237,7 +337,7 @@ impl ModuleHandle {
             }
             Ok(Ok(())) => {}
         }
-        match tokio::time::timeout_at(due, rx).await {
+        let result = match tokio::time::timeout_at(due, rx).await {
             Err(_) | Ok(Err(_)) => Err(deadline_error()),
             Ok(Ok(Ok(v))) => Ok(v),
             Ok(Ok(Err(Failure::Plugin(error)))) => Err(CallError::Plugin {
@@ -253,7 +353,11 @@ impl ModuleHandle {
             Ok(Ok(Err(Failure::Unavailable(reason)))) => {
                 Err(CallError::Unavailable { module, reason })
             }
+        };
+        if let Err(e) = &result {
+            self.count(e);
         }
+        result
     }
 }
 

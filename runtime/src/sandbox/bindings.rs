@@ -10,8 +10,8 @@ pub mod v0_1 {
         exports: { default: async },
     });
 
-    pub use devicelet::plugin::types as wit;
-    pub use exports::devicelet::plugin::plugin as guest;
+    pub use self::devicelet::plugin::types as wit;
+    pub use self::exports::devicelet::plugin::plugin as guest;
 }
 
 use v0_1::wit;

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
@@ -10,6 +11,7 @@ use wasmtime::component::{Component, HasSelf, Linker};
 
 use super::bindings::imports;
 use super::bindings::v0_1::{DevicePluginPre, devicelet::plugin};
+use super::cache::CompileCache;
 use super::error::LoadError;
 use super::host::HostState;
 use crate::config::{Grants, ModuleSpec};
@@ -27,9 +29,12 @@ pub struct LoadedModule {
     pub digest: String,
 }
 
-/// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread.
+/// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread. With a
+/// `cache`, a module compiled before (by this host, with the same engine settings) is loaded
+/// precompiled instead; the registry's digest is checked before either.
 pub fn load(
     engine: &Engine,
+    cache: Option<&CompileCache>,
     spec: &ModuleSpec,
     host_root: &std::path::Path,
 ) -> Result<LoadedModule, LoadError> {
@@ -50,7 +55,19 @@ pub fn load(
             actual: digest,
         });
     }
-    let component = Component::from_binary(engine, &bytes).map_err(|e| LoadError::Compile {
+    let started = Instant::now();
+    let component = match cache {
+        Some(cache) => cache
+            .load(engine, &bytes, &digest)
+            .map(|(component, outcome)| {
+                tracing::debug!(module, ?outcome, elapsed_ms = ms(started), "compile cache");
+                component
+            }),
+        None => Component::from_binary(engine, &bytes).inspect(|_| {
+            tracing::debug!(module, elapsed_ms = ms(started), "compiled");
+        }),
+    }
+    .map_err(|e| LoadError::Compile {
         module: module.clone(),
         path: spec.path.clone(),
         message: format!("{e:#}"),
@@ -121,6 +138,10 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
         plugin::devnodes::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
     }
     Ok(linker)
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
 }
 
 fn hex(bytes: &[u8]) -> String {

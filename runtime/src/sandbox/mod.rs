@@ -3,12 +3,14 @@
 
 pub mod actor;
 pub mod bindings;
+pub mod cache;
 pub mod engine;
 pub mod error;
 pub mod host;
 pub mod loader;
 pub mod types;
+pub mod validate;
 
-pub use actor::ModuleHandle;
+pub use actor::{ModuleHandle, ModuleStats};
 pub use error::{CallError, LoadError};
 pub use types::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};

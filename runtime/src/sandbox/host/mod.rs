@@ -3,6 +3,7 @@
 
 mod devnodes;
 mod log;
+mod output;
 pub mod paths;
 mod state;
 mod sysfs;

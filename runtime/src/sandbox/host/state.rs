@@ -19,20 +19,23 @@ pub struct HostState {
 }
 
 impl HostState {
-    /// A module gets WASI with no preopened directories, no sockets, no environment and no
-    /// inherited stdio: only what Rust's std needs to start.
+    /// A module gets WASI with no preopened directories, no sockets and no environment: only
+    /// what Rust's std needs to start. Its stdout and stderr become rate-limited log lines.
     pub fn new(
         module: Arc<str>,
         host_root: Arc<PathBuf>,
         grants: Arc<Grants>,
         limits: StoreLimits,
     ) -> Self {
+        let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone());
+        let mut wasi = WasiCtx::builder();
+        wasi.stdout(stdout).stderr(stderr);
         HostState {
             module,
             host_root,
             grants,
             limits,
-            wasi: WasiCtx::builder().build(),
+            wasi: wasi.build(),
             table: ResourceTable::new(),
         }
     }

@@ -1,0 +1,687 @@
+//! The compile cache: components precompiled by this host, so a restart deserializes them (a
+//! memory map, milliseconds) instead of compiling them again (hundreds of milliseconds each).
+//!
+//! An entry is `<module sha256>-<engine key>.cwasm`, where the engine key is 16 hex digits of a
+//! sha256 over [`Engine::precompile_compatibility_hash`]: a module is cached once per engine
+//! configuration and wasmtime version, and the key is the same in every process.
+//!
+//! Deserializing a file runs the machine code in it, so we only ever load files this host wrote:
+//! - the directory is owned by us and writable by nobody else (checked by [`CompileCache::open`],
+//!   created 0700), and every file we load is a regular file owned by us, not group- or
+//!   world-writable (a symlink is refused);
+//! - next to each `.cwasm` lies `<name>.sha256`, the sha256 of the `.cwasm` we wrote. The sidecar
+//!   is put in place before the `.cwasm` (both written to a temporary file, synced and renamed),
+//!   and a `.cwasm` whose contents do not match its sidecar (truncated, garbage, missing sidecar)
+//!   is never deserialized.
+//!
+//! Anything wrong with an entry (including a file wasmtime refuses to deserialize, e.g. after an
+//! upgrade) is logged, the entry deleted, the module compiled again and the entry rewritten.
+//! Failing to write the cache is logged and otherwise ignored: the cache only saves time.
+
+use std::fs::{File, OpenOptions};
+use std::hash::{Hash, Hasher};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+use wasmtime::Engine;
+use wasmtime::component::Component;
+
+/// Why a compile-cache directory cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("compile cache {path}: cannot create it: {source}")]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("compile cache {path}: cannot inspect it: {source}")]
+    Inspect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("compile cache {path} is not a directory (a file or a symlink); refusing to use it")]
+    NotADirectory { path: PathBuf },
+    #[error(
+        "compile cache {path} is owned by uid {owner}, not by this agent (uid {uid}); refusing to load precompiled code from it"
+    )]
+    Owner { path: PathBuf, owner: u32, uid: u32 },
+    #[error(
+        "compile cache {path} has mode {mode:o}: others than its owner may write to it, so refusing to load precompiled code from it (chmod 0700 it)"
+    )]
+    Writable { path: PathBuf, mode: u32 },
+}
+
+/// How a [`CompileCache::load`] got its component.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheOutcome {
+    /// Deserialized from the cache; nothing was compiled.
+    Hit,
+    /// Not cached: compiled (and written to the cache, if that worked).
+    Miss,
+    /// The cached entry was unusable: deleted, compiled again and rewritten.
+    Replaced { reason: String },
+}
+
+/// What the cache did since it was opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub replaced: u64,
+}
+
+/// A directory of precompiled components. Share it (behind an `Arc`) between loads.
+#[derive(Debug)]
+pub struct CompileCache {
+    dir: PathBuf,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    replaced: AtomicU64,
+}
+
+impl CompileCache {
+    /// Opens the cache at `dir`, creating it (and its parents) 0700 if it is missing. An existing
+    /// directory must be owned by us and writable by nobody else, or it is refused: whoever can
+    /// write to it could make us run their code.
+    pub fn open(dir: &Path) -> Result<CompileCache, CacheError> {
+        match std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+        {
+            Ok(()) => {}
+            // `recursive` reports an existing non-directory as AlreadyExists; checked below.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(source) => {
+                return Err(CacheError::Create {
+                    path: dir.to_owned(),
+                    source,
+                });
+            }
+        }
+        let meta = std::fs::symlink_metadata(dir).map_err(|source| CacheError::Inspect {
+            path: dir.to_owned(),
+            source,
+        })?;
+        if !meta.file_type().is_dir() {
+            return Err(CacheError::NotADirectory {
+                path: dir.to_owned(),
+            });
+        }
+        let uid = euid();
+        if meta.uid() != uid {
+            return Err(CacheError::Owner {
+                path: dir.to_owned(),
+                owner: meta.uid(),
+                uid,
+            });
+        }
+        if meta.mode() & 0o022 != 0 {
+            return Err(CacheError::Writable {
+                path: dir.to_owned(),
+                mode: meta.mode() & 0o7777,
+            });
+        }
+        Ok(CompileCache {
+            dir: dir.to_owned(),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            replaced: AtomicU64::new(0),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            replaced: self.replaced.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The component for `wasm`, from the cache or compiled (and then cached). `digest` is the
+    /// sha256 of `wasm`, lowercase hex, as the loader computed it when checking the registry's
+    /// digest. Only a failure to compile `wasm` is an error; nothing about the cache is.
+    ///
+    /// CPU-bound on a miss: call it from a blocking thread.
+    pub fn load(
+        &self,
+        engine: &Engine,
+        wasm: &[u8],
+        digest: &str,
+    ) -> Result<(Component, CacheOutcome), wasmtime::Error> {
+        if digest.len() != 64
+            || !digest
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            tracing::warn!(
+                module = digest,
+                "compile cache: not a sha256 digest; compiling without the cache"
+            );
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return Ok((compile(engine, wasm, digest)?, CacheOutcome::Miss));
+        }
+        let name = format!("{digest}-{}", engine_key(engine));
+        let cwasm = self.dir.join(format!("{name}.cwasm"));
+        let sidecar = self.dir.join(format!("{name}.sha256"));
+        let outcome = match self.try_load(engine, &cwasm, &sidecar) {
+            Ok(Some(component)) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok((component, CacheOutcome::Hit));
+            }
+            Ok(None) => CacheOutcome::Miss,
+            Err(reason) => {
+                tracing::warn!(
+                    file = %cwasm.display(),
+                    module = digest,
+                    "compile cache: discarding the cached component ({reason}); compiling it again"
+                );
+                remove_if_present(&cwasm);
+                remove_if_present(&sidecar);
+                CacheOutcome::Replaced { reason }
+            }
+        };
+        let component = compile(engine, wasm, digest)?;
+        if let Err(e) = self.store(&component, &cwasm, &sidecar) {
+            tracing::warn!(
+                file = %cwasm.display(),
+                module = digest,
+                "compile cache: cannot write the compiled component (not fatal): {e:#}"
+            );
+        }
+        match outcome {
+            CacheOutcome::Miss => self.misses.fetch_add(1, Ordering::Relaxed),
+            _ => self.replaced.fetch_add(1, Ordering::Relaxed),
+        };
+        Ok((component, outcome))
+    }
+
+    /// `Ok(None)`: not cached. `Err(reason)`: there is an entry, and it must not be used.
+    fn try_load(
+        &self,
+        engine: &Engine,
+        cwasm: &Path,
+        sidecar: &Path,
+    ) -> Result<Option<Component>, String> {
+        let mut file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(cwasm)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // A sidecar without its .cwasm: a write interrupted between the two renames.
+                remove_if_present(sidecar);
+                return Ok(None);
+            }
+            Err(e) => return Err(format!("cannot open it: {e}")),
+        };
+        check_ours(&file).map_err(|e| format!("the .cwasm {e}"))?;
+        let expected = read_sidecar(sidecar)?;
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut file, &mut hasher).map_err(|e| format!("cannot read it: {e}"))?;
+        let actual = hex(&hasher.finalize());
+        if actual != expected {
+            return Err(format!(
+                "its sha256 is {actual} but {} says {expected}: truncated or corrupt",
+                sidecar.display()
+            ));
+        }
+        drop(file);
+        let started = Instant::now();
+        // SAFETY: the file is one this host wrote with `Component::serialize` (our uid, in our
+        // 0700 directory, contents matching the digest we recorded when writing it), and we
+        // never modify a cache file in place (entries are replaced by rename), so the mapping
+        // stays valid for as long as the component lives.
+        let component = unsafe { Component::deserialize_file(engine, cwasm) }
+            .map_err(|e| format!("wasmtime cannot deserialize it: {e:#}"))?;
+        tracing::debug!(
+            file = %cwasm.display(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "compile cache: deserialized"
+        );
+        Ok(Some(component))
+    }
+
+    /// Writes the entry: both files to temporaries (0600, synced), the sidecar renamed into place
+    /// first, then the `.cwasm`, then the directory synced.
+    fn store(&self, component: &Component, cwasm: &Path, sidecar: &Path) -> anyhow::Result<()> {
+        let bytes = component
+            .serialize()
+            .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
+        let digest = hex(&Sha256::digest(&bytes));
+        let code = self.temp_file(&bytes)?;
+        let sum = self.temp_file(format!("{digest}\n").as_bytes())?;
+        sum.persist(sidecar)?;
+        code.persist(cwasm)?;
+        File::open(&self.dir)?.sync_all()?;
+        Ok(())
+    }
+
+    fn temp_file(&self, contents: &[u8]) -> std::io::Result<tempfile::NamedTempFile> {
+        let mut tmp = tempfile::Builder::new()
+            .prefix(".tmp-")
+            .tempfile_in(&self.dir)?;
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        tmp.write_all(contents)?;
+        tmp.as_file().sync_all()?;
+        Ok(tmp)
+    }
+}
+
+/// A stable key for the engine's compilation settings: the same settings give the same key in
+/// every process (unlike `DefaultHasher`/`RandomState`), different settings a different one.
+pub fn engine_key(engine: &Engine) -> String {
+    let mut hasher = Sha256Hasher(Sha256::new());
+    engine.precompile_compatibility_hash().hash(&mut hasher);
+    hex(&hasher.0.finalize()[..8])
+}
+
+/// Feeds everything hashed into sha256.
+struct Sha256Hasher(Sha256);
+
+impl Hasher for Sha256Hasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    fn finish(&self) -> u64 {
+        let digest = self.0.clone().finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(first)
+    }
+}
+
+fn compile(engine: &Engine, wasm: &[u8], digest: &str) -> wasmtime::Result<Component> {
+    let started = Instant::now();
+    let component = Component::from_binary(engine, wasm)?;
+    tracing::debug!(
+        module = digest,
+        elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+        "compiled"
+    );
+    Ok(component)
+}
+
+/// A cache file must be a regular file owned by us and writable by nobody else.
+fn check_ours(file: &File) -> Result<(), String> {
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot be inspected: {e}"))?;
+    if !meta.file_type().is_file() {
+        return Err("is not a regular file".into());
+    }
+    let uid = euid();
+    if meta.uid() != uid {
+        return Err(format!(
+            "is owned by uid {}, not by us (uid {uid})",
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "has mode {:o}, writable by others than us",
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+fn read_sidecar(sidecar: &Path) -> Result<String, String> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(sidecar)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!("its digest file {} is missing", sidecar.display()));
+        }
+        Err(e) => return Err(format!("cannot open {}: {e}", sidecar.display())),
+    };
+    check_ours(&file).map_err(|e| format!("its digest file {e}"))?;
+    let mut text = String::new();
+    file.take(100)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read {}: {e}", sidecar.display()))?;
+    let digest = text.trim();
+    if digest.len() != 64
+        || !digest
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    {
+        return Err(format!(
+            "{} does not hold a sha256 digest",
+            sidecar.display()
+        ));
+    }
+    Ok(digest.to_owned())
+}
+
+fn remove_if_present(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("compile cache: cannot remove {}: {e}", path.display()),
+    }
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmtime::component::Linker;
+    use wasmtime::{Config, Store};
+
+    /// The smallest valid component: no imports, no exports.
+    const EMPTY: &[u8] = b"\0asm\x0d\x00\x01\x00";
+
+    fn digest_of(wasm: &[u8]) -> String {
+        hex(&Sha256::digest(wasm))
+    }
+
+    fn engine() -> Engine {
+        Engine::new(&Config::new()).unwrap()
+    }
+
+    fn fuel_engine() -> Engine {
+        let mut config = Config::new();
+        config.consume_fuel(true);
+        Engine::new(&config).unwrap()
+    }
+
+    fn cache_in(tmp: &tempfile::TempDir) -> CompileCache {
+        CompileCache::open(&tmp.path().join("cache")).unwrap()
+    }
+
+    fn entry(cache: &CompileCache, engine: &Engine) -> (PathBuf, PathBuf) {
+        let name = format!("{}-{}", digest_of(EMPTY), engine_key(engine));
+        (
+            cache.dir().join(format!("{name}.cwasm")),
+            cache.dir().join(format!("{name}.sha256")),
+        )
+    }
+
+    fn files(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn instantiates(engine: &Engine, component: &Component) {
+        let mut store = Store::new(engine, ());
+        Linker::<()>::new(engine)
+            .instantiate(&mut store, component)
+            .unwrap();
+    }
+
+    fn load(cache: &CompileCache, engine: &Engine) -> CacheOutcome {
+        let (component, outcome) = cache.load(engine, EMPTY, &digest_of(EMPTY)).unwrap();
+        instantiates(engine, &component);
+        outcome
+    }
+
+    #[test]
+    fn miss_then_hit_with_private_files() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
+        assert_eq!(
+            cache.stats(),
+            CacheStats {
+                hits: 1,
+                misses: 1,
+                replaced: 0
+            }
+        );
+
+        let (cwasm, sidecar) = entry(&cache, &engine);
+        let names = files(cache.dir());
+        assert_eq!(names.len(), 2, "no temporaries left behind: {names:?}");
+        assert!(cwasm.is_file() && sidecar.is_file(), "{names:?}");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o777;
+        assert_eq!(mode(cache.dir()), 0o700);
+        assert_eq!(mode(&cwasm), 0o600);
+        assert_eq!(mode(&sidecar), 0o600);
+        let recorded = std::fs::read_to_string(&sidecar).unwrap();
+        let actual = hex(&Sha256::digest(std::fs::read(&cwasm).unwrap()));
+        assert_eq!(recorded.trim(), actual);
+    }
+
+    #[test]
+    fn a_second_cache_on_the_same_dir_hits() {
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = engine();
+        assert_eq!(load(&cache_in(&tmp), &engine), CacheOutcome::Miss);
+        // Another engine with the same settings: the key does not depend on the instance.
+        assert_eq!(load(&cache_in(&tmp), &self::engine()), CacheOutcome::Hit);
+    }
+
+    #[test]
+    fn engine_key_is_stable_and_depends_on_the_settings() {
+        let key = engine_key(&engine());
+        assert_eq!(key.len(), 16);
+        assert!(key.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(key, engine_key(&engine()));
+        assert_ne!(key, engine_key(&fuel_engine()));
+    }
+
+    fn assert_replaced(outcome: CacheOutcome, mentions: &str) {
+        match outcome {
+            CacheOutcome::Replaced { reason } => {
+                assert!(reason.contains(mentions), "{reason}")
+            }
+            other => panic!("expected Replaced, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn truncated_cwasm_is_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        let (cwasm, _) = entry(&cache, &engine);
+        let len = std::fs::metadata(&cwasm).unwrap().len();
+        OpenOptions::new()
+            .write(true)
+            .open(&cwasm)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        assert_replaced(load(&cache, &engine), "truncated or corrupt");
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit, "rewritten");
+        assert_eq!(
+            cache.stats(),
+            CacheStats {
+                hits: 1,
+                misses: 1,
+                replaced: 1
+            }
+        );
+    }
+
+    #[test]
+    fn garbage_cwasm_is_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        let (cwasm, _) = entry(&cache, &engine);
+        std::fs::write(&cwasm, b"\x7fELF but not really").unwrap();
+        assert_replaced(load(&cache, &engine), "sha256");
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
+    }
+
+    #[test]
+    fn missing_or_bad_sidecar_is_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        let (_, sidecar) = entry(&cache, &engine);
+        std::fs::remove_file(&sidecar).unwrap();
+        assert_replaced(load(&cache, &engine), "missing");
+        std::fs::write(&sidecar, "not a digest").unwrap();
+        assert_replaced(load(&cache, &engine), "does not hold a sha256");
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
+    }
+
+    #[test]
+    fn a_cwasm_wasmtime_refuses_is_replaced() {
+        // What an upgrade or a configuration change looks like: a file this host wrote, intact,
+        // that the engine cannot use. Simulated by placing the fuel engine's entry under the
+        // plain engine's name, with a matching sidecar.
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let (engine, fuel) = (engine(), fuel_engine());
+        assert_eq!(load(&cache, &fuel), CacheOutcome::Miss);
+        let (fuel_cwasm, fuel_sidecar) = entry(&cache, &fuel);
+        let (cwasm, sidecar) = entry(&cache, &engine);
+        std::fs::copy(&fuel_cwasm, &cwasm).unwrap();
+        std::fs::copy(&fuel_sidecar, &sidecar).unwrap();
+        assert_replaced(load(&cache, &engine), "cannot deserialize");
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
+        assert_eq!(load(&cache, &fuel), CacheOutcome::Hit, "untouched");
+    }
+
+    #[test]
+    fn a_different_engine_config_gets_its_own_entry() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let (engine, fuel) = (engine(), fuel_engine());
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        assert_eq!(load(&cache, &fuel), CacheOutcome::Miss);
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
+        assert_eq!(load(&cache, &fuel), CacheOutcome::Hit);
+        assert_eq!(files(cache.dir()).len(), 4);
+    }
+
+    #[test]
+    fn files_writable_by_others_or_symlinks_are_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        let (cwasm, _) = entry(&cache, &engine);
+        std::fs::set_permissions(&cwasm, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert_replaced(load(&cache, &engine), "writable by others");
+        assert_eq!(std::fs::metadata(&cwasm).unwrap().mode() & 0o777, 0o600);
+
+        let elsewhere = tmp.path().join("planted.cwasm");
+        std::fs::rename(&cwasm, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &cwasm).unwrap();
+        assert_replaced(load(&cache, &engine), "cannot open");
+        assert!(!std::fs::symlink_metadata(&cwasm).unwrap().is_symlink());
+
+        // Only root can give a file away; elsewhere this case cannot be set up.
+        if euid() == 0 {
+            std::os::unix::fs::chown(&cwasm, Some(65534), None).unwrap();
+            assert_replaced(load(&cache, &engine), "owned by uid 65534");
+            assert_eq!(std::fs::metadata(&cwasm).unwrap().uid(), 0);
+        }
+    }
+
+    #[test]
+    fn invalid_wasm_is_an_error_and_not_cached() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let wasm = b"\0asm\x0d\x00\x01\x00garbage";
+        assert!(cache.load(&engine(), wasm, &digest_of(wasm)).is_err());
+        assert!(files(cache.dir()).is_empty());
+    }
+
+    #[test]
+    fn open_creates_a_private_dir_and_refuses_unsafe_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let nested = tmp.path().join("a/b/cache");
+        CompileCache::open(&nested).unwrap();
+        assert_eq!(std::fs::metadata(&nested).unwrap().mode() & 0o777, 0o700);
+
+        let open = tmp.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = CompileCache::open(&open).unwrap_err().to_string();
+        assert!(
+            err.contains("mode 777") && err.contains("refusing"),
+            "{err}"
+        );
+
+        let group = tmp.path().join("group");
+        std::fs::create_dir(&group).unwrap();
+        std::fs::set_permissions(&group, std::fs::Permissions::from_mode(0o770)).unwrap();
+        assert!(matches!(
+            CompileCache::open(&group),
+            Err(CacheError::Writable { .. })
+        ));
+
+        let file = tmp.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(matches!(
+            CompileCache::open(&file),
+            Err(CacheError::NotADirectory { .. })
+        ));
+
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&nested, &link).unwrap();
+        assert!(matches!(
+            CompileCache::open(&link),
+            Err(CacheError::NotADirectory { .. })
+        ));
+    }
+
+    #[test]
+    fn open_refuses_a_dir_owned_by_someone_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        // Only root can give a directory away; elsewhere this case cannot be set up.
+        if euid() != 0 {
+            return;
+        }
+        std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+        let err = CompileCache::open(&theirs).unwrap_err();
+        assert!(
+            matches!(err, CacheError::Owner { owner: 65534, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_cache_that_cannot_be_written_still_compiles() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        std::fs::set_permissions(cache.dir(), std::fs::Permissions::from_mode(0o500)).unwrap();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        if euid() != 0 {
+            // Root writes regardless of the mode.
+            assert!(files(cache.dir()).is_empty());
+            assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        }
+        std::fs::set_permissions(cache.dir(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+}

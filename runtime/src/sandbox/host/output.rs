@@ -1,0 +1,203 @@
+//! A module's stdout and stderr: each line becomes a tracing event tagged with the module's name,
+//! rate-limited so a module printing in a loop cannot flood the node's log or slow the agent.
+//! Output past the limit is dropped (and counted), never an error the guest could trap on.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::io::AsyncWrite;
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
+
+/// Lines a module may log in a burst, and how fast the allowance refills.
+const BURST: f64 = 50.0;
+const PER_SECOND: f64 = 5.0;
+/// Longest line kept; longer ones are cut.
+const MAX_LINE: usize = 4096;
+
+struct Limiter {
+    tokens: f64,
+    at: Instant,
+    suppressed: u64,
+}
+
+/// One module's output, shared by its stdout and stderr.
+#[derive(Clone)]
+pub struct ModuleOutput {
+    module: Arc<str>,
+    stream: &'static str,
+    limiter: Arc<Mutex<Limiter>>,
+}
+
+impl ModuleOutput {
+    /// The stdout and stderr of `module`, sharing one allowance.
+    pub fn pair(module: Arc<str>) -> (ModuleOutput, ModuleOutput) {
+        let limiter = Arc::new(Mutex::new(Limiter {
+            tokens: BURST,
+            at: Instant::now(),
+            suppressed: 0,
+        }));
+        let out = ModuleOutput {
+            module,
+            stream: "stdout",
+            limiter,
+        };
+        let err = ModuleOutput {
+            stream: "stderr",
+            ..out.clone()
+        };
+        (out, err)
+    }
+
+    fn emit(&self, line: &[u8]) {
+        let mut limiter = self.limiter.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let refill = now.duration_since(limiter.at).as_secs_f64() * PER_SECOND;
+        limiter.tokens = (limiter.tokens + refill).min(BURST);
+        limiter.at = now;
+        if limiter.tokens < 1.0 {
+            limiter.suppressed += 1;
+            return;
+        }
+        limiter.tokens -= 1.0;
+        let module = &*self.module;
+        if limiter.suppressed > 0 {
+            tracing::warn!(
+                module,
+                "{} output line(s) suppressed (rate limit)",
+                limiter.suppressed
+            );
+            limiter.suppressed = 0;
+        }
+        let text = String::from_utf8_lossy(&line[..line.len().min(MAX_LINE)]);
+        tracing::info!(module, stream = self.stream, "{}", text.trim_end());
+    }
+}
+
+impl IsTerminal for ModuleOutput {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for ModuleOutput {
+    fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
+        Box::new(self.writer())
+    }
+
+    /// A synchronous stream: a guest's line-buffered `println!` becomes one cheap host call
+    /// instead of a hand-off to an async writer task per line.
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.writer())
+    }
+}
+
+impl ModuleOutput {
+    fn writer(&self) -> LineWriter {
+        LineWriter {
+            output: self.clone(),
+            line: Vec::new(),
+        }
+    }
+}
+
+struct LineWriter {
+    output: ModuleOutput,
+    line: Vec<u8>,
+}
+
+impl LineWriter {
+    fn push(&mut self, buf: &[u8]) {
+        for &b in buf {
+            if b == b'\n' {
+                let line = std::mem::take(&mut self.line);
+                self.output.emit(&line);
+            } else if self.line.len() < MAX_LINE {
+                self.line.push(b);
+            }
+        }
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl OutputStream for LineWriter {
+    fn write(&mut self, bytes: Bytes) -> StreamResult<()> {
+        self.push(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> StreamResult<usize> {
+        Ok(64 * 1024)
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for LineWriter {
+    async fn ready(&mut self) {}
+}
+
+impl AsyncWrite for LineWriter {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.push(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.line.is_empty() {
+            let line = std::mem::take(&mut self.line);
+            self.output.emit(&line);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_flood_is_cut_to_the_burst_and_counted() {
+        let (out, _) = ModuleOutput::pair("m".into());
+        for _ in 0..1000 {
+            out.emit(b"spam");
+        }
+        let limiter = out.limiter.lock().unwrap();
+        assert!(
+            limiter.suppressed >= 1000 - BURST as u64 - 1,
+            "{}",
+            limiter.suppressed
+        );
+    }
+
+    #[test]
+    fn the_allowance_refills_over_time() {
+        let (out, _) = ModuleOutput::pair("m".into());
+        for _ in 0..100 {
+            out.emit(b"spam");
+        }
+        out.limiter.lock().unwrap().at -= Duration::from_secs(2);
+        out.emit(b"after a pause");
+        assert_eq!(
+            out.limiter.lock().unwrap().suppressed,
+            0,
+            "the pause let a line through"
+        );
+    }
+}

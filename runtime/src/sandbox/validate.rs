@@ -1,0 +1,375 @@
+//! What a module returns is untrusted. Each answer is checked before anything reaches the
+//! kubelet: device IDs the kubelet can use, device nodes and mounts inside the module's grants,
+//! names the container runtime accepts, and sizes that cannot exhaust the agent.
+//!
+//! A violation fails the call with the rule it broke; the actor counts it per module.
+
+use std::collections::HashSet;
+
+use super::host::paths::granted;
+use super::types::{ContainerEdits, Device};
+use crate::config::Grants;
+
+/// Most devices one resource may list: far above any real node, far below what hurts.
+pub const MAX_DEVICES: usize = 16_384;
+pub const MAX_ID: usize = 128;
+const MAX_NUMA_NODES: usize = 64;
+const MAX_ATTRIBUTES: usize = 64;
+const MAX_ATTRIBUTE: usize = 1024;
+const MAX_EDIT_ENTRIES: usize = 256;
+/// Longest single value (env value, path, annotation value) a module may return.
+const MAX_VALUE: usize = 32 * 1024;
+
+/// A broken rule, stated so the vendor knows what to fix.
+pub type Violation = String;
+
+/// Device IDs travel through the kubelet's checkpoint, PodResources and env vars: keep them to
+/// 1–128 characters of `[A-Za-z0-9._:-]`.
+pub fn device_id(id: &str) -> Result<(), Violation> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "device ID {:?} must be 1-{MAX_ID} characters of [A-Za-z0-9._:-]",
+            truncate(id)
+        ))
+    }
+}
+
+pub fn devices(devices: &[Device]) -> Result<(), Violation> {
+    if devices.len() > MAX_DEVICES {
+        return Err(format!(
+            "{} devices listed; at most {MAX_DEVICES} allowed",
+            devices.len()
+        ));
+    }
+    let mut seen = HashSet::with_capacity(devices.len());
+    for d in devices {
+        device_id(&d.id)?;
+        if !seen.insert(d.id.as_str()) {
+            return Err(format!("device ID {:?} listed twice", d.id));
+        }
+        if d.numa_nodes.len() > MAX_NUMA_NODES
+            || d.numa_nodes.iter().any(|&n| !(0..1024).contains(&n))
+        {
+            return Err(format!("device {:?} has invalid NUMA nodes", d.id));
+        }
+        if d.attributes.len() > MAX_ATTRIBUTES
+            || d.attributes
+                .iter()
+                .any(|(k, v)| k.len() > 63 || v.len() > MAX_ATTRIBUTE)
+        {
+            return Err(format!(
+                "device {:?} has too many or too long attributes (at most {MAX_ATTRIBUTES}, keys 63 and values {MAX_ATTRIBUTE} bytes)",
+                d.id
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// IDs the module answers with must be among those it was asked about.
+pub fn chosen_ids(chosen: &[String], allowed: &[String], size: usize) -> Result<(), Violation> {
+    if chosen.len() > size {
+        return Err(format!(
+            "{} devices preferred for a request of {size}",
+            chosen.len()
+        ));
+    }
+    let mut seen = HashSet::new();
+    for id in chosen {
+        if !allowed.contains(id) {
+            return Err(format!(
+                "preferred device {:?} was not offered",
+                truncate(id)
+            ));
+        }
+        if !seen.insert(id) {
+            return Err(format!("preferred device {id:?} named twice"));
+        }
+    }
+    Ok(())
+}
+
+fn is_normal_absolute(path: &str) -> bool {
+    path.starts_with('/')
+        && path.len() <= 4096
+        && path
+            .split('/')
+            .skip(1)
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+}
+
+fn is_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && name.len() <= 256
+}
+
+/// Annotation keys are Kubernetes qualified names: optional `prefix/` (a DNS subdomain) and a
+/// 1–63 character name.
+fn is_annotation_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .last()
+            .is_some_and(|b| b.is_ascii_alphanumeric());
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            })
+    });
+    name_ok && prefix_ok
+}
+
+/// A fully qualified CDI device name: `vendor.com/class=name`.
+fn is_cdi_name(name: &str) -> bool {
+    let Some((kind, device)) = name.split_once('=') else {
+        return false;
+    };
+    let Some((vendor, class)) = kind.split_once('/') else {
+        return false;
+    };
+    let label = |s: &str, extra: &[u8]| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || extra.contains(&b))
+    };
+    label(vendor, b"-_.") && label(class, b"-_") && label(device, b"-_.:")
+}
+
+/// Container edits: device nodes inside the module's /dev grants, mounts inside its grants,
+/// valid names everywhere, bounded sizes.
+pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
+    let counts = [
+        edits.envs.len(),
+        edits.mounts.len(),
+        edits.devices.len(),
+        edits.annotations.len(),
+        edits.cdi_devices.len(),
+    ];
+    if counts.iter().any(|&n| n > MAX_EDIT_ENTRIES) {
+        return Err(format!(
+            "more than {MAX_EDIT_ENTRIES} entries in one kind of container edit"
+        ));
+    }
+    for (name, value) in &edits.envs {
+        if !is_env_name(name) {
+            return Err(format!(
+                "env name {:?} is not a valid variable name",
+                truncate(name)
+            ));
+        }
+        if value.len() > MAX_VALUE {
+            return Err(format!(
+                "env {name} is {} bytes; at most {MAX_VALUE} allowed",
+                value.len()
+            ));
+        }
+    }
+    for d in &edits.devices {
+        if !is_normal_absolute(&d.host_path) || !granted(&grants.dev, &d.host_path) {
+            return Err(format!(
+                "device node {:?} is not under the module's /dev grants",
+                truncate(&d.host_path)
+            ));
+        }
+        if !is_normal_absolute(&d.container_path) {
+            return Err(format!(
+                "container path {:?} is not absolute and normal",
+                truncate(&d.container_path)
+            ));
+        }
+        let p = d.permissions.as_bytes();
+        let ok = !p.is_empty()
+            && p.iter().all(|b| b"rwm".contains(b))
+            && p.iter().collect::<HashSet<_>>().len() == p.len();
+        if !ok {
+            return Err(format!(
+                "device permissions {:?} must combine r, w and m",
+                truncate(&d.permissions)
+            ));
+        }
+    }
+    for m in &edits.mounts {
+        let inside = granted(&grants.dev, &m.host_path) || granted(&grants.sysfs, &m.host_path);
+        if !is_normal_absolute(&m.host_path) || !inside {
+            return Err(format!(
+                "mount of {:?} is not under the module's grants",
+                truncate(&m.host_path)
+            ));
+        }
+        if !is_normal_absolute(&m.container_path) {
+            return Err(format!(
+                "mount target {:?} is not absolute and normal",
+                truncate(&m.container_path)
+            ));
+        }
+    }
+    for (key, value) in &edits.annotations {
+        if !is_annotation_key(key) {
+            return Err(format!(
+                "annotation key {:?} is not a qualified name",
+                truncate(key)
+            ));
+        }
+        if value.len() > MAX_VALUE {
+            return Err(format!(
+                "annotation {key} is {} bytes; at most {MAX_VALUE} allowed",
+                value.len()
+            ));
+        }
+    }
+    for name in &edits.cdi_devices {
+        if !is_cdi_name(name) {
+            return Err(format!(
+                "CDI device {:?} is not of the form vendor.com/class=name",
+                truncate(name)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Long hostile strings are cut in messages so an error cannot carry the payload.
+fn truncate(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+        None => s.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::types::{DeviceNode, Health, Mount};
+
+    fn grants() -> Grants {
+        Grants {
+            sysfs: vec![glob::Pattern::new("/sys/class/net").unwrap()],
+            dev: vec![
+                glob::Pattern::new("/dev/fuse").unwrap(),
+                glob::Pattern::new("/dev/ttyUSB*").unwrap(),
+            ],
+        }
+    }
+
+    fn device(id: &str) -> Device {
+        Device {
+            id: id.into(),
+            health: Health::Healthy,
+            numa_nodes: vec![],
+            attributes: vec![],
+        }
+    }
+
+    #[test]
+    fn ids_the_kubelet_can_use() {
+        for good in ["fuse-0", "GPU-6f5e:1", "net-tun", "a.b_c"] {
+            assert!(device_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", "bad id", "../../etc", "a/b", &"x".repeat(129)] {
+            assert!(device_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn duplicate_and_too_many_devices_are_refused() {
+        assert!(
+            devices(&[device("a"), device("a")])
+                .unwrap_err()
+                .contains("twice")
+        );
+        let many: Vec<_> = (0..MAX_DEVICES + 1)
+            .map(|i| device(&format!("d-{i}")))
+            .collect();
+        assert!(devices(&many).unwrap_err().contains("at most"));
+    }
+
+    #[test]
+    fn device_nodes_and_mounts_must_be_granted() {
+        let node = |p: &str| ContainerEdits {
+            devices: vec![DeviceNode {
+                container_path: p.into(),
+                host_path: p.into(),
+                permissions: "rw".into(),
+            }],
+            ..Default::default()
+        };
+        assert!(edits(&node("/dev/fuse"), &grants()).is_ok());
+        assert!(edits(&node("/dev/ttyUSB3"), &grants()).is_ok());
+        assert!(
+            edits(&node("/dev/mem"), &grants())
+                .unwrap_err()
+                .contains("/dev/mem")
+        );
+        assert!(edits(&node("/dev/../dev/mem"), &grants()).is_err());
+        let mount = |p: &str| ContainerEdits {
+            mounts: vec![Mount {
+                container_path: "/host".into(),
+                host_path: p.into(),
+                read_only: false,
+            }],
+            ..Default::default()
+        };
+        assert!(edits(&mount("/"), &grants()).unwrap_err().contains("mount"));
+        assert!(edits(&mount("/sys/class/net"), &grants()).is_ok());
+    }
+
+    #[test]
+    fn names_and_sizes_are_checked() {
+        let env = |k: &str, v: &str| ContainerEdits {
+            envs: vec![(k.into(), v.into())],
+            ..Default::default()
+        };
+        assert!(edits(&env("NVIDIA_VISIBLE_DEVICES", "GPU-1"), &grants()).is_ok());
+        assert!(edits(&env("1BAD=NAME", "x"), &grants()).is_err());
+        assert!(edits(&env("BIG", &"x".repeat(MAX_VALUE + 1)), &grants()).is_err());
+        let cdi = |n: &str| ContainerEdits {
+            cdi_devices: vec![n.into()],
+            ..Default::default()
+        };
+        assert!(edits(&cdi("nvidia.com/gpu=0"), &grants()).is_ok());
+        assert!(edits(&cdi("not-qualified"), &grants()).is_err());
+        let ann = |k: &str| ContainerEdits {
+            annotations: vec![(k.into(), "v".into())],
+            ..Default::default()
+        };
+        assert!(edits(&ann("devicelet.io/holder"), &grants()).is_ok());
+        assert!(edits(&ann("not a key!"), &grants()).is_err());
+    }
+
+    #[test]
+    fn preferred_ids_must_come_from_the_offer() {
+        let offer = vec!["a".to_string(), "b".to_string()];
+        assert!(chosen_ids(&["b".into()], &offer, 1).is_ok());
+        assert!(chosen_ids(&["c".into()], &offer, 1).is_err());
+        assert!(chosen_ids(&["a".into(), "a".into()], &offer, 2).is_err());
+        assert!(chosen_ids(&["a".into(), "b".into()], &offer, 1).is_err());
+    }
+}
