@@ -38,6 +38,12 @@ async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
     assert!(ok, "{text}");
     assert!(text.contains("resource devicelet.io/fuse"), "{text}");
     assert!(text.contains("may use device nodes: /dev/*"), "{text}");
+    assert!(text.contains("implements devicelet:plugin@0.1.0"), "{text}");
+    assert!(text.contains("devicelet:plugin/devnodes@0.1.0"), "{text}");
+    assert!(
+        !text.contains("devicelet:plugin/sysfs"),
+        "generic-dev does not read sysfs: {text}"
+    );
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@ use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginCli
 use devicelet::kubelet::api::deviceplugin::{DeviceSpec, PreStartContainerRequest};
 use devicelet::kubelet::uds;
 use devicelet_tests::{Node, WAIT, generic_dev};
+use std::os::unix::fs::PermissionsExt;
 
 const FUSE_AND_SERIAL: &str = r#"groups = [
   { name = "fuse", paths = ["/dev/fuse"], count = 3 },
@@ -31,6 +32,15 @@ async fn module_registers_and_streams_its_first_snapshot() {
     assert!(!fuse.options.pre_start_required);
     assert!(!fuse.options.get_preferred_allocation_available);
     assert!(fuse.endpoint.ends_with(".sock") && !fuse.endpoint.contains('/'));
+    let mode = std::fs::metadata(node.plugin_dir().join(&fuse.endpoint))
+        .expect("our socket exists")
+        .permissions()
+        .mode();
+    assert_eq!(
+        mode & 0o777,
+        0o600,
+        "only the kubelet (root) may talk to a plugin socket"
+    );
 
     let serial = node
         .kubelet

@@ -22,6 +22,19 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
         match start_module(&engine, None, spec, &registry.host_root).await {
             Ok(module) => {
                 println!("module `{}` ({}): ok", spec.name, spec.path.display());
+                let interface = module.interface();
+                let host: Vec<&str> = interface
+                    .imports
+                    .iter()
+                    .filter(|i| !i.starts_with("wasi:"))
+                    .map(String::as_str)
+                    .collect();
+                let wasi = interface.imports.len() - host.len();
+                println!(
+                    "  implements devicelet:plugin@{}; imports {} (+{wasi} WASI interfaces, with no files, sockets or environment)",
+                    interface.version,
+                    host.join(", ")
+                );
                 for r in module.resources() {
                     let name = crate::agent::qualify(&spec.resource_domain, &r.name);
                     match names::validate_resource_name(&name) {

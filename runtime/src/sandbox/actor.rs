@@ -17,7 +17,7 @@ use wasmtime::{Store, StoreLimitsBuilder};
 use super::bindings::v0_1::{DevicePlugin, wit};
 use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
-use super::loader::LoadedModule;
+use super::loader::{LoadedModule, ModuleInterface};
 use super::types::{ContainerEdits, Device, Health, PluginError, ResourceInfo};
 use super::validate;
 use crate::config::Grants;
@@ -84,6 +84,7 @@ pub struct ModuleHandle {
     name: Arc<str>,
     digest: Arc<str>,
     grants: Arc<Grants>,
+    interface: Arc<ModuleInterface>,
     stats: Arc<Counters>,
     deadline: Duration,
     resources: Arc<[ResourceInfo]>,
@@ -96,6 +97,7 @@ impl ModuleHandle {
         let name = module.name.clone();
         let digest = module.digest.as_str().into();
         let grants = module.grants.clone();
+        let interface = Arc::new(module.interface.clone());
         let deadline = module.spec.call_deadline;
         let config = module.spec.config.to_string();
         let (instance, resources) = instantiate(&module, &config).await.map_err(|e| match e {
@@ -122,6 +124,7 @@ impl ModuleHandle {
             name,
             digest,
             grants,
+            interface,
             stats: Arc::default(),
             deadline,
             resources: resources.into(),
@@ -136,6 +139,11 @@ impl ModuleHandle {
     /// sha256 of the module file this instance was compiled from.
     pub fn digest(&self) -> &str {
         &self.digest
+    }
+
+    /// The WIT version and imports of the module's component.
+    pub fn interface(&self) -> &ModuleInterface {
+        &self.interface
     }
 
     /// The resources the module declared at `init`.

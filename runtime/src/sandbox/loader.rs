@@ -27,6 +27,7 @@ pub struct LoadedModule {
     pub(crate) pre: DevicePluginPre<HostState>,
     /// sha256 of the `.wasm` file, lowercase hex: tells a hot reload whether the file changed.
     pub digest: String,
+    pub interface: ModuleInterface,
 }
 
 /// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread. With a
@@ -72,7 +73,7 @@ pub fn load(
         path: spec.path.clone(),
         message: format!("{e:#}"),
     })?;
-    check_imports(engine, &component, spec)?;
+    let interface = check_imports(engine, &component, spec)?;
     let linker = linker(engine, &spec.grants).map_err(|e| LoadError::Invalid {
         module: module.clone(),
         message: format!("linking host interfaces: {e:#}"),
@@ -94,22 +95,57 @@ pub fn load(
         grants: Arc::new(spec.grants.clone()),
         pre,
         digest,
+        interface,
     })
 }
 
 /// Names the first import the module is not allowed, before wasmtime's less specific link error.
+/// What a module is, as its component says: the WIT version it was built against and what it
+/// imports. Shown by `devicelet validate`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModuleInterface {
+    /// The `devicelet:plugin` version of its `plugin` export, e.g. `0.1.0`.
+    pub version: String,
+    pub imports: Vec<String>,
+}
+
+/// Checks the module's WIT version (from its export names) and names the first import it is not
+/// allowed, before wasmtime's less specific link error.
 fn check_imports(
     engine: &Engine,
     component: &Component,
     spec: &ModuleSpec,
-) -> Result<(), LoadError> {
-    for (name, _) in component.component_type().imports(engine) {
+) -> Result<ModuleInterface, LoadError> {
+    let ty = component.component_type();
+    let exports: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
+    let Some(version) = exports
+        .iter()
+        .find_map(|e| e.strip_prefix("devicelet:plugin/plugin@"))
+    else {
+        return Err(LoadError::NotAPlugin {
+            module: spec.name.clone(),
+            message: format!(
+                "it exports [{}], not `{}`",
+                exports.join(", "),
+                imports::PLUGIN
+            ),
+        });
+    };
+    if !version.starts_with("0.1.") {
+        return Err(LoadError::NotAPlugin {
+            module: spec.name.clone(),
+            message: format!(
+                "it implements devicelet:plugin@{version}; this devicelet supports 0.1.x"
+            ),
+        });
+    }
+    let mut seen = Vec::new();
+    for (name, _) in ty.imports(engine) {
         let granted = match name {
             imports::LOG | imports::TYPES => true,
             imports::SYSFS => !spec.grants.sysfs.is_empty(),
             imports::DEVNODES => !spec.grants.dev.is_empty(),
             wasi if wasi.starts_with("wasi:") => true,
-            other if other.starts_with("devicelet:plugin/") => false,
             other => {
                 return Err(LoadError::UnknownImport {
                     module: spec.name.clone(),
@@ -123,8 +159,12 @@ fn check_imports(
                 import: name.to_owned(),
             });
         }
+        seen.push(name.to_owned());
     }
-    Ok(())
+    Ok(ModuleInterface {
+        version: version.to_owned(),
+        imports: seen,
+    })
 }
 
 fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState>> {

@@ -29,7 +29,11 @@ impl HostState {
     ) -> Self {
         let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone());
         let mut wasi = WasiCtx::builder();
-        wasi.stdout(stdout).stderr(stderr);
+        wasi.stdout(stdout)
+            .stderr(stderr)
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false);
         HostState {
             module,
             host_root,
