@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
-cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving
+cargo build --release --target wasm32-wasip2 -p generic-dev
 target="${CARGO_TARGET_DIR:-target}"
 cargo run -p devicelet -- demo --module-dir "$target/wasm32-wasip2/release"

@@ -251,3 +251,59 @@ async fn a_finished_pod_frees_its_devices_in_the_ledger() {
     .await;
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let installed = node.dir.path().join("vendor.wasm");
+    std::fs::copy(
+        devicelet_tests::module_dir().join("misbehaving.wasm"),
+        &installed,
+    )
+    .expect("install v1");
+    let entry = misbehaving("vendor", "resource = \"bad\"", "1s")
+        .replace(
+            "@MODULES@/misbehaving.wasm",
+            &installed.display().to_string(),
+        )
+        .replace(
+            "sysfs = [\"/sys/testing\"]",
+            "sysfs = [\"/sys/testing\"]\ndev = [\"/dev/fuse\"]",
+        );
+    let agent = node
+        .start_agent(&format!("{}\n{entry}", generic_dev(FUSE)))
+        .await;
+    let v1 = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("v1 served");
+    assert_eq!(v1.devices[0].id, "dev-0");
+    let fuse_before = node.kubelet.resource("devicelet.io/fuse").expect("fuse");
+
+    // A vendor ships a new build (here: another module honouring the same config), installed
+    // the way package managers do it: written aside, renamed over the old file.
+    let staged = node.dir.path().join("vendor.wasm.new");
+    std::fs::copy(devicelet_tests::module_dir().join("hostile.wasm"), &staged).expect("stage v2");
+    std::fs::rename(&staged, &installed).expect("install v2");
+    let v2 = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.streaming && r.devices.first().is_some_and(|d| d.id == "evil-0")
+        })
+        .await
+        .expect("the new build serves the resource");
+    assert!(
+        v2.registrations > v1.registrations,
+        "the upgraded module registered afresh"
+    );
+
+    let fuse_after = node.kubelet.resource("devicelet.io/fuse").expect("fuse");
+    assert_eq!(
+        fuse_after.snapshots, fuse_before.snapshots,
+        "the untouched module's stream is intact"
+    );
+    assert_eq!(fuse_after.registrations, fuse_before.registrations);
+    agent.shutdown().await;
+}

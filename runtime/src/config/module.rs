@@ -33,6 +33,10 @@ pub struct ModuleSpec {
     pub health_interval: Duration,
     /// How long any one call into the module may run before it is interrupted.
     pub call_deadline: Duration,
+    /// The work a module may do per health cycle: how long one re-enumeration of a resource may
+    /// run. Defaults to `call_deadline`; set it lower to keep slow health checks from queueing
+    /// ahead of admissions.
+    pub health_deadline: Duration,
     /// Bytes of linear memory the module may grow to.
     pub memory_limit: u64,
     /// Expected SHA-256 of the module file, lowercase hex; when set, a file that does not match
@@ -50,6 +54,7 @@ const KEYS: &[&str] = &[
     "resource-domain",
     "health-interval",
     "call-deadline",
+    "health-deadline",
     "memory-limit",
     "sha256",
     "grants",
@@ -75,6 +80,7 @@ pub(super) fn parse(
     let mut resource_domain = None;
     let mut health_interval = DEFAULT_HEALTH_INTERVAL;
     let mut call_deadline = DEFAULT_CALL_DEADLINE;
+    let mut health_deadline = None;
     let mut memory_limit = DEFAULT_MEMORY_LIMIT;
     let mut sha256 = None;
     let mut grants = Grants::default();
@@ -96,6 +102,9 @@ pub(super) fn parse(
             }
             "call-deadline" => {
                 call_deadline = duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?
+            }
+            "health-deadline" => {
+                health_deadline = Some(duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?)
             }
             "memory-limit" => memory_limit = size(node, MEMORY_LIMIT_MIN, MEMORY_LIMIT_MAX)?,
             "sha256" => {
@@ -119,6 +128,7 @@ pub(super) fn parse(
             resource_domain: resource_domain.unwrap_or_else(|| default_domain.to_string()),
             health_interval,
             call_deadline,
+            health_deadline: health_deadline.unwrap_or(call_deadline),
             memory_limit,
             sha256,
             grants,

@@ -643,3 +643,24 @@ fn no_modules() {
         "the registry lists no modules",
     );
 }
+
+#[test]
+fn health_deadline_defaults_to_the_call_deadline_and_can_be_lower() {
+    let registry = parse(&format!("{MINIMAL}call-deadline = \"3s\"\n")).unwrap();
+    assert_eq!(registry.modules[0].health_deadline, Duration::from_secs(3));
+    let registry = parse(&format!("{MINIMAL}health-deadline = \"50ms\"\n")).unwrap();
+    assert_eq!(
+        registry.modules[0].health_deadline,
+        Duration::from_millis(50)
+    );
+    assert_eq!(
+        registry.modules[0].call_deadline,
+        super::DEFAULT_CALL_DEADLINE
+    );
+    assert_invalid(
+        &format!("{MINIMAL}health-deadline = \"1m\"\n"),
+        4,
+        Some("module[0].health-deadline"),
+        "out of range",
+    );
+}

@@ -83,6 +83,7 @@ enum Failure {
 pub struct ModuleHandle {
     name: Arc<str>,
     digest: Arc<str>,
+    health_deadline: Duration,
     grants: Arc<Grants>,
     interface: Arc<ModuleInterface>,
     stats: Arc<Counters>,
@@ -97,6 +98,7 @@ impl ModuleHandle {
         let name = module.name.clone();
         let digest = module.digest.as_str().into();
         let grants = module.grants.clone();
+        let health_deadline = module.spec.health_deadline;
         let interface = Arc::new(module.interface.clone());
         let deadline = module.spec.call_deadline;
         let config = module.spec.config.to_string();
@@ -123,6 +125,7 @@ impl ModuleHandle {
         Ok(ModuleHandle {
             name,
             digest,
+            health_deadline,
             grants,
             interface,
             stats: Arc::default(),
@@ -153,7 +156,7 @@ impl ModuleHandle {
 
     pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
         let resource = resource.to_owned();
-        self.call(CallKind::Enumerate, move |i| {
+        self.call(CallKind::Enumerate, self.health_deadline, move |i| {
             Box::pin(async move {
                 let r = i.plugin.devicelet_plugin_plugin();
                 r.call_enumerate(&mut i.store, &resource).await
@@ -175,7 +178,7 @@ impl ModuleHandle {
         let resource = resource.to_owned();
         let asked = ids.clone();
         let answer = self
-            .call(CallKind::Health, move |i| {
+            .call(CallKind::Health, self.deadline, move |i| {
                 Box::pin(async move {
                     let r = i.plugin.devicelet_plugin_plugin();
                     r.call_health(&mut i.store, &resource, &ids).await
@@ -203,7 +206,7 @@ impl ModuleHandle {
         ids: Vec<String>,
     ) -> Result<ContainerEdits, CallError> {
         let resource = resource.to_owned();
-        self.call(CallKind::Allocate, move |i| {
+        self.call(CallKind::Allocate, self.deadline, move |i| {
             Box::pin(async move {
                 let r = i.plugin.devicelet_plugin_plugin();
                 r.call_allocate(&mut i.store, &resource, &ids).await
@@ -219,7 +222,7 @@ impl ModuleHandle {
 
     pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
         let resource = resource.to_owned();
-        self.call(CallKind::Prestart, move |i| {
+        self.call(CallKind::Prestart, self.deadline, move |i| {
             Box::pin(async move {
                 let r = i.plugin.devicelet_plugin_plugin();
                 r.call_prestart(&mut i.store, &resource, &ids).await
@@ -238,7 +241,7 @@ impl ModuleHandle {
         let resource = resource.to_owned();
         let offered = available.clone();
         let chosen = self
-            .call(CallKind::Preferred, move |i| {
+            .call(CallKind::Preferred, self.deadline, move |i| {
                 Box::pin(async move {
                     let r = i.plugin.devicelet_plugin_plugin();
                     r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
@@ -295,7 +298,7 @@ impl ModuleHandle {
     }
 
     /// Queues `f` on the actor and waits for its answer, never longer than the deadline.
-    async fn call<T, F>(&self, kind: CallKind, f: F) -> Result<T, CallError>
+    async fn call<T, F>(&self, kind: CallKind, deadline: Duration, f: F) -> Result<T, CallError>
     where
         T: Send + 'static,
         F: for<'a> FnOnce(
@@ -305,7 +308,7 @@ impl ModuleHandle {
             + Send
             + 'static,
     {
-        let due = Instant::now() + self.deadline;
+        let due = Instant::now() + deadline;
         let (tx, rx) = oneshot::channel::<Result<T, Failure>>();
         // Whichever of `work` and `refuse` the actor runs answers the caller.
         let reply = Arc::new(std::sync::Mutex::new(Some(tx)));
@@ -332,7 +335,7 @@ impl ModuleHandle {
         let deadline_error = || CallError::Deadline {
             module: module.clone(),
             call: kind,
-            deadline: self.deadline,
+            deadline,
         };
         let sent = tokio::time::timeout_at(due, self.jobs.send(Job { due, work, refuse })).await;
         match sent {
