@@ -285,3 +285,40 @@ async fn still_serves_fuse_after_ready(node: &Node) {
         .expect("fuse");
     still_serves_fuse(node).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_cannot_take_over_another_resource() {
+    let node = Node::new().await;
+    let modules = format!(
+        "{}\n{}\n{}",
+        misbehaving("owner", "resource = \"bad\"", "1s"),
+        misbehaving("squatter", "resource = \"bad\"", "1s"),
+        misbehaving("impostor", "resource = \"nvidia.com/gpu\"", "1s"),
+    );
+    let agent = node.start_agent(&modules).await;
+    let owner = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the first module serves its resource");
+    let errors = agent.load_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("squatter") && e.contains("already serves")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("impostor") && e.contains("outside its resource domain")),
+        "{errors:?}"
+    );
+    assert!(node.kubelet.resource("nvidia.com/gpu").is_none());
+    assert_eq!(
+        agent.resource("devicelet.io/bad").map(|r| r.module),
+        Some("owner".to_string())
+    );
+    assert_eq!(owner.registrations, 1);
+    agent.shutdown().await;
+}

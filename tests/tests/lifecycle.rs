@@ -307,3 +307,43 @@ async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
     assert_eq!(fuse_after.registrations, fuse_before.registrations);
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_module_file_keeps_the_running_version_serving() {
+    let node = Node::new().await;
+    let installed = node.dir.path().join("vendor.wasm");
+    std::fs::copy(
+        devicelet_tests::module_dir().join("misbehaving.wasm"),
+        &installed,
+    )
+    .expect("install");
+    let entry = misbehaving("vendor", "resource = \"bad\"", "1s").replace(
+        "@MODULES@/misbehaving.wasm",
+        &installed.display().to_string(),
+    );
+    let agent = node.start_agent(&entry).await;
+    let before = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("served");
+
+    let staged = node.dir.path().join("vendor.wasm.new");
+    std::fs::write(&staged, b"a half-copied download").expect("stage");
+    std::fs::rename(&staged, &installed).expect("install the broken file");
+    eventually("the broken file to be reported", || {
+        agent
+            .load_errors()
+            .iter()
+            .any(|e| e.contains("vendor") && e.contains("keeps serving"))
+    })
+    .await;
+    let after = node.kubelet.resource("devicelet.io/bad").expect("known");
+    assert!(after.streaming && after.allocatable == 2);
+    assert_eq!(after.registrations, before.registrations);
+    node.kubelet
+        .allocate("devicelet.io/bad", 1)
+        .await
+        .expect("still allocates");
+    agent.shutdown().await;
+}

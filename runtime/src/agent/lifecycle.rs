@@ -32,6 +32,17 @@ pub struct Lifecycle {
 /// `LAST_RETRY` when there is no kubelet at all.
 const FIRST_RETRY: Duration = Duration::from_millis(5);
 const LAST_RETRY: Duration = Duration::from_secs(2);
+/// The kubelet answers `Register` after dialing us back (10 s at most); a kubelet that accepts
+/// but never answers must not hold a resource (or the agent's shutdown) forever.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
+
+enum Registration {
+    /// With the identity of the `kubelet.sock` that accepted.
+    Accepted(Option<(u64, u64)>),
+    SocketGone,
+    Stopped,
+}
+
 /// A safety net under inotify (e.g. the directory itself was replaced): re-check this often.
 const RECHECK: Duration = Duration::from_secs(5);
 
@@ -65,9 +76,20 @@ impl Lifecycle {
                 continue;
             }
             bind_failures = 0;
-            let Some(registered_with) = self.register().await else {
-                let _ = server_stop.send(true);
-                return;
+            let registered_with = match self.register().await {
+                Registration::Accepted(identity) => identity,
+                Registration::SocketGone => {
+                    let _ = server_stop.send(true);
+                    tracing::info!(
+                        resource = self.resource,
+                        "our socket vanished while registering; serving again"
+                    );
+                    continue;
+                }
+                Registration::Stopped => {
+                    let _ = server_stop.send(true);
+                    return;
+                }
             };
             let stopped = self.wait_for_kubelet_restart(registered_with).await;
             let _ = server_stop.send(true);
@@ -105,20 +127,24 @@ impl Lifecycle {
         Ok(())
     }
 
-    /// Registers, retrying until the kubelet accepts; returns the `kubelet.sock` identity it
-    /// registered with, or None when told to stop.
-    async fn register(&mut self) -> Option<Option<(u64, u64)>> {
+    /// Registers, retrying until the kubelet accepts. A kubelet restarting meanwhile deletes our
+    /// socket, and registering a socket that is gone can never succeed: that sends us back to
+    /// serving.
+    async fn register(&mut self) -> Registration {
         let mut delay = FIRST_RETRY;
         let mut complained = false;
         loop {
+            if !self.socket().exists() {
+                return Registration::SocketGone;
+            }
             let identity = kubelet_identity(&self.plugin_dir);
-            let attempt = registration::register(
-                &self.plugin_dir,
-                &self.endpoint,
-                &self.resource,
-                self.options,
-            )
-            .await;
+            let attempt = tokio::select! {
+                attempt = tokio::time::timeout(
+                    REGISTER_TIMEOUT,
+                    registration::register(&self.plugin_dir, &self.endpoint, &self.resource, self.options),
+                ) => attempt.unwrap_or_else(|_| Err(registration::RegistrationError::Timeout(REGISTER_TIMEOUT))),
+                _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
+            };
             match attempt {
                 Ok(()) => {
                     self.registrations.send_modify(|n| *n += 1);
@@ -127,7 +153,7 @@ impl Lifecycle {
                         endpoint = self.endpoint,
                         "registered with the kubelet"
                     );
-                    return Some(identity);
+                    return Registration::Accepted(identity);
                 }
                 Err(e) if !complained => {
                     tracing::warn!(resource = self.resource, "{e}; retrying with backoff");
@@ -139,7 +165,7 @@ impl Lifecycle {
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = kubelet_changed(&mut self.kubelet_events) => {}
-                _ = self.stop.wait_for(|s| *s) => return None,
+                _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
             }
             delay = (delay * 2).min(LAST_RETRY);
         }

@@ -104,28 +104,47 @@ impl Shared {
             .collect()
     }
 
-    /// Starts the given modules, recording (not failing on) the ones that cannot start.
+    /// Every served resource name, with the module serving it.
+    fn served_names(&self) -> BTreeMap<String, String> {
+        self.resources()
+            .into_iter()
+            .map(|r| (r.name, r.module))
+            .collect()
+    }
+
+    /// Starts the given modules, or upgrades them when they run already: the new instance is
+    /// loaded and initialised first, and only then replaces the old one, so a broken new file
+    /// leaves the old module serving. Returns the problems, each naming its module.
     async fn start_modules(&self, registry: &Registry, names: &[String]) -> Vec<String> {
         let mut errors = Vec::new();
         for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
-            match modules::start(
+            let handle = match modules::start_module(
                 &self.engine,
                 self.cache.clone(),
                 spec,
                 &registry.host_root,
-                &self.serving(),
             )
             .await
             {
-                Ok((running, resource_errors)) => {
-                    for r in &running.resources {
-                        tracing::info!(module = spec.name, resource = r.served.name, "serving");
+                Ok(handle) => handle,
+                Err(e) => {
+                    if self.lock_modules().contains_key(&spec.name) {
+                        errors.push(format!("{e}; the running version keeps serving"));
+                    } else {
+                        errors.push(e.to_string());
                     }
-                    errors.extend(resource_errors);
-                    self.lock_modules().insert(spec.name.clone(), running);
+                    continue;
                 }
-                Err(e) => errors.push(e.to_string()),
+            };
+            self.stop_module(&spec.name).await;
+            let taken = self.served_names();
+            let (running, resource_errors) =
+                modules::serve_all(handle, spec, &self.serving(), &taken).await;
+            for r in &running.resources {
+                tracing::info!(module = spec.name, resource = r.served.name, "serving");
             }
+            errors.extend(resource_errors);
+            self.lock_modules().insert(spec.name.clone(), running);
         }
         for e in &errors {
             tracing::error!("{e}");
@@ -203,6 +222,9 @@ impl Agent {
                 stopped.clone(),
             ));
         }
+        if options.state_dir.is_some() {
+            tasks.spawn(shared.ledger.clone().run_flusher(stopped.clone()));
+        }
         if let Some(socket) = options.pod_resources.clone() {
             tasks.spawn(reconcile::run(
                 shared.clone(),
@@ -214,7 +236,13 @@ impl Agent {
         }
         if let Some(dir) = &options.state_dir {
             let listener = status::bind(dir)?;
-            tasks.spawn(status::serve(shared.clone(), listener, stopped.clone()));
+            let socket = dir.join(status::STATUS_SOCKET);
+            tasks.spawn(status::serve(
+                shared.clone(),
+                listener,
+                socket,
+                stopped.clone(),
+            ));
         }
         Ok(Agent {
             shared,
@@ -289,8 +317,9 @@ fn instance_id() -> String {
     format!("{millis}-{}", std::process::id())
 }
 
-/// Sockets left by an earlier agent (killed before it could clean up) would make the kubelet's
-/// dial fail confusingly and accumulate; ours are recreated anyway.
+/// Sockets left by an earlier agent that was killed before it could clean up. A socket still
+/// answering belongs to a live agent (a rolling update with surge, a second DaemonSet): that
+/// one is left alone.
 fn remove_stale_sockets(plugin_dir: &Path, instance: &str) {
     let Ok(entries) = std::fs::read_dir(plugin_dir) else {
         return;
@@ -298,11 +327,19 @@ fn remove_stale_sockets(plugin_dir: &Path, instance: &str) {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if name.starts_with("devicelet-") && name.ends_with(".sock") && !name.contains(instance) {
-            match std::fs::remove_file(entry.path()) {
-                Ok(()) => tracing::info!("removed stale socket {name} of an earlier agent"),
-                Err(e) => tracing::warn!("cannot remove stale socket {name}: {e}"),
-            }
+        if !name.starts_with("devicelet-") || !name.ends_with(".sock") || name.contains(instance) {
+            continue;
+        }
+        let refused = matches!(
+            std::os::unix::net::UnixStream::connect(entry.path()),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        );
+        if !refused {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => tracing::info!("removed stale socket {name} of an earlier agent"),
+            Err(e) => tracing::warn!("cannot remove stale socket {name}: {e}"),
         }
     }
 }

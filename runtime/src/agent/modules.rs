@@ -1,6 +1,7 @@
 //! The set of running modules, keyed by name: starting one (load, init, serve its resources)
 //! and stopping one (end its streams, remove its sockets).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -45,19 +46,44 @@ pub async fn start_module(
     ModuleHandle::start(loaded).await
 }
 
-/// Starts a module and serves every resource it declares. Resources it names invalidly are
-/// reported (each error names the module) and skipped; the others are served.
-pub async fn start(
-    engine: &Engine,
-    cache: Option<Arc<CompileCache>>,
+/// Most resources one module may declare; a real one declares a handful.
+const MAX_RESOURCES: usize = 64;
+
+/// Serves every resource a started module declares. Resources it names invalidly, outside its
+/// domain, or that another module already serves are reported (each error names the module) and
+/// skipped; the others are served.
+pub async fn serve_all(
+    handle: ModuleHandle,
     spec: &ModuleSpec,
-    host_root: &Path,
     at: &Serving<'_>,
-) -> Result<(RunningModule, Vec<String>), LoadError> {
-    let handle = start_module(engine, cache, spec, host_root).await?;
+    taken: &BTreeMap<String, String>,
+) -> (RunningModule, Vec<String>) {
     let mut resources = Vec::new();
     let mut errors = Vec::new();
-    for info in handle.resources() {
+    let declared = handle.resources();
+    if declared.len() > MAX_RESOURCES {
+        errors.push(format!(
+            "module `{}` declared {} resources; at most {MAX_RESOURCES} are served",
+            spec.name,
+            declared.len()
+        ));
+    }
+    for info in declared.iter().take(MAX_RESOURCES) {
+        let name = resource::qualify(&spec.resource_domain, &info.name);
+        if let Some(owner) = taken.get(&name) {
+            errors.push(format!(
+                "module `{}` declared {name}, which module `{owner}` already serves",
+                spec.name
+            ));
+            continue;
+        }
+        if resources
+            .iter()
+            .any(|r: &RunningResource| r.served.name == name)
+        {
+            errors.push(format!("module `{}` declared {name} twice", spec.name));
+            continue;
+        }
         match resource::serve(&handle, spec, info, at).await {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
@@ -69,12 +95,12 @@ pub async fn start(
             ),
         }
     }
-    Ok((
+    (
         RunningModule {
             spec: spec.clone(),
             handle,
             resources,
         },
         errors,
-    ))
+    )
 }

@@ -21,7 +21,6 @@ const SETTLE: Duration = Duration::from_millis(150);
 pub struct RegistryWatch {
     watcher: RecommendedWatcher,
     dirs: BTreeSet<PathBuf>,
-    files: Arc<std::sync::Mutex<BTreeSet<PathBuf>>>,
     events: mpsc::UnboundedReceiver<()>,
 }
 
@@ -36,14 +35,12 @@ fn files_of(registry: &Registry) -> BTreeSet<PathBuf> {
 impl RegistryWatch {
     pub fn new(registry: &Registry) -> notify::Result<RegistryWatch> {
         let (tx, events) = mpsc::unbounded_channel();
-        let files = Arc::new(std::sync::Mutex::new(BTreeSet::new()));
-        let interesting = files.clone();
         let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            // Any change in a watched directory counts, not only events naming our files: a
+            // Kubernetes ConfigMap volume updates by swapping a `..data` symlink, so the event
+            // names that link, never `registry.toml`. Reloading is cheap and idempotent.
             let hit = match event {
-                Ok(e) => {
-                    let files = interesting.lock().unwrap_or_else(|p| p.into_inner());
-                    e.paths.iter().any(|p| files.contains(p))
-                }
+                Ok(e) => !matches!(e.kind, notify::EventKind::Access(_)),
                 Err(_) => true,
             };
             if hit {
@@ -53,7 +50,6 @@ impl RegistryWatch {
         let mut watch = RegistryWatch {
             watcher,
             dirs: BTreeSet::new(),
-            files,
             events,
         };
         watch.follow(registry);
@@ -76,7 +72,6 @@ impl RegistryWatch {
             }
         }
         self.dirs = dirs;
-        *self.files.lock().unwrap_or_else(|p| p.into_inner()) = files;
     }
 
     /// The next change, after it settled; None once the watcher is gone.
@@ -143,36 +138,34 @@ fn needs_restart(running: &super::modules::RunningModule, new: &ModuleSpec) -> b
 
 async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
     let root_changed = old.host_root != new.host_root;
-    let (to_stop, to_start): (Vec<String>, Vec<String>) = {
+    let (removed, to_start): (Vec<String>, Vec<String>) = {
         let running = shared.lock_modules();
-        let stop = running
-            .iter()
-            .filter(|(name, m)| {
-                root_changed
-                    || new
-                        .modules
-                        .iter()
-                        .find(|s| &&s.name == name)
-                        .is_none_or(|spec| needs_restart(m, spec))
-            })
-            .map(|(name, _)| name.clone())
-            .collect::<Vec<_>>();
+        let removed = running
+            .keys()
+            .filter(|name| !new.modules.iter().any(|s| &&s.name == name))
+            .cloned()
+            .collect();
         let start = new
             .modules
             .iter()
-            .filter(|s| !running.contains_key(&s.name) || stop.contains(&s.name))
+            .filter(|s| {
+                running
+                    .get(&s.name)
+                    .is_none_or(|m| root_changed || needs_restart(m, s))
+            })
             .map(|s| s.name.clone())
             .collect();
-        (stop, start)
+        (removed, start)
     };
-    for name in &to_stop {
-        tracing::info!(module = name, "stopping for the registry edit");
+    for name in &removed {
+        tracing::info!(module = name, "removed from the registry; stopping");
         shared.stop_module(name).await;
     }
     let errors = shared.start_modules(new, &to_start).await;
     tracing::info!(
-        stopped = to_stop.len(),
-        started = to_start.len() - errors.len().min(to_start.len()),
+        removed = removed.len(),
+        started = to_start.len(),
+        problems = errors.len(),
         "registry edit applied"
     );
     shared.set_load_errors(errors);

@@ -55,6 +55,28 @@ pub fn qualify(domain: &str, name: &str) -> String {
     }
 }
 
+/// The socket file name: readable, and unique per resource (the hash keeps `a.b/c` and `a_b/c`
+/// apart) and per agent process.
+fn endpoint_name(resource: &str, instance: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let hash: String = Sha256::digest(resource.as_bytes())
+        .iter()
+        .take(4)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let readable: String = resource
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("devicelet-{readable}-{hash}-{instance}.sock")
+}
+
 /// Where and as whom to serve.
 pub struct Serving<'a> {
     pub plugin_dir: &'a Path,
@@ -73,11 +95,15 @@ pub async fn serve(
     let name = qualify(&spec.resource_domain, &info.name);
     names::validate_resource_name(&name)
         .map_err(|e| format!("declared an invalid resource name: {e}"))?;
-    let endpoint = format!(
-        "devicelet-{}-{}.sock",
-        name.replace(['/', '.'], "_"),
-        at.instance
-    );
+    // A module serves only names in its own domain, so it cannot take over another vendor's
+    // resource (a new registration replaces the old plugin in the kubelet).
+    if !name.starts_with(&format!("{}/", spec.resource_domain)) {
+        return Err(format!(
+            "declared {name}, outside its resource domain {} (set `resource-domain` in the registry to allow it)",
+            spec.resource_domain
+        ));
+    }
+    let endpoint = endpoint_name(&name, at.instance);
     let options = DevicePluginOptions {
         pre_start_required: info.prestart,
         get_preferred_allocation_available: info.preferred_allocation,
@@ -128,4 +154,18 @@ pub async fn serve(
         stop: stop_tx,
         tasks: vec![watcher, lifecycle],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_name;
+
+    #[test]
+    fn endpoints_of_different_resources_never_collide() {
+        let a = endpoint_name("ex.com/gpu.shared", "1-2");
+        let b = endpoint_name("ex.com/gpu_shared", "1-2");
+        assert_ne!(a, b);
+        assert!(a.starts_with("devicelet-ex_com_gpu_shared-") && a.ends_with("-1-2.sock"));
+        assert!(!a.contains('/'));
+    }
 }

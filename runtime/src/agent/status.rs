@@ -122,18 +122,25 @@ pub(super) fn bind(state_dir: &Path) -> anyhow::Result<UnixListener> {
 pub(super) async fn serve(
     shared: Arc<Shared>,
     listener: UnixListener,
+    socket: PathBuf,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        let mut conn = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((conn, _)) => conn,
-                Err(e) => {
-                    tracing::warn!("status socket: {e}");
-                    continue;
-                }
-            },
-            _ = stop.wait_for(|s| *s) => return,
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => {
+                let _ = std::fs::remove_file(&socket);
+                return;
+            }
+        };
+        let mut conn = match accepted {
+            Ok((conn, _)) => conn,
+            Err(e) => {
+                // Out of file descriptors, say: don't spin on it.
+                tracing::warn!("status socket: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let body = serde_json::to_vec(&collect(&shared)).unwrap_or_default();
         tokio::spawn(async move {

@@ -190,14 +190,7 @@ impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
                 .allocate(&self.local, c.devices_ids.clone())
                 .await
                 .map_err(status)?;
-            // The container gets its devices even if the checkpoint cannot be written; the
-            // next PodResources reconciliation adopts the allocation.
-            if let Err(e) = self.ledger.record(&self.resource, &c.devices_ids) {
-                tracing::error!(
-                    resource = &*self.resource,
-                    "allocation not checkpointed: {e}"
-                );
-            }
+            self.ledger.record_deferred(&self.resource, &c.devices_ids);
             container_responses.push(edits_to_wire(edits));
         }
         Ok(Response::new(api::AllocateResponse {

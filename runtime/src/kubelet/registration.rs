@@ -17,6 +17,8 @@ pub enum RegistrationError {
         resource: String,
         status: tonic::Status,
     },
+    #[error("the kubelet did not answer Register within {0:?}")]
+    Timeout(std::time::Duration),
 }
 
 /// Registers `resource`, served on `plugin_dir/endpoint`. The kubelet dials us back inside this

@@ -35,6 +35,9 @@ pub use entry::{Entry, Holder};
 pub use error::LedgerError;
 pub use reconcile::ReconcileReport;
 
+/// How long a deferred record may wait for its checkpoint; records arriving meanwhile share it.
+pub const FLUSH_DELAY: Duration = Duration::from_millis(20);
+
 /// The allocation ledger. Cheap to clone; clones share one state.
 ///
 /// Methods take a short lock and, for a persistent ledger, do their checkpoint (a few small
@@ -50,6 +53,8 @@ struct Inner {
     /// None: in memory only.
     store: Option<Store>,
     state: Mutex<Locked>,
+    /// Wakes the flusher after a deferred record.
+    changed: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -81,7 +86,11 @@ impl Ledger {
             dirty: false,
         });
         Ledger {
-            inner: Arc::new(Inner { store, state }),
+            inner: Arc::new(Inner {
+                store,
+                state,
+                changed: tokio::sync::Notify::new(),
+            }),
         }
     }
 
@@ -103,6 +112,54 @@ impl Ledger {
             .push(resource, device_ids.to_vec(), None, SystemTime::now());
         self.checkpoint(&mut locked)?;
         Ok(id)
+    }
+
+    /// Records an allocation in memory and leaves the checkpoint to [`Ledger::run_flusher`],
+    /// which writes within [`FLUSH_DELAY`] and coalesces bursts into one write. This keeps the
+    /// fsync off Allocate's path: a crash inside that window loses the entry from the file, and
+    /// the next PodResources reconciliation adopts it again.
+    pub fn record_deferred(&self, resource: &str, device_ids: &[String]) -> u64 {
+        let mut locked = self.lock();
+        let id = locked
+            .state
+            .push(resource, device_ids.to_vec(), None, SystemTime::now());
+        locked.dirty = true;
+        drop(locked);
+        self.inner.changed.notify_one();
+        id
+    }
+
+    /// Writes deferred records until `stop` flips, then once more. For a persistent ledger, run
+    /// it as a task next to the code calling [`Ledger::record_deferred`].
+    pub async fn run_flusher(self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            let stopping = tokio::select! {
+                _ = self.inner.changed.notified() => false,
+                _ = stop.wait_for(|s| *s) => true,
+            };
+            if !stopping {
+                tokio::time::sleep(FLUSH_DELAY).await;
+            }
+            let ledger = self.clone();
+            let written = tokio::task::spawn_blocking(move || ledger.flush_if_dirty()).await;
+            match written {
+                Ok(Err(e)) => tracing::error!("checkpointing the ledger: {e}"),
+                Err(e) => tracing::error!("checkpointing the ledger: {e}"),
+                Ok(Ok(())) => {}
+            }
+            if stopping {
+                return;
+            }
+        }
+    }
+
+    fn flush_if_dirty(&self) -> Result<(), LedgerError> {
+        let mut locked = self.lock();
+        if locked.dirty {
+            self.checkpoint(&mut locked)
+        } else {
+            Ok(())
+        }
     }
 
     /// All entries, in increasing id (= recording) order.

@@ -480,3 +480,34 @@ fn ledger_is_send_sync_and_clones_share_state() {
     a.record(FUSE, &ids(&["fuse-0"])).unwrap();
     assert_eq!(b.entries().len(), 1);
 }
+
+#[tokio::test]
+async fn deferred_records_reach_the_checkpoint_through_the_flusher() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let flusher = tokio::spawn(ledger.clone().run_flusher(stopped));
+    for i in 0..50 {
+        ledger.record_deferred(FUSE, &[format!("fuse-{i}")]);
+    }
+    // Within the flush delay the burst is written, once, without stopping the flusher.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        if Ledger::open(dir.path()).unwrap().entries().len() == 50 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flusher never wrote"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    ledger.record_deferred(FUSE, &ids(&["last"]));
+    stop.send(true).unwrap();
+    flusher.await.unwrap();
+    assert_eq!(
+        Ledger::open(dir.path()).unwrap().entries().len(),
+        51,
+        "stopping flushes"
+    );
+}

@@ -44,6 +44,11 @@ pub struct ModuleStats {
     pub unavailable: u64,
 }
 
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+const MAX_INSTANCES: usize = 64;
+const MAX_MEMORIES: usize = 8;
+const MAX_TABLES: usize = 64;
+
 /// Calls queued per module before callers are told it is busy.
 const QUEUE: usize = 64;
 
@@ -58,7 +63,12 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 type Work = Box<dyn for<'a> FnOnce(&'a mut Instance) -> BoxFuture<'a, bool> + Send>;
 
 struct Job {
+    /// When the caller stops waiting; a job still queued then is dropped unrun.
     due: Instant,
+    /// How long the job may run once started. A job started late (queued behind a slow call)
+    /// still gets its whole budget, so a module that is merely busy is never poisoned; only one
+    /// that overruns its own deadline is.
+    budget: Duration,
     work: Work,
     /// Answers the caller without running `work`.
     refuse: Box<dyn FnOnce(String) + Send>,
@@ -337,7 +347,16 @@ impl ModuleHandle {
             call: kind,
             deadline,
         };
-        let sent = tokio::time::timeout_at(due, self.jobs.send(Job { due, work, refuse })).await;
+        let sent = tokio::time::timeout_at(
+            due,
+            self.jobs.send(Job {
+                due,
+                budget: deadline,
+                work,
+                refuse,
+            }),
+        )
+        .await;
         match sent {
             Err(_) => return Err(deadline_error()),
             Ok(Err(_)) => {
@@ -377,8 +396,14 @@ async fn instantiate(
     module: &LoadedModule,
     config: &str,
 ) -> Result<(Instance, Vec<ResourceInfo>), Failure> {
+    // The memory limit applies to each linear memory, so the number of memories, tables and
+    // instances is bounded too; tables are capped far above what compiled Rust needs.
     let limits = StoreLimitsBuilder::new()
         .memory_size(usize::try_from(module.spec.memory_limit).unwrap_or(usize::MAX))
+        .table_elements(MAX_TABLE_ELEMENTS)
+        .instances(MAX_INSTANCES)
+        .memories(MAX_MEMORIES)
+        .tables(MAX_TABLES)
         .trap_on_grow_failure(true)
         .build();
     let state = HostState::new(
@@ -481,7 +506,7 @@ async fn run(
         let Some(running) = instance.as_mut() else {
             continue;
         };
-        let poisoned = match tokio::time::timeout_at(job.due, (job.work)(running)).await {
+        let poisoned = match tokio::time::timeout(job.budget, (job.work)(running)).await {
             Ok(poisoned) => poisoned,
             Err(_) => {
                 tracing::warn!(

@@ -24,18 +24,22 @@ const MAX_VALUE: usize = 32 * 1024;
 pub type Violation = String;
 
 /// Device IDs travel through the kubelet's checkpoint, PodResources and env vars: keep them to
-/// 1–128 characters of `[A-Za-z0-9._:-]`.
+/// 1–128 characters of `[A-Za-z0-9._:/-]`. `/` is there for legacy MIG IDs
+/// (`MIG-GPU-<uuid>/<gi>/<ci>`), but only between non-empty parts other than `.` and `..`.
 pub fn device_id(id: &str) -> Result<(), Violation> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID
         && id
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'));
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-' | b'/'))
+        && id
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..");
     if ok {
         Ok(())
     } else {
         Err(format!(
-            "device ID {:?} must be 1-{MAX_ID} characters of [A-Za-z0-9._:-]",
+            "device ID {:?} must be 1-{MAX_ID} characters of [A-Za-z0-9._:/-], with no empty, `.` or `..` parts",
             truncate(id)
         ))
     }
@@ -217,10 +221,19 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
         }
     }
     for m in &edits.mounts {
-        let inside = granted(&grants.dev, &m.host_path) || granted(&grants.sysfs, &m.host_path);
+        let in_sysfs = granted(&grants.sysfs, &m.host_path);
+        let inside = granted(&grants.dev, &m.host_path) || in_sysfs;
         if !is_normal_absolute(&m.host_path) || !inside {
             return Err(format!(
                 "mount of {:?} is not under the module's grants",
+                truncate(&m.host_path)
+            ));
+        }
+        // A sysfs grant is read access: the container must not get to write `remove`, `reset`
+        // or `sriov_numvfs` through it.
+        if in_sysfs && !m.read_only {
+            return Err(format!(
+                "mount of {:?} must be read-only: sysfs grants are read-only",
                 truncate(&m.host_path)
             ));
         }
@@ -290,10 +303,24 @@ mod tests {
 
     #[test]
     fn ids_the_kubelet_can_use() {
-        for good in ["fuse-0", "GPU-6f5e:1", "net-tun", "a.b_c"] {
+        for good in [
+            "fuse-0",
+            "GPU-6f5e:1",
+            "net-tun",
+            "a.b_c",
+            "MIG-GPU-6f5e/1/0",
+        ] {
             assert!(device_id(good).is_ok(), "{good}");
         }
-        for bad in ["", "bad id", "../../etc", "a/b", &"x".repeat(129)] {
+        for bad in [
+            "",
+            "bad id",
+            "../../etc",
+            "/a",
+            "a//b",
+            "a/./b",
+            &"x".repeat(129),
+        ] {
             assert!(device_id(bad).is_err(), "{bad}");
         }
     }
@@ -338,7 +365,14 @@ mod tests {
             ..Default::default()
         };
         assert!(edits(&mount("/"), &grants()).unwrap_err().contains("mount"));
-        assert!(edits(&mount("/sys/class/net"), &grants()).is_ok());
+        assert!(
+            edits(&mount("/sys/class/net"), &grants())
+                .unwrap_err()
+                .contains("read-only")
+        );
+        let mut read_only = mount("/sys/class/net");
+        read_only.mounts[0].read_only = true;
+        assert!(edits(&read_only, &grants()).is_ok());
     }
 
     #[test]

@@ -30,7 +30,7 @@ impl Host for HostState {
         let physical = format!("{}{pattern}", glob::Pattern::escape(root));
         let entries = glob::glob(&physical).map_err(|e| FsError::Io(e.to_string()))?;
         let mut paths = Vec::new();
-        for entry in entries.flatten() {
+        for entry in entries.flatten().take(MAX_MATCHES * 4) {
             let Some(logical) = entry
                 .to_str()
                 .and_then(|p| p.strip_prefix(root))

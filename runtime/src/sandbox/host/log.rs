@@ -1,4 +1,5 @@
-//! `devicelet:plugin/log`: a module's log lines become tracing events tagged with its name.
+//! `devicelet:plugin/log`: a module's log lines become tracing events tagged with its name,
+//! under the same rate limit as its stdout and stderr.
 
 use super::HostState;
 use crate::sandbox::bindings::v0_1::devicelet::plugin::log::{Host, Level};
@@ -8,6 +9,9 @@ const MAX_LINE: usize = 4096;
 
 impl Host for HostState {
     fn log(&mut self, level: Level, message: String) {
+        if !self.log_gate.admit() {
+            return;
+        }
         let mut message = message;
         if message.len() > MAX_LINE {
             let mut cut = MAX_LINE;

@@ -53,7 +53,8 @@ impl ModuleOutput {
         (out, err)
     }
 
-    fn emit(&self, line: &[u8]) {
+    /// Takes one line's worth of allowance; false when the module is over its rate.
+    pub(super) fn admit(&self) -> bool {
         let mut limiter = self.limiter.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let refill = now.duration_since(limiter.at).as_secs_f64() * PER_SECOND;
@@ -61,18 +62,25 @@ impl ModuleOutput {
         limiter.at = now;
         if limiter.tokens < 1.0 {
             limiter.suppressed += 1;
-            return;
+            return false;
         }
         limiter.tokens -= 1.0;
-        let module = &*self.module;
         if limiter.suppressed > 0 {
             tracing::warn!(
-                module,
-                "{} output line(s) suppressed (rate limit)",
+                module = &*self.module,
+                "{} log line(s) suppressed (rate limit)",
                 limiter.suppressed
             );
             limiter.suppressed = 0;
         }
+        true
+    }
+
+    fn emit(&self, line: &[u8]) {
+        if !self.admit() {
+            return;
+        }
+        let module = &*self.module;
         let text = String::from_utf8_lossy(&line[..line.len().min(MAX_LINE)]);
         tracing::info!(module, stream = self.stream, "{}", text.trim_end());
     }

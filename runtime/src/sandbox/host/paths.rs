@@ -3,7 +3,7 @@
 //! A module always speaks in node paths; the host root (a fixture tree in tests) is the host's
 //! business. Granting a path grants everything below it.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use glob::{MatchOptions, Pattern};
 
@@ -42,11 +42,13 @@ pub fn leads_to_grant(grants: &[Pattern], dir: &str) -> bool {
     })
 }
 
+/// Absolute, with no empty, `.` or `..` components: `Path::components` would quietly drop `.`
+/// and `//`, and a glob's `*` matches them, so they are refused here rather than normalised.
 fn is_normal(path: &str) -> bool {
-    path.starts_with('/')
-        && Path::new(path)
-            .components()
-            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
+    path.strip_prefix('/').is_some_and(|rest| {
+        rest.split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+    })
 }
 
 /// Resolves a logical path the module may use to its place under the host root, refusing paths
@@ -65,10 +67,20 @@ pub fn resolve(
         return Err(PathError::NotGranted(path.to_owned()));
     }
     let physical = root.join(path.trim_start_matches('/'));
-    if let (Ok(real), Ok(real_root)) = (physical.canonicalize(), root.canonicalize())
-        && !real.starts_with(&real_root)
-    {
-        return Err(PathError::Escapes(path.to_owned()));
+    // Symlinks (sysfs is full of them) may be followed, but only while they stay inside the
+    // tree the path started in: `/sys/...` must resolve inside the host root's `/sys`.
+    let area = path.split('/').nth(1).unwrap_or_default();
+    let escapes = |_| PathError::Escapes(path.to_owned());
+    match physical.canonicalize() {
+        Ok(real) => {
+            let real_area = root.join(area).canonicalize().map_err(escapes)?;
+            if !real.starts_with(&real_area) {
+                return Err(PathError::Escapes(path.to_owned()));
+            }
+        }
+        // Nothing there: the caller's own open reports it as not found.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(escapes(e)),
     }
     Ok(physical)
 }
@@ -107,6 +119,8 @@ mod tests {
             Err(PathError::NotNormal("/dev/../etc/passwd".into()))
         );
         assert!(resolve(root, &g, "dev/fuse", false).is_err());
+        assert!(resolve(root, &g, "/dev/./fuse", false).is_err());
+        assert!(resolve(root, &g, "/dev//fuse", false).is_err());
         assert_eq!(
             resolve(root, &g, "/dev/fuse", false),
             Ok(PathBuf::from("/nonexistent-root/dev/fuse"))
@@ -123,5 +137,20 @@ mod tests {
             resolve(dir.path(), &g, "/dev/escape", false),
             Err(PathError::Escapes("/dev/escape".into()))
         );
+    }
+
+    #[test]
+    fn symlinks_leaving_their_tree_are_refused_even_inside_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("sys/class")).unwrap();
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        std::fs::write(dir.path().join("etc/shadow"), "x").unwrap();
+        std::fs::create_dir_all(dir.path().join("sys/devices/pci0")).unwrap();
+        std::fs::write(dir.path().join("sys/devices/pci0/vendor"), "0x10de").unwrap();
+        std::os::unix::fs::symlink("../../etc", dir.path().join("sys/class/out")).unwrap();
+        std::os::unix::fs::symlink("../devices/pci0", dir.path().join("sys/class/gpu")).unwrap();
+        let g = pats(&["/sys/class/*"]);
+        assert!(resolve(dir.path(), &g, "/sys/class/out/shadow", false).is_err());
+        assert!(resolve(dir.path(), &g, "/sys/class/gpu/vendor", false).is_ok());
     }
 }

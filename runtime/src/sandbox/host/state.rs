@@ -14,6 +14,8 @@ pub struct HostState {
     pub(crate) host_root: Arc<PathBuf>,
     pub(crate) grants: Arc<Grants>,
     pub(crate) limits: StoreLimits,
+    /// The `log` interface shares the stdout/stderr allowance.
+    pub(super) log_gate: super::output::ModuleOutput,
     wasi: WasiCtx,
     table: ResourceTable,
 }
@@ -28,6 +30,7 @@ impl HostState {
         limits: StoreLimits,
     ) -> Self {
         let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone());
+        let log_gate = stdout.clone();
         let mut wasi = WasiCtx::builder();
         wasi.stdout(stdout)
             .stderr(stderr)
@@ -39,6 +42,7 @@ impl HostState {
             host_root,
             grants,
             limits,
+            log_gate,
             wasi: wasi.build(),
             table: ResourceTable::new(),
         }
