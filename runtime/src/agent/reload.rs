@@ -131,13 +131,19 @@ fn file_digest(path: &Path) -> Option<String> {
     )
 }
 
-/// Whether a running module must be restarted to match its new registry entry.
-fn needs_restart(running: &super::modules::RunningModule, new: &ModuleSpec) -> bool {
-    running.spec != *new || file_digest(&new.path).as_deref() != Some(running.handle.digest())
+/// Whether a running module must be restarted to match its new registry entry and file.
+fn needs_restart(
+    running: &super::modules::RunningModule,
+    new: &ModuleSpec,
+    digest: Option<&str>,
+) -> bool {
+    running.spec != *new || digest != Some(running.handle.digest())
 }
 
 async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
     let root_changed = old.host_root != new.host_root;
+    // Hashed before taking the lock: status and resource listings must not wait on file reads.
+    let digests: Vec<Option<String>> = new.modules.iter().map(|m| file_digest(&m.path)).collect();
     let (removed, to_start): (Vec<String>, Vec<String>) = {
         let running = shared.lock_modules();
         let removed = running
@@ -148,12 +154,13 @@ async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
         let start = new
             .modules
             .iter()
-            .filter(|s| {
+            .zip(&digests)
+            .filter(|(s, digest)| {
                 running
                     .get(&s.name)
-                    .is_none_or(|m| root_changed || needs_restart(m, s))
+                    .is_none_or(|m| root_changed || needs_restart(m, s, digest.as_deref()))
             })
-            .map(|s| s.name.clone())
+            .map(|(s, _)| s.name.clone())
             .collect();
         (removed, start)
     };
