@@ -14,7 +14,14 @@ pub struct Grants {
     pub sysfs: Vec<Pattern>,
     /// Patterns under `/dev/`, for device nodes handed to containers.
     pub dev: Vec<Pattern>,
+    /// Vendor libraries (such as NVML) whose typed host interface the module may import, by
+    /// name; only names in [`VENDOR_LIBRARIES`] are accepted.
+    pub libraries: Vec<String>,
 }
+
+/// The vendor libraries this devicelet can expose to modules through typed host interfaces.
+/// None yet: NVML is the first planned. A registry naming another library is refused.
+pub const VENDOR_LIBRARIES: &[&str] = &[];
 
 /// `*`, `?` and `[...]` never match `/`: a grant of `/sys/class/tty/*` must not reach
 /// `/sys/class/tty/ttyS0/device/driver/...`. Only `**` crosses directories, and only when the
@@ -54,7 +61,7 @@ fn allows(patterns: &[Pattern], path: &str) -> bool {
             .any(|pattern| pattern.matches_with(path, MATCH))
 }
 
-const KEYS: &[&str] = &["sysfs", "dev"];
+const KEYS: &[&str] = &["sysfs", "dev", "libraries"];
 
 /// Reads a `[module.grants]` table.
 pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
@@ -64,10 +71,30 @@ pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
         match entry.name {
             "sysfs" => grants.sysfs = patterns(&entry.node, "/sys/")?,
             "dev" => grants.dev = patterns(&entry.node, "/dev/")?,
+            "libraries" => grants.libraries = libraries(&entry.node)?,
             _ => return Err(entry.unknown(KEYS)),
         }
     }
     Ok(grants)
+}
+
+fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
+    node.array("an array of vendor library names")?
+        .iter()
+        .map(|item| {
+            let name = item.str()?;
+            if VENDOR_LIBRARIES.contains(&name) {
+                Ok(name.to_owned())
+            } else {
+                let known = if VENDOR_LIBRARIES.is_empty() {
+                    "this devicelet provides none yet".to_owned()
+                } else {
+                    format!("known: {}", VENDOR_LIBRARIES.join(", "))
+                };
+                Err(item.error_in_str(0, format!("unknown vendor library {name:?} ({known})")))
+            }
+        })
+        .collect()
 }
 
 fn patterns(node: &Node<'_>, prefix: &str) -> Result<Vec<Pattern>, RegistryError> {
@@ -136,6 +163,7 @@ mod tests {
         Grants {
             sysfs: compile(sysfs, "/sys/"),
             dev: compile(dev, "/dev/"),
+            libraries: Vec::new(),
         }
     }
 

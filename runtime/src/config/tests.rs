@@ -664,3 +664,15 @@ fn health_deadline_defaults_to_the_call_deadline_and_can_be_lower() {
         "out of range",
     );
 }
+
+#[test]
+fn unknown_vendor_libraries_are_refused_by_name() {
+    let text = format!("{MINIMAL}[module.grants]\nlibraries = [\"nvml\"]\n");
+    let message = assert_invalid(
+        &text,
+        5,
+        Some("module[0].grants.libraries[0]"),
+        "unknown vendor library \"nvml\"",
+    );
+    assert!(message.contains("provides none yet"), "{message}");
+}

@@ -289,6 +289,7 @@ mod tests {
                 glob::Pattern::new("/dev/fuse").unwrap(),
                 glob::Pattern::new("/dev/ttyUSB*").unwrap(),
             ],
+            libraries: Vec::new(),
         }
     }
 
