@@ -28,9 +28,12 @@ pub struct Lifecycle {
     pub registrations: watch::Sender<u32>,
 }
 
-/// Retries start fast (`kubelet.sock` can exist a moment before it accepts) and back off to
-/// `LAST_RETRY` when there is no kubelet at all.
+/// `kubelet.sock` can exist a moment before it accepts, and a refused connection costs
+/// microseconds: retry every `FIRST_RETRY` for `FAST_PHASE`, so we register within a few
+/// milliseconds of the kubelet accepting, then back off to `LAST_RETRY` when there is no
+/// kubelet at all.
 const FIRST_RETRY: Duration = Duration::from_millis(5);
+const FAST_PHASE: Duration = Duration::from_secs(1);
 const LAST_RETRY: Duration = Duration::from_secs(2);
 /// The kubelet answers `Register` after dialing us back (10 s at most); a kubelet that accepts
 /// but never answers must not hold a resource (or the agent's shutdown) forever.
@@ -133,6 +136,7 @@ impl Lifecycle {
     async fn register(&mut self) -> Registration {
         let mut delay = FIRST_RETRY;
         let mut complained = false;
+        let started = tokio::time::Instant::now();
         loop {
             if !self.socket().exists() {
                 return Registration::SocketGone;
@@ -167,7 +171,9 @@ impl Lifecycle {
                 _ = kubelet_changed(&mut self.kubelet_events) => {}
                 _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
             }
-            delay = (delay * 2).min(LAST_RETRY);
+            if started.elapsed() >= FAST_PHASE {
+                delay = (delay * 2).min(LAST_RETRY);
+            }
         }
     }
 
