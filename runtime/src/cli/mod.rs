@@ -1,5 +1,6 @@
 //! The `devicelet` command line.
 
+mod bench;
 mod demo;
 mod run;
 pub mod simulate;
@@ -34,6 +35,9 @@ pub enum Command {
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
     Demo(demo::DemoArgs),
+    /// Benchmarks on this machine; writes a Markdown table (see scripts/bench.sh).
+    #[command(hide = true)]
+    Bench(bench::BenchArgs),
 }
 
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
@@ -43,6 +47,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => status::run(args).await,
         Command::Simulate(args) => simulate::run(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }
 

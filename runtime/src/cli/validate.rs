@@ -56,7 +56,10 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
                 println!("  may read sysfs: {}", list_or_nothing(&sysfs));
                 println!("  may use device nodes: {}", list_or_nothing(&dev));
                 let libraries: Vec<_> = spec.grants.libraries.iter().map(String::as_str).collect();
-                println!("  may use vendor libraries: {}", list_or_nothing(&libraries));
+                println!(
+                    "  may use vendor libraries: {}",
+                    list_or_nothing(&libraries)
+                );
             }
             Err(e) => {
                 failures += 1;

@@ -13,6 +13,8 @@
 //! [module.config]
 //! resource = "bad"      # the resource name init returns
 //! devices = 2           # how many devices enumerate lists: dev-0 .. dev-{N-1}
+//! numa = 0              # NUMA nodes to spread the devices over: dev-i is on node i % numa;
+//!                       # 0 (the default) reports no topology
 //! init = "ok"           # a mode (below) for each call
 //! enumerate = "ok"
 //! health = "ok"
@@ -39,7 +41,8 @@
 //!
 //! Behaviour in mode `"ok"`:
 //!
-//! - `enumerate`: `devices` healthy devices `dev-0` .. `dev-{N-1}`;
+//! - `enumerate`: `devices` healthy devices `dev-0` .. `dev-{N-1}`, with `numa` > 0 each on
+//!   NUMA node `i % numa` (benchmarks use it for a resource spread over NUMA nodes);
 //! - `health`: each requested ID healthy if it is one of those devices, unhealthy otherwise;
 //! - `allocate`: container edits with the single env `MISBEHAVING_DEVICES=<IDs joined by ,>`;
 //! - `prestart`: succeeds;
@@ -74,6 +77,9 @@ struct Config {
     resource: String,
     #[serde(default = "default_devices")]
     devices: u32,
+    /// NUMA nodes the devices are spread over (device i on node i % numa); 0: no topology.
+    #[serde(default)]
+    numa: u32,
     #[serde(default)]
     init: Mode,
     #[serde(default)]
@@ -138,6 +144,11 @@ struct Misbehaving {
     ids: Vec<String>,
 }
 
+/// The NUMA node of device `index`, if the config spreads devices over any.
+fn numa_node(index: usize, numa: u32) -> Option<i64> {
+    (numa > 0).then(|| (index as u64 % u64::from(numa)) as i64)
+}
+
 impl Misbehaving {
     fn check(&self, call: &str, mode: Mode, resource: &str) -> Result<(), PluginError> {
         misbehave(call, mode)?;
@@ -187,9 +198,16 @@ impl Plugin for Misbehaving {
         Ok(self
             .ids
             .iter()
-            .map(|id| match mode {
-                Mode::Unhealthy => Device::unhealthy(id),
-                _ => Device::healthy(id),
+            .enumerate()
+            .map(|(i, id)| {
+                let device = match mode {
+                    Mode::Unhealthy => Device::unhealthy(id),
+                    _ => Device::healthy(id),
+                };
+                match numa_node(i, self.config.numa) {
+                    Some(node) => device.numa_node(node),
+                    None => device,
+                }
             })
             .collect())
     }
@@ -254,6 +272,7 @@ mod tests {
         let config = parse_config("{}").unwrap();
         assert_eq!(config.resource, "bad");
         assert_eq!(config.devices, 2);
+        assert_eq!(config.numa, 0);
         assert_eq!(config.allocate, Mode::Ok);
         assert!(config.prestart.is_none() && config.preferred.is_none());
     }
@@ -268,6 +287,17 @@ mod tests {
         };
         assert!(msg.contains("alocate"), "{msg}");
         assert!(parse_config(r#"{"init": "explode"}"#).is_err());
+    }
+
+    #[test]
+    fn numa_spreads_devices_round_robin() {
+        let config = parse_config(r#"{"devices": 64, "numa": 2}"#).unwrap();
+        assert_eq!(config.numa, 2);
+        assert_eq!(numa_node(0, 0), None);
+        assert_eq!(numa_node(5, 0), None);
+        assert_eq!(numa_node(0, 2), Some(0));
+        assert_eq!(numa_node(63, 2), Some(1));
+        assert_eq!(numa_node(7, 3), Some(1));
     }
 
     #[test]

@@ -1,0 +1,192 @@
+//! Benchmark 1: Allocate round trip over the resource's Unix socket with the kubelet's client,
+//! against the floor (a bare tonic server with nothing behind it), in alternating batches so that
+//! machine noise hits both alike.
+
+use std::time::{Duration, Instant};
+
+use tonic::transport::Channel;
+
+use super::Settings;
+use super::floor;
+use super::node::{self, Node, WAIT, generic_dev, resource};
+use super::report::Row;
+use super::stats::{self, Samples};
+use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use crate::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use crate::kubelet::simulator::SimConfig;
+
+const WARMUP: usize = 1_000;
+const BATCH: usize = 500;
+const ONE_MS: Duration = Duration::from_millis(1);
+
+pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
+    let node = Node::start(SimConfig::default()).await?;
+    node.add_char("/dev/fuse", 10, 229)?;
+    let registry = node.registry(&generic_dev(
+        &s.module_dir,
+        "generic-dev",
+        "fuse",
+        "/dev/fuse",
+        10,
+        "5s",
+    ))?;
+    let name = resource("fuse");
+    let request = AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: vec!["fuse-0".into()],
+        }],
+    };
+    let mut rows = Vec::new();
+
+    // In-process agent, ledger in memory, against the raw client and the floor.
+    let agent = node.start_agent(&registry, None).await?;
+    node.wait_served(&name).await?;
+    let mut ours = node.client(&name).await?;
+    let mut answer = None;
+    for _ in 0..s.n(WARMUP) {
+        answer = Some(ours.allocate(request.clone()).await?.into_inner());
+    }
+    // The floor sends back exactly what the module answered, so both carry the same bytes.
+    let floor_socket = node.dir.path().join("floor.sock");
+    let _floor = floor::serve(&floor_socket, answer.unwrap_or_default())?;
+    let mut bare = node::client(&floor_socket).await?;
+    measure(&mut bare, &request, s.n(WARMUP), &mut Vec::new()).await?;
+
+    let calls = s.n(10_000);
+    let (mut ours_t, mut bare_t) = (Vec::with_capacity(calls), Vec::with_capacity(calls));
+    // Thread switches of this process during each side's batches: how often a call parks and
+    // wakes a thread (a hop between tasks on different threads costs one or two).
+    let (mut ours_cs, mut bare_cs) = (0, 0);
+    let mut batch = 0;
+    while ours_t.len() < calls {
+        let k = BATCH.min(calls - ours_t.len());
+        for side in [batch % 2, 1 - batch % 2] {
+            let before = context_switches();
+            if side == 0 {
+                measure(&mut ours, &request, k, &mut ours_t).await?;
+                ours_cs += context_switches() - before;
+            } else {
+                measure(&mut bare, &request, k, &mut bare_t).await?;
+                bare_cs += context_switches() - before;
+            }
+        }
+        batch += 1;
+    }
+    let (ours_s, bare_s) = (Samples::new(ours_t), Samples::new(bare_t));
+    let ratio = stats::div(ours_s.p50(), bare_s.p50());
+    rows.push(Row::judged(
+        format!(
+            "1. Allocate round trip: kubelet's client → agent → generic-dev, ledger in memory \
+             ({} calls)",
+            ours_s.len()
+        ),
+        ours_s.summary(true),
+        "p99 ≤ 1 ms",
+        ours_s.p99() <= ONE_MS,
+    ));
+    rows.push(Row::info(
+        format!(
+            "1. Floor: bare tonic unary Allocate over a Unix socket, nothing behind it ({} calls, \
+             alternating batches of {BATCH} with the row above)",
+            bare_s.len()
+        ),
+        bare_s.summary(true),
+    ));
+    rows.push(Row::info(
+        "1. Thread context switches per call in the bench process (client, server and agent \
+         share it)",
+        format!(
+            "agent {:.1} / floor {:.1}",
+            ours_cs as f64 / ours_s.len() as f64,
+            bare_cs as f64 / bare_s.len() as f64
+        ),
+    ));
+    rows.push(Row::judged(
+        "1. Allocate p50 ÷ floor p50",
+        stats::ratio(ratio),
+        "≤ 1.5×",
+        ratio <= 1.5,
+    ));
+
+    // The same through the simulator: GetPreferredAllocation (not asked for here), Allocate and
+    // the kubelet's bookkeeping, as `Simulator::allocate` does for a container.
+    let mut via_sim = Vec::new();
+    for _ in 0..s.n(2_000) {
+        let (allocation, took) = stats::time(node.sim.allocate(&name, 1)).await;
+        via_sim.push(took);
+        node.sim.release(allocation?.id);
+    }
+    let via_sim = Samples::new(via_sim);
+    rows.push(Row::info(
+        format!(
+            "1. Allocate through `Simulator::allocate` (kubelet bookkeeping included, {} calls)",
+            via_sim.len()
+        ),
+        via_sim.summary(true),
+    ));
+    drop((ours, bare));
+    agent.shutdown().await;
+
+    // As `devicelet run` serves: with a state directory, so the ledger is checkpointed to disk
+    // (here the disk the scratch directory is on).
+    let state_dir = node.dir.path().join("state");
+    let agent = node.start_agent(&registry, Some(state_dir)).await?;
+    node.sim
+        .wait_until(&name, WAIT, |r| {
+            r.registrations >= 2 && r.streaming && r.snapshots > 0
+        })
+        .await?;
+    let mut persisted = node.client(&name).await?;
+    measure(&mut persisted, &request, 20, &mut Vec::new()).await?;
+    let mut on_disk = Vec::new();
+    measure(&mut persisted, &request, s.n(1_000), &mut on_disk).await?;
+    let on_disk = Samples::new(on_disk);
+    rows.push(Row::judged(
+        format!(
+            "1. Allocate round trip with the ledger on disk, as `devicelet run` (state \
+             directory on this machine's disk; {} calls)",
+            on_disk.len()
+        ),
+        on_disk.summary(true),
+        "p99 ≤ 1 ms",
+        on_disk.p99() <= ONE_MS,
+    ));
+    drop(persisted);
+    agent.shutdown().await;
+    Ok(rows)
+}
+
+/// Voluntary and involuntary context switches of every thread of this process so far.
+fn context_switches() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|status| {
+            status
+                .lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split(':').nth(1)?.trim().parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// `n` Allocate calls, each timed on its own.
+async fn measure(
+    client: &mut DevicePluginClient<Channel>,
+    request: &AllocateRequest,
+    n: usize,
+    into: &mut Vec<Duration>,
+) -> anyhow::Result<()> {
+    for _ in 0..n {
+        let request = request.clone();
+        let started = Instant::now();
+        let response = client.allocate(request).await?;
+        into.push(started.elapsed());
+        std::hint::black_box(response);
+    }
+    Ok(())
+}

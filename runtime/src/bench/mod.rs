@@ -1,0 +1,119 @@
+//! `devicelet bench`: where we stand on allocation latency, recovery, start-up and memory, on the
+//! machine at hand. Not part of the test run: benchmarks report, tests never assert timings.
+//! `scripts/bench.sh` builds everything in release mode and runs it, writing `BENCHMARKS.md`.
+//!
+//! One file per benchmark, numbered as in the table; [`stats`] computes every figure from the
+//! samples (nearest-rank percentiles), [`report`] writes the table. Nodes are laid out as the
+//! scenario tests do ([`node`]): a fixture `/` tree, the kubelet simulator, a registry; the agent
+//! runs in this process, or as `devicelet run` ([`process`]) for start-up and memory.
+
+mod allocate;
+mod floor;
+mod guest_call;
+mod health;
+mod memory;
+mod node;
+mod preferred;
+mod process;
+pub mod report;
+mod restart;
+mod startup;
+pub mod stats;
+
+use std::path::PathBuf;
+
+pub use report::Row;
+
+/// What a run needs, and how many samples it takes.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Holds `generic_dev.wasm` and `misbehaving.wasm`.
+    pub module_dir: PathBuf,
+    /// The `devicelet` binary spawned for start-up and memory.
+    pub devicelet: PathBuf,
+    /// A tenth of the samples everywhere (a smoke run; figures not comparable).
+    pub quick: bool,
+}
+
+impl Settings {
+    /// `full`, or a tenth of it (at least 10) in a quick run.
+    pub fn n(&self, full: usize) -> usize {
+        if self.quick {
+            (full / 10).max(10)
+        } else {
+            full
+        }
+    }
+
+    /// Repetitions of something slow (process starts): `full`, or 2 in a quick run.
+    pub fn repeats(&self, full: usize) -> usize {
+        if self.quick { full.min(2) } else { full }
+    }
+}
+
+/// The benchmarks, by the names `--only` takes, in table order.
+pub const NAMES: [&str; 7] = [
+    "allocate",
+    "preferred",
+    "startup",
+    "restart",
+    "health",
+    "memory",
+    "guest-call",
+];
+
+/// Runs the benchmark called `name` (one of [`NAMES`]).
+pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
+    match name {
+        "allocate" => allocate::run(s).await,
+        "preferred" => preferred::run(s).await,
+        "startup" => startup::run(s).await,
+        "restart" => restart::run(s).await,
+        "health" => health::run(s).await,
+        "memory" => memory::run(s).await,
+        "guest-call" => guest_call::run(s).await,
+        other => anyhow::bail!("no benchmark called {other:?}; there are {NAMES:?}"),
+    }
+}
+
+/// How each figure is measured, printed under the table.
+pub fn method() -> Vec<String> {
+    [
+        "Percentiles are nearest-rank over every sample (no interpolation); medians of process \
+         starts likewise.",
+        "1: the agent runs in the bench process with the generic-dev module (one resource, \
+         /dev/fuse × 10) against the kubelet simulator; the client is tonic's generated \
+         `DevicePluginClient` on the resource's Unix socket, one `Allocate` of one device per \
+         call, after 1,000 warm-up calls. The floor is a tonic DevicePlugin server in the same \
+         process that answers every Allocate with the bytes the module answered, on its own Unix \
+         socket; the two are measured in alternating batches of 500. The ledger-on-disk row \
+         restarts the agent with a state directory on the disk the scratch directory is on, as \
+         `devicelet run` always has one. Context switches are summed over \
+         /proc/self/task/*/status around each side's batches.",
+        "2: the misbehaving module with `devices = 64`, `numa = 2` (device i on NUMA node i % 2) \
+         and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
+        "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
+         runs from just before the spawn until the simulator in the bench process has every \
+         resource registered, streaming, with a first snapshot. Modules are copies of generic-dev \
+         with distinct names and resources (fuse0 … fuse9, each /dev/fuse × 10). Cold: a new, \
+         empty cache directory; warm: the same directory on the next start. SIGTERM between \
+         starts.",
+        "4: the clock starts when `Simulator::restart` returns (every socket deleted, the new \
+         kubelet.sock exists) and stops when the resource is registered again, streaming, with a \
+         snapshot. accept_delay is how long the new kubelet.sock refuses connections.",
+        "5: generic-dev serves /dev/hc*; /dev/hc1 is created or removed (mknod in the fixture \
+         tree) at phases spread evenly over the 100 ms poll interval, and the clock stops when \
+         the simulator's capacity shows it. The agent learns of device changes only by polling \
+         (`health-interval`, default 5 s).",
+        "6: VmRSS from /proc/<pid>/status of `devicelet run` (warm compile cache, state directory \
+         on tmpfs) after every resource registered and 1 s idle, and 1 s after 10,000 Allocate \
+         calls spread round-robin over its resources (the ledger then holds 10,000 entries; tmpfs \
+         keeps disk speed from setting the run time).",
+        "7: in the bench process, no gRPC: `ModuleHandle::allocate` (actor queue, deadline, \
+         answer validation), and the generated wasmtime binding's `call_allocate` on a store set \
+         up as the actor sets one up.",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect()
+}

@@ -1,0 +1,174 @@
+//! A fixture node for the benchmarks, laid out as the scenario tests do: a `/` tree with device
+//! nodes, the kubelet simulator on its device-plugin directory, and a registry of modules.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use tonic::transport::Channel;
+
+use crate::agent::{Agent, AgentOptions};
+use crate::config::Registry;
+use crate::fixture::{FixtureTree, NodeType};
+use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use crate::kubelet::simulator::{SimConfig, Simulator};
+use crate::kubelet::uds;
+
+/// Bounds a hang; the benchmarks wait on events, not on this.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// The resource domain every benchmark registry uses.
+pub const DOMAIN: &str = "devicelet.io";
+
+pub struct Node {
+    pub dir: tempfile::TempDir,
+    pub tree: FixtureTree,
+    pub sim: Simulator,
+}
+
+impl Node {
+    /// A fresh node whose kubelet (the simulator) serves with `config`; its PodResources socket
+    /// lives inside the node's directory, so nodes never collide.
+    pub async fn start(config: SimConfig) -> anyhow::Result<Node> {
+        let dir = tempfile::tempdir().context("creating a scratch directory")?;
+        let tree = FixtureTree::new(&dir.path().join("root"))?;
+        let config = SimConfig {
+            pod_resources_socket: Some(dir.path().join("pod-resources/kubelet.sock")),
+            ..config
+        };
+        let sim = Simulator::start_with(&dir.path().join("device-plugins"), config).await?;
+        Ok(Node { dir, tree, sim })
+    }
+
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.sim.plugin_dir().to_owned()
+    }
+
+    pub fn add_char(&self, path: &str, major: u32, minor: u32) -> anyhow::Result<()> {
+        Ok(self.tree.add_node(path, NodeType::Char, major, minor)?)
+    }
+
+    /// Writes `registry.toml` (`host-root` = this node's tree) with the given `[[module]]`
+    /// entries and returns its path.
+    pub fn registry(&self, modules: &str) -> anyhow::Result<PathBuf> {
+        let file = self.dir.path().join("registry.toml");
+        let text = format!(
+            "host-root = {:?}\nresource-domain = {DOMAIN:?}\n\n{modules}",
+            self.tree.root().display().to_string(),
+        );
+        std::fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
+        Ok(file)
+    }
+
+    /// The agent in this process, without hot reload; `state_dir` None keeps the ledger in
+    /// memory.
+    pub async fn start_agent(
+        &self,
+        registry: &Path,
+        state_dir: Option<PathBuf>,
+    ) -> anyhow::Result<Agent> {
+        let registry = Registry::load(registry)?;
+        let mut options = AgentOptions::new(registry, self.plugin_dir());
+        options.hot_reload = false;
+        options.state_dir = state_dir;
+        let agent = Agent::start(options).await?;
+        if let Some(e) = agent.load_errors().first() {
+            anyhow::bail!("{e}");
+        }
+        Ok(agent)
+    }
+
+    /// Waits until the simulated kubelet has `resource` registered, streaming, with a snapshot.
+    pub async fn wait_served(&self, resource: &str) -> anyhow::Result<()> {
+        self.sim
+            .wait_until(resource, WAIT, |r| r.streaming && r.snapshots > 0)
+            .await?;
+        Ok(())
+    }
+
+    /// A kubelet-style client on the socket `resource` registered with.
+    pub async fn client(&self, resource: &str) -> anyhow::Result<DevicePluginClient<Channel>> {
+        let state = self
+            .sim
+            .resource(resource)
+            .with_context(|| format!("{resource} is not registered"))?;
+        client(&self.plugin_dir().join(state.endpoint)).await
+    }
+}
+
+/// The kubelet's client: tonic over a Unix socket.
+pub async fn client(socket: &Path) -> anyhow::Result<DevicePluginClient<Channel>> {
+    let channel = uds::connect(socket)
+        .await
+        .with_context(|| format!("connecting to {}", socket.display()))?;
+    Ok(DevicePluginClient::new(channel))
+}
+
+/// `DOMAIN/suffix`.
+pub fn resource(suffix: &str) -> String {
+    format!("{DOMAIN}/{suffix}")
+}
+
+/// A generic-dev entry named `name` serving one group `group` of `count` replicas of the nodes
+/// matching `paths`, re-enumerated every `health_interval`.
+pub fn generic_dev(
+    module_dir: &Path,
+    name: &str,
+    group: &str,
+    paths: &str,
+    count: u32,
+    health_interval: &str,
+) -> String {
+    format!(
+        r#"[[module]]
+name = "{name}"
+path = "{}"
+health-interval = "{health_interval}"
+
+[module.grants]
+dev = ["/dev/*"]
+
+[module.config]
+groups = [{{ name = "{group}", paths = ["{paths}"], count = {count} }}]
+
+"#,
+        module_dir.join("generic_dev.wasm").display()
+    )
+}
+
+/// A misbehaving entry named `name` with `config` (TOML key/values for `[module.config]`).
+pub fn misbehaving(module_dir: &Path, name: &str, config: &str) -> String {
+    format!(
+        r#"[[module]]
+name = "{name}"
+path = "{}"
+
+[module.grants]
+sysfs = ["/sys/testing"]
+
+[module.config]
+{config}
+
+"#,
+        module_dir.join("misbehaving.wasm").display()
+    )
+}
+
+/// `count` generic-dev modules `gd-0` .. on `/dev/fuse`, serving `fuse0` ..; returns the
+/// registry entries and the resource names.
+pub fn fuse_modules(module_dir: &Path, count: usize) -> (String, Vec<String>) {
+    let entries = (0..count)
+        .map(|i| {
+            generic_dev(
+                module_dir,
+                &format!("gd-{i}"),
+                &format!("fuse{i}"),
+                "/dev/fuse",
+                10,
+                "5s",
+            )
+        })
+        .collect();
+    let names = (0..count).map(|i| resource(&format!("fuse{i}"))).collect();
+    (entries, names)
+}
