@@ -180,3 +180,28 @@ async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask
     assert!(err.message().contains("/dev/ttyUSB1"), "{}", err.message());
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_node_plugged_in_is_seen_without_waiting_for_the_poll() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    // An hour between polls: only the inotify watch on /dev can explain a prompt snapshot.
+    let modules = generic_dev(FUSE_AND_SERIAL)
+        .replace("health-interval = \"100ms\"", "health-interval = \"1h\"");
+    let agent = node.start_agent(&modules).await;
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.capacity == 1)
+        .await
+        .expect("one adapter");
+    node.add_char("/dev/ttyUSB1", 188, 1);
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.capacity == 2)
+        .await
+        .expect("the new adapter is advertised at once");
+    node.tree.remove("/dev/ttyUSB0").expect("unplug");
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.capacity == 1)
+        .await
+        .expect("the unplugged adapter goes at once");
+    agent.shutdown().await;
+}

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::kubelet::plugin_server::Snapshot;
 use crate::sandbox::{Device, Health, ModuleHandle};
@@ -37,11 +37,14 @@ fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
         .collect()
 }
 
+/// Re-enumerates at every `interval`, and at once when `poke` fires (a device node appeared or
+/// vanished under the module's /dev grants).
 pub async fn watch_devices(
     module: ModuleHandle,
     resource: String,
     interval: Duration,
     devices: watch::Sender<Snapshot>,
+    poke: Arc<Notify>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut ticker = tokio::time::interval(interval);
@@ -51,6 +54,7 @@ pub async fn watch_devices(
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
+            _ = poke.notified() => ticker.reset(),
             _ = stop.wait_for(|s| *s) => return,
         }
         let next = match module.enumerate(&resource).await {

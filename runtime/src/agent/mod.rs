@@ -4,6 +4,7 @@
 //! A module that fails to load is reported and skipped; the others are served regardless, so one
 //! broken vendor module never takes the node's other device types down.
 
+mod dev_watch;
 mod health;
 mod kubelet_watch;
 mod lifecycle;
@@ -80,9 +81,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn serving(&self) -> resource::Serving<'_> {
+    fn serving<'a>(&'a self, host_root: &'a Path) -> resource::Serving<'a> {
         resource::Serving {
             plugin_dir: &self.plugin_dir,
+            host_root,
             instance: &self.instance,
             kubelet_events: &self.kubelet_events,
             ledger: &self.ledger,
@@ -139,7 +141,7 @@ impl Shared {
             self.stop_module(&spec.name).await;
             let taken = self.served_names();
             let (running, resource_errors) =
-                modules::serve_all(handle, spec, &self.serving(), &taken).await;
+                modules::serve_all(handle, spec, &self.serving(&registry.host_root), &taken).await;
             for r in &running.resources {
                 tracing::info!(module = spec.name, resource = r.served.name, "serving");
             }

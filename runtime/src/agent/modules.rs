@@ -17,6 +17,8 @@ pub struct RunningModule {
     pub spec: ModuleSpec,
     pub handle: ModuleHandle,
     pub resources: Vec<RunningResource>,
+    /// Pokes the resources' device watchers when nodes under the /dev grants change.
+    _dev_watch: Option<notify::RecommendedWatcher>,
 }
 
 impl RunningModule {
@@ -95,11 +97,14 @@ pub async fn serve_all(
             ),
         }
     }
+    let pokes = resources.iter().map(|r| r.poke.clone()).collect();
+    let dev_watch = super::dev_watch::watch(at.host_root, &spec.grants, pokes);
     (
         RunningModule {
             spec: spec.clone(),
             handle,
             resources,
+            _dev_watch: dev_watch,
         },
         errors,
     )

@@ -1,8 +1,9 @@
 //! Serving one resource: its device watcher and its lifecycle with the kubelet.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use super::health;
@@ -30,6 +31,8 @@ pub struct ServedResource {
 /// A served resource and what stops it.
 pub struct RunningResource {
     pub served: ServedResource,
+    /// Wakes the device watcher for an immediate re-enumeration.
+    pub poke: Arc<Notify>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -80,6 +83,8 @@ fn endpoint_name(resource: &str, instance: &str) -> String {
 /// Where and as whom to serve.
 pub struct Serving<'a> {
     pub plugin_dir: &'a Path,
+    /// Where the modules' `/dev` and `/sys` really are.
+    pub host_root: &'a Path,
     /// Unique per agent process, so a rolling upgrade never has two agents on one socket file.
     pub instance: &'a str,
     pub kubelet_events: &'a watch::Receiver<u64>,
@@ -111,11 +116,13 @@ pub async fn serve(
     let (stop_tx, stop) = watch::channel(false);
 
     let (devices_tx, devices) = watch::channel(health::initial(module, &info.name).await);
+    let poke = Arc::new(Notify::new());
     let watcher = tokio::spawn(health::watch_devices(
         module.clone(),
         info.name.clone(),
         spec.health_interval,
         devices_tx,
+        poke.clone(),
         stop.clone(),
     ));
 
@@ -151,6 +158,7 @@ pub async fn serve(
             devices,
             registrations,
         },
+        poke,
         stop: stop_tx,
         tasks: vec![watcher, lifecycle],
     })
