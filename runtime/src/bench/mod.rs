@@ -102,9 +102,10 @@ pub fn method() -> Vec<String> {
          kubelet.sock exists) and stops when the resource is registered again, streaming, with a \
          snapshot. accept_delay is how long the new kubelet.sock refuses connections.",
         "5: generic-dev serves /dev/hc*; /dev/hc1 is created or removed (mknod in the fixture \
-         tree) at phases spread evenly over the 100 ms poll interval, and the clock stops when \
-         the simulator's capacity shows it. The agent learns of device changes only by polling \
-         (`health-interval`, default 5 s).",
+         tree), and the clock stops when the simulator's capacity shows it. The agent sees device \
+         nodes come and go through inotify on the directories of the module's /dev grants; the \
+         health-interval (the default 5 s here) is only the safety net, and the only path for \
+         sysfs-only changes.",
         "6: VmRSS from /proc/<pid>/status of `devicelet run` (warm compile cache, state directory \
          on tmpfs) after every resource registered and 1 s idle, and 1 s after 10,000 Allocate \
          calls spread round-robin over its resources (the ledger then holds 10,000 entries; tmpfs \
