@@ -8,7 +8,7 @@ use tonic::transport::Channel;
 
 use super::Settings;
 use super::floor;
-use super::node::{self, Node, WAIT, generic_dev, resource};
+use super::node::{self, Node, WAIT, resource};
 use super::report::Row;
 use super::stats::{self, Samples};
 use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
@@ -21,15 +21,7 @@ const ONE_MS: Duration = Duration::from_millis(1);
 
 pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
-    let registry = node.registry(&generic_dev(
-        &s.module_dir,
-        "generic-dev",
-        "fuse",
-        "/dev/fuse",
-        10,
-        "5s",
-    ))?;
+    let registry = node.fuse_registry(&s.module_dir)?;
     let name = resource("fuse");
     let request = AllocateRequest {
         container_requests: vec![ContainerAllocateRequest {

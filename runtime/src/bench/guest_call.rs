@@ -10,7 +10,7 @@ use anyhow::Context;
 use wasmtime::{Store, StoreLimitsBuilder};
 
 use super::Settings;
-use super::node::{Node, generic_dev};
+use super::node::Node;
 use super::report::Row;
 use super::stats::Samples;
 use crate::agent::start_module;
@@ -25,15 +25,7 @@ const WARMUP: usize = 1_000;
 
 pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
-    let registry = Registry::load(&node.registry(&generic_dev(
-        &s.module_dir,
-        "generic-dev",
-        "fuse",
-        "/dev/fuse",
-        10,
-        "5s",
-    ))?)?;
+    let registry = Registry::load(&node.fuse_registry(&s.module_dir)?)?;
     let spec = registry.modules.first().context("no module")?;
     let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let ids = vec!["fuse-0".to_owned()];

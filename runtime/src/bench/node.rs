@@ -60,6 +60,20 @@ impl Node {
         Ok(file)
     }
 
+    /// The common case: /dev/fuse in the tree and generic-dev serving it ×10 as `fuse`, polled
+    /// every 5 s.
+    pub fn fuse_registry(&self, module_dir: &Path) -> anyhow::Result<PathBuf> {
+        self.add_char("/dev/fuse", 10, 229)?;
+        self.registry(&generic_dev(
+            module_dir,
+            "generic-dev",
+            "fuse",
+            "/dev/fuse",
+            10,
+            "5s",
+        ))
+    }
+
     /// The agent in this process, without hot reload; `state_dir` None keeps the ledger in
     /// memory.
     pub async fn start_agent(

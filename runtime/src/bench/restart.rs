@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use super::Settings;
-use super::node::{Node, WAIT, generic_dev, resource};
+use super::node::{Node, WAIT, resource};
 use super::report::Row;
 use super::stats::{Samples, duration};
 use crate::kubelet::simulator::SimConfig;
@@ -59,15 +59,7 @@ async fn restarts(s: &Settings, accept_delay: Duration) -> anyhow::Result<Sample
         ..SimConfig::default()
     })
     .await?;
-    node.add_char("/dev/fuse", 10, 229)?;
-    let registry = node.registry(&generic_dev(
-        &s.module_dir,
-        "generic-dev",
-        "fuse",
-        "/dev/fuse",
-        10,
-        "5s",
-    ))?;
+    let registry = node.fuse_registry(&s.module_dir)?;
     let agent = node.start_agent(&registry, None).await?;
     let name = resource("fuse");
     node.wait_served(&name).await?;
