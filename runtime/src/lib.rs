@@ -7,6 +7,7 @@ pub mod agent;
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod digest;
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
-use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, watch};
 
 use super::Shared;
 use crate::config::{ModuleSpec, Registry};
+use crate::digest::sha256_hex;
 
 /// Editors save in several steps (write a temp file, rename): wait for quiet before reloading.
 const SETTLE: Duration = Duration::from_millis(150);
@@ -122,13 +122,7 @@ pub async fn run(
 }
 
 fn file_digest(path: &Path) -> Option<String> {
-    let bytes = std::fs::read(path).ok()?;
-    Some(
-        Sha256::digest(&bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
-    )
+    Some(sha256_hex(&std::fs::read(path).ok()?))
 }
 
 /// Whether a running module must be restarted to match its new registry entry and file.

@@ -61,12 +61,7 @@ pub fn qualify(domain: &str, name: &str) -> String {
 /// The socket file name: readable, and unique per resource (the hash keeps `a.b/c` and `a_b/c`
 /// apart) and per agent process.
 fn endpoint_name(resource: &str, instance: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let hash: String = Sha256::digest(resource.as_bytes())
-        .iter()
-        .take(4)
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hash = &crate::digest::sha256_hex(resource.as_bytes())[..8];
     let readable: String = resource
         .chars()
         .map(|c| {

@@ -30,6 +30,8 @@ use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
+use crate::digest::{hex, sha256_hex};
+
 /// Why a compile-cache directory cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
@@ -257,7 +259,7 @@ impl CompileCache {
         let bytes = component
             .serialize()
             .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
-        let digest = hex(&Sha256::digest(&bytes));
+        let digest = sha256_hex(&bytes);
         let code = self.temp_file(&bytes)?;
         let sum = self.temp_file(format!("{digest}\n").as_bytes())?;
         sum.persist(sidecar)?;
@@ -381,10 +383,6 @@ fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -395,7 +393,7 @@ mod tests {
     const EMPTY: &[u8] = b"\0asm\x0d\x00\x01\x00";
 
     fn digest_of(wasm: &[u8]) -> String {
-        hex(&Sha256::digest(wasm))
+        sha256_hex(wasm)
     }
 
     fn engine() -> Engine {
@@ -467,7 +465,7 @@ mod tests {
         assert_eq!(mode(&cwasm), 0o600);
         assert_eq!(mode(&sidecar), 0o600);
         let recorded = std::fs::read_to_string(&sidecar).unwrap();
-        let actual = hex(&Sha256::digest(std::fs::read(&cwasm).unwrap()));
+        let actual = sha256_hex(&std::fs::read(&cwasm).unwrap());
         assert_eq!(recorded.trim(), actual);
     }
 

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::{Component, HasSelf, Linker};
 
@@ -15,6 +14,7 @@ use super::cache::CompileCache;
 use super::error::LoadError;
 use super::host::HostState;
 use crate::config::{Grants, ModuleSpec};
+use crate::digest::sha256_hex;
 
 /// A compiled, linked module, ready to be instantiated any number of times (once at start, again
 /// after each crash).
@@ -45,7 +45,7 @@ pub fn load(
         path: spec.path.clone(),
         source,
     })?;
-    let digest = hex(&Sha256::digest(&bytes));
+    let digest = sha256_hex(&bytes);
     if let Some(expected) = &spec.sha256
         && &digest != expected
     {
@@ -182,8 +182,4 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1000.0
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -3,7 +3,7 @@
 use std::io::Read;
 
 use super::HostState;
-use super::paths::{granted, resolve};
+use super::paths::{granted, leads_to_grant, resolve};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::sysfs::Host;
 use crate::sandbox::bindings::v0_1::devicelet::plugin::types::FsError;
 
@@ -40,9 +40,7 @@ impl Host for HostState {
                 continue;
             };
             let child = format!("{base}/{name}");
-            if granted(&self.grants.sysfs, &child)
-                || super::paths::leads_to_grant(&self.grants.sysfs, &child)
-            {
+            if granted(&self.grants.sysfs, &child) || leads_to_grant(&self.grants.sysfs, &child) {
                 names.push(name);
             }
         }
