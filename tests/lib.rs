@@ -7,10 +7,12 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use devicelet::agent::status::ModuleStatus;
 use devicelet::agent::{Agent, AgentOptions};
 use devicelet::config::Registry;
 use devicelet::fixture::{FixtureTree, NodeType};
 use devicelet::kubelet::simulator::Simulator;
+use devicelet::sandbox::Device;
 
 /// Generous: the machine is shared and noisy; tests wait on events, this only bounds a hang.
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -166,7 +168,51 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-impl Node {}
+impl Node {
+    /// Waits until `resource` offers two devices, then asks for one and returns why the agent
+    /// refused it.
+    pub async fn refused_allocation(&self, resource: &str) -> String {
+        self.kubelet
+            .wait_until(resource, WAIT, |r| r.allocatable == 2)
+            .await
+            .expect("the resource is served");
+        self.kubelet
+            .allocate(resource, 1)
+            .await
+            .expect_err("the allocation must be refused")
+            .to_string()
+    }
+}
+
+/// What `devicelet status` says of module `name`.
+pub fn module_status(agent: &Agent, name: &str) -> ModuleStatus {
+    agent
+        .status()
+        .modules
+        .into_iter()
+        .find(|m| m.name == name)
+        .expect("the module is listed")
+}
+
+/// The device snapshot the agent holds for `resource`.
+pub fn served_devices(agent: &Agent, resource: &str) -> Vec<Device> {
+    agent
+        .resource(resource)
+        .expect("the resource is served")
+        .devices
+        .borrow()
+        .to_vec()
+}
+
+/// The `error` attribute the hostile module puts on `evil-0` when the host refused a probe.
+pub fn probe_error(devices: &[Device]) -> String {
+    devices
+        .iter()
+        .find(|d| d.id == "evil-0")
+        .and_then(|d| d.attributes.iter().find(|(k, _)| k == "error"))
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default()
+}
 
 /// The generic-dev module serving the given `[module.config]` TOML, with /dev granted.
 pub fn generic_dev(config: &str) -> String {

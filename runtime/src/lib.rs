@@ -8,6 +8,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod digest;
+pub mod files;
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;

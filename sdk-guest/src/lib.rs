@@ -80,8 +80,8 @@
 //!         Ok(edits.env("KVM_DEVICES", ids.join(",")))
 //!     }
 //!
-//!     // `health`, `prestart` and `preferred` keep their defaults: health re-enumerates,
-//!     // prestart does nothing, preferred takes devices in order.
+//!     // `prestart` and `preferred` keep their defaults: prestart does nothing, preferred
+//!     // takes devices in order.
 //! }
 //!
 //! export_plugin!(Kvm);
@@ -107,7 +107,7 @@ pub mod bindings {
     #![allow(missing_docs)]
     wit_bindgen::generate!({
         world: "device-plugin",
-        path: "../wit",
+        path: "../wit/v0.1",
         pub_export_macro: true,
         export_macro_name: "__export_device_plugin",
         default_bindings_module: "devicelet_sdk::bindings",
@@ -125,8 +125,7 @@ use bindings::exports::devicelet::plugin::plugin::Guest;
 pub use bindings::devicelet::plugin::devnodes::{NodeInfo, NodeKind};
 pub use bindings::devicelet::plugin::log::Level;
 pub use wit_types::{
-    ContainerEdits, Device, DeviceHealth, DeviceNode, FsError, Health, Mount, PluginError,
-    ResourceInfo,
+    ContainerEdits, Device, DeviceNode, FsError, Health, Mount, PluginError, ResourceInfo,
 };
 
 /// The vendor logic of a module: one value of this type lives in the instance between calls.
@@ -137,8 +136,14 @@ pub use wit_types::{
 /// [`PluginError::UnknownResource`].
 ///
 /// Calls are bounded by host deadlines (a module that spins is interrupted and restarted), so
-/// keep every method to quick reads of sysfs and /dev; the host polls `enumerate`/`health` at the
-/// module's interval rather than expecting the module to watch for changes.
+/// keep every method to quick reads of sysfs and /dev; the host polls `enumerate` at the module's
+/// interval rather than expecting the module to watch for changes, and reads health from it.
+///
+/// The host runs two instances of the module, each with its own value of this type: one answers
+/// `enumerate` (health work), the other `allocate`, `prestart` and `preferred` (the kubelet's
+/// calls), so an Allocate never waits behind an enumeration. Do not rely on state one of them
+/// sets for the other: `allocate` must work on a fresh instance that never enumerated (look the
+/// devices up again when you need them).
 pub trait Plugin: Sized + 'static {
     /// Parses the registry's config table (JSON text) and says which resources the module
     /// serves.
@@ -152,15 +157,6 @@ pub trait Plugin: Sized + 'static {
     /// The host diffs successive answers, so a device that disappears should simply be left
     /// out, and IDs must be stable across calls (the kubelet allocates by them).
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
-
-    /// A cheap re-check of the given devices, polled more often than `enumerate`.
-    ///
-    /// The default re-enumerates and reports each requested ID's health, with IDs that are no
-    /// longer listed as unhealthy; override it when a targeted check is cheaper.
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
-        let devices = self.enumerate(resource)?;
-        Ok(health_from_devices(&devices, ids))
-    }
 
     /// What a container needs to use the given devices.
     ///
@@ -193,23 +189,6 @@ pub trait Plugin: Sized + 'static {
         let _ = resource;
         Ok(default_preferred(available, must_include, size))
     }
-}
-
-/// The health of each of `ids` according to a fresh enumeration: an ID missing from `devices`
-/// is reported unhealthy, because a device the module can no longer see cannot be used.
-pub fn health_from_devices(devices: &[Device], ids: &[String]) -> Vec<DeviceHealth> {
-    ids.iter()
-        .map(|id| {
-            let health = devices
-                .iter()
-                .find(|d| &d.id == id)
-                .map_or(Health::Unhealthy, |d| d.health);
-            DeviceHealth {
-                id: id.clone(),
-                health,
-            }
-        })
-        .collect()
 }
 
 /// `must_include` first, then the rest of `available` in order, until `size` devices are
@@ -273,16 +252,6 @@ impl Device {
     pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.attributes.push((key.into(), value.into()));
         self
-    }
-}
-
-impl DeviceHealth {
-    /// Pairs an ID with its health.
-    pub fn new(id: impl Into<String>, health: Health) -> Self {
-        Self {
-            id: id.into(),
-            health,
-        }
     }
 }
 
@@ -544,7 +513,6 @@ thread_local! {
 /// The object-safe part of [`Plugin`], so the instance can live in one non-generic static.
 trait ErasedPlugin {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError>;
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
     fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError>;
     fn preferred(
@@ -559,9 +527,6 @@ trait ErasedPlugin {
 impl<P: Plugin> ErasedPlugin for P {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
         Plugin::enumerate(self, resource)
-    }
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
-        Plugin::health(self, resource, ids)
     }
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
         Plugin::allocate(self, resource, ids)
@@ -631,13 +596,6 @@ pub mod __private {
             with_instance(|p| p.enumerate(&resource_name))
         }
 
-        fn health(
-            resource_name: String,
-            ids: Vec<String>,
-        ) -> Result<Vec<DeviceHealth>, PluginError> {
-            with_instance(|p| p.health(&resource_name, &ids))
-        }
-
         fn allocate(
             resource_name: String,
             ids: Vec<String>,
@@ -698,19 +656,5 @@ mod tests {
     fn default_preferred_never_drops_must_include() {
         let got = default_preferred(&ids(&["a", "b"]), &ids(&["a", "b"]), 1);
         assert_eq!(got, ids(&["a", "b"]));
-    }
-
-    #[test]
-    fn health_marks_missing_ids_unhealthy() {
-        let devices = vec![Device::healthy("a"), Device::unhealthy("b")];
-        let got = health_from_devices(&devices, &ids(&["a", "b", "c"]));
-        assert_eq!(
-            got,
-            vec![
-                DeviceHealth::new("a", Health::Healthy),
-                DeviceHealth::new("b", Health::Unhealthy),
-                DeviceHealth::new("c", Health::Unhealthy),
-            ]
-        );
     }
 }

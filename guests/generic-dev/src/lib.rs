@@ -45,8 +45,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use devicelet_sdk::{
-    ContainerEdits, Device, DeviceHealth, FsError, Health, Plugin, PluginError, ResourceInfo,
-    devnodes, export_plugin,
+    ContainerEdits, Device, FsError, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
 };
 use serde::Deserialize;
 
@@ -307,7 +306,7 @@ struct Node {
 /// One group at run time.
 struct Group {
     spec: GroupSpec,
-    /// Base ID → node path of every node seen since init, present or not, so health and
+    /// Base ID → node path of every node seen since init, present or not, so allocate and
     /// prestart can say which node a vanished device was.
     known: BTreeMap<String, String>,
     /// Paths already warned about for an ID collision.
@@ -489,29 +488,6 @@ impl Plugin for GenericDev {
                         .attribute("path", node.path.clone())
                         .attribute("dev", format!("{}:{}", node.major, node.minor))
                 })
-            })
-            .collect())
-    }
-
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
-        let group = self.group(resource)?;
-        let found = group.resolve(ids)?;
-        let mut verdicts: HashMap<String, Health> = HashMap::new();
-        Ok(ids
-            .iter()
-            .zip(found)
-            .map(|(id, path)| {
-                let health =
-                    match path {
-                        Ok(path) => *verdicts.entry(path).or_insert_with_key(|path| {
-                            match devnodes::stat(path) {
-                                Ok(info) if info.is_device() => Health::Healthy,
-                                _ => Health::Unhealthy,
-                            }
-                        }),
-                        Err(_) => Health::Unhealthy,
-                    };
-                DeviceHealth::new(id.clone(), health)
             })
             .collect())
     }

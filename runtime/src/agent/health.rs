@@ -10,12 +10,12 @@ use crate::kubelet::plugin_server::Snapshot;
 use crate::sandbox::{Device, Health, ModuleHandle};
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.
-pub async fn initial(module: &ModuleHandle, resource: &str) -> Snapshot {
+async fn initial(module: &ModuleHandle, resource: &str) -> Vec<Device> {
     match module.enumerate(resource).await {
-        Ok(devices) => Arc::new(sorted(devices)),
+        Ok(devices) => sorted(devices),
         Err(e) => {
             tracing::warn!("{e}");
-            Arc::new(Vec::new())
+            Vec::new()
         }
     }
 }
@@ -37,16 +37,23 @@ fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
         .collect()
 }
 
-/// Re-enumerates at every `interval`, and at once when `poke` fires (a device node appeared or
-/// vanished under the module's /dev grants).
+/// Takes the first snapshot (then flips `ready`), and re-enumerates at every `interval`, and at
+/// once when `poke` fires (a device node appeared or vanished under the module's /dev grants).
 pub async fn watch_devices(
     module: ModuleHandle,
     resource: String,
     interval: Duration,
     devices: watch::Sender<Snapshot>,
+    ready: watch::Sender<bool>,
     poke: Arc<Notify>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let first = tokio::select! {
+        first = initial(&module, &resource) => first,
+        _ = stop.wait_for(|s| *s) => return,
+    };
+    devices.send_replace(Arc::new(first));
+    ready.send_replace(true);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;

@@ -23,6 +23,8 @@ pub struct Lifecycle {
     pub plugin: ResourcePlugin,
     /// Bumped by the directory watcher on every creation or removal.
     pub kubelet_events: watch::Receiver<u64>,
+    /// Flips once the first snapshot is in: nothing is served or registered before.
+    pub ready: watch::Receiver<bool>,
     pub stop: watch::Receiver<bool>,
     /// Counts successful registrations, for status and tests.
     pub registrations: watch::Sender<u32>,
@@ -62,6 +64,11 @@ impl Lifecycle {
     }
 
     pub async fn run(mut self) {
+        let mut ready = self.ready.clone();
+        tokio::select! {
+            _ = ready.wait_for(|r| *r) => {}
+            _ = self.stop.wait_for(|s| *s) => return,
+        }
         let mut bind_failures = 0u32;
         loop {
             if *self.stop.borrow() {

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use wasmtime::Engine;
 
-use crate::config::Registry;
+use crate::config::{ModuleSpec, Registry};
 use crate::ledger::Ledger;
 use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
@@ -76,6 +76,8 @@ pub(crate) struct Shared {
     ledger: Ledger,
     kubelet_events: watch::Receiver<u64>,
     modules: Mutex<BTreeMap<String, modules::RunningModule>>,
+    /// Held while a module claims its resource names.
+    claiming: tokio::sync::Mutex<()>,
     load_errors: Mutex<Vec<String>>,
     reload_error: Mutex<Option<String>>,
 }
@@ -116,42 +118,62 @@ impl Shared {
 
     /// Starts the given modules, or upgrades them when they run already: the new instance is
     /// loaded and initialised first, and only then replaces the old one, so a broken new file
-    /// leaves the old module serving. Returns the problems, each naming its module.
-    async fn start_modules(&self, registry: &Registry, names: &[String]) -> Vec<String> {
-        let mut errors = Vec::new();
+    /// leaves the old module serving. Modules start in parallel and each serves (and registers)
+    /// as soon as it is ready, so a slow or hung one delays nobody else. Returns the problems,
+    /// each naming its module.
+    async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> Vec<String> {
+        let mut starting = JoinSet::new();
         for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
-            let handle = match modules::start_module(
-                &self.engine,
-                self.cache.clone(),
-                spec,
-                &registry.host_root,
-            )
-            .await
-            {
-                Ok(handle) => handle,
-                Err(e) => {
-                    if self.lock_modules().contains_key(&spec.name) {
-                        errors.push(format!("{e}; the running version keeps serving"));
-                    } else {
-                        errors.push(e.to_string());
-                    }
-                    continue;
-                }
-            };
-            self.stop_module(&spec.name).await;
-            let taken = self.served_names();
-            let (running, resource_errors) =
-                modules::serve_all(handle, spec, &self.serving(&registry.host_root), &taken).await;
-            for r in &running.resources {
-                tracing::info!(module = spec.name, resource = r.served.name, "serving");
-            }
-            errors.extend(resource_errors);
-            self.lock_modules().insert(spec.name.clone(), running);
+            let (shared, spec, root) = (self.clone(), spec.clone(), registry.host_root.clone());
+            starting.spawn(async move { shared.start_module(&spec, &root).await });
         }
+        let mut errors = Vec::new();
+        while let Some(done) = starting.join_next().await {
+            match done {
+                Ok(problems) => errors.extend(problems),
+                Err(e) => errors.push(format!("starting a module failed: {e}")),
+            }
+        }
+        errors.sort();
         for e in &errors {
             tracing::error!("{e}");
         }
         errors
+    }
+
+    async fn start_module(&self, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
+        let handle =
+            match modules::start_module(&self.engine, self.cache.clone(), spec, host_root).await {
+                Ok(handle) => handle,
+                Err(e) => {
+                    return vec![if self.lock_modules().contains_key(&spec.name) {
+                        format!("{e}; the running version keeps serving")
+                    } else {
+                        e.to_string()
+                    }];
+                }
+            };
+        // Claiming resource names and serving them is quick (the first enumeration runs in each
+        // resource's own task) and done one module at a time, so two modules can never both
+        // claim a name.
+        let _claiming = self.claiming.lock().await;
+        self.stop_module(&spec.name).await;
+        let taken = self.served_names();
+        let (running, errors) = modules::serve_all(handle, spec, &self.serving(host_root), &taken);
+        for r in &running.resources {
+            tracing::info!(module = spec.name, resource = r.served.name, "serving");
+        }
+        self.lock_modules().insert(spec.name.clone(), running);
+        errors
+    }
+
+    /// Waits until every served resource has its first snapshot (each is bounded by its
+    /// module's health deadline, and they are taken in parallel).
+    async fn first_snapshots(&self) {
+        let mut ready: Vec<_> = self.resources().into_iter().map(|r| r.ready).collect();
+        for r in &mut ready {
+            let _ = r.wait_for(|r| *r).await;
+        }
     }
 
     async fn stop_module(&self, name: &str) {
@@ -200,6 +222,7 @@ impl Agent {
             ledger,
             kubelet_events: kubelet_watch.events.clone(),
             modules: Mutex::new(BTreeMap::new()),
+            claiming: tokio::sync::Mutex::new(()),
             load_errors: Mutex::new(Vec::new()),
             reload_error: Mutex::new(None),
         });
@@ -211,6 +234,7 @@ impl Agent {
             .collect();
         let errors = shared.start_modules(&options.registry, &names).await;
         shared.set_load_errors(errors);
+        shared.first_snapshots().await;
 
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();

@@ -24,7 +24,7 @@ pub struct RunningModule {
 impl RunningModule {
     pub async fn stop(self) {
         for r in self.resources {
-            r.stop().await;
+            r.stop(&self.handle).await;
         }
     }
 }
@@ -54,7 +54,7 @@ const MAX_RESOURCES: usize = 64;
 /// Serves every resource a started module declares. Resources it names invalidly, outside its
 /// domain, or that another module already serves are reported (each error names the module) and
 /// skipped; the others are served.
-pub async fn serve_all(
+pub fn serve_all(
     handle: ModuleHandle,
     spec: &ModuleSpec,
     at: &Serving<'_>,
@@ -86,7 +86,7 @@ pub async fn serve_all(
             errors.push(format!("module `{}` declared {name} twice", spec.name));
             continue;
         }
-        match resource::serve(&handle, spec, info, at).await {
+        match resource::serve(&handle, spec, info, at) {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
                 LoadError::Invalid {

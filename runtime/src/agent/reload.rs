@@ -97,8 +97,24 @@ pub async fn run(
             changed = watch.changed() => if changed.is_none() { return },
             _ = stop.wait_for(|s| *s) => return,
         }
-        let next = match Registry::load(&current.file) {
-            Ok(next) => next,
+        // File reads stay off the agent's shared workers.
+        let file = current.file.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            let next = Registry::load(&file)?;
+            let digests: Vec<Option<String>> =
+                next.modules.iter().map(|m| file_digest(&m.path)).collect();
+            Ok::<_, crate::config::RegistryError>((next, digests))
+        })
+        .await;
+        let loaded = match loaded {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                tracing::error!("reading the registry failed: {e}");
+                continue;
+            }
+        };
+        let (next, digests) = match loaded {
+            Ok(pair) => pair,
             Err(e) => {
                 let running = shared.lock_modules().len();
                 tracing::error!(
@@ -115,14 +131,16 @@ pub async fn run(
             .reload_error
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = None;
-        apply(&shared, &current, &next).await;
+        apply(&shared, &current, &next, &digests).await;
         watch.follow(&next);
         current = next;
     }
 }
 
 fn file_digest(path: &Path) -> Option<String> {
-    Some(sha256_hex(&std::fs::read(path).ok()?))
+    Some(sha256_hex(
+        &crate::files::read_regular(path, crate::files::MAX_MODULE).ok()?,
+    ))
 }
 
 /// Whether a running module must be restarted to match its new registry entry and file.
@@ -134,10 +152,10 @@ fn needs_restart(
     running.spec != *new || digest != Some(running.handle.digest())
 }
 
-async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
+/// `digests` are the new modules' file digests, hashed before any lock is taken: status and
+/// resource listings must not wait on file reads.
+async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[Option<String>]) {
     let root_changed = old.host_root != new.host_root;
-    // Hashed before taking the lock: status and resource listings must not wait on file reads.
-    let digests: Vec<Option<String>> = new.modules.iter().map(|m| file_digest(&m.path)).collect();
     let (removed, to_start): (Vec<String>, Vec<String>) = {
         let running = shared.lock_modules();
         let removed = running
@@ -148,7 +166,7 @@ async fn apply(shared: &Shared, old: &Registry, new: &Registry) {
         let start = new
             .modules
             .iter()
-            .zip(&digests)
+            .zip(digests)
             .filter(|(s, digest)| {
                 running
                     .get(&s.name)

@@ -24,6 +24,9 @@ pub struct ServedResource {
     pub socket: PathBuf,
     pub options: DevicePluginOptions,
     pub devices: watch::Receiver<Snapshot>,
+    /// True once the first enumeration finished (or failed): only then is the resource served
+    /// and registered.
+    pub ready: watch::Receiver<bool>,
     /// How many times the kubelet accepted our registration (once per kubelet start).
     pub registrations: watch::Receiver<u32>,
 }
@@ -31,6 +34,8 @@ pub struct ServedResource {
 /// A served resource and what stops it.
 pub struct RunningResource {
     pub served: ServedResource,
+    /// The module's own name for it (what its budget is charged under).
+    local: String,
     /// Wakes the device watcher for an immediate re-enumeration.
     pub poke: Arc<Notify>,
     stop: watch::Sender<bool>,
@@ -40,12 +45,13 @@ pub struct RunningResource {
 impl RunningResource {
     /// Ends its ListAndWatch stream (the kubelet sees allocatable drop to 0), stops serving and
     /// removes its socket.
-    pub async fn stop(self) {
+    pub async fn stop(self, module: &ModuleHandle) {
         let _ = self.stop.send(true);
         for task in self.tasks {
             let _ = task.await;
         }
         let _ = std::fs::remove_file(&self.served.socket);
+        module.release(&self.local);
     }
 }
 
@@ -86,7 +92,7 @@ pub struct Serving<'a> {
     pub ledger: &'a Ledger,
 }
 
-pub async fn serve(
+pub fn serve(
     module: &ModuleHandle,
     spec: &ModuleSpec,
     info: &ResourceInfo,
@@ -110,13 +116,17 @@ pub async fn serve(
     };
     let (stop_tx, stop) = watch::channel(false);
 
-    let (devices_tx, devices) = watch::channel(health::initial(module, &info.name).await);
+    // The first enumeration runs in the watcher's task: a slow module delays only its own
+    // registration, never the agent's start-up or another module.
+    let (devices_tx, devices) = watch::channel(Snapshot::default());
+    let (ready_tx, ready) = watch::channel(false);
     let poke = Arc::new(Notify::new());
     let watcher = tokio::spawn(health::watch_devices(
         module.clone(),
         info.name.clone(),
         spec.health_interval,
         devices_tx,
+        ready_tx,
         poke.clone(),
         stop.clone(),
     ));
@@ -139,6 +149,7 @@ pub async fn serve(
             options,
             plugin,
             kubelet_events: at.kubelet_events.clone(),
+            ready: ready.clone(),
             stop,
             registrations: registrations_tx,
         }
@@ -151,9 +162,11 @@ pub async fn serve(
             socket: at.plugin_dir.join(endpoint),
             options,
             devices,
+            ready,
             registrations,
         },
         poke,
+        local: info.name.clone(),
         stop: stop_tx,
         tasks: vec![watcher, lifecycle],
     })

@@ -32,6 +32,15 @@ pub struct ModuleStatus {
     pub digest: String,
     /// Traps, missed deadlines, refused answers...: what the sandbox caught so far.
     pub stats: ModuleStats,
+    /// Set once the module stopped running for good (too many cells stuck in host calls): its
+    /// devices are Unhealthy until its file or registry entry changes.
+    #[serde(default)]
+    pub failed: Option<String>,
+    /// Bytes of agent memory its answers hold now, and its `host-memory` budget.
+    #[serde(default)]
+    pub host_memory: u64,
+    #[serde(default)]
+    pub host_memory_limit: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,10 +66,16 @@ pub(super) fn collect(shared: &Shared) -> Status {
     let modules = shared
         .lock_modules()
         .values()
-        .map(|m| ModuleStatus {
-            name: m.spec.name.clone(),
-            digest: m.handle.digest().to_owned(),
-            stats: m.handle.stats(),
+        .map(|m| {
+            let (used, limit) = m.handle.host_memory();
+            ModuleStatus {
+                name: m.spec.name.clone(),
+                digest: m.handle.digest().to_owned(),
+                stats: m.handle.stats(),
+                failed: m.handle.failure(),
+                host_memory: used as u64,
+                host_memory_limit: limit as u64,
+            }
         })
         .collect();
     let resources = shared

@@ -29,14 +29,21 @@ fn render(status: &Status) -> String {
     for m in &status.modules {
         let s = m.stats;
         out += &format!(
-            "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors\n",
+            "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors, \
+             {} cells abandoned; host memory {} of {} bytes\n",
             m.name,
             m.digest.get(..12).unwrap_or(&m.digest),
             s.traps,
             s.deadlines,
             s.violations,
-            s.errors
+            s.errors,
+            s.abandoned_cells,
+            m.host_memory,
+            m.host_memory_limit
         );
+        if let Some(failed) = &m.failed {
+            out += &format!("  FAILED: {failed}\n");
+        }
     }
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();

@@ -33,3 +33,11 @@ pub const MEMORY_LIMIT_MIN: u64 = 1024 * 1024;
 /// A device plugin has no business holding more than this on a node that runs workloads; it is
 /// also the most a 32-bit wasm memory can address.
 pub const MEMORY_LIMIT_MAX: u64 = 4 * 1024 * 1024 * 1024;
+
+/// What the host may keep of one module's answers (device snapshots with their attributes) when
+/// the registry does not say. A real module's snapshots are kilobytes.
+pub const DEFAULT_HOST_MEMORY: u64 = 16 * 1024 * 1024;
+/// Below this a module with a few hundred devices could not be served.
+pub const HOST_MEMORY_MIN: u64 = 64 * 1024;
+/// The agent serves every device type of the node: no single module may hold more of it.
+pub const HOST_MEMORY_MAX: u64 = 256 * 1024 * 1024;

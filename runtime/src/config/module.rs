@@ -10,8 +10,8 @@ use super::grants::{self, Grants};
 use super::json;
 use super::limits::{
     CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
-    DEFAULT_MEMORY_LIMIT, HEALTH_INTERVAL_MAX, HEALTH_INTERVAL_MIN, MEMORY_LIMIT_MAX,
-    MEMORY_LIMIT_MIN,
+    DEFAULT_HOST_MEMORY, DEFAULT_MEMORY_LIMIT, HEALTH_INTERVAL_MAX, HEALTH_INTERVAL_MIN,
+    HOST_MEMORY_MAX, HOST_MEMORY_MIN, MEMORY_LIMIT_MAX, MEMORY_LIMIT_MIN,
 };
 use super::names;
 use super::units;
@@ -39,6 +39,9 @@ pub struct ModuleSpec {
     pub health_deadline: Duration,
     /// Bytes of linear memory the module may grow to.
     pub memory_limit: u64,
+    /// Bytes of the agent's own memory the module's answers may hold (its device snapshots, with
+    /// attributes): an answer that would exceed it is refused like any broken rule.
+    pub host_memory: u64,
     /// Expected SHA-256 of the module file, lowercase hex; when set, a file that does not match
     /// is refused, so a swapped binary cannot run under another module's grants.
     pub sha256: Option<String>,
@@ -56,6 +59,7 @@ const KEYS: &[&str] = &[
     "call-deadline",
     "health-deadline",
     "memory-limit",
+    "host-memory",
     "sha256",
     "grants",
     "config",
@@ -82,6 +86,7 @@ pub(super) fn parse(
     let mut call_deadline = DEFAULT_CALL_DEADLINE;
     let mut health_deadline = None;
     let mut memory_limit = DEFAULT_MEMORY_LIMIT;
+    let mut host_memory = DEFAULT_HOST_MEMORY;
     let mut sha256 = None;
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
@@ -107,6 +112,7 @@ pub(super) fn parse(
                 health_deadline = Some(duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?)
             }
             "memory-limit" => memory_limit = size(node, MEMORY_LIMIT_MIN, MEMORY_LIMIT_MAX)?,
+            "host-memory" => host_memory = size(node, HOST_MEMORY_MIN, HOST_MEMORY_MAX)?,
             "sha256" => {
                 let text = node.str()?;
                 let digest = names::normalize_sha256(text)
@@ -130,6 +136,7 @@ pub(super) fn parse(
             call_deadline,
             health_deadline: health_deadline.unwrap_or(call_deadline),
             memory_limit,
+            host_memory,
             sha256,
             grants,
             config,

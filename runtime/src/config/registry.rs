@@ -32,10 +32,13 @@ const KEYS: &[&str] = &["host-root", "resource-domain", "module"];
 impl Registry {
     /// Reads and validates the registry at `path`.
     pub fn load(path: &Path) -> Result<Registry, RegistryError> {
-        let bytes = std::fs::read(path).map_err(|source| RegistryError::Read {
-            file: path.to_path_buf(),
-            source,
-        })?;
+        let bytes =
+            crate::files::read_regular(path, crate::files::MAX_REGISTRY).map_err(|source| {
+                RegistryError::Read {
+                    file: path.to_path_buf(),
+                    source,
+                }
+            })?;
         match std::str::from_utf8(&bytes) {
             Ok(text) => Registry::parse(text, path),
             Err(error) => {

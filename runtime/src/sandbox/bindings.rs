@@ -2,10 +2,10 @@
 //! the host's own types. A new WIT major version gets a sibling module here and nothing else in
 //! the host changes.
 
-/// Bindings for `devicelet:plugin@0.1.0`.
+/// Bindings for `devicelet:plugin@0.1`, generated from the frozen copy in `wit/v0.1/`.
 pub mod v0_1 {
     wasmtime::component::bindgen!({
-        path: "../wit",
+        path: "../wit/v0.1",
         world: "device-plugin",
         exports: { default: async },
     });
@@ -18,14 +18,58 @@ use v0_1::wit;
 
 use super::types::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};
 
-/// The interface names a v0.1 module may import, each linked only when granted.
+/// The interfaces a v0.1 module may import, each linked only when granted. A module built
+/// against any `0.1.x` matches them: a minor version only adds, and wasmtime's linker resolves
+/// `@0.1.x` imports to the host's `@0.1.0` definitions by semver compatibility.
 pub mod imports {
-    pub const LOG: &str = "devicelet:plugin/log@0.1.0";
-    pub const SYSFS: &str = "devicelet:plugin/sysfs@0.1.0";
-    pub const DEVNODES: &str = "devicelet:plugin/devnodes@0.1.0";
-    pub const TYPES: &str = "devicelet:plugin/types@0.1.0";
     /// The export every module must have.
     pub const PLUGIN: &str = "devicelet:plugin/plugin@0.1.0";
+    /// The interface versions this host implements: `0.1.x`.
+    pub const COMPATIBLE: &str = "0.1.";
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Interface {
+        Log,
+        Types,
+        Sysfs,
+        Devnodes,
+    }
+
+    /// Which of our interfaces `import` names: None when it is not a `devicelet:plugin`
+    /// import at all, `Err` when it is one this host does not provide (an unknown interface, or
+    /// a version other than 0.1.x).
+    pub fn ours(import: &str) -> Option<Result<Interface, ()>> {
+        let rest = import.strip_prefix("devicelet:plugin/")?;
+        let (interface, version) = rest.split_once('@').unwrap_or((rest, ""));
+        if !version.starts_with(COMPATIBLE) {
+            return Some(Err(()));
+        }
+        Some(match interface {
+            "log" => Ok(Interface::Log),
+            "types" => Ok(Interface::Types),
+            "sysfs" => Ok(Interface::Sysfs),
+            "devnodes" => Ok(Interface::Devnodes),
+            _ => Err(()),
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn any_0_1_x_import_matches_and_nothing_else() {
+            assert_eq!(ours("devicelet:plugin/log@0.1.0"), Some(Ok(Interface::Log)));
+            assert_eq!(
+                ours("devicelet:plugin/sysfs@0.1.7"),
+                Some(Ok(Interface::Sysfs))
+            );
+            assert_eq!(ours("devicelet:plugin/sysfs@0.2.0"), Some(Err(())));
+            assert_eq!(ours("devicelet:plugin/sysfs@1.0.0"), Some(Err(())));
+            assert_eq!(ours("devicelet:plugin/nvml@0.1.0"), Some(Err(())));
+            assert_eq!(ours("wasi:io/streams@0.2.0"), None);
+        }
+    }
 }
 
 impl From<wit::ResourceInfo> for ResourceInfo {

@@ -40,11 +40,14 @@ pub fn load(
     host_root: &std::path::Path,
 ) -> Result<LoadedModule, LoadError> {
     let module = spec.name.clone();
-    let bytes = std::fs::read(&spec.path).map_err(|source| LoadError::Read {
-        module: module.clone(),
-        path: spec.path.clone(),
-        source,
-    })?;
+    let bytes =
+        crate::files::read_regular(&spec.path, crate::files::MAX_MODULE).map_err(|source| {
+            LoadError::Read {
+                module: module.clone(),
+                path: spec.path.clone(),
+                source,
+            }
+        })?;
     let digest = sha256_hex(&bytes);
     if let Some(expected) = &spec.sha256
         && &digest != expected
@@ -131,7 +134,7 @@ fn check_imports(
             ),
         });
     };
-    if !version.starts_with("0.1.") {
+    if !version.starts_with(imports::COMPATIBLE) {
         return Err(LoadError::NotAPlugin {
             module: spec.name.clone(),
             message: format!(
@@ -141,15 +144,15 @@ fn check_imports(
     }
     let mut seen = Vec::new();
     for (name, _) in ty.imports(engine) {
-        let granted = match name {
-            imports::LOG | imports::TYPES => true,
-            imports::SYSFS => !spec.grants.sysfs.is_empty(),
-            imports::DEVNODES => !spec.grants.dev.is_empty(),
-            wasi if wasi.starts_with("wasi:") => true,
-            other => {
+        let granted = match imports::ours(name) {
+            Some(Ok(imports::Interface::Log | imports::Interface::Types)) => true,
+            Some(Ok(imports::Interface::Sysfs)) => !spec.grants.sysfs.is_empty(),
+            Some(Ok(imports::Interface::Devnodes)) => !spec.grants.dev.is_empty(),
+            None if name.starts_with("wasi:") => true,
+            Some(Err(())) | None => {
                 return Err(LoadError::UnknownImport {
                     module: spec.name.clone(),
-                    import: other.to_owned(),
+                    import: name.to_owned(),
                 });
             }
         };

@@ -1,16 +1,18 @@
 //! Running vendor modules: the wasmtime engine, the host/guest seam, the host interfaces a
-//! module may be granted, and the actor that owns each module's instance.
+//! module may be granted, and the cells that run each module's instances.
 
-pub mod actor;
 pub mod bindings;
+pub mod budget;
 pub mod cache;
+pub mod cell;
 pub mod engine;
 pub mod error;
 pub mod host;
 pub mod loader;
+pub mod module;
 pub mod types;
 pub mod validate;
 
-pub use actor::{ModuleHandle, ModuleStats};
 pub use error::{CallError, LoadError};
+pub use module::{ModuleHandle, ModuleStats};
 pub use types::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};

@@ -6,7 +6,11 @@
 
 use std::collections::HashSet;
 
-use super::host::paths::granted;
+use std::path::Path;
+
+use cap_std::fs::FileTypeExt;
+
+use super::host::paths::{beneath, granted, real_path};
 use super::types::{ContainerEdits, Device};
 use crate::config::Grants;
 
@@ -150,7 +154,9 @@ fn is_annotation_key(key: &str) -> bool {
     name_ok && prefix_ok
 }
 
-/// A fully qualified CDI device name: `vendor.com/class=name`.
+/// A fully qualified CDI device name, `vendor.com/class=name`, by the CDI grammar: each part
+/// starts and ends with a letter or digit; the vendor may hold `-_.`, the class `-_`, the device
+/// name `-_.:` in between (so never `.` or `..`).
 fn is_cdi_name(name: &str) -> bool {
     let Some((kind, device)) = name.split_once('=') else {
         return false;
@@ -158,13 +164,16 @@ fn is_cdi_name(name: &str) -> bool {
     let Some((vendor, class)) = kind.split_once('/') else {
         return false;
     };
-    let label = |s: &str, extra: &[u8]| {
-        !s.is_empty()
-            && s.len() <= 253
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || extra.contains(&b))
+    let part = |s: &str, extra: &[u8]| {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= 253
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || extra.contains(c))
     };
-    label(vendor, b"-_.") && label(class, b"-_") && label(device, b"-_.:")
+    part(vendor, b"-_.") && part(class, b"-_") && part(device, b"-_.:")
 }
 
 /// Container edits: device nodes inside the module's /dev grants, mounts inside its grants,
@@ -263,6 +272,61 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
             return Err(format!(
                 "CDI device {:?} is not of the form vendor.com/class=name",
                 truncate(name)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Device nodes and mount sources as they really are, after symlinks: a device node must
+/// resolve beneath the host root's `/dev` to a character or block device that is itself under the
+/// module's `/dev` grants (a granted symlink to `/dev/mem` is no grant of `/dev/mem`); a mount
+/// source must resolve inside its tree, and for `/dev` inside the grants. This touches the file
+/// system, so it runs in the module's cell.
+pub fn resolve_edits(
+    edits: &ContainerEdits,
+    grants: &Grants,
+    root: &Path,
+) -> Result<(), Violation> {
+    for d in &edits.devices {
+        let real = real_path(root, &d.host_path).map_err(|e| {
+            format!(
+                "device node {:?} does not resolve inside /dev: {e}",
+                truncate(&d.host_path)
+            )
+        })?;
+        if !granted(&grants.dev, &real) {
+            return Err(format!(
+                "device node {:?} resolves to {:?}, which is not under the module's /dev grants",
+                truncate(&d.host_path),
+                truncate(&real)
+            ));
+        }
+        let at = beneath(root, &real).map_err(|e| e.to_string())?;
+        let kind = at
+            .dir
+            .metadata(&at.rel)
+            .map_err(|e| e.to_string())?
+            .file_type();
+        if !(kind.is_char_device() || kind.is_block_device()) {
+            return Err(format!(
+                "device node {:?} is not a character or block device",
+                truncate(&d.host_path)
+            ));
+        }
+    }
+    for m in &edits.mounts {
+        let real = real_path(root, &m.host_path).map_err(|e| {
+            format!(
+                "mount of {:?} does not resolve inside its tree: {e}",
+                truncate(&m.host_path)
+            )
+        })?;
+        if m.host_path.starts_with("/dev/") && !granted(&grants.dev, &real) {
+            return Err(format!(
+                "mount of {:?} resolves to {:?}, which is not under the module's /dev grants",
+                truncate(&m.host_path),
+                truncate(&real)
             ));
         }
     }

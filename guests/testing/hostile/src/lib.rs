@@ -14,8 +14,8 @@
 //! [module.config]
 //! resource = "evil"       # the resource name init returns (default "evil")
 //! attack = "read-sysfs"   # one of the attacks below (default "none")
-//! path = "/etc/passwd"    # the path or pattern; required by read-sysfs, list-sysfs and
-//!                         # glob-dev, refused with any other attack
+//! path = "/etc/passwd"    # the path or pattern; required by read-sysfs, list-sysfs,
+//!                         # glob-dev, device-node and mount-path, refused with any other attack
 //! ```
 //!
 //! # Normal behaviour
@@ -50,13 +50,21 @@
 //! - `"mount-root"`: read-write bind mount of host `/` at `/host`;
 //! - `"huge-string"`: env `HOSTILE_HUGE` set to 10 MiB of `x` (10 * 1024 * 1024 bytes);
 //! - `"bad-env"`: env `1BAD=NAME` = `x`, annotation `not a key!` = `x` and CDI device
-//!   `not-qualified`.
+//!   `not-qualified`;
+//! - `"device-node"`: device node `path` at `/dev/hostile`, permissions `rw` (for paths that
+//!   are granted as text but resolve to something else);
+//! - `"mount-path"`: read-write bind mount of host `path` at `/mnt/hostile`;
+//! - `"bad-cdi"`: CDI devices that only look qualified: `-vendor.com/class=x`,
+//!   `vendor.com/class=..` and `vendor.com/class-=x`.
 //!
 //! Bad device lists, in `enumerate` (exactly these devices, all healthy):
 //!
 //! - `"many-devices"`: 100,000 devices `d-0` .. `d-99999`;
 //! - `"invalid-ids"`: `ok-0`, `bad id with spaces`, `../../etc`, the empty string and 300 `a`s;
-//! - `"duplicate-ids"`: `dup`, `dup`, `other`.
+//! - `"duplicate-ids"`: `dup`, `dup`, `other`;
+//! - `"attribute-flood"`: 2,000 devices `a-0` .. `a-1999`, each with 12 attributes of 1,000
+//!   bytes: every per-device rule holds, but together they would hold ~24 MB of the agent's
+//!   memory.
 //!
 //! Noise, in `enumerate`:
 //!
@@ -64,8 +72,8 @@
 //!   normal devices.
 
 use devicelet_sdk::{
-    ContainerEdits, Device, DeviceHealth, FsError, Health, Plugin, PluginError, ResourceInfo,
-    devnodes, export_plugin, sysfs,
+    ContainerEdits, Device, FsError, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
+    sysfs,
 };
 use serde::Deserialize;
 
@@ -86,6 +94,10 @@ enum Attack {
     DuplicateIds,
     BadEnv,
     StdoutFlood,
+    DeviceNode,
+    MountPath,
+    BadCdi,
+    AttributeFlood,
 }
 
 impl Attack {
@@ -93,7 +105,11 @@ impl Attack {
     fn takes_path(self) -> bool {
         matches!(
             self,
-            Attack::ReadSysfs | Attack::ListSysfs | Attack::GlobDev
+            Attack::ReadSysfs
+                | Attack::ListSysfs
+                | Attack::GlobDev
+                | Attack::DeviceNode
+                | Attack::MountPath
         )
     }
 }
@@ -232,6 +248,13 @@ impl Plugin for Hostile {
                 &"a".repeat(300),
             ]),
             Attack::DuplicateIds => devices(&["dup", "dup", "other"]),
+            Attack::AttributeFlood => (0..2000)
+                .map(|i| {
+                    (0..12).fold(Device::healthy(format!("a-{i}")), |d, k| {
+                        d.attribute(format!("k{k}"), "v".repeat(1000))
+                    })
+                })
+                .collect(),
             Attack::StdoutFlood => {
                 for i in 0..10_000 {
                     println!("hostile: stdout flood line {i}");
@@ -243,16 +266,11 @@ impl Plugin for Hostile {
             | Attack::DevMem
             | Attack::MountRoot
             | Attack::HugeString
-            | Attack::BadEnv => normal_devices(),
+            | Attack::BadEnv
+            | Attack::DeviceNode
+            | Attack::MountPath
+            | Attack::BadCdi => normal_devices(),
         })
-    }
-
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
-        self.check(resource)?;
-        Ok(ids
-            .iter()
-            .map(|id| DeviceHealth::new(id.clone(), Health::Healthy))
-            .collect())
     }
 
     fn allocate(&mut self, resource: &str, _ids: &[String]) -> Result<ContainerEdits, PluginError> {
@@ -266,6 +284,12 @@ impl Plugin for Hostile {
                 .env("1BAD=NAME", "x")
                 .annotation("not a key!", "x")
                 .cdi("not-qualified"),
+            Attack::DeviceNode => edits.device(self.path(), "/dev/hostile", "rw"),
+            Attack::MountPath => edits.mount(self.path(), "/mnt/hostile", false),
+            Attack::BadCdi => edits
+                .cdi("-vendor.com/class=x")
+                .cdi("vendor.com/class=..")
+                .cdi("vendor.com/class-=x"),
             Attack::None
             | Attack::ReadSysfs
             | Attack::ListSysfs
@@ -273,6 +297,7 @@ impl Plugin for Hostile {
             | Attack::ManyDevices
             | Attack::InvalidIds
             | Attack::DuplicateIds
+            | Attack::AttributeFlood
             | Attack::StdoutFlood => edits,
         })
     }

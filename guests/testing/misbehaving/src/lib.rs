@@ -17,7 +17,6 @@
 //!                       # 0 (the default) reports no topology
 //! init = "ok"           # a mode (below) for each call
 //! enumerate = "ok"
-//! health = "ok"
 //! allocate = "ok"
 //! prestart = "ok"
 //! preferred = "ok"
@@ -43,7 +42,6 @@
 //!
 //! - `enumerate`: `devices` healthy devices `dev-0` .. `dev-{N-1}`, with `numa` > 0 each on
 //!   NUMA node `i % numa` (benchmarks use it for a resource spread over NUMA nodes);
-//! - `health`: each requested ID healthy if it is one of those devices, unhealthy otherwise;
 //! - `allocate`: container edits with the single env `MISBEHAVING_DEVICES=<IDs joined by ,>`;
 //! - `prestart`: succeeds;
 //! - `preferred`: the *last* `size` IDs of `available` (ignoring `must-include`), so tests can
@@ -52,9 +50,7 @@
 //! Every method answers a resource name other than `resource` with
 //! `PluginError::UnknownResource` (after applying its mode).
 
-use devicelet_sdk::{
-    ContainerEdits, Device, DeviceHealth, Health, Plugin, PluginError, ResourceInfo, export_plugin,
-};
+use devicelet_sdk::{ContainerEdits, Device, Plugin, PluginError, ResourceInfo, export_plugin};
 use serde::Deserialize;
 
 /// What a call does.
@@ -84,8 +80,6 @@ struct Config {
     init: Mode,
     #[serde(default)]
     enumerate: Mode,
-    #[serde(default)]
-    health: Mode,
     #[serde(default)]
     allocate: Mode,
     /// `Some` asks for prestart calls.
@@ -208,21 +202,6 @@ impl Plugin for Misbehaving {
                     Some(node) => device.numa_node(node),
                     None => device,
                 }
-            })
-            .collect())
-    }
-
-    fn health(&mut self, resource: &str, ids: &[String]) -> Result<Vec<DeviceHealth>, PluginError> {
-        self.check("health", self.config.health, resource)?;
-        Ok(ids
-            .iter()
-            .map(|id| {
-                let health = if self.ids.contains(id) {
-                    Health::Healthy
-                } else {
-                    Health::Unhealthy
-                };
-                DeviceHealth::new(id.clone(), health)
             })
             .collect())
     }

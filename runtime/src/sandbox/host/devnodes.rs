@@ -1,15 +1,31 @@
 //! `devicelet:plugin/devnodes`: discovery of the granted device nodes.
+//!
+//! Globs are walked by the host one path component at a time, beneath the host root's `/dev`,
+//! looking at no more than [`MAX_WALK`] entries: with no `**` (refused) the depth is the
+//! pattern's, so a symlink loop cannot make a walk endless, and a huge directory cannot make it
+//! long.
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+
+use cap_std::fs::{Dir, FileTypeExt, MetadataExt};
+use glob::{MatchOptions, Pattern};
 
 use super::HostState;
-use super::paths::{granted, resolve};
+use super::paths::{Beneath, beneath, check, granted};
 use super::sysfs::fs_error;
 use crate::sandbox::bindings::v0_1::devicelet::plugin::devnodes::{Host, NodeInfo, NodeKind};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::types::FsError;
 
-/// Most paths one glob may return, so a pattern like `/dev/**` cannot exhaust the agent.
+/// Most paths one glob may return.
 const MAX_MATCHES: usize = 4096;
+/// Most directory entries one glob may look at.
+pub(crate) const MAX_WALK: usize = 65_536;
+
+const MATCH: MatchOptions = MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: true,
+};
 
 /// Linux's `dev_t` encoding (glibc's `gnu_dev_major`/`gnu_dev_minor`).
 fn major_minor(dev: u64) -> (u32, u32) {
@@ -18,43 +34,131 @@ fn major_minor(dev: u64) -> (u32, u32) {
     (major as u32, minor as u32)
 }
 
-impl Host for HostState {
-    fn glob(&mut self, pattern: String) -> Result<Vec<String>, FsError> {
-        if !pattern.starts_with("/dev/") || pattern.split('/').any(|c| c == "..") {
-            return Err(FsError::Denied(format!(
-                "{pattern} is not a pattern under /dev/"
-            )));
+/// Why a `/dev` glob is refused, or None when it may be walked.
+pub(crate) fn bad_pattern(pattern: &str) -> Option<String> {
+    let Some(rest) = pattern.strip_prefix("/dev/") else {
+        return Some(format!("{pattern} is not a pattern under /dev/"));
+    };
+    if rest
+        .split('/')
+        .any(|c| c.is_empty() || c == "." || c == ".." || c.contains("**"))
+    {
+        return Some(format!(
+            "{pattern} must be normal, without `.`, `..`, empty components or `**`"
+        ));
+    }
+    None
+}
+
+fn has_magic(component: &str) -> bool {
+    component.contains(['*', '?', '['])
+}
+
+/// Walks `components` below `dir` (a relative path beneath the `/dev` tree), collecting the
+/// relative paths that match, within the walk and match bounds.
+struct Walk<'a> {
+    dev: &'a Dir,
+    visited: usize,
+    found: Vec<String>,
+}
+
+impl Walk<'_> {
+    fn walk(&mut self, at: &str, components: &[&str]) -> Result<(), FsError> {
+        let Some((first, rest)) = components.split_first() else {
+            self.found.push(at.to_owned());
+            return Ok(());
+        };
+        let join = |name: &str| {
+            if at.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{at}/{name}")
+            }
+        };
+        if !has_magic(first) {
+            let next = join(first);
+            if self.dev.symlink_metadata(&next).is_ok() {
+                return self.walk(&next, rest);
+            }
+            return Ok(());
         }
-        let root = self.host_root.to_string_lossy();
-        let root = root.trim_end_matches('/');
-        let physical = format!("{}{pattern}", glob::Pattern::escape(root));
-        let entries = glob::glob(&physical).map_err(|e| FsError::Io(e.to_string()))?;
-        let mut paths = Vec::new();
-        for entry in entries.flatten().take(MAX_MATCHES * 4) {
-            let Some(logical) = entry
-                .to_str()
-                .and_then(|p| p.strip_prefix(root))
-                .map(str::to_owned)
-            else {
-                continue;
-            };
-            if granted(&self.grants.dev, &logical)
-                && resolve(&self.host_root, &self.grants.dev, &logical, false).is_ok()
+        let pattern = Pattern::new(first).map_err(|e| FsError::Io(e.to_string()))?;
+        let dir = if at.is_empty() { "." } else { at };
+        let Ok(entries) = self.dev.read_dir(dir) else {
+            return Ok(());
+        };
+        let mut names = Vec::new();
+        for entry in entries {
+            self.visited += 1;
+            if self.visited > MAX_WALK {
+                return Err(FsError::Io(format!(
+                    "the pattern looks at more than {MAX_WALK} entries"
+                )));
+            }
+            let Ok(entry) = entry else { continue };
+            if let Some(name) = entry.file_name().to_str()
+                && pattern.matches_with(name, MATCH)
             {
-                paths.push(logical);
-                if paths.len() == MAX_MATCHES {
-                    break;
-                }
+                names.push(name.to_owned());
             }
         }
+        names.sort();
+        for name in names {
+            if self.found.len() >= MAX_MATCHES {
+                break;
+            }
+            self.walk(&join(&name), rest)?;
+        }
+        Ok(())
+    }
+}
+
+impl HostState {
+    fn dev(&self, path: &str) -> Result<Beneath, FsError> {
+        check(&self.grants.dev, path, false).map_err(|e| FsError::Denied(e.to_string()))?;
+        beneath(&self.host_root, path).map_err(fs_error)
+    }
+}
+
+impl Host for HostState {
+    fn glob(&mut self, pattern: String) -> Result<Vec<String>, FsError> {
+        if let Some(why) = bad_pattern(&pattern) {
+            return Err(FsError::Denied(why));
+        }
+        let dev = match beneath(&self.host_root, "/dev") {
+            Ok(at) => at.dir,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(fs_error(e)),
+        };
+        let components: Vec<&str> = pattern["/dev/".len()..].split('/').collect();
+        let mut walk = Walk {
+            dev: &dev,
+            visited: 0,
+            found: Vec::new(),
+        };
+        walk.walk("", &components)?;
+        let mut paths: Vec<String> = walk
+            .found
+            .into_iter()
+            .map(|rel| format!("/dev/{rel}"))
+            // A match must be granted, and what it points to must stay inside /dev (a dangling
+            // link is shown; `stat` then reports it not found).
+            .filter(|logical| granted(&self.grants.dev, logical))
+            .filter(|logical| {
+                let rel = Path::new(&logical["/dev/".len()..]);
+                match dev.metadata(rel) {
+                    Ok(_) => true,
+                    Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+                }
+            })
+            .collect();
         paths.sort();
         Ok(paths)
     }
 
     fn stat(&mut self, path: String) -> Result<NodeInfo, FsError> {
-        let node = resolve(&self.host_root, &self.grants.dev, &path, false)
-            .map_err(|e| FsError::Denied(e.to_string()))?;
-        let meta = std::fs::metadata(node).map_err(fs_error)?;
+        let at = self.dev(&path)?;
+        let meta = at.dir.metadata(&at.rel).map_err(fs_error)?;
         let kind = if meta.file_type().is_char_device() {
             NodeKind::Character
         } else if meta.file_type().is_block_device() {
@@ -74,7 +178,17 @@ impl Host for HostState {
 
 #[cfg(test)]
 mod tests {
-    use super::major_minor;
+    use super::{bad_pattern, major_minor};
+
+    #[test]
+    fn recursive_and_escaping_patterns_are_refused() {
+        assert!(bad_pattern("/dev/**").is_some());
+        assert!(bad_pattern("/dev/dri/**/card*").is_some());
+        assert!(bad_pattern("/dev/../etc/*").is_some());
+        assert!(bad_pattern("/sys/*").is_some());
+        assert!(bad_pattern("/dev//fuse").is_some());
+        assert!(bad_pattern("/dev/dri/renderD*").is_none());
+    }
 
     #[test]
     fn decodes_linux_dev_t() {

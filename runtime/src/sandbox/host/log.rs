@@ -22,6 +22,7 @@ impl Host for HostState {
             message.push('…');
         }
         let module = &*self.module;
+        let message = super::output::escape(&message);
         match level {
             Level::Trace => tracing::trace!(module, "{message}"),
             Level::Debug => tracing::debug!(module, "{message}"),

@@ -82,8 +82,26 @@ impl ModuleOutput {
         }
         let module = &*self.module;
         let text = String::from_utf8_lossy(&line[..line.len().min(MAX_LINE)]);
-        tracing::info!(module, stream = self.stream, "{}", text.trim_end());
+        tracing::info!(module, stream = self.stream, "{}", escape(text.trim_end()));
     }
+}
+
+/// A module's text with every control character (newlines, carriage returns, ANSI escapes)
+/// written out as an escape, so one module line is one log line and cannot pose as the host's.
+pub(super) fn escape(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 impl IsTerminal for ModuleOutput {
@@ -179,6 +197,15 @@ impl AsyncWrite for LineWriter {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn control_characters_cannot_forge_lines() {
+        let forged = "ok\n2026-01-01T00:00:00Z ERROR devicelet: agent stopping\x1b[2J\r";
+        let escaped = escape(forged);
+        assert!(!escaped.chars().any(char::is_control), "{escaped}");
+        assert!(escaped.contains("\\n2026") && escaped.contains("\\u{1b}"));
+        assert_eq!(escape("plain text"), "plain text");
+    }
 
     #[test]
     fn a_flood_is_cut_to_the_burst_and_counted() {

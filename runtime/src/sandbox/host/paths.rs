@@ -5,6 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use cap_std::ambient_authority;
+use cap_std::fs::Dir;
 use glob::{MatchOptions, Pattern};
 
 const MATCH: MatchOptions = MatchOptions {
@@ -51,38 +53,58 @@ fn is_normal(path: &str) -> bool {
     })
 }
 
-/// Resolves a logical path the module may use to its place under the host root, refusing paths
-/// that are not normal, not granted (unless `listing` and a grant lies below), or whose resolved
-/// location (after symlinks) leaves the host root.
-pub fn resolve(
-    root: &Path,
-    grants: &[Pattern],
-    path: &str,
-    listing: bool,
-) -> Result<PathBuf, PathError> {
+/// Checks a logical path a module asked for: normal, and granted (or, when `listing`, a
+/// directory with a grant below it).
+pub fn check(grants: &[Pattern], path: &str, listing: bool) -> Result<(), PathError> {
     if !is_normal(path) {
         return Err(PathError::NotNormal(path.to_owned()));
     }
     if !(granted(grants, path) || listing && leads_to_grant(grants, path)) {
         return Err(PathError::NotGranted(path.to_owned()));
     }
-    let physical = root.join(path.trim_start_matches('/'));
-    // Symlinks (sysfs is full of them) may be followed, but only while they stay inside the
-    // tree the path started in: `/sys/...` must resolve inside the host root's `/sys`.
+    Ok(())
+}
+
+/// A checked logical path, opened as the tree it starts in (the host root's `/sys` or `/dev`)
+/// plus the rest of the path. Everything done through it resolves beneath that tree in one step
+/// (cap-std: `openat2` with `RESOLVE_BENEATH` where the kernel has it): symlinks are followed only
+/// while they stay inside, and there is no window between checking a path and opening it.
+pub struct Beneath {
+    pub dir: Dir,
+    /// Relative to `dir`; `.` for the tree itself.
+    pub rel: PathBuf,
+}
+
+/// Opens the tree `path` starts in. `path` must have passed [`check`] (or be otherwise normal).
+pub fn beneath(root: &Path, path: &str) -> std::io::Result<Beneath> {
+    let rest = path.strip_prefix('/').unwrap_or(path);
+    let (area, rel) = rest.split_once('/').unwrap_or((rest, "."));
+    let dir = Dir::open_ambient_dir(root.join(area), ambient_authority())?;
+    Ok(Beneath {
+        dir,
+        rel: PathBuf::from(rel),
+    })
+}
+
+/// Whether an I/O error means the path tried to leave its tree (cap-std reports escapes as
+/// permission errors; the kernel's `RESOLVE_BENEATH` as `EXDEV`).
+pub fn escaped(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::PermissionDenied || e.raw_os_error() == Some(libc::EXDEV)
+}
+
+/// Where `path` really is, as a logical path: symlinks resolved beneath its tree.
+pub fn real_path(root: &Path, path: &str) -> std::io::Result<String> {
+    let at = beneath(root, path)?;
+    let real = at.dir.canonicalize(&at.rel)?;
     let area = path.split('/').nth(1).unwrap_or_default();
-    let escapes = |_| PathError::Escapes(path.to_owned());
-    match physical.canonicalize() {
-        Ok(real) => {
-            let real_area = root.join(area).canonicalize().map_err(escapes)?;
-            if !real.starts_with(&real_area) {
-                return Err(PathError::Escapes(path.to_owned()));
-            }
-        }
-        // Nothing there: the caller's own open reports it as not found.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(escapes(e)),
-    }
-    Ok(physical)
+    let real = real
+        .to_str()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "path is not UTF-8"))?;
+    Ok(if real.is_empty() || real == "." {
+        format!("/{area}")
+    } else {
+        format!("/{area}/{real}")
+    })
 }
 
 #[cfg(test)]
@@ -112,19 +134,15 @@ mod tests {
 
     #[test]
     fn dot_dot_and_relative_paths_are_refused() {
-        let root = Path::new("/nonexistent-root");
         let g = pats(&["/dev/*"]);
         assert_eq!(
-            resolve(root, &g, "/dev/../etc/passwd", false),
+            check(&g, "/dev/../etc/passwd", false),
             Err(PathError::NotNormal("/dev/../etc/passwd".into()))
         );
-        assert!(resolve(root, &g, "dev/fuse", false).is_err());
-        assert!(resolve(root, &g, "/dev/./fuse", false).is_err());
-        assert!(resolve(root, &g, "/dev//fuse", false).is_err());
-        assert_eq!(
-            resolve(root, &g, "/dev/fuse", false),
-            Ok(PathBuf::from("/nonexistent-root/dev/fuse"))
-        );
+        assert!(check(&g, "dev/fuse", false).is_err());
+        assert!(check(&g, "/dev/./fuse", false).is_err());
+        assert!(check(&g, "/dev//fuse", false).is_err());
+        assert_eq!(check(&g, "/dev/fuse", false), Ok(()));
     }
 
     #[test]
@@ -132,11 +150,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("dev")).unwrap();
         std::os::unix::fs::symlink("/etc/hostname", dir.path().join("dev/escape")).unwrap();
-        let g = pats(&["/dev/*"]);
-        assert_eq!(
-            resolve(dir.path(), &g, "/dev/escape", false),
-            Err(PathError::Escapes("/dev/escape".into()))
-        );
+        std::os::unix::fs::symlink("../../../../etc", dir.path().join("dev/up")).unwrap();
+        let at = beneath(dir.path(), "/dev/escape").unwrap();
+        assert!(at.dir.open(&at.rel).is_err());
+        let at = beneath(dir.path(), "/dev/up/hostname").unwrap();
+        assert!(at.dir.open(&at.rel).is_err());
     }
 
     #[test]
@@ -149,8 +167,14 @@ mod tests {
         std::fs::write(dir.path().join("sys/devices/pci0/vendor"), "0x10de").unwrap();
         std::os::unix::fs::symlink("../../etc", dir.path().join("sys/class/out")).unwrap();
         std::os::unix::fs::symlink("../devices/pci0", dir.path().join("sys/class/gpu")).unwrap();
-        let g = pats(&["/sys/class/*"]);
-        assert!(resolve(dir.path(), &g, "/sys/class/out/shadow", false).is_err());
-        assert!(resolve(dir.path(), &g, "/sys/class/gpu/vendor", false).is_ok());
+        let out = beneath(dir.path(), "/sys/class/out/shadow").unwrap();
+        let e = out.dir.open(&out.rel).unwrap_err();
+        assert!(escaped(&e), "{e}");
+        let gpu = beneath(dir.path(), "/sys/class/gpu/vendor").unwrap();
+        assert!(gpu.dir.open(&gpu.rel).is_ok());
+        assert_eq!(
+            real_path(dir.path(), "/sys/class/gpu/vendor").unwrap(),
+            "/sys/devices/pci0/vendor"
+        );
     }
 }

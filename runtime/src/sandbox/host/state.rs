@@ -9,6 +9,10 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::config::Grants;
 
+/// WASI handles (streams, pollables) one instance may hold at once; the table lives outside the
+/// module's linear memory, so it is capped here. Rust's std needs a handful.
+const MAX_HANDLES: usize = 1024;
+
 pub struct HostState {
     pub(crate) module: Arc<str>,
     pub(crate) host_root: Arc<PathBuf>,
@@ -44,7 +48,11 @@ impl HostState {
             limits,
             log_gate,
             wasi: wasi.build(),
-            table: ResourceTable::new(),
+            table: {
+                let mut table = ResourceTable::new();
+                table.set_max_capacity(MAX_HANDLES);
+                table
+            },
         }
     }
 }

@@ -1,40 +1,74 @@
 //! `devicelet:plugin/sysfs`: read-only access to the granted sysfs paths.
+//!
+//! Every call is bounded by construction: paths resolve beneath the host root's `/sys` in one
+//! step, reads open only regular files (non-blocking, so a FIFO cannot park the thread) and stop
+//! at [`MAX_READ`], listings stop at [`MAX_ENTRIES`]. What no check can bound — a sysfs attribute
+//! whose driver hangs — blocks only the module's own cell (see `sandbox::cell`).
 
 use std::io::Read;
 
+use cap_std::fs::{OpenOptions, OpenOptionsExt};
+
 use super::HostState;
-use super::paths::{granted, leads_to_grant, resolve};
+use super::paths::{Beneath, PathError, beneath, check, escaped, granted, leads_to_grant};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::sysfs::Host;
 use crate::sandbox::bindings::v0_1::devicelet::plugin::types::FsError;
 
 /// Largest sysfs read handed to a module; sysfs attributes are a page at most.
 const MAX_READ: u64 = 1 << 20;
+/// Most directory entries one listing looks at; `/sys/bus/pci/devices` on a big node has a few
+/// hundred.
+pub(super) const MAX_ENTRIES: usize = 65_536;
 
 pub(super) fn fs_error(e: std::io::Error) -> FsError {
     if e.kind() == std::io::ErrorKind::NotFound {
         FsError::NotFound
+    } else if escaped(&e) {
+        FsError::Denied("the path resolves outside its tree".into())
     } else {
         FsError::Io(e.to_string())
     }
 }
 
+fn denied(e: PathError) -> FsError {
+    FsError::Denied(e.to_string())
+}
+
+impl HostState {
+    fn sysfs(&self, path: &str, listing: bool) -> Result<Beneath, FsError> {
+        check(&self.grants.sysfs, path, listing).map_err(denied)?;
+        beneath(&self.host_root, path).map_err(fs_error)
+    }
+}
+
 impl Host for HostState {
     fn read(&mut self, path: String) -> Result<Vec<u8>, FsError> {
-        let file = resolve(&self.host_root, &self.grants.sysfs, &path, false)
-            .map_err(|e| FsError::Denied(e.to_string()))?;
+        let at = self.sysfs(&path, false)?;
+        let mut options = OpenOptions::new();
+        options
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+        let file = at.dir.open_with(&at.rel, &options).map_err(fs_error)?;
+        if !file.metadata().map_err(fs_error)?.is_file() {
+            return Err(FsError::Io(format!("{path} is not a regular file")));
+        }
         let mut buf = Vec::new();
-        std::fs::File::open(file)
-            .and_then(|f| f.take(MAX_READ).read_to_end(&mut buf))
+        file.take(MAX_READ)
+            .read_to_end(&mut buf)
             .map_err(fs_error)?;
         Ok(buf)
     }
 
     fn list(&mut self, path: String) -> Result<Vec<String>, FsError> {
-        let dir = resolve(&self.host_root, &self.grants.sysfs, &path, true)
-            .map_err(|e| FsError::Denied(e.to_string()))?;
+        let at = self.sysfs(&path, true)?;
         let base = path.trim_end_matches('/');
         let mut names = Vec::new();
-        for entry in std::fs::read_dir(dir).map_err(fs_error)? {
+        for entry in at
+            .dir
+            .read_dir(&at.rel)
+            .map_err(fs_error)?
+            .take(MAX_ENTRIES)
+        {
             let entry = entry.map_err(fs_error)?;
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
                 continue;
@@ -49,9 +83,8 @@ impl Host for HostState {
     }
 
     fn read_link(&mut self, path: String) -> Result<String, FsError> {
-        let link = resolve(&self.host_root, &self.grants.sysfs, &path, false)
-            .map_err(|e| FsError::Denied(e.to_string()))?;
-        let target = std::fs::read_link(link).map_err(fs_error)?;
+        let at = self.sysfs(&path, false)?;
+        let target = at.dir.read_link_contents(&at.rel).map_err(fs_error)?;
         target
             .into_os_string()
             .into_string()

@@ -1,0 +1,138 @@
+//! What the host keeps of a module's answers, charged to the module.
+//!
+//! Every per-item rule in [`super::validate`] can hold and still add up to gigabytes: 16,384
+//! devices with 64 attributes of a kilobyte each. The agent serves every device type on the node,
+//! and an OOM kill of it takes them all down, so each module's answers are charged against its
+//! `host-memory` budget, with a cap per device too. An answer over budget is refused like any
+//! broken rule; the previous snapshot (already paid for) stays.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::types::Device;
+use super::validate::Violation;
+
+/// Most bytes one device's entry may take: an ID, NUMA nodes and a few attributes fit many times.
+pub const MAX_DEVICE_BYTES: usize = 16 * 1024;
+
+/// Bytes a device set costs the host while it is kept: the entries themselves and every string.
+pub fn cost(devices: &[Device]) -> Result<usize, Violation> {
+    let mut total = 0usize;
+    for d in devices {
+        let one = std::mem::size_of::<Device>()
+            + d.id.len()
+            + d.numa_nodes.len() * std::mem::size_of::<i64>()
+            + d.attributes
+                .iter()
+                .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
+                .sum::<usize>();
+        if one > MAX_DEVICE_BYTES {
+            return Err(format!(
+                "device {:?} takes {one} bytes of host memory; at most {MAX_DEVICE_BYTES} allowed per device",
+                d.id
+            ));
+        }
+        total += one;
+    }
+    Ok(total)
+}
+
+/// One module's budget: what each of its resources' current snapshot costs.
+#[derive(Debug)]
+pub struct Budget {
+    limit: usize,
+    held: Mutex<HashMap<String, usize>>,
+}
+
+impl Budget {
+    pub fn new(limit: u64) -> Budget {
+        Budget {
+            limit: usize::try_from(limit).unwrap_or(usize::MAX),
+            held: Mutex::default(),
+        }
+    }
+
+    /// Replaces what `resource` holds with `cost`, unless that would take the module past its
+    /// budget (then nothing changes).
+    pub fn charge(&self, resource: &str, cost: Result<usize, Violation>) -> Result<(), Violation> {
+        let cost = cost?;
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let others: usize = held
+            .iter()
+            .filter(|(r, _)| r.as_str() != resource)
+            .map(|(_, n)| n)
+            .sum();
+        if others.saturating_add(cost) > self.limit {
+            return Err(format!(
+                "its devices would take {} bytes of host memory ({cost} for {resource}); its host-memory budget is {} bytes",
+                others.saturating_add(cost),
+                self.limit
+            ));
+        }
+        match held.get_mut(resource) {
+            Some(n) => *n = cost,
+            None => {
+                held.insert(resource.to_owned(), cost);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn release(&self, resource: &str) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(resource);
+    }
+
+    pub fn used(&self) -> usize {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .sum()
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::Health;
+
+    fn device(id: &str, attributes: usize, value: usize) -> Device {
+        Device {
+            id: id.into(),
+            health: Health::Healthy,
+            numa_nodes: vec![0],
+            attributes: (0..attributes)
+                .map(|i| (format!("k{i}"), "v".repeat(value)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn resources_share_the_modules_budget() {
+        let budget = Budget::new(100_000);
+        let big: Vec<Device> = (0..60).map(|i| device(&format!("d{i}"), 1, 1000)).collect();
+        budget.charge("a", cost(&big)).unwrap();
+        assert!(
+            budget.charge("b", cost(&big)).is_err(),
+            "a and b together exceed it"
+        );
+        // Replacing a's own snapshot is measured without its old one.
+        budget.charge("a", cost(&big)).unwrap();
+        budget.release("a");
+        budget.charge("b", cost(&big)).unwrap();
+        assert!(budget.used() > 60_000 && budget.used() <= 100_000);
+    }
+
+    #[test]
+    fn one_device_cannot_take_more_than_its_cap() {
+        assert!(cost(&[device("fat", 60, 1000)]).is_err());
+        assert!(cost(&[device("lean", 4, 64)]).is_ok());
+    }
+}

@@ -1,0 +1,530 @@
+//! Module cells: where a module's code and its host calls run, away from the agent's workers.
+//!
+//! A [`Cell`] is one OS thread with a current-thread runtime of its own, owning one occupant (a
+//! module instance) and fed by a bounded channel. Everything the occupant does, its host calls
+//! included, runs on that thread, so a host call that blocks (a hung sysfs read, a vendor library
+//! stuck on a sick device) blocks only that thread.
+//!
+//! A [`Lane`] is what callers hold: it sends each job to its current cell and waits for it, never
+//! past the job's deadline. A job runs with its whole budget once started (time spent queued is
+//! bounded separately), so a busy module is not mistaken for a hung one. When a job overruns its
+//! budget by [`STUCK_GRACE`] without the cell noticing (the thread is blocked in a syscall that
+//! epoch interruption cannot stop), the cell is abandoned: its thread is left to finish or die with
+//! the blocked call, and a fresh cell takes the next job. Abandoned cells are bounded per module
+//! ([`MAX_ABANDONED`]); past the bound the module is failed until it is loaded again.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::engine::EPOCH_TICK;
+use super::types::PluginError;
+
+pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// Makes a fresh occupant inside the cell's thread (instantiates the module and calls `init`).
+pub type Factory<S> = Arc<dyn Fn() -> LocalBoxFuture<'static, Result<S, Failure>> + Send + Sync>;
+
+/// A unit of work for a cell. Returns whether the occupant must be discarded (it trapped).
+pub type Work<S> = Box<dyn for<'a> FnOnce(&'a mut S) -> LocalBoxFuture<'a, bool> + Send>;
+
+/// Jobs queued per cell before callers wait for room (within their own deadline).
+const QUEUE: usize = 64;
+/// How long past its budget a running job may go before its cell counts as stuck in a host call.
+/// A guest that merely spins is stopped by the epoch within a tick of its budget, so anything far
+/// past that is a thread the runtime cannot reach.
+pub const STUCK_GRACE: Duration = Duration::from_millis(500);
+/// Cells a module may leave stuck in host calls before it is failed for good (until reloaded).
+pub const MAX_ABANDONED: u32 = 4;
+/// How late past a job's own deadline its caller still waits for the cell's answer: the cell's
+/// timer needs a tick to see the guest yield.
+const ANSWER_SLACK: Duration = Duration::from_millis(3 * EPOCH_TICK.as_millis() as u64);
+
+/// First wait before re-instantiating a crashed module; doubles on every crash in a row.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How a job failed inside a cell.
+#[derive(Debug, Clone)]
+pub enum Failure {
+    /// The module reported an error itself.
+    Plugin(PluginError),
+    /// The guest trapped (or its `init` did, making a fresh instance).
+    Trap(String),
+    /// Making a fresh instance failed; `init_error` keeps the module's own error, if any.
+    Instantiate {
+        message: String,
+        init_error: Option<PluginError>,
+    },
+    /// The module answered, but its answer broke a rule (see `validate`).
+    Violation(String),
+    /// The job never reached the module (backing off after crashes, module failed).
+    Unavailable(String),
+    /// The job did not finish within its deadline (or waited too long to start).
+    Deadline,
+}
+
+struct Job<S> {
+    id: u64,
+    /// A job still queued then is dropped unrun: its caller has gone.
+    start_by: Instant,
+    budget: Duration,
+    /// Tells the caller the job started and by when it ends (instantiation included).
+    started: oneshot::Sender<Instant>,
+    work: Work<S>,
+    /// Answers the caller without running `work`.
+    refuse: Box<dyn FnOnce(Failure) + Send>,
+}
+
+/// One thread and its channel. Dropping every sender ends the thread after its current job.
+struct Cell<S> {
+    jobs: mpsc::Sender<Job<S>>,
+    /// The id of the job running now; 0 while idle.
+    running: Arc<AtomicU64>,
+    generation: u64,
+}
+
+impl<S> Clone for Cell<S> {
+    fn clone(&self) -> Self {
+        Cell {
+            jobs: self.jobs.clone(),
+            running: self.running.clone(),
+            generation: self.generation,
+        }
+    }
+}
+
+/// What all lanes of one module share: how many cells it left stuck, and whether it is failed.
+#[derive(Default)]
+pub struct Fate {
+    abandoned: AtomicU32,
+    failed: Mutex<Option<String>>,
+}
+
+impl Fate {
+    /// Why the module no longer runs, once too many of its cells got stuck.
+    pub fn failed(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn abandoned(&self) -> u32 {
+        self.abandoned.load(Ordering::Relaxed)
+    }
+}
+
+struct LaneState<S> {
+    cell: Option<Cell<S>>,
+    generation: u64,
+}
+
+struct LaneInner<S> {
+    module: Arc<str>,
+    label: &'static str,
+    factory: Factory<S>,
+    init_deadline: Duration,
+    fate: Arc<Fate>,
+    next_id: AtomicU64,
+    state: Mutex<LaneState<S>>,
+}
+
+/// A stream of jobs for one module, served by one cell at a time. Clones share the lane.
+pub struct Lane<S> {
+    inner: Arc<LaneInner<S>>,
+}
+
+impl<S> Clone for Lane<S> {
+    fn clone(&self) -> Self {
+        Lane {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S: 'static> Lane<S> {
+    /// A lane whose first cell starts now, with `first` as its occupant (or instantiating on the
+    /// first job when None). `init_deadline` bounds each instantiation.
+    pub fn new(
+        module: Arc<str>,
+        label: &'static str,
+        factory: Factory<S>,
+        init_deadline: Duration,
+        fate: Arc<Fate>,
+    ) -> std::io::Result<Lane<S>> {
+        let cell = spawn_cell(&module, label, factory.clone(), init_deadline, 0)?;
+        Ok(Lane {
+            inner: Arc::new(LaneInner {
+                module,
+                label,
+                factory,
+                init_deadline,
+                fate,
+                next_id: AtomicU64::new(1),
+                state: Mutex::new(LaneState {
+                    cell: Some(cell),
+                    generation: 0,
+                }),
+            }),
+        })
+    }
+
+    /// Runs `work` on the lane's cell. The job may wait `deadline` to start and then runs with
+    /// `deadline` as its budget (plus the instantiation, when the cell needs a fresh instance);
+    /// the caller never waits longer than that.
+    pub async fn call<T, F>(&self, deadline: Duration, f: F) -> Result<T, Failure>
+    where
+        T: Send + 'static,
+        F: for<'a> FnOnce(&'a mut S) -> LocalBoxFuture<'a, Result<T, Failure>> + Send + 'static,
+    {
+        if let Some(reason) = self.inner.fate.failed() {
+            return Err(Failure::Unavailable(reason));
+        }
+        let cell = {
+            let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.cell.clone()
+        };
+        let Some(cell) = cell else {
+            return Err(Failure::Unavailable(
+                self.inner.fate.failed().unwrap_or_else(|| "stopped".into()),
+            ));
+        };
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let start_by = Instant::now() + deadline;
+        let (reply_tx, mut reply) = oneshot::channel::<Result<T, Failure>>();
+        // Whichever of `work` and `refuse` the cell runs answers the caller.
+        let reply_tx = Arc::new(Mutex::new(Some(reply_tx)));
+        let answer = move |tx: &Mutex<Option<oneshot::Sender<_>>>, r| {
+            if let Some(tx) = tx.lock().ok().and_then(|mut tx| tx.take()) {
+                let _ = tx.send(r);
+            }
+        };
+        let refuse_tx = reply_tx.clone();
+        let refuse = Box::new(move |f: Failure| answer(&refuse_tx, Err(f)));
+        let work: Work<S> = Box::new(move |occupant| {
+            Box::pin(async move {
+                let result = f(occupant).await;
+                let poisoned = matches!(result, Err(Failure::Trap(_)));
+                answer(&reply_tx, result);
+                poisoned
+            })
+        });
+        let (started_tx, started) = oneshot::channel();
+        let job = Job {
+            id,
+            start_by,
+            budget: deadline,
+            started: started_tx,
+            work,
+            refuse,
+        };
+        match tokio::time::timeout_at(start_by, cell.jobs.send(job)).await {
+            Err(_) => return Err(Failure::Deadline),
+            Ok(Err(_)) => return Err(Failure::Unavailable("its cell has stopped".into())),
+            Ok(Ok(())) => {}
+        }
+        let until = match tokio::time::timeout_at(start_by, started).await {
+            Err(_) => return Err(Failure::Deadline),
+            // Refused or dropped before it started: the answer, if any, is waiting.
+            Ok(Err(_)) => {
+                return reply
+                    .try_recv()
+                    .unwrap_or_else(|_| Err(Failure::Unavailable("its cell has stopped".into())));
+            }
+            Ok(Ok(until)) => until,
+        };
+        match tokio::time::timeout_at(until + ANSWER_SLACK, &mut reply).await {
+            Ok(Ok(result)) => result,
+            // The cell cut the job off at its deadline and dropped it.
+            Ok(Err(_)) => Err(Failure::Deadline),
+            Err(_) => {
+                self.watch_for_stuck(cell, id, until + STUCK_GRACE);
+                Err(Failure::Deadline)
+            }
+        }
+    }
+
+    /// After a caller gave up on job `id`: if the cell is still running it at `at`, its thread is
+    /// blocked where the runtime cannot interrupt it, and the cell is abandoned.
+    fn watch_for_stuck(&self, cell: Cell<S>, id: u64, at: Instant) {
+        let lane = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            if cell.running.load(Ordering::Acquire) == id {
+                lane.abandon(cell.generation);
+            }
+        });
+    }
+
+    fn abandon(&self, generation: u64) {
+        let inner = &self.inner;
+        let mut state = inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.generation != generation || state.cell.is_none() {
+            return;
+        }
+        state.cell = None;
+        let abandoned = inner.fate.abandoned.fetch_add(1, Ordering::Relaxed) + 1;
+        if abandoned > MAX_ABANDONED {
+            let reason = format!(
+                "failed: {abandoned} of its cells got stuck in host calls (at most {MAX_ABANDONED}); \
+                 fix the module and replace its file or edit the registry to load it again"
+            );
+            tracing::error!(module = &*inner.module, "{reason}");
+            *inner.fate.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+            return;
+        }
+        tracing::warn!(
+            module = &*inner.module,
+            lane = inner.label,
+            "a call is stuck in a host call past its deadline; its cell is abandoned and a fresh \
+             one takes the next call ({abandoned} of {MAX_ABANDONED} allowed)"
+        );
+        state.generation += 1;
+        match spawn_cell(
+            &inner.module,
+            inner.label,
+            inner.factory.clone(),
+            inner.init_deadline,
+            state.generation,
+        ) {
+            Ok(cell) => state.cell = Some(cell),
+            Err(e) => {
+                let reason = format!("failed: cannot start a fresh cell: {e}");
+                tracing::error!(module = &*inner.module, "{reason}");
+                *inner.fate.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+            }
+        }
+    }
+}
+
+fn spawn_cell<S: 'static>(
+    module: &Arc<str>,
+    label: &'static str,
+    factory: Factory<S>,
+    init_deadline: Duration,
+    generation: u64,
+) -> std::io::Result<Cell<S>> {
+    let (jobs, rx) = mpsc::channel(QUEUE);
+    let running = Arc::new(AtomicU64::new(0));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let (name, marker) = (module.clone(), running.clone());
+    std::thread::Builder::new()
+        .name(format!("cell-{label}-{module}"))
+        .spawn(move || {
+            runtime.block_on(serve(name, factory, init_deadline, rx, marker));
+        })?;
+    Ok(Cell {
+        jobs,
+        running,
+        generation,
+    })
+}
+
+/// When a crashed module may be instantiated again, and how long the next wait will be.
+struct Backoff {
+    retry_at: Option<Instant>,
+    next: Duration,
+}
+
+impl Backoff {
+    fn crashed(&mut self) {
+        self.retry_at = Some(Instant::now() + self.next);
+        self.next = (self.next * 2).min(MAX_BACKOFF);
+    }
+
+    fn succeeded(&mut self) {
+        self.retry_at = None;
+        self.next = FIRST_BACKOFF;
+    }
+}
+
+/// The cell's thread: runs jobs one at a time, instantiating when it has no occupant.
+async fn serve<S>(
+    module: Arc<str>,
+    factory: Factory<S>,
+    init_deadline: Duration,
+    mut jobs: mpsc::Receiver<Job<S>>,
+    running: Arc<AtomicU64>,
+) {
+    let mut occupant: Option<S> = None;
+    let mut backoff = Backoff {
+        retry_at: None,
+        next: FIRST_BACKOFF,
+    };
+    let mut instantiated_before = false;
+    while let Some(job) = jobs.recv().await {
+        if Instant::now() >= job.start_by || job.started.is_closed() {
+            continue;
+        }
+        if occupant.is_none()
+            && let Some(at) = backoff.retry_at.filter(|at| Instant::now() < *at)
+        {
+            (job.refuse)(Failure::Unavailable(format!(
+                "restarting after a crash; next attempt in {:?}",
+                at - Instant::now()
+            )));
+            continue;
+        }
+        running.store(job.id, Ordering::Release);
+        let fresh = occupant.is_none();
+        let until =
+            Instant::now() + job.budget + if fresh { init_deadline } else { Duration::ZERO };
+        let _ = job.started.send(until);
+        if fresh {
+            match tokio::time::timeout(init_deadline, factory()).await {
+                Ok(Ok(made)) => {
+                    if instantiated_before {
+                        tracing::info!(module = &*module, "module re-instantiated");
+                    }
+                    instantiated_before = true;
+                    occupant = Some(made);
+                }
+                Ok(Err(failure)) => {
+                    backoff.crashed();
+                    (job.refuse)(failure);
+                    running.store(0, Ordering::Release);
+                    continue;
+                }
+                Err(_) => {
+                    backoff.crashed();
+                    (job.refuse)(Failure::Instantiate {
+                        message: format!("init missed its {init_deadline:?} deadline"),
+                        init_error: None,
+                    });
+                    running.store(0, Ordering::Release);
+                    continue;
+                }
+            }
+        }
+        let Some(current) = occupant.as_mut() else {
+            continue;
+        };
+        let poisoned = match tokio::time::timeout(job.budget, (job.work)(current)).await {
+            Ok(poisoned) => poisoned,
+            Err(_) => {
+                tracing::warn!(
+                    module = &*module,
+                    "call missed its deadline; instance discarded"
+                );
+                true
+            }
+        };
+        if poisoned {
+            occupant = None;
+            backoff.crashed();
+        } else {
+            backoff.succeeded();
+        }
+        running.store(0, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A stand-in occupant whose "host call" can block its thread for real.
+    struct Blocker {
+        made: usize,
+    }
+
+    fn lane(fate: Arc<Fate>) -> (Lane<Blocker>, Arc<AtomicUsize>) {
+        let made = Arc::new(AtomicUsize::new(0));
+        let counter = made.clone();
+        let factory: Factory<Blocker> = Arc::new(move || {
+            let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+            Box::pin(async move { Ok(Blocker { made: n }) })
+        });
+        let lane = Lane::new("m".into(), "test", factory, Duration::from_secs(1), fate).unwrap();
+        (lane, made)
+    }
+
+    async fn which(lane: &Lane<Blocker>) -> Result<usize, Failure> {
+        lane.call(Duration::from_millis(200), |b| {
+            Box::pin(async move { Ok(b.made) })
+        })
+        .await
+    }
+
+    /// Blocks the cell's thread (not just the task) until `release` is dropped or sent to.
+    async fn block(lane: &Lane<Blocker>, release: std::sync::mpsc::Receiver<()>) -> Failure {
+        let r = lane
+            .call(Duration::from_millis(100), move |_| {
+                Box::pin(async move {
+                    let _ = release.recv();
+                    Ok(())
+                })
+            })
+            .await;
+        r.expect_err("a blocked call cannot answer")
+    }
+
+    /// Waits (boundedly) for the watchdog to act; the watchdog fires `STUCK_GRACE` after the
+    /// deadline, so this never depends on the machine being fast.
+    async fn until_abandoned(fate: &Fate, n: u32) {
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while fate.abandoned() < n && fate.failed().is_none() && Instant::now() < give_up {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cell_blocked_in_a_host_call_is_abandoned_and_replaced() {
+        let fate = Arc::new(Fate::default());
+        let (lane, made) = lane(fate.clone());
+        assert_eq!(which(&lane).await.unwrap(), 1);
+        let (release, blocked) = std::sync::mpsc::channel();
+        assert!(matches!(block(&lane, blocked).await, Failure::Deadline));
+        until_abandoned(&fate, 1).await;
+        assert_eq!(fate.abandoned(), 1, "the stuck cell was abandoned");
+        assert_eq!(which(&lane).await.unwrap(), 2, "a fresh cell answers");
+        assert_eq!(made.load(Ordering::SeqCst), 2);
+        drop(release);
+    }
+
+    #[tokio::test]
+    async fn past_the_bound_the_module_is_failed() {
+        let fate = Arc::new(Fate::default());
+        let (lane, _) = lane(fate.clone());
+        let mut releases = Vec::new();
+        for n in 1..=MAX_ABANDONED + 1 {
+            assert!(fate.failed().is_none(), "failed after only {} cells", n - 1);
+            let (release, blocked) = std::sync::mpsc::channel();
+            releases.push(release);
+            block(&lane, blocked).await;
+            until_abandoned(&fate, n).await;
+        }
+        assert!(fate.failed().is_some());
+        assert!(matches!(which(&lane).await, Err(Failure::Unavailable(_))));
+    }
+
+    #[tokio::test]
+    async fn a_busy_cell_is_not_abandoned() {
+        let fate = Arc::new(Fate::default());
+        let (lane, _) = lane(fate.clone());
+        // A job that takes a good part of its budget, and one queued behind it: both answer, and
+        // the second still gets its whole budget once it runs.
+        let slow = lane.call(Duration::from_secs(2), |_| {
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok(1)
+            })
+        });
+        let queued = lane.call(Duration::from_secs(2), |b| {
+            Box::pin(async move { Ok(b.made) })
+        });
+        let (a, b) = tokio::join!(slow, queued);
+        assert_eq!(a.unwrap(), 1);
+        assert_eq!(b.unwrap(), 1);
+        assert_eq!(fate.abandoned(), 0);
+    }
+}

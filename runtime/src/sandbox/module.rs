@@ -1,0 +1,464 @@
+//! A running module: its two lanes of cells, the calls the host makes into it, and the checks
+//! on every answer.
+//!
+//! Kubelet calls (Allocate, preferred, prestart) and health work (enumerate) go to two separate
+//! instances, each in a cell of its own, so an Allocate never queues behind an enumeration and a
+//! host call stuck in one lane never blocks the other. The price is that a module must not rely on
+//! state shared between `enumerate` and `allocate`; the SDK says so.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use wasmtime::{Store, StoreLimitsBuilder};
+
+use super::bindings::v0_1::{DevicePlugin, wit};
+use super::budget::Budget;
+use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture};
+use super::error::{CallError, CallKind, LoadError};
+use super::host::HostState;
+use super::loader::{LoadedModule, ModuleInterface};
+use super::types::{ContainerEdits, Device, PluginError, ResourceInfo};
+use super::validate;
+use crate::config::Grants;
+
+#[derive(Default)]
+struct Counters {
+    traps: AtomicU64,
+    deadlines: AtomicU64,
+    violations: AtomicU64,
+    errors: AtomicU64,
+    unavailable: AtomicU64,
+}
+
+/// How often calls into a module failed, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModuleStats {
+    pub traps: u64,
+    pub deadlines: u64,
+    /// Answers refused because they broke a rule (see [`super::validate`]).
+    pub violations: u64,
+    /// Errors the module reported itself.
+    pub errors: u64,
+    /// Calls refused while the module was down (crashed, backing off, failed).
+    pub unavailable: u64,
+    /// Cells abandoned because a call was stuck in a host call past its deadline.
+    #[serde(default)]
+    pub abandoned_cells: u64,
+}
+
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+const MAX_INSTANCES: usize = 64;
+const MAX_MEMORIES: usize = 8;
+const MAX_TABLES: usize = 64;
+
+/// One instance of the module, owned by one cell.
+pub struct Instance {
+    store: Store<HostState>,
+    plugin: DevicePlugin,
+    resources: Vec<ResourceInfo>,
+}
+
+/// A cheap handle to a running module. Clones share its cells.
+#[derive(Clone)]
+pub struct ModuleHandle {
+    name: Arc<str>,
+    digest: Arc<str>,
+    health_deadline: Duration,
+    grants: Arc<Grants>,
+    host_root: Arc<PathBuf>,
+    interface: Arc<ModuleInterface>,
+    stats: Arc<Counters>,
+    deadline: Duration,
+    resources: Arc<[ResourceInfo]>,
+    /// Allocate, preferred and prestart.
+    kubelet: Lane<Instance>,
+    /// Enumeration for the device watchers.
+    health: Lane<Instance>,
+    fate: Arc<Fate>,
+    budget: Arc<Budget>,
+}
+
+impl ModuleHandle {
+    /// Starts the module's cells, instantiates it and calls `init` with its config (in its
+    /// kubelet cell, under its call deadline). The health cell instantiates on its first call.
+    pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
+        let name = module.name.clone();
+        let deadline = module.spec.call_deadline;
+        let budget = Arc::new(Budget::new(module.spec.host_memory));
+        let module = Arc::new(module);
+        let config: Arc<str> = module.spec.config.to_string().into();
+        let factory: Factory<Instance> = {
+            let module = module.clone();
+            Arc::new(move || {
+                let (module, config) = (module.clone(), config.clone());
+                Box::pin(async move { instantiate(&module, &config).await })
+            })
+        };
+        let fate = Arc::new(Fate::default());
+        let lane = |label| {
+            Lane::new(name.clone(), label, factory.clone(), deadline, fate.clone()).map_err(|e| {
+                LoadError::Invalid {
+                    module: name.to_string(),
+                    message: format!("cannot start a cell thread: {e}"),
+                }
+            })
+        };
+        let (kubelet, health) = (lane("kubelet")?, lane("health")?);
+        let init_error = |source| LoadError::Init {
+            module: name.to_string(),
+            source,
+        };
+        let resources = kubelet
+            .call(deadline, |i: &mut Instance| {
+                let resources = i.resources.clone();
+                Box::pin(async move { Ok(resources) })
+            })
+            .await
+            .map_err(|failure| {
+                init_error(match failure {
+                    Failure::Instantiate {
+                        init_error: Some(error),
+                        ..
+                    } => CallError::Plugin {
+                        module: name.to_string(),
+                        call: CallKind::Init,
+                        error,
+                    },
+                    Failure::Deadline => CallError::Deadline {
+                        module: name.to_string(),
+                        call: CallKind::Init,
+                        deadline,
+                    },
+                    other => CallError::Trap {
+                        module: name.to_string(),
+                        call: CallKind::Init,
+                        message: failure_message(other),
+                    },
+                })
+            })?;
+        Ok(ModuleHandle {
+            name,
+            digest: module.digest.as_str().into(),
+            health_deadline: module.spec.health_deadline,
+            grants: module.grants.clone(),
+            host_root: module.host_root.clone(),
+            interface: Arc::new(module.interface.clone()),
+            stats: Arc::default(),
+            deadline,
+            resources: resources.into(),
+            kubelet,
+            health,
+            fate,
+            budget,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// sha256 of the module file this instance was compiled from.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// The WIT version and imports of the module's component.
+    pub fn interface(&self) -> &ModuleInterface {
+        &self.interface
+    }
+
+    /// The resources the module declared at `init`.
+    pub fn resources(&self) -> &[ResourceInfo] {
+        &self.resources
+    }
+
+    /// The resource's devices, checked and charged to the module's host-memory budget (the
+    /// snapshot the host keeps is what it costs).
+    pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
+        let owned = resource.to_owned();
+        let devices = self
+            .call(
+                &self.health,
+                CallKind::Enumerate,
+                self.health_deadline,
+                move |i| {
+                    Box::pin(async move {
+                        let r = i.plugin.devicelet_plugin_plugin();
+                        r.call_enumerate(&mut i.store, &owned).await
+                    })
+                },
+                |found| {
+                    let devices: Vec<Device> = found.into_iter().map(Device::from).collect();
+                    validate::devices(&devices).map(|()| devices)
+                },
+            )
+            .await?;
+        self.check(
+            CallKind::Enumerate,
+            self.budget.charge(resource, super::budget::cost(&devices)),
+        )?;
+        Ok(devices)
+    }
+
+    /// Forgets what the host keeps for `resource` (it is no longer served).
+    pub fn release(&self, resource: &str) {
+        self.budget.release(resource);
+    }
+
+    pub async fn allocate(
+        &self,
+        resource: &str,
+        ids: Vec<String>,
+    ) -> Result<ContainerEdits, CallError> {
+        let resource = resource.to_owned();
+        let (grants, root) = (self.grants.clone(), self.host_root.clone());
+        self.call(
+            &self.kubelet,
+            CallKind::Allocate,
+            self.deadline,
+            move |i| {
+                Box::pin(async move {
+                    let r = i.plugin.devicelet_plugin_plugin();
+                    r.call_allocate(&mut i.store, &resource, &ids).await
+                })
+            },
+            // Resolving device nodes and mount sources is file-system work: it runs in the cell.
+            move |edits| {
+                let edits = ContainerEdits::from(edits);
+                validate::edits(&edits, &grants)?;
+                validate::resolve_edits(&edits, &grants, &root)?;
+                Ok(edits)
+            },
+        )
+        .await
+    }
+
+    pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
+        let resource = resource.to_owned();
+        self.call(
+            &self.kubelet,
+            CallKind::Prestart,
+            self.deadline,
+            move |i| {
+                Box::pin(async move {
+                    let r = i.plugin.devicelet_plugin_plugin();
+                    r.call_prestart(&mut i.store, &resource, &ids).await
+                })
+            },
+            Ok,
+        )
+        .await
+    }
+
+    pub async fn preferred(
+        &self,
+        resource: &str,
+        available: Vec<String>,
+        must_include: Vec<String>,
+        size: u32,
+    ) -> Result<Vec<String>, CallError> {
+        let resource = resource.to_owned();
+        let offered = available.clone();
+        let size_limit = usize::try_from(size).unwrap_or(usize::MAX);
+        self.call(
+            &self.kubelet,
+            CallKind::Preferred,
+            self.deadline,
+            move |i| {
+                Box::pin(async move {
+                    let r = i.plugin.devicelet_plugin_plugin();
+                    r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
+                        .await
+                })
+            },
+            move |chosen| validate::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
+        )
+        .await
+    }
+
+    /// What went wrong with this module so far, for status and metrics.
+    pub fn stats(&self) -> ModuleStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ModuleStats {
+            traps: get(&self.stats.traps),
+            deadlines: get(&self.stats.deadlines),
+            violations: get(&self.stats.violations),
+            errors: get(&self.stats.errors),
+            unavailable: get(&self.stats.unavailable),
+            abandoned_cells: u64::from(self.fate.abandoned()),
+        }
+    }
+
+    /// Why the module no longer runs at all (too many cells stuck in host calls); it stays so
+    /// until its file or its registry entry changes.
+    pub fn failure(&self) -> Option<String> {
+        self.fate.failed()
+    }
+
+    /// Bytes of host memory its answers hold now, and its budget.
+    pub fn host_memory(&self) -> (usize, usize) {
+        (self.budget.used(), self.budget.limit())
+    }
+
+    /// Turns a broken rule into a counted, logged call error.
+    fn check(
+        &self,
+        call: CallKind,
+        verdict: Result<(), validate::Violation>,
+    ) -> Result<(), CallError> {
+        verdict.map_err(|message| {
+            self.stats.violations.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(module = &*self.name, %call, "refused the module's answer: {message}");
+            CallError::InvalidOutput {
+                module: self.name.to_string(),
+                call,
+                message,
+            }
+        })
+    }
+
+    fn count(&self, e: &CallError) {
+        let counter = match e {
+            CallError::Plugin { .. } => &self.stats.errors,
+            CallError::Trap { .. } => &self.stats.traps,
+            CallError::Deadline { .. } => &self.stats.deadlines,
+            CallError::InvalidOutput { .. } => &self.stats.violations,
+            CallError::Unavailable { .. } => &self.stats.unavailable,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Runs `f` in `lane`'s cell, then `check` on its answer there too (the checks that touch the
+    /// file system must not run on the agent's workers), and waits, never past the deadline.
+    async fn call<T, U, F, C>(
+        &self,
+        lane: &Lane<Instance>,
+        kind: CallKind,
+        deadline: Duration,
+        f: F,
+        check: C,
+    ) -> Result<U, CallError>
+    where
+        T: 'static,
+        U: Send + 'static,
+        F: for<'a> FnOnce(
+                &'a mut Instance,
+            )
+                -> LocalBoxFuture<'a, wasmtime::Result<Result<T, wit::PluginError>>>
+            + Send
+            + 'static,
+        C: FnOnce(T) -> Result<U, validate::Violation> + Send + 'static,
+    {
+        let answer = lane
+            .call(deadline, move |i| {
+                Box::pin(async move {
+                    match f(i).await {
+                        Ok(Ok(v)) => check(v).map_err(Failure::Violation),
+                        Ok(Err(e)) => Err(Failure::Plugin(e.into())),
+                        Err(trap) => Err(Failure::Trap(format!("{trap:#}"))),
+                    }
+                })
+            })
+            .await;
+        let module = self.name.to_string();
+        let result = answer.map_err(|failure| match failure {
+            Failure::Plugin(error) => CallError::Plugin {
+                module,
+                call: kind,
+                error,
+            },
+            Failure::Trap(message) => CallError::Trap {
+                module,
+                call: kind,
+                message,
+            },
+            Failure::Deadline => CallError::Deadline {
+                module,
+                call: kind,
+                deadline,
+            },
+            Failure::Unavailable(reason) => CallError::Unavailable { module, reason },
+            Failure::Violation(message) => {
+                tracing::warn!(module, %kind, "refused the module's answer: {message}");
+                CallError::InvalidOutput {
+                    module,
+                    call: kind,
+                    message,
+                }
+            }
+            instantiate @ Failure::Instantiate { .. } => CallError::Unavailable {
+                module,
+                reason: format!("re-instantiation failed: {}", failure_message(instantiate)),
+            },
+        });
+        if let Err(e) = &result {
+            self.count(e);
+        }
+        result
+    }
+}
+
+fn failure_message(failure: Failure) -> String {
+    match failure {
+        Failure::Plugin(e) => e.to_string(),
+        Failure::Trap(m) | Failure::Unavailable(m) | Failure::Violation(m) => m,
+        Failure::Instantiate { message, .. } => message,
+        Failure::Deadline => "missed its deadline".into(),
+    }
+}
+
+/// A fresh store and instance with the module's limits, initialised with its config. Runs in a
+/// cell; the cell bounds it by the module's call deadline.
+async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance, Failure> {
+    // The memory limit applies to each linear memory, so the number of memories, tables and
+    // instances is bounded too; tables are capped far above what compiled Rust needs.
+    let limits = StoreLimitsBuilder::new()
+        .memory_size(usize::try_from(module.spec.memory_limit).unwrap_or(usize::MAX))
+        .table_elements(MAX_TABLE_ELEMENTS)
+        .instances(MAX_INSTANCES)
+        .memories(MAX_MEMORIES)
+        .tables(MAX_TABLES)
+        .trap_on_grow_failure(true)
+        .build();
+    let state = HostState::new(
+        module.name.clone(),
+        module.host_root.clone(),
+        module.grants.clone(),
+        limits,
+    );
+    let mut store = Store::new(module.pre.engine(), state);
+    store.limiter(|s| &mut s.limits);
+    // Yield to the cell's runtime at every epoch tick, so the deadline can fire.
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_async_yield_and_update(1);
+    let trapped = |e: wasmtime::Error| Failure::Instantiate {
+        message: format!("{e:#}"),
+        init_error: None,
+    };
+    let plugin = module
+        .pre
+        .instantiate_async(&mut store)
+        .await
+        .map_err(trapped)?;
+    match plugin
+        .devicelet_plugin_plugin()
+        .call_init(&mut store, config)
+        .await
+        .map_err(trapped)?
+    {
+        Err(e) => {
+            let error = PluginError::from(e);
+            Err(Failure::Instantiate {
+                message: error.to_string(),
+                init_error: Some(error),
+            })
+        }
+        Ok(resources) => Ok(Instance {
+            store,
+            plugin,
+            resources: resources.into_iter().map(ResourceInfo::from).collect(),
+        }),
+    }
+}
