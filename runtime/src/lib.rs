@@ -7,6 +7,7 @@ pub mod agent;
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod device;
 pub mod digest;
 pub mod files;
 pub mod fixture;

@@ -5,13 +5,9 @@
 //! broken vendor module never takes the node's other device types down.
 
 mod dev_watch;
-mod health;
-mod kubelet_watch;
-mod lifecycle;
 mod modules;
 mod reconcile;
 mod reload;
-mod resource;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -29,8 +25,9 @@ use crate::ledger::Ledger;
 use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
 
+pub use crate::kubelet::resource::{ServedResource, qualify};
+use crate::kubelet::{dir_watch, resource};
 pub use modules::start_module;
-pub use resource::{ServedResource, qualify};
 
 /// Where the agent serves, what it serves and where it keeps its state.
 #[derive(Debug, Clone)]
@@ -83,10 +80,9 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn serving<'a>(&'a self, host_root: &'a Path) -> resource::Serving<'a> {
+    fn serving(&self) -> resource::Serving<'_> {
         resource::Serving {
             plugin_dir: &self.plugin_dir,
-            host_root,
             instance: &self.instance,
             kubelet_events: &self.kubelet_events,
             ledger: &self.ledger,
@@ -123,15 +119,21 @@ impl Shared {
     /// each naming its module.
     async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> Vec<String> {
         let mut starting = JoinSet::new();
+        let mut tasks = BTreeMap::new();
         for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
             let (shared, spec, root) = (self.clone(), spec.clone(), registry.host_root.clone());
-            starting.spawn(async move { shared.start_module(&spec, &root).await });
+            let name = spec.name.clone();
+            let task = starting.spawn(async move { shared.start_module(&spec, &root).await });
+            tasks.insert(task.id(), name);
         }
         let mut errors = Vec::new();
-        while let Some(done) = starting.join_next().await {
+        while let Some(done) = starting.join_next_with_id().await {
             match done {
-                Ok(problems) => errors.extend(problems),
-                Err(e) => errors.push(format!("starting a module failed: {e}")),
+                Ok((_, problems)) => errors.extend(problems),
+                Err(e) => {
+                    let module = tasks.get(&e.id()).map_or("?", String::as_str);
+                    errors.push(format!("module `{module}`: starting it failed: {e}"));
+                }
             }
         }
         errors.sort();
@@ -156,10 +158,13 @@ impl Shared {
         // Claiming resource names and serving them is quick (the first enumeration runs in each
         // resource's own task) and done one module at a time, so two modules can never both
         // claim a name.
-        let _claiming = self.claiming.lock().await;
+        // The old version (on an upgrade) stops first, outside the claim: a sick one that takes
+        // its time stopping delays nobody else.
         self.stop_module(&spec.name).await;
+        let _claiming = self.claiming.lock().await;
         let taken = self.served_names();
-        let (running, errors) = modules::serve_all(handle, spec, &self.serving(host_root), &taken);
+        let (running, errors) =
+            modules::serve_all(handle, spec, host_root, &self.serving(), &taken);
         for r in &running.resources {
             tracing::info!(module = spec.name, resource = r.served.name, "serving");
         }
@@ -189,7 +194,7 @@ pub struct Agent {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     tasks: JoinSet<()>,
-    _kubelet_watch: kubelet_watch::KubeletWatch,
+    _kubelet_watch: dir_watch::KubeletWatch,
 }
 
 impl Agent {
@@ -201,7 +206,7 @@ impl Agent {
         std::fs::create_dir_all(&options.plugin_dir)
             .with_context(|| format!("creating {}", options.plugin_dir.display()))?;
         remove_stale_sockets(&options.plugin_dir, &instance);
-        let kubelet_watch = kubelet_watch::watch_plugin_dir(&options.plugin_dir)
+        let kubelet_watch = dir_watch::watch_plugin_dir(&options.plugin_dir)
             .with_context(|| format!("watching {}", options.plugin_dir.display()))?;
         let ledger = match &options.state_dir {
             Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,

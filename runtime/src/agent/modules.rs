@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use wasmtime::Engine;
 
-use super::resource::{self, RunningResource, Serving};
 use crate::config::ModuleSpec;
+use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::loader::load;
 use crate::sandbox::{LoadError, ModuleHandle};
@@ -23,6 +23,9 @@ pub struct RunningModule {
 
 impl RunningModule {
     pub async fn stop(self) {
+        for r in &self.resources {
+            r.signal_stop();
+        }
         for r in self.resources {
             r.stop(&self.handle).await;
         }
@@ -57,6 +60,7 @@ const MAX_RESOURCES: usize = 64;
 pub fn serve_all(
     handle: ModuleHandle,
     spec: &ModuleSpec,
+    host_root: &Path,
     at: &Serving<'_>,
     taken: &BTreeMap<String, String>,
 ) -> (RunningModule, Vec<String>) {
@@ -86,7 +90,12 @@ pub fn serve_all(
             errors.push(format!("module `{}` declared {name} twice", spec.name));
             continue;
         }
-        match resource::serve(&handle, spec, info, at) {
+        let owner = Owner {
+            module: &spec.name,
+            resource_domain: &spec.resource_domain,
+            health_interval: spec.health_interval,
+        };
+        match resource::serve(&handle, &owner, info, at) {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
                 LoadError::Invalid {
@@ -98,7 +107,7 @@ pub fn serve_all(
         }
     }
     let pokes = resources.iter().map(|r| r.poke.clone()).collect();
-    let dev_watch = super::dev_watch::watch(at.host_root, &spec.grants, pokes);
+    let dev_watch = super::dev_watch::watch(host_root, &spec.grants, pokes);
     (
         RunningModule {
             spec: spec.clone(),

@@ -167,7 +167,7 @@ fn context_switches() -> u64 {
 }
 
 /// `n` Allocate calls, each timed on its own.
-async fn measure(
+pub(super) async fn measure(
     client: &mut DevicePluginClient<Channel>,
     request: &AllocateRequest,
     n: usize,

@@ -21,9 +21,12 @@ pub const HEALTH_INTERVAL_MAX: Duration = Duration::from_secs(60 * 60);
 pub const DEFAULT_CALL_DEADLINE: Duration = Duration::from_secs(2);
 /// A deadline below a millisecond cannot be enforced meaningfully by epoch interruption.
 pub const CALL_DEADLINE_MIN: Duration = Duration::from_millis(1);
-/// The kubelet gives `PreStartContainer` 30s in all (`KubeletPreStartContainerRPCTimeoutInSecs`);
-/// a module call must leave room for devicelet's own work and the reply inside that budget.
-pub const CALL_DEADLINE_MAX: Duration = Duration::from_secs(25);
+/// The kubelet gives `PreStartContainer` 30s in all (`KubeletPreStartContainerRPCTimeoutInSecs`).
+/// A kubelet call may wait one deadline to start, may need a fresh instance (whose `init` gets
+/// one deadline) and then runs for one: three deadlines must fit inside those 30s.
+pub const CALL_DEADLINE_MAX: Duration = Duration::from_secs(10);
+/// Health work (`enumerate`) is not on the kubelet's path, so it may take longer.
+pub const HEALTH_DEADLINE_MAX: Duration = Duration::from_secs(60);
 
 /// Linear memory a module may grow to when the registry does not say.
 pub const DEFAULT_MEMORY_LIMIT: u64 = 64 * 1024 * 1024;

@@ -19,7 +19,7 @@
 //! path = "generic_dev.wasm"              # relative to this file's directory
 //! resource-domain = "devicelet.io"       # per-module override
 //! health-interval = "5s"                 # 100ms ..= 1h
-//! call-deadline = "2s"                   # 1ms ..= 25s
+//! call-deadline = "2s"                   # 1ms ..= 10s
 //! memory-limit = "64MiB"                 # 1MiB ..= 4GiB
 //! # sha256 = "<64 hex digits>"           # checked against the module file when given
 //!

@@ -10,8 +10,8 @@ use super::grants::{self, Grants};
 use super::json;
 use super::limits::{
     CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
-    DEFAULT_HOST_MEMORY, DEFAULT_MEMORY_LIMIT, HEALTH_INTERVAL_MAX, HEALTH_INTERVAL_MIN,
-    HOST_MEMORY_MAX, HOST_MEMORY_MIN, MEMORY_LIMIT_MAX, MEMORY_LIMIT_MIN,
+    DEFAULT_HOST_MEMORY, DEFAULT_MEMORY_LIMIT, HEALTH_DEADLINE_MAX, HEALTH_INTERVAL_MAX,
+    HEALTH_INTERVAL_MIN, HOST_MEMORY_MAX, HOST_MEMORY_MIN, MEMORY_LIMIT_MAX, MEMORY_LIMIT_MIN,
 };
 use super::names;
 use super::units;
@@ -109,7 +109,7 @@ pub(super) fn parse(
                 call_deadline = duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?
             }
             "health-deadline" => {
-                health_deadline = Some(duration(node, CALL_DEADLINE_MIN, CALL_DEADLINE_MAX)?)
+                health_deadline = Some(duration(node, CALL_DEADLINE_MIN, HEALTH_DEADLINE_MAX)?)
             }
             "memory-limit" => memory_limit = size(node, MEMORY_LIMIT_MIN, MEMORY_LIMIT_MAX)?,
             "host-memory" => host_memory = size(node, HOST_MEMORY_MIN, HOST_MEMORY_MAX)?,

@@ -1,8 +1,24 @@
-//! Everything the kubelet sees of us, and the simulator that stands in for it.
+//! Everything the kubelet sees of us: the generated APIs, one gRPC server per resource,
+//! registration, restart handling and each resource's lifecycle, all written against the
+//! [`backend::DeviceBackend`] trait and free of WebAssembly. The simulator that stands in for the
+//! kubelet lives here too.
+//!
+//! One Allocate, end to end: the kubelet dials the resource's socket ([`lifecycle`] serves it) and
+//! calls [`plugin_server::ResourcePlugin`]'s `allocate`, which asks the backend
+//! (`sandbox::ModuleHandle`, in `sandbox/module.rs`): the call crosses to the module's kubelet
+//! cell (`sandbox/cell.rs`), runs the guest's `allocate` through the bindings
+//! (`sandbox/bindings.rs`), has its answer checked there (`sandbox/validate.rs`) and comes back as
+//! [`crate::device::ContainerEdits`], which `plugin_server` records in the ledger and turns into
+//! the kubelet's response.
 
 pub mod api;
+pub mod backend;
+pub mod dir_watch;
+pub mod lifecycle;
 pub mod names;
 pub mod plugin_server;
 pub mod registration;
+pub mod resource;
 pub mod simulator;
 pub mod uds;
+pub mod watcher;

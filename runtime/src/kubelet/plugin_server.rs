@@ -10,20 +10,20 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::api::deviceplugin as api;
+use super::backend::{BackendError, DeviceBackend};
+use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
-use crate::sandbox::{CallError, ContainerEdits, Device, Health, ModuleHandle};
 
 /// The device set the kubelet sees: replaced as a whole whenever anything in it changes.
 pub type Snapshot = Arc<Vec<Device>>;
 
 /// What the kubelet reaches through one socket.
-#[derive(Clone)]
-pub struct ResourcePlugin {
+pub struct ResourcePlugin<B> {
     /// The extended resource name, as the kubelet and the ledger know it.
     resource: Arc<str>,
-    /// The module's own name for the resource (what it declared in `init`).
+    /// The backend's own name for the resource (what the module declared in `init`).
     local: Arc<str>,
-    module: ModuleHandle,
+    backend: B,
     options: api::DevicePluginOptions,
     devices: watch::Receiver<Snapshot>,
     ledger: Ledger,
@@ -31,11 +31,25 @@ pub struct ResourcePlugin {
     stop: watch::Receiver<bool>,
 }
 
-impl ResourcePlugin {
+impl<B: Clone> Clone for ResourcePlugin<B> {
+    fn clone(&self) -> Self {
+        ResourcePlugin {
+            resource: self.resource.clone(),
+            local: self.local.clone(),
+            backend: self.backend.clone(),
+            options: self.options,
+            devices: self.devices.clone(),
+            ledger: self.ledger.clone(),
+            stop: self.stop.clone(),
+        }
+    }
+}
+
+impl<B: DeviceBackend> ResourcePlugin<B> {
     pub fn new(
         resource: &str,
         local: &str,
-        module: ModuleHandle,
+        backend: B,
         options: api::DevicePluginOptions,
         devices: watch::Receiver<Snapshot>,
         ledger: Ledger,
@@ -44,7 +58,7 @@ impl ResourcePlugin {
         ResourcePlugin {
             resource: resource.into(),
             local: local.into(),
-            module,
+            backend,
             options,
             devices,
             ledger,
@@ -53,16 +67,12 @@ impl ResourcePlugin {
     }
 }
 
-/// Module failures reach the kubelet (and so the pod's events) with the module named.
-fn status(e: CallError) -> Status {
+/// Backend failures reach the kubelet (and so the pod's events) with the module named.
+fn status(e: BackendError) -> Status {
     match e {
-        CallError::Plugin { .. } | CallError::InvalidOutput { .. } => {
-            Status::internal(e.to_string())
-        }
-        CallError::Deadline { .. } => Status::deadline_exceeded(e.to_string()),
-        CallError::Trap { .. } | CallError::Unavailable { .. } => {
-            Status::unavailable(e.to_string())
-        }
+        BackendError::Failed(m) => Status::internal(m),
+        BackendError::Deadline(m) => Status::deadline_exceeded(m),
+        BackendError::Unavailable(m) => Status::unavailable(m),
     }
 }
 
@@ -121,7 +131,7 @@ fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
 type SnapshotStream = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
-impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
+impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugin<B> {
     async fn get_device_plugin_options(
         &self,
         _: Request<api::Empty>,
@@ -162,7 +172,7 @@ impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
             let size = u32::try_from(c.allocation_size)
                 .map_err(|_| Status::invalid_argument("allocation_size is negative"))?;
             let ids = self
-                .module
+                .backend
                 .preferred(
                     &self.local,
                     c.available_device_i_ds,
@@ -186,7 +196,7 @@ impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
         let mut container_responses = Vec::new();
         for c in request.into_inner().container_requests {
             let edits = self
-                .module
+                .backend
                 .allocate(&self.local, c.devices_ids.clone())
                 .await
                 .map_err(status)?;
@@ -202,7 +212,7 @@ impl api::device_plugin_server::DevicePlugin for ResourcePlugin {
         &self,
         request: Request<api::PreStartContainerRequest>,
     ) -> Result<Response<api::PreStartContainerResponse>, Status> {
-        self.module
+        self.backend
             .prestart(&self.local, request.into_inner().devices_ids)
             .await
             .map_err(status)?;

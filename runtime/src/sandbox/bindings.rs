@@ -16,7 +16,7 @@ pub mod v0_1 {
 
 use v0_1::wit;
 
-use super::types::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};
+use crate::device::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};
 
 /// The interfaces a v0.1 module may import, each linked only when granted. A module built
 /// against any `0.1.x` matches them: a minor version only adds, and wasmtime's linker resolves

@@ -9,8 +9,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::types::Device;
 use super::validate::Violation;
+use crate::device::Device;
 
 /// Most bytes one device's entry may take: an ID, NUMA nodes and a few attributes fit many times.
 pub const MAX_DEVICE_BYTES: usize = 16 * 1024;

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::engine::EPOCH_TICK;
-use super::types::PluginError;
+use crate::device::PluginError;
 
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 
@@ -44,6 +44,18 @@ pub const MAX_ABANDONED: u32 = 4;
 /// How late past a job's own deadline its caller still waits for the cell's answer: the cell's
 /// timer needs a tick to see the guest yield.
 const ANSWER_SLACK: Duration = Duration::from_millis(3 * EPOCH_TICK.as_millis() as u64);
+
+/// How much lower a background cell's thread runs than the agent's own threads (a nice value):
+/// a module spinning through its health work until the deadline then leaves the CPU to the
+/// kubelet's calls on a busy node.
+const BACKGROUND_NICE: libc::c_int = 10;
+
+/// Whether a lane's cells serve the kubelet (normal priority) or do background work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    Kubelet,
+    Background,
+}
 
 /// First wait before re-instantiating a crashed module; doubles on every crash in a row.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -81,11 +93,38 @@ struct Job<S> {
     refuse: Box<dyn FnOnce(Failure) + Send>,
 }
 
+/// The job a cell is running, and by when it should have ended.
+#[derive(Default)]
+struct Running {
+    now: Mutex<Option<(u64, Instant)>>,
+}
+
+impl Running {
+    fn start(&self, id: u64, until: Instant) {
+        *self.now.lock().unwrap_or_else(|p| p.into_inner()) = Some((id, until));
+    }
+
+    fn end(&self) {
+        *self.now.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn get(&self) -> Option<(u64, Instant)> {
+        *self.now.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the running job is past its end by more than [`STUCK_GRACE`]: its thread is
+    /// blocked where the runtime cannot reach it.
+    fn stuck(&self, id: Option<u64>) -> bool {
+        self.get().is_some_and(|(running, until)| {
+            id.is_none_or(|id| id == running) && Instant::now() > until + STUCK_GRACE
+        })
+    }
+}
+
 /// One thread and its channel. Dropping every sender ends the thread after its current job.
 struct Cell<S> {
     jobs: mpsc::Sender<Job<S>>,
-    /// The id of the job running now; 0 while idle.
-    running: Arc<AtomicU64>,
+    running: Arc<Running>,
     generation: u64,
 }
 
@@ -128,6 +167,7 @@ struct LaneState<S> {
 struct LaneInner<S> {
     module: Arc<str>,
     label: &'static str,
+    priority: Priority,
     factory: Factory<S>,
     init_deadline: Duration,
     fate: Arc<Fate>,
@@ -149,20 +189,22 @@ impl<S> Clone for Lane<S> {
 }
 
 impl<S: 'static> Lane<S> {
-    /// A lane whose first cell starts now, with `first` as its occupant (or instantiating on the
-    /// first job when None). `init_deadline` bounds each instantiation.
+    /// A lane whose first cell starts now; the cell instantiates on its first job, within
+    /// `init_deadline`.
     pub fn new(
         module: Arc<str>,
         label: &'static str,
+        priority: Priority,
         factory: Factory<S>,
         init_deadline: Duration,
         fate: Arc<Fate>,
     ) -> std::io::Result<Lane<S>> {
-        let cell = spawn_cell(&module, label, factory.clone(), init_deadline, 0)?;
+        let cell = spawn_cell(&module, label, priority, factory.clone(), init_deadline, 0)?;
         Ok(Lane {
             inner: Arc::new(LaneInner {
                 module,
                 label,
+                priority,
                 factory,
                 init_deadline,
                 fate,
@@ -225,12 +267,16 @@ impl<S: 'static> Lane<S> {
             refuse,
         };
         match tokio::time::timeout_at(start_by, cell.jobs.send(job)).await {
-            Err(_) => return Err(Failure::Deadline),
-            Ok(Err(_)) => return Err(Failure::Unavailable("its cell has stopped".into())),
+            Err(_) => return Err(self.start_timed_out(&cell)),
+            Ok(Err(_)) => {
+                // The cell's thread is gone (it panicked): a fresh cell takes the next call.
+                self.abandon(cell.generation);
+                return Err(Failure::Unavailable("its cell has stopped".into()));
+            }
             Ok(Ok(())) => {}
         }
         let until = match tokio::time::timeout_at(start_by, started).await {
-            Err(_) => return Err(Failure::Deadline),
+            Err(_) => return Err(self.start_timed_out(&cell)),
             // Refused or dropped before it started: the answer, if any, is waiting.
             Ok(Err(_)) => {
                 return reply
@@ -256,10 +302,20 @@ impl<S: 'static> Lane<S> {
         let lane = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep_until(at).await;
-            if cell.running.load(Ordering::Acquire) == id {
+            if cell.running.stuck(Some(id)) {
                 lane.abandon(cell.generation);
             }
         });
+    }
+
+    /// A job waited its whole deadline to start. Whatever holds the cell may be a job nobody waits
+    /// for any more (its caller was cancelled): if it is stuck past its own end, the cell is
+    /// abandoned here, so a lane never stays blocked for want of a watching caller.
+    fn start_timed_out(&self, cell: &Cell<S>) -> Failure {
+        if cell.running.stuck(None) {
+            self.abandon(cell.generation);
+        }
+        Failure::Deadline
     }
 
     fn abandon(&self, generation: u64) {
@@ -289,6 +345,7 @@ impl<S: 'static> Lane<S> {
         match spawn_cell(
             &inner.module,
             inner.label,
+            inner.priority,
             inner.factory.clone(),
             inner.init_deadline,
             state.generation,
@@ -306,19 +363,28 @@ impl<S: 'static> Lane<S> {
 fn spawn_cell<S: 'static>(
     module: &Arc<str>,
     label: &'static str,
+    priority: Priority,
     factory: Factory<S>,
     init_deadline: Duration,
     generation: u64,
 ) -> std::io::Result<Cell<S>> {
     let (jobs, rx) = mpsc::channel(QUEUE);
-    let running = Arc::new(AtomicU64::new(0));
+    let running = Arc::new(Running::default());
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+        .enable_all()
         .build()?;
     let (name, marker) = (module.clone(), running.clone());
     std::thread::Builder::new()
         .name(format!("cell-{label}-{module}"))
         .spawn(move || {
+            if priority == Priority::Background {
+                // On Linux a nice value is per thread: `who = 0` is the calling thread. Failing
+                // to lower our own priority changes nothing else, so it is only logged.
+                // SAFETY: setpriority has no memory-safety preconditions.
+                if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, BACKGROUND_NICE) } != 0 {
+                    tracing::debug!(module = &*name, "cannot lower the health cell's priority");
+                }
+            }
             runtime.block_on(serve(name, factory, init_deadline, rx, marker));
         })?;
     Ok(Cell {
@@ -352,7 +418,7 @@ async fn serve<S>(
     factory: Factory<S>,
     init_deadline: Duration,
     mut jobs: mpsc::Receiver<Job<S>>,
-    running: Arc<AtomicU64>,
+    running: Arc<Running>,
 ) {
     let mut occupant: Option<S> = None;
     let mut backoff = Backoff {
@@ -373,11 +439,15 @@ async fn serve<S>(
             )));
             continue;
         }
-        running.store(job.id, Ordering::Release);
         let fresh = occupant.is_none();
         let until =
             Instant::now() + job.budget + if fresh { init_deadline } else { Duration::ZERO };
-        let _ = job.started.send(until);
+        running.start(job.id, until);
+        if job.started.send(until).is_err() {
+            // The caller gave up between our check and now: nobody waits for this job.
+            running.end();
+            continue;
+        }
         if fresh {
             match tokio::time::timeout(init_deadline, factory()).await {
                 Ok(Ok(made)) => {
@@ -390,7 +460,7 @@ async fn serve<S>(
                 Ok(Err(failure)) => {
                     backoff.crashed();
                     (job.refuse)(failure);
-                    running.store(0, Ordering::Release);
+                    running.end();
                     continue;
                 }
                 Err(_) => {
@@ -399,7 +469,7 @@ async fn serve<S>(
                         message: format!("init missed its {init_deadline:?} deadline"),
                         init_error: None,
                     });
-                    running.store(0, Ordering::Release);
+                    running.end();
                     continue;
                 }
             }
@@ -423,7 +493,7 @@ async fn serve<S>(
         } else {
             backoff.succeeded();
         }
-        running.store(0, Ordering::Release);
+        running.end();
     }
 }
 
@@ -444,7 +514,15 @@ mod tests {
             let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
             Box::pin(async move { Ok(Blocker { made: n }) })
         });
-        let lane = Lane::new("m".into(), "test", factory, Duration::from_secs(1), fate).unwrap();
+        let lane = Lane::new(
+            "m".into(),
+            "test",
+            Priority::Kubelet,
+            factory,
+            Duration::from_secs(1),
+            fate,
+        )
+        .unwrap();
         (lane, made)
     }
 
@@ -511,20 +589,47 @@ mod tests {
     async fn a_busy_cell_is_not_abandoned() {
         let fate = Arc::new(Fate::default());
         let (lane, _) = lane(fate.clone());
-        // A job that takes a good part of its budget, and one queued behind it: both answer, and
-        // the second still gets its whole budget once it runs.
+        // A job well within its 2 s budget holds the cell for 600 ms; a call queued behind it
+        // with a 100 ms deadline gives up waiting to start. The cell is busy, not stuck: it is
+        // kept, and answers once the slow job is done.
         let slow = lane.call(Duration::from_secs(2), |_| {
             Box::pin(async {
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                tokio::time::sleep(Duration::from_millis(600)).await;
                 Ok(1)
             })
         });
-        let queued = lane.call(Duration::from_secs(2), |b| {
-            Box::pin(async move { Ok(b.made) })
-        });
-        let (a, b) = tokio::join!(slow, queued);
+        let impatient = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            lane.call(Duration::from_millis(100), |b| {
+                Box::pin(async move { Ok(b.made) })
+            })
+            .await
+        };
+        let (a, b) = tokio::join!(slow, impatient);
         assert_eq!(a.unwrap(), 1);
-        assert_eq!(b.unwrap(), 1);
+        assert!(matches!(b, Err(Failure::Deadline)));
+        tokio::time::sleep(STUCK_GRACE + Duration::from_millis(100)).await;
         assert_eq!(fate.abandoned(), 0);
+        assert_eq!(which(&lane).await.unwrap(), 1, "the same instance answers");
+    }
+
+    #[tokio::test]
+    async fn a_stuck_job_whose_caller_went_away_does_not_block_the_lane() {
+        let fate = Arc::new(Fate::default());
+        let (lane, _) = lane(fate.clone());
+        let (release, blocked) = std::sync::mpsc::channel::<()>();
+        // The caller is cancelled (as tonic cancels a handler when the kubelet hangs up) while
+        // its job blocks the cell's thread: no caller is left to notice the overrun.
+        let cancelled = tokio::time::timeout(Duration::from_millis(20), block(&lane, blocked));
+        assert!(cancelled.await.is_err(), "the caller was cancelled");
+        // Later callers find the cell stuck past its job's end and replace it.
+        let give_up = Instant::now() + Duration::from_secs(10);
+        let mut answer = which(&lane).await;
+        while answer.is_err() && Instant::now() < give_up {
+            answer = which(&lane).await;
+        }
+        assert_eq!(answer.unwrap(), 2, "a fresh cell answers");
+        assert_eq!(fate.abandoned(), 1);
+        drop(release);
     }
 }

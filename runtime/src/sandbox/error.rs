@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::types::PluginError;
+use crate::device::PluginError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {

@@ -1,6 +1,7 @@
 //! Running vendor modules: the wasmtime engine, the host/guest seam, the host interfaces a
 //! module may be granted, and the cells that run each module's instances.
 
+pub mod backend;
 pub mod bindings;
 pub mod budget;
 pub mod cache;
@@ -10,9 +11,10 @@ pub mod error;
 pub mod host;
 pub mod loader;
 pub mod module;
-pub mod types;
 pub mod validate;
 
+pub use crate::device::{
+    ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo,
+};
 pub use error::{CallError, LoadError};
 pub use module::{ModuleHandle, ModuleStats};
-pub use types::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};

@@ -15,13 +15,13 @@ use wasmtime::{Store, StoreLimitsBuilder};
 
 use super::bindings::v0_1::{DevicePlugin, wit};
 use super::budget::Budget;
-use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture};
+use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture, Priority};
 use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
 use super::loader::{LoadedModule, ModuleInterface};
-use super::types::{ContainerEdits, Device, PluginError, ResourceInfo};
 use super::validate;
 use crate::config::Grants;
+use crate::device::{ContainerEdits, Device, PluginError, ResourceInfo};
 
 #[derive(Default)]
 struct Counters {
@@ -97,15 +97,22 @@ impl ModuleHandle {
             })
         };
         let fate = Arc::new(Fate::default());
-        let lane = |label| {
-            Lane::new(name.clone(), label, factory.clone(), deadline, fate.clone()).map_err(|e| {
-                LoadError::Invalid {
-                    module: name.to_string(),
-                    message: format!("cannot start a cell thread: {e}"),
-                }
+        let lane = |label, priority| {
+            Lane::new(
+                name.clone(),
+                label,
+                priority,
+                factory.clone(),
+                deadline,
+                fate.clone(),
+            )
+            .map_err(|e| LoadError::Invalid {
+                module: name.to_string(),
+                message: format!("cannot start a cell thread: {e}"),
             })
         };
-        let (kubelet, health) = (lane("kubelet")?, lane("health")?);
+        let kubelet = lane("kubelet", Priority::Kubelet)?;
+        let health = lane("health", Priority::Background)?;
         let init_error = |source| LoadError::Init {
             module: name.to_string(),
             source,
@@ -226,9 +233,9 @@ impl ModuleHandle {
             },
             // Resolving device nodes and mount sources is file-system work: it runs in the cell.
             move |edits| {
-                let edits = ContainerEdits::from(edits);
+                let mut edits = ContainerEdits::from(edits);
                 validate::edits(&edits, &grants)?;
-                validate::resolve_edits(&edits, &grants, &root)?;
+                validate::resolve_edits(&mut edits, &grants, &root)?;
                 Ok(edits)
             },
         )

@@ -11,8 +11,8 @@ use std::path::Path;
 use cap_std::fs::FileTypeExt;
 
 use super::host::paths::{beneath, granted, real_path};
-use super::types::{ContainerEdits, Device};
 use crate::config::Grants;
+use crate::device::{ContainerEdits, Device};
 
 /// Most devices one resource may list: far above any real node, far below what hurts.
 pub const MAX_DEVICES: usize = 16_384;
@@ -281,14 +281,15 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
 /// Device nodes and mount sources as they really are, after symlinks: a device node must
 /// resolve beneath the host root's `/dev` to a character or block device that is itself under the
 /// module's `/dev` grants (a granted symlink to `/dev/mem` is no grant of `/dev/mem`); a mount
-/// source must resolve inside its tree, and for `/dev` inside the grants. This touches the file
-/// system, so it runs in the module's cell.
+/// source must resolve inside its tree and inside the grants. Each host path is then replaced by
+/// the path it resolved to, so the kubelet is handed exactly what was checked, whatever happens
+/// to the link afterwards. This touches the file system, so it runs in the module's cell.
 pub fn resolve_edits(
-    edits: &ContainerEdits,
+    edits: &mut ContainerEdits,
     grants: &Grants,
     root: &Path,
 ) -> Result<(), Violation> {
-    for d in &edits.devices {
+    for d in &mut edits.devices {
         let real = real_path(root, &d.host_path).map_err(|e| {
             format!(
                 "device node {:?} does not resolve inside /dev: {e}",
@@ -314,21 +315,23 @@ pub fn resolve_edits(
                 truncate(&d.host_path)
             ));
         }
+        d.host_path = real;
     }
-    for m in &edits.mounts {
+    for m in &mut edits.mounts {
         let real = real_path(root, &m.host_path).map_err(|e| {
             format!(
                 "mount of {:?} does not resolve inside its tree: {e}",
                 truncate(&m.host_path)
             )
         })?;
-        if m.host_path.starts_with("/dev/") && !granted(&grants.dev, &real) {
+        if !(granted(&grants.dev, &real) || granted(&grants.sysfs, &real)) {
             return Err(format!(
-                "mount of {:?} resolves to {:?}, which is not under the module's /dev grants",
+                "mount of {:?} resolves to {:?}, which is not under the module's grants",
                 truncate(&m.host_path),
                 truncate(&real)
             ));
         }
+        m.host_path = real;
     }
     Ok(())
 }
@@ -344,7 +347,7 @@ fn truncate(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::types::{DeviceNode, Health, Mount};
+    use crate::device::{DeviceNode, Health, Mount};
 
     fn grants() -> Grants {
         Grants {

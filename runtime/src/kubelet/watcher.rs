@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 
-use crate::kubelet::plugin_server::Snapshot;
-use crate::sandbox::{Device, Health, ModuleHandle};
+use super::backend::DeviceBackend;
+use super::plugin_server::Snapshot;
+use crate::device::{Device, Health};
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.
-async fn initial(module: &ModuleHandle, resource: &str) -> Vec<Device> {
-    match module.enumerate(resource).await {
+async fn initial(backend: &impl DeviceBackend, resource: &str) -> Vec<Device> {
+    match backend.enumerate(resource).await {
         Ok(devices) => sorted(devices),
         Err(e) => {
             tracing::warn!("{e}");
@@ -39,8 +40,8 @@ fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
 
 /// Takes the first snapshot (then flips `ready`), and re-enumerates at every `interval`, and at
 /// once when `poke` fires (a device node appeared or vanished under the module's /dev grants).
-pub async fn watch_devices(
-    module: ModuleHandle,
+pub async fn watch_devices<B: DeviceBackend>(
+    backend: B,
     resource: String,
     interval: Duration,
     devices: watch::Sender<Snapshot>,
@@ -49,7 +50,7 @@ pub async fn watch_devices(
     mut stop: watch::Receiver<bool>,
 ) {
     let first = tokio::select! {
-        first = initial(&module, &resource) => first,
+        first = initial(&backend, &resource) => first,
         _ = stop.wait_for(|s| *s) => return,
     };
     devices.send_replace(Arc::new(first));
@@ -64,10 +65,14 @@ pub async fn watch_devices(
             _ = poke.notified() => ticker.reset(),
             _ = stop.wait_for(|s| *s) => return,
         }
-        let next = match module.enumerate(&resource).await {
+        let found = tokio::select! {
+            found = backend.enumerate(&resource) => found,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let next = match found {
             Ok(found) => {
                 if failing {
-                    tracing::info!(module = module.name(), resource, "enumerate works again");
+                    tracing::info!(module = backend.name(), resource, "enumerate works again");
                     failing = false;
                 }
                 sorted(found)

@@ -8,19 +8,20 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::kubelet::api::deviceplugin::{
+use super::api::deviceplugin::{
     DevicePluginOptions, KUBELET_SOCKET, device_plugin_server::DevicePluginServer,
 };
-use crate::kubelet::plugin_server::ResourcePlugin;
-use crate::kubelet::{registration, uds};
+use super::backend::DeviceBackend;
+use super::plugin_server::ResourcePlugin;
+use super::{registration, uds};
 
 /// What the lifecycle needs to serve and register one resource.
-pub struct Lifecycle {
+pub struct Lifecycle<B> {
     pub plugin_dir: PathBuf,
     pub endpoint: String,
     pub resource: String,
     pub options: DevicePluginOptions,
-    pub plugin: ResourcePlugin,
+    pub plugin: ResourcePlugin<B>,
     /// Bumped by the directory watcher on every creation or removal.
     pub kubelet_events: watch::Receiver<u64>,
     /// Flips once the first snapshot is in: nothing is served or registered before.
@@ -58,7 +59,7 @@ fn kubelet_identity(plugin_dir: &Path) -> Option<(u64, u64)> {
         .map(|m| (m.dev(), m.ino()))
 }
 
-impl Lifecycle {
+impl<B: DeviceBackend> Lifecycle<B> {
     fn socket(&self) -> PathBuf {
         self.plugin_dir.join(&self.endpoint)
     }

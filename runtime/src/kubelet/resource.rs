@@ -6,14 +6,14 @@ use std::sync::Arc;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
-use super::health;
+use super::api::deviceplugin::DevicePluginOptions;
+use super::backend::DeviceBackend;
 use super::lifecycle::Lifecycle;
-use crate::config::ModuleSpec;
-use crate::kubelet::api::deviceplugin::DevicePluginOptions;
-use crate::kubelet::names;
-use crate::kubelet::plugin_server::{ResourcePlugin, Snapshot};
+use super::names;
+use super::plugin_server::{ResourcePlugin, Snapshot};
+use super::watcher;
+use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
-use crate::sandbox::{ModuleHandle, ResourceInfo};
 
 /// A resource the agent serves, as others (status, tests) may observe it.
 #[derive(Debug, Clone)]
@@ -43,15 +43,21 @@ pub struct RunningResource {
 }
 
 impl RunningResource {
+    /// Tells its tasks to end, without waiting: stopping many resources at once then takes as
+    /// long as the slowest, not the sum.
+    pub fn signal_stop(&self) {
+        let _ = self.stop.send(true);
+    }
+
     /// Ends its ListAndWatch stream (the kubelet sees allocatable drop to 0), stops serving and
     /// removes its socket.
-    pub async fn stop(self, module: &ModuleHandle) {
-        let _ = self.stop.send(true);
+    pub async fn stop(self, backend: &impl DeviceBackend) {
+        self.signal_stop();
         for task in self.tasks {
             let _ = task.await;
         }
         let _ = std::fs::remove_file(&self.served.socket);
-        module.release(&self.local);
+        backend.release(&self.local);
     }
 }
 
@@ -84,21 +90,31 @@ fn endpoint_name(resource: &str, instance: &str) -> String {
 /// Where and as whom to serve.
 pub struct Serving<'a> {
     pub plugin_dir: &'a Path,
-    /// Where the modules' `/dev` and `/sys` really are.
-    pub host_root: &'a Path,
     /// Unique per agent process, so a rolling upgrade never has two agents on one socket file.
     pub instance: &'a str,
     pub kubelet_events: &'a watch::Receiver<u64>,
     pub ledger: &'a Ledger,
 }
 
-pub fn serve(
-    module: &ModuleHandle,
-    spec: &ModuleSpec,
+/// Who serves a resource, and how: what the registry says of its module.
+pub struct Owner<'a> {
+    /// The module's name, shown in status.
+    pub module: &'a str,
+    /// The domain its bare resource names get, and the only one it may serve in.
+    pub resource_domain: &'a str,
+    /// How often the devices are re-enumerated.
+    pub health_interval: std::time::Duration,
+}
+
+/// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
+/// and a lifecycle that serves and registers once that first snapshot is in.
+pub fn serve<B: DeviceBackend>(
+    backend: &B,
+    spec: &Owner<'_>,
     info: &ResourceInfo,
     at: &Serving<'_>,
 ) -> Result<RunningResource, String> {
-    let name = qualify(&spec.resource_domain, &info.name);
+    let name = qualify(spec.resource_domain, &info.name);
     names::validate_resource_name(&name)
         .map_err(|e| format!("declared an invalid resource name: {e}"))?;
     // A module serves only names in its own domain, so it cannot take over another vendor's
@@ -121,8 +137,8 @@ pub fn serve(
     let (devices_tx, devices) = watch::channel(Snapshot::default());
     let (ready_tx, ready) = watch::channel(false);
     let poke = Arc::new(Notify::new());
-    let watcher = tokio::spawn(health::watch_devices(
-        module.clone(),
+    let watcher = tokio::spawn(watcher::watch_devices(
+        backend.clone(),
         info.name.clone(),
         spec.health_interval,
         devices_tx,
@@ -134,7 +150,7 @@ pub fn serve(
     let plugin = ResourcePlugin::new(
         &name,
         &info.name,
-        module.clone(),
+        backend.clone(),
         options,
         devices.clone(),
         at.ledger.clone(),
@@ -158,7 +174,7 @@ pub fn serve(
     Ok(RunningResource {
         served: ServedResource {
             name,
-            module: spec.name.clone(),
+            module: spec.module.to_owned(),
             socket: at.plugin_dir.join(endpoint),
             options,
             devices,

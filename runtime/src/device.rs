@@ -1,7 +1,9 @@
-//! The host's view of what modules say, independent of the WIT version that said it.
+//! Devices and what a container needs to use them, as the host sees them: independent of the
+//! WIT version a module speaks, and of WebAssembly altogether.
 //!
-//! Everything above the sandbox (gRPC, health diffing, the ledger) uses these types, so a new WIT
-//! major version only needs a new bindings module that converts into them.
+//! The kubelet side (`kubelet/`), the ledger and the policies use only these types; the sandbox
+//! converts a module's answers into them at the seam (`sandbox::bindings`), so a new WIT major
+//! version only needs a new bindings module.
 
 /// A resource a module serves, as declared by its `init`.
 #[derive(Debug, Clone, PartialEq, Eq)]
