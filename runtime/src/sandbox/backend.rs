@@ -1,7 +1,5 @@
 //! A running module as the kubelet side sees it: a [`DeviceBackend`].
 
-use std::future::Future;
-
 use super::error::CallError;
 use super::module::ModuleHandle;
 use crate::device::{ContainerEdits, Device};
@@ -27,37 +25,30 @@ impl DeviceBackend for ModuleHandle {
         ModuleHandle::name(self)
     }
 
-    fn enumerate(
-        &self,
-        resource: &str,
-    ) -> impl Future<Output = Result<Vec<Device>, BackendError>> + Send {
-        async move { Ok(ModuleHandle::enumerate(self, resource).await?) }
+    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+        Ok(ModuleHandle::enumerate(self, resource).await?)
     }
 
-    fn allocate(
+    async fn allocate(
         &self,
         resource: &str,
         ids: Vec<String>,
-    ) -> impl Future<Output = Result<ContainerEdits, BackendError>> + Send {
-        async move { Ok(ModuleHandle::allocate(self, resource, ids).await?) }
+    ) -> Result<ContainerEdits, BackendError> {
+        Ok(ModuleHandle::allocate(self, resource, ids).await?)
     }
 
-    fn preferred(
+    async fn preferred(
         &self,
         resource: &str,
         available: Vec<String>,
         must_include: Vec<String>,
         size: u32,
-    ) -> impl Future<Output = Result<Vec<String>, BackendError>> + Send {
-        async move { Ok(ModuleHandle::preferred(self, resource, available, must_include, size).await?) }
+    ) -> Result<Vec<String>, BackendError> {
+        Ok(ModuleHandle::preferred(self, resource, available, must_include, size).await?)
     }
 
-    fn prestart(
-        &self,
-        resource: &str,
-        ids: Vec<String>,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send {
-        async move { Ok(ModuleHandle::prestart(self, resource, ids).await?) }
+    async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
+        Ok(ModuleHandle::prestart(self, resource, ids).await?)
     }
 
     fn release(&self, resource: &str) {
