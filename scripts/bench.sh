@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Builds devicelet and the benchmark guests in release mode and runs the benchmarks on this
-# machine (`devicelet bench`, a hidden subcommand): prints the table and writes BENCHMARKS.md.
-# Not part of the test run. Needs root (or CAP_MKNOD) for the fixture's device nodes. Extra
-# arguments go to `devicelet bench` (e.g. --only allocate,restart, or --quick for a smoke run).
+# Builds devicelet, the benchmark runner (`devicelet-bench`, its own crate in bench/) and the
+# benchmark guests in release mode and runs the benchmarks on this machine: prints the table and
+# writes BENCHMARKS.md. Not part of the test run. Needs root (or CAP_MKNOD) for the fixture's
+# device nodes. Extra arguments go to `devicelet-bench` (e.g. --only allocate,isolation, or
+# --quick for a smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
 cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving
-cargo build --release -p devicelet
+cargo build --release -p devicelet -p devicelet-bench
 target="${CARGO_TARGET_DIR:-target}"
 export DEVICELET_BENCH_SCRIPT="./scripts/bench.sh${*:+ $*}"
-"$target/release/devicelet" --log error bench \
+"$target/release/devicelet-bench" --devicelet "$target/release/devicelet" \
   --module-dir "$target/wasm32-wasip2/release" --out BENCHMARKS.md "$@"

@@ -11,8 +11,8 @@ use devicelet::agent::status::ModuleStatus;
 use devicelet::agent::{Agent, AgentOptions};
 use devicelet::config::Registry;
 use devicelet::fixture::{FixtureTree, NodeType};
-use devicelet::kubelet::simulator::Simulator;
 use devicelet::sandbox::Device;
+use devicelet_simulator::Simulator;
 
 /// Generous: the machine is shared and noisy; tests wait on events, this only bounds a hang.
 pub const WAIT: Duration = Duration::from_secs(20);

@@ -4,7 +4,6 @@
 //! The host/guest seam is [`sandbox::bindings`]; the kubelet lifecycle lives in [`kubelet`].
 
 pub mod agent;
-pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod device;

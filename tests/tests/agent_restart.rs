@@ -5,7 +5,7 @@
 use std::process::{Child, Command, Stdio};
 
 use devicelet::agent::status;
-use devicelet::kubelet::simulator::PodRef;
+use devicelet_simulator::PodRef;
 use devicelet_tests::{Node, WAIT, devicelet_bin, generic_dev};
 
 const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;

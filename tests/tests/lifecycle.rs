@@ -199,7 +199,7 @@ async fn a_broken_registry_edit_is_refused_and_the_running_set_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_finished_pod_frees_its_devices_in_the_ledger() {
-    use devicelet::kubelet::simulator::PodRef;
+    use devicelet_simulator::PodRef;
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let agent = node
@@ -280,7 +280,12 @@ async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
         .await
         .expect("v1 served");
     assert_eq!(v1.devices[0].id, "dev-0");
-    let fuse_before = node.kubelet.resource("devicelet.io/fuse").expect("fuse");
+    // Modules start in parallel: fuse registers on its own schedule.
+    let fuse_before = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse served");
 
     // A vendor ships a new build (here: another module honouring the same config), installed
     // the way package managers do it: written aside, renamed over the old file.

@@ -1,6 +1,5 @@
 //! The `devicelet` command line.
 
-mod bench;
 mod demo;
 mod run;
 pub mod simulate;
@@ -35,9 +34,6 @@ pub enum Command {
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
     Demo(demo::DemoArgs),
-    /// Benchmarks on this machine; writes a Markdown table (see scripts/bench.sh).
-    #[command(hide = true)]
-    Bench(bench::BenchArgs),
 }
 
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
@@ -47,7 +43,6 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => status::run(args).await,
         Command::Simulate(args) => simulate::run(args).await,
         Command::Demo(args) => demo::run(args).await,
-        Command::Bench(args) => bench::run(args).await,
     }
 }
 

@@ -11,7 +11,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use crate::kubelet::api::deviceplugin::Device;
 use crate::kubelet::names;
-use crate::kubelet::simulator::{Allocation, SimConfig, SimEvent, Simulator};
+use devicelet_simulator::{Allocation, SimConfig, SimEvent, Simulator};
 
 /// Arguments of `devicelet simulate`.
 #[derive(clap::Args, Debug)]
@@ -234,6 +234,8 @@ fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) 
         }
         SimEvent::Serving => "kubelet.sock accepts connections again".to_owned(),
         SimEvent::Allocated { .. } | SimEvent::Released { .. } => return None,
+        // Events a newer simulator adds are not part of this transcript.
+        _ => return None,
     })
 }
 
@@ -379,7 +381,7 @@ mod tests {
     use crate::kubelet::api::deviceplugin::{
         CdiDevice, ContainerAllocateResponse, DeviceSpec, HEALTHY, Mount, UNHEALTHY,
     };
-    use crate::kubelet::simulator::PodRef;
+    use devicelet_simulator::PodRef;
 
     #[test]
     fn parses_allocation_requests() {

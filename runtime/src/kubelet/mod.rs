@@ -1,7 +1,7 @@
 //! Everything the kubelet sees of us: the generated APIs, one gRPC server per resource,
 //! registration, restart handling and each resource's lifecycle, all written against the
 //! [`backend::DeviceBackend`] trait and free of WebAssembly. The simulator that stands in for the
-//! kubelet lives here too.
+//! kubelet is its own crate, `devicelet-simulator`.
 //!
 //! One Allocate, end to end: the kubelet dials the resource's socket ([`lifecycle`] serves it) and
 //! calls [`plugin_server::ResourcePlugin`]'s `allocate`, which asks the backend
@@ -11,14 +11,12 @@
 //! [`crate::device::ContainerEdits`], which `plugin_server` records in the ledger and turns into
 //! the kubelet's response.
 
-pub mod api;
+pub use devicelet_api as api;
+pub use devicelet_api::{names, uds};
 pub mod backend;
 pub mod dir_watch;
 pub mod lifecycle;
-pub mod names;
 pub mod plugin_server;
 pub mod registration;
 pub mod resource;
-pub mod simulator;
-pub mod uds;
 pub mod watcher;

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use wasmtime::{Config, Engine};
+use wasmtime::Config;
+pub use wasmtime::Engine;
 
 /// How often the epoch advances. A running guest yields to the async runtime at every tick, so
 /// a call's deadline is enforced with at most this much delay.

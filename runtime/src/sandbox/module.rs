@@ -60,6 +60,22 @@ pub struct Instance {
     resources: Vec<ResourceInfo>,
 }
 
+impl Instance {
+    /// The guest's `allocate` alone: no cell, deadline or checks. For measuring what those cost
+    /// (the benchmarks); the agent never calls it.
+    pub async fn allocate_bare(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+    ) -> anyhow::Result<ContainerEdits> {
+        let guest = self.plugin.devicelet_plugin_plugin();
+        let answer = guest.call_allocate(&mut self.store, resource, ids).await?;
+        answer
+            .map(ContainerEdits::from)
+            .map_err(|e| anyhow::anyhow!("allocate: {}", PluginError::from(e)))
+    }
+}
+
 /// A cheap handle to a running module. Clones share its cells.
 #[derive(Clone)]
 pub struct ModuleHandle {
@@ -418,7 +434,7 @@ fn failure_message(failure: Failure) -> String {
 
 /// A fresh store and instance with the module's limits, initialised with its config. Runs in a
 /// cell; the cell bounds it by the module's call deadline.
-async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance, Failure> {
+pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance, Failure> {
     // The memory limit applies to each linear memory, so the number of memories, tables and
     // instances is bounded too; tables are capped far above what compiled Rust needs.
     let limits = StoreLimitsBuilder::new()

@@ -10,7 +10,7 @@ use crate::agent::{Agent, AgentOptions};
 use crate::config::Registry;
 use crate::fixture::{FixtureTree, NodeType};
 use crate::kubelet::api::deviceplugin::{ContainerAllocateResponse, Device};
-use crate::kubelet::simulator::Simulator;
+use devicelet_simulator::Simulator;
 
 const REGISTRY: &str = include_str!("registry.toml");
 const WAIT: Duration = Duration::from_secs(10);

@@ -9,8 +9,8 @@ use super::Settings;
 use super::node::{Node, generic_dev, resource};
 use super::report::Row;
 use super::stats::{self, Samples};
-use crate::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
-use crate::kubelet::simulator::SimConfig;
+use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use devicelet_simulator::SimConfig;
 
 /// How long each spinning enumeration runs before its deadline; the busy phase fits inside it.
 const SPIN: &str = "5s";

@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use tokio::task::AbortHandle;
 use tonic::transport::Channel;
 
-use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::kubelet::api::deviceplugin::{
+use devicelet_api::deviceplugin::device_plugin_client::DevicePluginClient;
+use devicelet_api::deviceplugin::{
     ContainerAllocateResponse, Device, DevicePluginOptions, HEALTHY,
 };
 

@@ -21,10 +21,6 @@ impl Samples {
         self.sorted.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.sorted.is_empty()
-    }
-
     /// Nearest-rank percentile, `p` in (0, 100].
     pub fn percentile(&self, p: f64) -> Duration {
         let n = self.sorted.len();

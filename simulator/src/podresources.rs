@@ -23,8 +23,8 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::kubelet::api::podresources::pod_resources_lister_server::PodResourcesLister;
-use crate::kubelet::api::podresources::{
+use devicelet_api::podresources::pod_resources_lister_server::PodResourcesLister;
+use devicelet_api::podresources::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, NumaNode, PodResources, TopologyInfo,

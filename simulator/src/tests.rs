@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 
 use super::fake::{AllocateMode, Call, FakePlugin, device, healthy, register};
 use super::*;
-use crate::kubelet::api::deviceplugin::{
+use devicelet_api::deviceplugin::{
     ContainerAllocateRequest, ContainerPreferredAllocationRequest, DevicePluginOptions, HEALTHY,
     UNHEALTHY, VERSION,
 };
@@ -657,13 +657,13 @@ mod pod_resources {
     use tonic::transport::Channel;
 
     use super::*;
-    use crate::kubelet::api::deviceplugin::{Device, NumaNode, TopologyInfo};
-    use crate::kubelet::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
-    use crate::kubelet::api::podresources::{
+    use devicelet_api::deviceplugin::{Device, NumaNode, TopologyInfo};
+    use devicelet_api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+    use devicelet_api::podresources::{
         self as pr, AllocatableResourcesRequest, ContainerDevices, ContainerResources,
         GetPodResourcesRequest, ListPodResourcesRequest, PodResources,
     };
-    use crate::kubelet::uds;
+    use devicelet_api::uds;
 
     const OTHER: &str = "devicelet.io/other";
 

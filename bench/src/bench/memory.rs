@@ -14,8 +14,8 @@ use super::node::{Node, fuse_modules};
 use super::process::{AgentDirs, AgentProcess, wait_all};
 use super::report::Row;
 use super::stats::{duration, megabytes};
-use crate::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
-use crate::kubelet::simulator::SimConfig;
+use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use devicelet_simulator::SimConfig;
 
 const ALLOCATIONS: usize = 10_000;
 const MB: u64 = 1_000_000;

@@ -9,10 +9,10 @@ use super::Settings;
 use super::node::{Node, misbehaving, resource};
 use super::report::Row;
 use super::stats::Samples;
-use crate::kubelet::api::deviceplugin::{
+use devicelet::kubelet::api::deviceplugin::{
     ContainerPreferredAllocationRequest, PreferredAllocationRequest,
 };
-use crate::kubelet::simulator::SimConfig;
+use devicelet_simulator::SimConfig;
 
 const DEVICES: usize = 64;
 const NUMA: usize = 2;

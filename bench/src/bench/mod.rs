@@ -1,4 +1,4 @@
-//! `devicelet bench`: where we stand on allocation latency, recovery, start-up and memory, on the
+//! The benchmarks: where we stand on allocation latency, recovery, start-up and memory, on the
 //! machine at hand. Not part of the test run: benchmarks report, tests never assert timings.
 //! `scripts/bench.sh` builds everything in release mode and runs it, writing `BENCHMARKS.md`.
 //!

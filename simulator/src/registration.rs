@@ -10,12 +10,12 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::kubelet::api::deviceplugin::registration_server::Registration;
-use crate::kubelet::api::deviceplugin::{Empty, RegisterRequest, VERSION};
+use devicelet_api::deviceplugin::registration_server::Registration;
+use devicelet_api::deviceplugin::{Empty, RegisterRequest, VERSION};
 
 use super::events::SimEvent;
 use super::{Inner, endpoint};
-use crate::kubelet::names;
+use devicelet_api::names;
 
 /// Serves `Register` for one incarnation of the simulated kubelet (`epoch`): a registration
 /// still in flight when the kubelet restarts is refused rather than recorded.

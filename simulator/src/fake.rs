@@ -13,10 +13,10 @@ use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-use crate::kubelet::api::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
-use crate::kubelet::api::deviceplugin::registration_client::RegistrationClient;
-use crate::kubelet::api::deviceplugin::*;
-use crate::kubelet::uds;
+use devicelet_api::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use devicelet_api::deviceplugin::registration_client::RegistrationClient;
+use devicelet_api::deviceplugin::*;
+use devicelet_api::uds;
 
 /// How the fake answers `Allocate`.
 #[derive(Clone)]

@@ -11,7 +11,7 @@ use super::Settings;
 use super::node::{Node, WAIT, resource};
 use super::report::Row;
 use super::stats::{Samples, duration};
-use crate::kubelet::simulator::SimConfig;
+use devicelet_simulator::SimConfig;
 
 const RESTARTS: usize = 100;
 const TARGET: Duration = Duration::from_millis(20);

@@ -55,7 +55,7 @@ use std::time::Duration;
 use tokio::sync::{broadcast, watch};
 use tracing::info;
 
-use crate::kubelet::api::deviceplugin::KUBELET_SOCKET;
+use devicelet_api::deviceplugin::KUBELET_SOCKET;
 
 pub use error::SimError;
 pub use events::SimEvent;

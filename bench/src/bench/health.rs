@@ -9,7 +9,7 @@ use super::Settings;
 use super::node::{Node, WAIT, generic_dev, resource};
 use super::report::Row;
 use super::stats::{Samples, duration};
-use crate::kubelet::simulator::SimConfig;
+use devicelet_simulator::SimConfig;
 
 const INTERVAL: Duration = Duration::from_secs(5);
 const CHANGES: u32 = 50;

@@ -32,8 +32,8 @@ use tonic::transport::Server;
 use tonic::transport::server::Router;
 use tracing::{debug, info, warn};
 
-use crate::kubelet::api::deviceplugin::registration_server::RegistrationServer;
-use crate::kubelet::api::podresources::pod_resources_lister_server::PodResourcesListerServer;
+use devicelet_api::deviceplugin::registration_server::RegistrationServer;
+use devicelet_api::podresources::pod_resources_lister_server::PodResourcesListerServer;
 
 use super::Inner;
 use super::error::SimError;

@@ -7,12 +7,12 @@ use std::time::Duration;
 use anyhow::Context;
 use tonic::transport::Channel;
 
-use crate::agent::{Agent, AgentOptions};
-use crate::config::Registry;
-use crate::fixture::{FixtureTree, NodeType};
-use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::kubelet::simulator::{SimConfig, Simulator};
-use crate::kubelet::uds;
+use devicelet::agent::{Agent, AgentOptions};
+use devicelet::config::Registry;
+use devicelet::fixture::{FixtureTree, NodeType};
+use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use devicelet::kubelet::uds;
+use devicelet_simulator::{SimConfig, Simulator};
 
 /// Bounds a hang; the benchmarks wait on events, not on this.
 pub const WAIT: Duration = Duration::from_secs(30);

@@ -16,13 +16,13 @@ use tonic::transport::Channel;
 use tonic::{Code, Response, Status};
 use tracing::{info, warn};
 
-use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::kubelet::api::deviceplugin::{
+use devicelet_api::deviceplugin::device_plugin_client::DevicePluginClient;
+use devicelet_api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, DevicePluginOptions, Empty, PreStartContainerRequest,
     PreferredAllocationRequest,
 };
-use crate::kubelet::uds;
+use devicelet_api::uds;
 
 use super::Inner;
 use super::error::SimError;
@@ -238,7 +238,7 @@ fn snapshot(
     inner: &Inner,
     resource: &str,
     generation: u64,
-    devices: Vec<crate::kubelet::api::deviceplugin::Device>,
+    devices: Vec<devicelet_api::deviceplugin::Device>,
 ) -> bool {
     let mut registry = inner.lock();
     let Some(summary) = registry.apply_snapshot(resource, generation, devices) else {

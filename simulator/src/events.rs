@@ -3,7 +3,7 @@
 //! Every event is also logged with `tracing`; the broadcast channel lets the CLI (and tests that
 //! want a transcript) follow along without polling.
 
-use crate::kubelet::api::deviceplugin::{Device, DevicePluginOptions};
+use devicelet_api::deviceplugin::{Device, DevicePluginOptions};
 
 use super::state::PodRef;
 

@@ -11,9 +11,9 @@ use super::floor;
 use super::node::{self, Node, WAIT, resource};
 use super::report::Row;
 use super::stats::{self, Samples};
-use crate::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
-use crate::kubelet::simulator::SimConfig;
+use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use devicelet_simulator::SimConfig;
 
 const WARMUP: usize = 1_000;
 const BATCH: usize = 500;

@@ -1,27 +1,39 @@
-//! `devicelet bench` (hidden): runs the benchmarks on this machine, prints the table and writes
-//! it, with the machine and the command, to `--out`. `scripts/bench.sh` builds in release mode
-//! first; a debug build says so in the header.
+//! `devicelet-bench`: runs the benchmarks on this machine, prints the table and writes it, with
+//! the machine and the command, to `--out`. `scripts/bench.sh` builds in release mode first; a
+//! debug build says so in the header. Kept out of the agent's library, so what runs on a node is
+//! only the agent.
+
+mod bench;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
 
-use crate::bench::{self, Settings, report};
+use crate::bench::{Settings, report};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "devicelet-bench",
+    about = "Benchmarks devicelet on this machine"
+)]
 pub struct BenchArgs {
+    /// Log filter (tracing's EnvFilter syntax).
+    #[arg(long, default_value = "error")]
+    pub log: String,
     /// Directory holding the compiled guests (`generic_dev.wasm`, `misbehaving.wasm`).
     #[arg(long, default_value = "target/wasm32-wasip2/release")]
     pub module_dir: PathBuf,
     /// Write the Markdown report here too (e.g. BENCHMARKS.md).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The `devicelet` binary to spawn for start-up and memory; default: this one.
-    #[arg(long)]
-    pub devicelet: Option<PathBuf>,
+    /// The `devicelet` binary to spawn for start-up and memory.
+    #[arg(long, default_value = "target/release/devicelet")]
+    pub devicelet: PathBuf,
     /// Only these benchmarks (comma-separated): allocate, preferred, startup, restart, health,
-    /// memory, guest-call.
+    /// memory, guest-call, isolation.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// A tenth of the samples: a smoke run, figures not comparable.
@@ -29,18 +41,35 @@ pub struct BenchArgs {
     pub quick: bool,
 }
 
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = BenchArgs::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_new(&args.log).unwrap_or_else(|_| EnvFilter::new("error")))
+        .with_writer(std::io::stderr)
+        .init();
+    match run(args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let machine = report::Machine::here();
-    let devicelet = match args.devicelet {
-        Some(p) => p,
-        None => std::env::current_exe().context("locating this binary")?,
-    };
     let settings = Settings {
         module_dir: std::path::absolute(&args.module_dir)?,
-        devicelet: std::path::absolute(devicelet)?,
+        devicelet: std::path::absolute(&args.devicelet)?,
         quick: args.quick,
     };
+    anyhow::ensure!(
+        settings.devicelet.is_file(),
+        "{} is missing: build devicelet first (scripts/bench.sh does)",
+        settings.devicelet.display()
+    );
     for wasm in ["generic_dev.wasm", "misbehaving.wasm"] {
         let path = settings.module_dir.join(wasm);
         anyhow::ensure!(

@@ -10,9 +10,11 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::kubelet::api::deviceplugin as api;
-use crate::kubelet::api::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
-use crate::kubelet::uds;
+use devicelet::kubelet::api::deviceplugin as api;
+use devicelet::kubelet::api::deviceplugin::device_plugin_server::{
+    DevicePlugin, DevicePluginServer,
+};
+use devicelet::kubelet::uds;
 
 struct Constant {
     answer: api::AllocateResponse,

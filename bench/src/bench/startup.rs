@@ -10,7 +10,7 @@ use super::node::{Node, fuse_modules};
 use super::process::{AgentDirs, AgentProcess, wait_all};
 use super::report::Row;
 use super::stats::{Samples, duration};
-use crate::kubelet::simulator::SimConfig;
+use devicelet_simulator::SimConfig;
 
 const REPEATS: usize = 5;
 

@@ -1,4 +1,9 @@
-//! The kubelet's gRPC APIs, generated at build time from `proto/`.
+//! The kubelet's gRPC APIs, generated at build time from `proto/` (with the pure-Rust `protox`,
+//! so no `protoc` is needed), the Unix-socket transport the kubelet uses, and its resource-name
+//! rules: what the agent and the kubelet simulator both speak.
+
+pub mod names;
+pub mod uds;
 
 /// Device-plugin API (`v1beta1.Registration`, `v1beta1.DevicePlugin`).
 pub mod deviceplugin {
