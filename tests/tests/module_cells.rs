@@ -391,3 +391,29 @@ async fn a_spinning_allocate_is_cut_off_at_its_deadline() {
     fuse_answers_allocate(&node).await;
     agent.shutdown().await;
 }
+
+/// The same through hot reload: an edit naming a FIFO as a module file is reported, and the
+/// running modules keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_reload_to_a_fifo_module_file_is_refused_and_others_serve() {
+    let node = Node::new().await;
+    node_with_fuse(&node);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    fuse_answers_allocate(&node).await;
+    let fifo = node.dir.path().join("new.wasm");
+    mkfifo(&fifo);
+    node.registry(&format!(
+        "{}\n[[module]]\nname = \"newcomer\"\npath = {:?}\n",
+        generic_dev(FUSE),
+        fifo.display().to_string()
+    ));
+    devicelet_tests::eventually("the FIFO module file to be reported", || {
+        agent
+            .load_errors()
+            .iter()
+            .any(|e| e.contains("`newcomer`") && e.contains("not a regular file but a FIFO"))
+    })
+    .await;
+    fuse_answers_allocate(&node).await;
+    agent.shutdown().await;
+}

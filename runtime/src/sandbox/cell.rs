@@ -5,11 +5,12 @@
 //! included, runs on that thread, so a host call that blocks (a hung sysfs read, a vendor library
 //! stuck on a sick device) blocks only that thread.
 //!
-//! A [`Lane`] is what callers hold: it sends each job to its current cell and waits for it, never
-//! past the job's deadline. A job runs with its whole budget once started (time spent queued is
-//! bounded separately), so a busy module is not mistaken for a hung one. When a job overruns its
-//! budget by [`STUCK_GRACE`] without the cell noticing (the thread is blocked in a syscall that
-//! epoch interruption cannot stop), the cell is abandoned: its thread is left to finish or die with
+//! A [`Lane`] is what callers hold: it sends each job to its current cell and waits for the
+//! answer. A job may wait its deadline to start and then runs with its whole deadline as budget,
+//! cut off by the cell itself, so a busy module is not mistaken for a hung one; the caller's own
+//! wait is only a backstop. When a job overruns its end by [`STUCK_GRACE`] without the cell
+//! noticing (the thread is blocked in a syscall that epoch interruption cannot stop), the cell is
+//! abandoned: its thread is left to finish or die with
 //! the blocked call, and a fresh cell takes the next job. Abandoned cells are bounded per module
 //! ([`MAX_ABANDONED`]); past the bound the module is failed until it is loaded again.
 
@@ -86,8 +87,8 @@ struct Job<S> {
     /// A job still queued then is dropped unrun: its caller has gone.
     start_by: Instant,
     budget: Duration,
-    /// Tells the caller the job started and by when it ends (instantiation included).
-    started: oneshot::Sender<Instant>,
+    /// Whether the caller still waits for the answer.
+    wanted: Box<dyn Fn() -> bool + Send>,
     work: Work<S>,
     /// Answers the caller without running `work`.
     refuse: Box<dyn FnOnce(Failure) + Send>,
@@ -249,6 +250,13 @@ impl<S: 'static> Lane<S> {
         };
         let refuse_tx = reply_tx.clone();
         let refuse = Box::new(move |f: Failure| answer(&refuse_tx, Err(f)));
+        let wanted_tx = reply_tx.clone();
+        let wanted = Box::new(move || {
+            wanted_tx
+                .lock()
+                .ok()
+                .is_some_and(|tx| tx.as_ref().is_some_and(|tx| !tx.is_closed()))
+        });
         let work: Work<S> = Box::new(move |occupant| {
             Box::pin(async move {
                 let result = f(occupant).await;
@@ -257,12 +265,11 @@ impl<S: 'static> Lane<S> {
                 poisoned
             })
         });
-        let (started_tx, started) = oneshot::channel();
         let job = Job {
             id,
             start_by,
             budget: deadline,
-            started: started_tx,
+            wanted,
             work,
             refuse,
         };
@@ -275,22 +282,20 @@ impl<S: 'static> Lane<S> {
             }
             Ok(Ok(())) => {}
         }
-        let until = match tokio::time::timeout_at(start_by, started).await {
-            Err(_) => return Err(self.start_timed_out(&cell)),
-            // Refused or dropped before it started: the answer, if any, is waiting.
-            Ok(Err(_)) => {
-                return reply
-                    .try_recv()
-                    .unwrap_or_else(|_| Err(Failure::Unavailable("its cell has stopped".into())));
-            }
-            Ok(Ok(until)) => until,
-        };
-        match tokio::time::timeout_at(until + ANSWER_SLACK, &mut reply).await {
+        // The cell itself cuts the job off at its budget once it starts, so this wait is only a
+        // backstop for a cell that cannot (its thread blocked in a host call): the latest the job
+        // can start, plus a fresh instance's init, plus its run.
+        let backstop = start_by + self.inner.init_deadline + deadline + ANSWER_SLACK;
+        match tokio::time::timeout_at(backstop, &mut reply).await {
             Ok(Ok(result)) => result,
-            // The cell cut the job off at its deadline and dropped it.
+            // Dropped unrun (too late to start), or cut off at its deadline.
             Ok(Err(_)) => Err(Failure::Deadline),
             Err(_) => {
-                self.watch_for_stuck(cell, id, until + STUCK_GRACE);
+                // Whatever holds the cell overran its end; if it still does a grace period on,
+                // the cell is stuck and is abandoned.
+                if let Some((running, until)) = cell.running.get() {
+                    self.watch_for_stuck(cell, running, until + STUCK_GRACE);
+                }
                 Err(Failure::Deadline)
             }
         }
@@ -370,8 +375,10 @@ fn spawn_cell<S: 'static>(
 ) -> std::io::Result<Cell<S>> {
     let (jobs, rx) = mpsc::channel(QUEUE);
     let running = Arc::new(Running::default());
+    // Time only: a cell does no socket I/O (WASI sockets are off), and without an I/O driver
+    // the thread parks on a futex, the cheapest wake-up per call.
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_time()
         .build()?;
     let (name, marker) = (module.clone(), running.clone());
     std::thread::Builder::new()
@@ -427,7 +434,7 @@ async fn serve<S>(
     };
     let mut instantiated_before = false;
     while let Some(job) = jobs.recv().await {
-        if Instant::now() >= job.start_by || job.started.is_closed() {
+        if Instant::now() >= job.start_by || !(job.wanted)() {
             continue;
         }
         if occupant.is_none()
@@ -443,11 +450,6 @@ async fn serve<S>(
         let until =
             Instant::now() + job.budget + if fresh { init_deadline } else { Duration::ZERO };
         running.start(job.id, until);
-        if job.started.send(until).is_err() {
-            // The caller gave up between our check and now: nobody waits for this job.
-            running.end();
-            continue;
-        }
         if fresh {
             match tokio::time::timeout(init_deadline, factory()).await {
                 Ok(Ok(made)) => {
