@@ -80,6 +80,10 @@ pub struct CacheStats {
 #[derive(Debug)]
 pub struct CompileCache {
     dir: PathBuf,
+    /// One lock per digest being loaded: modules start in parallel, and two registry entries of
+    /// the same file must compile it once, the second finding it cached.
+    loading:
+        std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<std::sync::Mutex<()>>>>,
     hits: AtomicU64,
     misses: AtomicU64,
     replaced: AtomicU64,
@@ -130,6 +134,7 @@ impl CompileCache {
         }
         Ok(CompileCache {
             dir: dir.to_owned(),
+            loading: Default::default(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             replaced: AtomicU64::new(0),
@@ -171,6 +176,11 @@ impl CompileCache {
             self.misses.fetch_add(1, Ordering::Relaxed);
             return Ok((compile(engine, wasm, digest)?, CacheOutcome::Miss));
         }
+        let lock = {
+            let mut loading = self.loading.lock().unwrap_or_else(|p| p.into_inner());
+            loading.entry(digest.to_owned()).or_default().clone()
+        };
+        let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
         let name = format!("{digest}-{}", engine_key(engine));
         let cwasm = self.dir.join(format!("{name}.cwasm"));
         let sidecar = self.dir.join(format!("{name}.sha256"));
@@ -438,6 +448,21 @@ mod tests {
         let (component, outcome) = cache.load(engine, EMPTY, &digest_of(EMPTY)).unwrap();
         instantiates(engine, &component);
         outcome
+    }
+
+    #[test]
+    fn the_same_module_loaded_twice_at_once_is_compiled_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        let digest = digest_of(EMPTY);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| cache.load(&engine, EMPTY, &digest).unwrap());
+            }
+        });
+        let stats = cache.stats();
+        assert_eq!((stats.misses, stats.hits), (1, 1));
     }
 
     #[test]
