@@ -1,6 +1,6 @@
 //! Our floor: a DevicePlugin server with nothing behind it, answering every `Allocate` with a
 //! constant response, on its own Unix socket. What tonic over a Unix socket costs on this
-//! machine, with no module, actor, ledger or validation.
+//! machine, with no module, cell, ledger or validation.
 
 use std::path::Path;
 use std::pin::Pin;

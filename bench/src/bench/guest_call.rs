@@ -30,17 +30,17 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let ids = vec!["fuse-0".to_owned()];
 
     let handle = start_module(&engine, None, spec, &registry.host_root).await?;
-    let mut through_actor = Vec::new();
+    let mut through_cell = Vec::new();
     for i in 0..s.n(WARMUP) + s.n(CALLS) {
         let started = Instant::now();
         let edits = handle.allocate("fuse", ids.clone()).await?;
         let took = started.elapsed();
         std::hint::black_box(edits);
         if i >= s.n(WARMUP) {
-            through_actor.push(took);
+            through_cell.push(took);
         }
     }
-    let through_actor = Samples::new(through_actor);
+    let through_cell = Samples::new(through_cell);
 
     let bare = bare_calls(s, &engine, spec, &registry, &ids).await?;
     Ok(vec![
@@ -48,9 +48,9 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "7. Guest call: host → generic-dev `allocate` through the module's cell \
                  (`ModuleHandle::allocate`; {} calls)",
-                through_actor.len()
+                through_cell.len()
             ),
-            through_actor.summary(false),
+            through_cell.summary(false),
         ),
         Row::info(
             format!(

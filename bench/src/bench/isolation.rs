@@ -1,7 +1,7 @@
 //! Benchmark 8: a healthy module's Allocate while two other modules on the same agent keep their
 //! cells busy (enumerate spinning until its health deadline), beside the same agent with the two
 //! modules idle. What it shows: no queue and no shared worker between modules; what is left is
-//! CPU contention on this machine, which the health cells' lower priority keeps small.
+//! CPU contention on this machine.
 
 use std::time::Duration;
 

@@ -121,7 +121,7 @@ pub fn method() -> Vec<String> {
          5 s health deadline, every 100 ms health interval; the same client and calls as row 1, \
          first with the switch absent, then 300 ms after it is written. Spinning cells burn CPU \
          (the harder case: a cell blocked in a host call burns none), so what the ratio shows is \
-         CPU contention on this 2-core machine; the health cells run at nice 10.",
+         CPU contention on this 2-core machine.",
     ]
     .into_iter()
     .map(str::to_owned)

@@ -46,18 +46,6 @@ pub const MAX_ABANDONED: u32 = 4;
 /// timer needs a tick to see the guest yield.
 const ANSWER_SLACK: Duration = Duration::from_millis(3 * EPOCH_TICK.as_millis() as u64);
 
-/// How much lower a background cell's thread runs than the agent's own threads (a nice value):
-/// a module spinning through its health work until the deadline then leaves the CPU to the
-/// kubelet's calls on a busy node.
-const BACKGROUND_NICE: libc::c_int = 10;
-
-/// Whether a lane's cells serve the kubelet (normal priority) or do background work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Priority {
-    Kubelet,
-    Background,
-}
-
 /// First wait before re-instantiating a crashed module; doubles on every crash in a row.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -168,7 +156,6 @@ struct LaneState<S> {
 struct LaneInner<S> {
     module: Arc<str>,
     label: &'static str,
-    priority: Priority,
     factory: Factory<S>,
     init_deadline: Duration,
     fate: Arc<Fate>,
@@ -195,17 +182,15 @@ impl<S: 'static> Lane<S> {
     pub fn new(
         module: Arc<str>,
         label: &'static str,
-        priority: Priority,
         factory: Factory<S>,
         init_deadline: Duration,
         fate: Arc<Fate>,
     ) -> std::io::Result<Lane<S>> {
-        let cell = spawn_cell(&module, label, priority, factory.clone(), init_deadline, 0)?;
+        let cell = spawn_cell(&module, label, factory.clone(), init_deadline, 0)?;
         Ok(Lane {
             inner: Arc::new(LaneInner {
                 module,
                 label,
-                priority,
                 factory,
                 init_deadline,
                 fate,
@@ -350,7 +335,6 @@ impl<S: 'static> Lane<S> {
         match spawn_cell(
             &inner.module,
             inner.label,
-            inner.priority,
             inner.factory.clone(),
             inner.init_deadline,
             state.generation,
@@ -368,7 +352,6 @@ impl<S: 'static> Lane<S> {
 fn spawn_cell<S: 'static>(
     module: &Arc<str>,
     label: &'static str,
-    priority: Priority,
     factory: Factory<S>,
     init_deadline: Duration,
     generation: u64,
@@ -384,14 +367,6 @@ fn spawn_cell<S: 'static>(
     std::thread::Builder::new()
         .name(format!("cell-{label}-{module}"))
         .spawn(move || {
-            if priority == Priority::Background {
-                // On Linux a nice value is per thread: `who = 0` is the calling thread. Failing
-                // to lower our own priority changes nothing else, so it is only logged.
-                // SAFETY: setpriority has no memory-safety preconditions.
-                if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, BACKGROUND_NICE) } != 0 {
-                    tracing::debug!(module = &*name, "cannot lower the health cell's priority");
-                }
-            }
             runtime.block_on(serve(name, factory, init_deadline, rx, marker));
         })?;
     Ok(Cell {
@@ -516,15 +491,7 @@ mod tests {
             let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
             Box::pin(async move { Ok(Blocker { made: n }) })
         });
-        let lane = Lane::new(
-            "m".into(),
-            "test",
-            Priority::Kubelet,
-            factory,
-            Duration::from_secs(1),
-            fate,
-        )
-        .unwrap();
+        let lane = Lane::new("m".into(), "test", factory, Duration::from_secs(1), fate).unwrap();
         (lane, made)
     }
 

@@ -15,7 +15,7 @@ use wasmtime::{Store, StoreLimitsBuilder};
 
 use super::bindings::v0_1::{DevicePlugin, wit};
 use super::budget::Budget;
-use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture, Priority};
+use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture};
 use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
 use super::loader::{LoadedModule, ModuleInterface};
@@ -113,22 +113,16 @@ impl ModuleHandle {
             })
         };
         let fate = Arc::new(Fate::default());
-        let lane = |label, priority| {
-            Lane::new(
-                name.clone(),
-                label,
-                priority,
-                factory.clone(),
-                deadline,
-                fate.clone(),
-            )
-            .map_err(|e| LoadError::Invalid {
-                module: name.to_string(),
-                message: format!("cannot start a cell thread: {e}"),
+        let lane = |label| {
+            Lane::new(name.clone(), label, factory.clone(), deadline, fate.clone()).map_err(|e| {
+                LoadError::Invalid {
+                    module: name.to_string(),
+                    message: format!("cannot start a cell thread: {e}"),
+                }
             })
         };
-        let kubelet = lane("kubelet", Priority::Kubelet)?;
-        let health = lane("health", Priority::Background)?;
+        let kubelet = lane("kubelet")?;
+        let health = lane("health")?;
         let init_error = |source| LoadError::Init {
             module: name.to_string(),
             source,

@@ -2,7 +2,7 @@
 //! kubelet: device IDs the kubelet can use, device nodes and mounts inside the module's grants,
 //! names the container runtime accepts, and sizes that cannot exhaust the agent.
 //!
-//! A violation fails the call with the rule it broke; the actor counts it per module.
+//! A violation fails the call with the rule it broke; `ModuleHandle` counts it per module.
 
 use std::collections::HashSet;
 
