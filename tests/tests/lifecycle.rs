@@ -352,3 +352,76 @@ async fn a_broken_module_file_keeps_the_running_version_serving() {
         .expect("still allocates");
     agent.shutdown().await;
 }
+
+/// Only the registry, the module files and a ConfigMap's `..data` swap make the agent read the
+/// registry again: a log file written beside the registry does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_file_beside_the_registry_causes_no_reload() {
+    use std::io::Write;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+    let mut log = std::fs::File::create(node.dir.path().join("agent.log")).expect("log file");
+    for i in 0..20 {
+        writeln!(log, "line {i}").expect("log line");
+        log.sync_data().expect("sync");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Any reload the log could cause would settle within 150 ms of its last write; the edit
+    // below comes after that, so with one reload counted it was the edit's.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    node.registry(&format!("{}\n{}", generic_dev(FUSE), bad_with_switch()));
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the edit is applied");
+    assert_eq!(agent.reloads(), 1, "only the registry edit caused a reload");
+    agent.shutdown().await;
+}
+
+/// A Kubernetes ConfigMap volume updates by writing a new `..<timestamp>` directory and swapping
+/// the `..data` symlink to it; `registry.toml` itself is a symlink through `..data` and is never
+/// written. The swap is seen and applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_style_swap_of_the_registry_is_applied() {
+    use std::os::unix::fs::symlink;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let volume = node.dir.path().join("configmap");
+    let version = |name: &str, modules: &str| {
+        let text = std::fs::read_to_string(node.registry(modules)).expect("registry text");
+        let dir = volume.join(name);
+        std::fs::create_dir_all(&dir).expect("version dir");
+        std::fs::write(dir.join("registry.toml"), text).expect("version file");
+    };
+    version("..2026_11_22_v1", &generic_dev(FUSE));
+    symlink("..2026_11_22_v1", volume.join("..data")).expect("..data");
+    symlink("..data/registry.toml", volume.join("registry.toml")).expect("registry link");
+    let registry = devicelet::config::Registry::load(&volume.join("registry.toml")).expect("load");
+    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    options.hot_reload = true;
+    let agent = devicelet::agent::Agent::start(options)
+        .await
+        .expect("agent");
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+
+    version(
+        "..2026_11_22_v2",
+        &format!("{}\n{}", generic_dev(FUSE), bad_with_switch()),
+    );
+    symlink("..2026_11_22_v2", volume.join("..data_tmp")).expect("new link");
+    std::fs::rename(volume.join("..data_tmp"), volume.join("..data")).expect("swap");
+    std::fs::remove_dir_all(volume.join("..2026_11_22_v1")).expect("old version");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the swapped-in registry is applied");
+    agent.shutdown().await;
+}

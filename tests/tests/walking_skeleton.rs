@@ -205,3 +205,35 @@ async fn a_device_node_plugged_in_is_seen_without_waiting_for_the_poll() {
         .expect("the unplugged adapter goes at once");
     agent.shutdown().await;
 }
+
+/// A valid resource name of 63 characters: its socket path must still fit the 107-byte limit of
+/// a Unix socket, however deep the kubelet's directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sixty_three_character_resource_name_registers() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let name = "a-resource-name-long-enough-to-need-short-socket-x";
+    let resource = format!("devicelet.io/{name}");
+    assert_eq!(resource.len(), 63);
+    let config = format!(r#"groups = [{{ name = "{name}", paths = ["/dev/fuse"], count = 2 }}]"#);
+    let agent = node.start_agent(&generic_dev(&config)).await;
+    let registered = node
+        .kubelet
+        .wait_until(&resource, WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("the long-named resource registers");
+    assert!(
+        node.plugin_dir()
+            .join(&registered.endpoint)
+            .as_os_str()
+            .len()
+            <= 107,
+        "{}",
+        registered.endpoint
+    );
+    node.kubelet
+        .allocate(&resource, 1)
+        .await
+        .expect("and serves Allocate");
+    agent.shutdown().await;
+}

@@ -77,6 +77,8 @@ pub(crate) struct Shared {
     claiming: tokio::sync::Mutex<()>,
     load_errors: Mutex<Vec<String>>,
     reload_error: Mutex<Option<String>>,
+    /// How many times a change made the agent read the registry again.
+    reloads: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -203,6 +205,7 @@ impl Agent {
     pub async fn start(options: AgentOptions) -> anyhow::Result<Agent> {
         let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let instance = instance_id();
+        resource::check_socket_dir(&options.plugin_dir, &instance).map_err(anyhow::Error::msg)?;
         std::fs::create_dir_all(&options.plugin_dir)
             .with_context(|| format!("creating {}", options.plugin_dir.display()))?;
         remove_stale_sockets(&options.plugin_dir, &instance);
@@ -230,6 +233,7 @@ impl Agent {
             claiming: tokio::sync::Mutex::new(()),
             load_errors: Mutex::new(Vec::new()),
             reload_error: Mutex::new(None),
+            reloads: Default::default(),
         });
         let names: Vec<String> = options
             .registry
@@ -301,6 +305,14 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// How many times a change in the registry's or the modules' files made the agent read the
+    /// registry again.
+    pub fn reloads(&self) -> u64 {
+        self.shared
+            .reloads
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Why the last registry edit was refused, if it was.

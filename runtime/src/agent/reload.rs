@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
@@ -21,7 +21,25 @@ const SETTLE: Duration = Duration::from_millis(150);
 pub struct RegistryWatch {
     watcher: RecommendedWatcher,
     dirs: BTreeSet<PathBuf>,
+    /// The registry and module files now followed; the watcher's callback reads it.
+    files: Arc<Mutex<BTreeSet<PathBuf>>>,
     events: mpsc::UnboundedReceiver<()>,
+}
+
+/// Whether a directory event concerns us: it names the registry or a module file, or a
+/// Kubernetes ConfigMap volume's `..data` link (or the `..<timestamp>` directory behind it),
+/// which is how a ConfigMap update arrives. Anything else written beside them (a log file, an
+/// editor's swap file) is not a reason to reload.
+fn concerns(event: &notify::Event, files: &BTreeSet<PathBuf>) -> bool {
+    if matches!(event.kind, notify::EventKind::Access(_)) {
+        return false;
+    }
+    event.paths.iter().any(|p| {
+        files.contains(p)
+            || p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".."))
+    })
 }
 
 /// The files whose change matters: the registry and every module's `.wasm`.
@@ -35,12 +53,12 @@ fn files_of(registry: &Registry) -> BTreeSet<PathBuf> {
 impl RegistryWatch {
     pub fn new(registry: &Registry) -> notify::Result<RegistryWatch> {
         let (tx, events) = mpsc::unbounded_channel();
+        let files = Arc::new(Mutex::new(BTreeSet::new()));
+        let followed = files.clone();
         let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            // Any change in a watched directory counts, not only events naming our files: a
-            // Kubernetes ConfigMap volume updates by swapping a `..data` symlink, so the event
-            // names that link, never `registry.toml`. Reloading is cheap and idempotent.
             let hit = match event {
-                Ok(e) => !matches!(e.kind, notify::EventKind::Access(_)),
+                Ok(e) => concerns(&e, &followed.lock().unwrap_or_else(|p| p.into_inner())),
+                // Events were lost: a reload is cheap and idempotent.
                 Err(_) => true,
             };
             if hit {
@@ -50,6 +68,7 @@ impl RegistryWatch {
         let mut watch = RegistryWatch {
             watcher,
             dirs: BTreeSet::new(),
+            files,
             events,
         };
         watch.follow(registry);
@@ -59,6 +78,7 @@ impl RegistryWatch {
     /// Watches the directories of `registry`'s files (and only those).
     fn follow(&mut self, registry: &Registry) {
         let files = files_of(registry);
+        *self.files.lock().unwrap_or_else(|p| p.into_inner()) = files.clone();
         let dirs: BTreeSet<PathBuf> = files
             .iter()
             .filter_map(|f| f.parent().map(Path::to_owned))
@@ -97,6 +117,9 @@ pub async fn run(
             changed = watch.changed() => if changed.is_none() { return },
             _ = stop.wait_for(|s| *s) => return,
         }
+        shared
+            .reloads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // File reads stay off the agent's shared workers.
         let file = current.file.clone();
         let loaded = tokio::task::spawn_blocking(move || {

@@ -48,9 +48,10 @@ fn render(status: &Status) -> String {
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();
         out += &format!(
-            "{} (module {}, {} devices, {healthy} healthy, registered {} time(s))\n",
+            "{} (module {}, socket {}, {} devices, {healthy} healthy, registered {} time(s))\n",
             r.name,
             r.module,
+            r.socket.file_name().unwrap_or_default().to_string_lossy(),
             r.devices.len(),
             r.registrations
         );

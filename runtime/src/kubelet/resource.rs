@@ -70,21 +70,32 @@ pub fn qualify(domain: &str, name: &str) -> String {
     }
 }
 
-/// The socket file name: readable, and unique per resource (the hash keeps `a.b/c` and `a_b/c`
-/// apart) and per agent process.
-fn endpoint_name(resource: &str, instance: &str) -> String {
-    let hash = &crate::digest::sha256_hex(resource.as_bytes())[..8];
-    let readable: String = resource
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("devicelet-{readable}-{hash}-{instance}.sock")
+/// Longest path a Unix socket may have (`sun_path` holds 108 bytes with the NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+/// Hex digits of the resource name's digest in a socket name: 48 bits, so two resources of one
+/// agent never share a file.
+const ENDPOINT_HASH: usize = 12;
+
+/// The socket file name: short, whatever the resource is called (a valid resource name can be 300
+/// characters; the path must fit [`MAX_SOCKET_PATH`]), unique per resource (a digest of its name)
+/// and per agent process. Which resource a socket serves is in `devicelet status`.
+pub fn endpoint_name(resource: &str, instance: &str) -> String {
+    let hash = &crate::digest::sha256_hex(resource.as_bytes())[..ENDPOINT_HASH];
+    format!("devicelet-{hash}-{instance}.sock")
+}
+
+/// Whether every socket of this agent fits in `plugin_dir`; an error that says why when not.
+pub fn check_socket_dir(plugin_dir: &Path, instance: &str) -> Result<(), String> {
+    let longest = plugin_dir.join(endpoint_name("", instance));
+    let len = longest.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(format!(
+            "socket paths in {} would be {len} bytes, over the {MAX_SOCKET_PATH} a Unix socket \
+             allows; the directory path is too long",
+            plugin_dir.display()
+        ));
+    }
+    Ok(())
 }
 
 /// Where and as whom to serve.
@@ -197,7 +208,22 @@ mod tests {
         let a = endpoint_name("ex.com/gpu.shared", "1-2");
         let b = endpoint_name("ex.com/gpu_shared", "1-2");
         assert_ne!(a, b);
-        assert!(a.starts_with("devicelet-ex_com_gpu_shared-") && a.ends_with("-1-2.sock"));
+        assert!(a.starts_with("devicelet-") && a.ends_with("-1-2.sock"));
         assert!(!a.contains('/'));
+        let long = format!("example.com/{}", "x".repeat(63));
+        assert_eq!(
+            endpoint_name(&long, "1-2").len(),
+            a.len(),
+            "the name never grows"
+        );
+    }
+
+    #[test]
+    fn a_directory_too_long_for_its_sockets_is_refused() {
+        let ok = std::path::Path::new("/var/lib/kubelet/device-plugins");
+        assert!(super::check_socket_dir(ok, "1795391356784-25343").is_ok());
+        let deep = std::path::PathBuf::from(format!("/{}", "d".repeat(80)));
+        let e = super::check_socket_dir(&deep, "1795391356784-25343").unwrap_err();
+        assert!(e.contains("too long"), "{e}");
     }
 }
