@@ -8,4 +8,8 @@ cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
 cargo build --release --target wasm32-wasip2 -p generic-dev
 target="${CARGO_TARGET_DIR:-target}"
-cargo run -p devicelet -- demo --module-dir "$target/wasm32-wasip2/release"
+# The demo prints its own story; the agent's and the simulator's logs show only warnings unless
+# -v is given.
+log=warn
+if [ "${1:-}" = "-v" ]; then log=info; fi
+cargo run -q -p devicelet -- --log "$log" demo --module-dir "$target/wasm32-wasip2/release"

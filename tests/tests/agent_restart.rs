@@ -108,3 +108,39 @@ async fn agent_killed_with_sigkill_comes_back_with_the_same_ledger() {
         .await
         .expect("the stream ended");
 }
+
+/// What a log collector reads from the binary's stderr: plain text with no colour codes when
+/// stderr is not a terminal, or one JSON object per line with `--log-format json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_carry_no_colour_off_a_terminal_and_are_json_lines_on_request() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let registry = node.registry(&generic_dev(FUSE));
+    let run = |format: &str| {
+        let out = Command::new(devicelet_bin())
+            .args([
+                "--log",
+                "debug",
+                "--log-format",
+                format,
+                "validate",
+                "--config",
+            ])
+            .arg(&registry)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running devicelet validate");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stderr).expect("utf-8 logs")
+    };
+    let text = run("text");
+    assert!(!text.trim().is_empty(), "validate logs at debug level");
+    assert!(!text.contains('\u{1b}'), "no escape codes: {text}");
+    let json = run("json");
+    let lines: Vec<&str> = json.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in lines {
+        let value: serde_json::Value = serde_json::from_str(line).expect("a JSON object per line");
+        assert!(value.get("level").is_some(), "{line}");
+    }
+}

@@ -18,8 +18,33 @@ pub struct Cli {
     /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`).
     #[arg(long, global = true, default_value = "info")]
     pub log: String,
+    /// Log lines as text (coloured only on a terminal) or as one JSON object per line, for log
+    /// collectors.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Sets up logging to stderr: JSON lines, or text with colour only when stderr is a terminal (a
+/// log collector must not get escape codes).
+pub fn init_logging(filter: &str, format: LogFormat) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -46,6 +46,56 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
 }
 
 impl<B: DeviceBackend> ResourcePlugin<B> {
+    /// The kubelet only ever names devices we advertised, each once (an Unhealthy one included:
+    /// it reuses devices of a finished init container whatever their health). Anything else is
+    /// refused before the module sees it, naming the offending IDs.
+    fn known(&self, ids: &[String]) -> Result<(), Status> {
+        self.known_or(ids, &[])
+    }
+
+    /// As [`Self::known`], also accepting `held` (devices allocated earlier that may have left
+    /// the snapshot since: PreStartContainer follows Allocate, and a device can vanish between).
+    fn known_or(&self, ids: &[String], held: &[String]) -> Result<(), Status> {
+        let snapshot = self.devices.borrow().clone();
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        let mut unknown = Vec::new();
+        let mut twice = Vec::new();
+        for id in ids {
+            if !seen.insert(id.as_str()) {
+                twice.push(id.as_str());
+            } else if !snapshot.iter().any(|d| &d.id == id) && !held.contains(id) {
+                unknown.push(id.as_str());
+            }
+        }
+        if unknown.is_empty() && twice.is_empty() {
+            return Ok(());
+        }
+        let show = |ids: &[&str]| {
+            let mut text: String = ids
+                .iter()
+                .take(8)
+                .map(|id| format!("{:?}", id.chars().take(64).collect::<String>()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            if ids.len() > 8 {
+                text.push_str(&format!(" and {} more", ids.len() - 8));
+            }
+            text
+        };
+        let mut problems = Vec::new();
+        if !unknown.is_empty() {
+            problems.push(format!("devices {} are not advertised", show(&unknown)));
+        }
+        if !twice.is_empty() {
+            problems.push(format!("devices {} are named twice", show(&twice)));
+        }
+        Err(Status::invalid_argument(format!(
+            "{}: {}",
+            self.resource,
+            problems.join("; ")
+        )))
+    }
+
     pub fn new(
         resource: &str,
         local: &str,
@@ -171,6 +221,8 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         for c in request.into_inner().container_requests {
             let size = u32::try_from(c.allocation_size)
                 .map_err(|_| Status::invalid_argument("allocation_size is negative"))?;
+            self.known(&c.available_device_i_ds)?;
+            self.known(&c.must_include_device_i_ds)?;
             let ids = self
                 .backend
                 .preferred(
@@ -193,15 +245,23 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         &self,
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
-        let mut container_responses = Vec::new();
-        for c in request.into_inner().container_requests {
+        let requests = request.into_inner().container_requests;
+        for c in &requests {
+            self.known(&c.devices_ids)?;
+        }
+        let mut container_responses = Vec::with_capacity(requests.len());
+        for c in &requests {
             let edits = self
                 .backend
                 .allocate(&self.local, c.devices_ids.clone())
                 .await
                 .map_err(status)?;
-            self.ledger.record_deferred(&self.resource, &c.devices_ids);
             container_responses.push(edits_to_wire(edits));
+        }
+        // Only what the kubelet is told succeeded goes into the ledger: a request that fails
+        // part-way leaves no entry for its first containers.
+        for c in &requests {
+            self.ledger.record_deferred(&self.resource, &c.devices_ids);
         }
         Ok(Response::new(api::AllocateResponse {
             container_responses,
@@ -212,10 +272,154 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         &self,
         request: Request<api::PreStartContainerRequest>,
     ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        let ids = request.into_inner().devices_ids;
+        let held: Vec<String> = self
+            .ledger
+            .holders(&self.resource)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        self.known_or(&ids, &held)?;
         self.backend
-            .prestart(&self.local, request.into_inner().devices_ids)
+            .prestart(&self.local, ids)
             .await
             .map_err(status)?;
         Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::device_plugin_server::DevicePlugin;
+
+    /// A backend that answers Allocate for every ID but `fails`, and counts its calls.
+    #[derive(Clone)]
+    struct Fake {
+        fails: &'static str,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl DeviceBackend for Fake {
+        fn name(&self) -> &str {
+            "fake"
+        }
+
+        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+            Ok(Vec::new())
+        }
+
+        async fn allocate(
+            &self,
+            _: &str,
+            ids: Vec<String>,
+        ) -> Result<ContainerEdits, BackendError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if ids.iter().any(|id| id == self.fails) {
+                Err(BackendError::Failed(format!(
+                    "module `fake` cannot allocate {ids:?}"
+                )))
+            } else {
+                Ok(ContainerEdits::default())
+            }
+        }
+    }
+
+    fn plugin(fails: &'static str) -> (ResourcePlugin<Fake>, Arc<std::sync::atomic::AtomicUsize>) {
+        let devices = ["a", "b", "sick"]
+            .map(|id| Device {
+                id: id.into(),
+                health: if id == "sick" {
+                    Health::Unhealthy
+                } else {
+                    Health::Healthy
+                },
+                numa_nodes: Vec::new(),
+                attributes: Vec::new(),
+            })
+            .to_vec();
+        let (_, devices) = watch::channel(Arc::new(devices));
+        let (_, stop) = watch::channel(false);
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let backend = Fake {
+            fails,
+            calls: calls.clone(),
+        };
+        let options = api::DevicePluginOptions::default();
+        let plugin = ResourcePlugin::new(
+            "ex.com/dev",
+            "dev",
+            backend,
+            options,
+            devices,
+            Ledger::in_memory(),
+            stop,
+        );
+        (plugin, calls)
+    }
+
+    fn request(containers: &[&[&str]]) -> Request<api::AllocateRequest> {
+        Request::new(api::AllocateRequest {
+            container_requests: containers
+                .iter()
+                .map(|ids| api::ContainerAllocateRequest {
+                    devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+                })
+                .collect(),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_partly_failed_allocate_leaves_the_ledger_unchanged() {
+        let (plugin, calls) = plugin("b");
+        let e = plugin
+            .allocate(request(&[&["a"], &["b"]]))
+            .await
+            .expect_err("the second container fails");
+        assert!(e.message().contains("fake"), "{e:?}");
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert!(
+            plugin.ledger.entries().is_empty(),
+            "nothing the kubelet was told failed"
+        );
+        plugin
+            .allocate(request(&[&["a"], &["sick"]]))
+            .await
+            .expect("an unhealthy advertised device may be allocated (init-container reuse)");
+        assert_eq!(plugin.ledger.entries().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn unknown_and_repeated_ids_are_refused_before_the_module_sees_them() {
+        let (plugin, calls) = plugin("never");
+        let e = plugin
+            .allocate(request(&[&["a"], &["ghost", "a", "a"]]))
+            .await
+            .expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(
+            e.message().contains("\"ghost\"") && e.message().contains("named twice"),
+            "{e:?}"
+        );
+        let e = plugin
+            .pre_start_container(Request::new(api::PreStartContainerRequest {
+                devices_ids: vec!["ghost".into()],
+            }))
+            .await
+            .expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let e = plugin
+            .get_preferred_allocation(Request::new(api::PreferredAllocationRequest {
+                container_requests: vec![api::ContainerPreferredAllocationRequest {
+                    available_device_i_ds: vec!["a".into(), "ghost".into()],
+                    must_include_device_i_ds: Vec::new(),
+                    allocation_size: 1,
+                }],
+            }))
+            .await
+            .expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert!(plugin.ledger.entries().is_empty());
     }
 }
