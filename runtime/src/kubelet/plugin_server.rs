@@ -4,9 +4,10 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 
 use super::api::deviceplugin as api;
@@ -195,22 +196,18 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         &self,
         _: Request<api::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let (tx, rx) = mpsc::channel(4);
-        let (mut devices, mut stop) = (self.devices.clone(), self.stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let snapshot = devices.borrow_and_update().clone();
-                if tx.send(Ok(to_wire(&snapshot))).await.is_err() {
-                    return;
-                }
-                tokio::select! {
-                    changed = devices.changed() => if changed.is_err() { return },
-                    _ = stop.wait_for(|s| *s) => return,
-                    _ = tx.closed() => return,
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        // Pulled, not pushed: each time the kubelet is ready for a message it gets the newest
+        // snapshot, never a queue of stale ones; the stream ends when the agent stops.
+        let snapshots =
+            WatchStream::new(self.devices.clone()).map(|snapshot| Some(Ok(to_wire(&snapshot))));
+        let stopped = WatchStream::new(self.stop.clone())
+            .filter(|stop| *stop)
+            .map(|_| None);
+        let stream = snapshots
+            .merge(stopped)
+            .take_while(Option::is_some)
+            .map(|item| item.unwrap_or_else(|| Err(Status::unavailable("stopping"))));
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn get_preferred_allocation(
@@ -326,6 +323,18 @@ mod tests {
     }
 
     fn plugin(fails: &'static str) -> (ResourcePlugin<Fake>, Arc<std::sync::atomic::AtomicUsize>) {
+        let (plugin, calls, _, _) = plugin_with_senders(fails);
+        (plugin, calls)
+    }
+
+    fn plugin_with_senders(
+        fails: &'static str,
+    ) -> (
+        ResourcePlugin<Fake>,
+        Arc<std::sync::atomic::AtomicUsize>,
+        watch::Sender<Snapshot>,
+        watch::Sender<bool>,
+    ) {
         let devices = ["a", "b", "sick"]
             .map(|id| Device {
                 id: id.into(),
@@ -338,8 +347,8 @@ mod tests {
                 attributes: Vec::new(),
             })
             .to_vec();
-        let (_, devices) = watch::channel(Arc::new(devices));
-        let (_, stop) = watch::channel(false);
+        let (devices_tx, devices) = watch::channel(Arc::new(devices));
+        let (stop_tx, stop) = watch::channel(false);
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let backend = Fake {
             fails,
@@ -355,7 +364,7 @@ mod tests {
             Ledger::in_memory(),
             stop,
         );
-        (plugin, calls)
+        (plugin, calls, devices_tx, stop_tx)
     }
 
     fn request(containers: &[&[&str]]) -> Request<api::AllocateRequest> {
@@ -367,6 +376,44 @@ mod tests {
                 })
                 .collect(),
         })
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_stops_reading_gets_the_newest_snapshot_and_the_stream_ends_on_stop() {
+        use tokio_stream::StreamExt;
+        let (plugin, _, devices, stop) = plugin_with_senders("never");
+        let mut stream = plugin
+            .list_and_watch(Request::new(api::Empty {}))
+            .await
+            .expect("stream")
+            .into_inner();
+        let first = stream.next().await.expect("first").expect("ok");
+        assert_eq!(first.devices.len(), 3);
+        // The kubelet reads nothing while the devices change three times.
+        for n in 1..=3 {
+            let ids = (0..n).map(|i| format!("d{i}"));
+            devices.send_replace(Arc::new(
+                ids.map(|id| Device {
+                    id,
+                    health: Health::Healthy,
+                    numa_nodes: Vec::new(),
+                    attributes: Vec::new(),
+                })
+                .collect(),
+            ));
+        }
+        let next = stream.next().await.expect("next").expect("ok");
+        assert_eq!(
+            next.devices.len(),
+            3,
+            "the newest, not the first of a queue"
+        );
+        assert_eq!(next.devices[2].id, "d2");
+        stop.send_replace(true);
+        let end = tokio::time::timeout(std::time::Duration::from_secs(5), stream.next())
+            .await
+            .expect("the stream ends promptly");
+        assert!(end.is_none(), "{end:?}");
     }
 
     #[tokio::test]

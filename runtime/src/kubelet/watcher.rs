@@ -26,6 +26,24 @@ fn sorted(mut devices: Vec<Device>) -> Vec<Device> {
     devices
 }
 
+/// Keeps `next` as the current snapshot (status and policies read its attributes), but wakes the
+/// ListAndWatch streams only when what the kubelet sees changed: IDs, health or topology.
+fn publish(devices: &watch::Sender<Snapshot>, next: Vec<Device>) {
+    devices.send_if_modified(|current| {
+        if **current == next {
+            return false;
+        }
+        let seen_by_kubelet = |d: &Device| (d.id.clone(), d.health, d.numa_nodes.clone());
+        let changed = current.len() != next.len()
+            || current
+                .iter()
+                .zip(&next)
+                .any(|(a, b)| seen_by_kubelet(a) != seen_by_kubelet(b));
+        *current = Arc::new(next);
+        changed
+    });
+}
+
 /// While the module fails, its devices stay listed but Unhealthy, so the kubelet stops
 /// admitting pods to them instead of failing admissions in a loop.
 fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
@@ -85,13 +103,37 @@ pub async fn watch_devices<B: DeviceBackend>(
                 all_unhealthy(&devices.borrow())
             }
         };
-        devices.send_if_modified(|current| {
-            if **current == next {
-                false
-            } else {
-                *current = Arc::new(next);
-                true
-            }
-        });
+        publish(&devices, next);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(id: &str, health: Health, attribute: &str) -> Device {
+        Device {
+            id: id.into(),
+            health,
+            numa_nodes: vec![0],
+            attributes: vec![("temperature".into(), attribute.into())],
+        }
+    }
+
+    #[test]
+    fn attribute_only_changes_are_kept_but_wake_no_stream() {
+        let (tx, mut rx) = watch::channel(Snapshot::default());
+        publish(&tx, vec![device("a", Health::Healthy, "40C")]);
+        assert!(rx.has_changed().unwrap());
+        rx.borrow_and_update();
+        publish(&tx, vec![device("a", Health::Healthy, "41C")]);
+        assert!(!rx.has_changed().unwrap(), "the kubelet sees nothing new");
+        assert_eq!(
+            rx.borrow()[0].attributes[0].1,
+            "41C",
+            "but the host keeps the new value"
+        );
+        publish(&tx, vec![device("a", Health::Unhealthy, "90C")]);
+        assert!(rx.has_changed().unwrap(), "health reaches the kubelet");
     }
 }
