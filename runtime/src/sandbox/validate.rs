@@ -10,7 +10,7 @@ use std::path::Path;
 
 use cap_std::fs::FileTypeExt;
 
-use super::host::paths::{beneath, granted, real_path};
+use super::host::paths::{granted, real_path, real_path_and_metadata};
 use crate::config::Grants;
 use crate::device::{ContainerEdits, Device};
 
@@ -290,7 +290,8 @@ pub fn resolve_edits(
     root: &Path,
 ) -> Result<(), Violation> {
     for d in &mut edits.devices {
-        let real = real_path(root, &d.host_path).map_err(|e| {
+        // The tree is opened once for both the resolution and the type: this is on Allocate's path.
+        let (real, meta) = real_path_and_metadata(root, &d.host_path).map_err(|e| {
             format!(
                 "device node {:?} does not resolve inside /dev: {e}",
                 truncate(&d.host_path)
@@ -303,12 +304,7 @@ pub fn resolve_edits(
                 truncate(&real)
             ));
         }
-        let at = beneath(root, &real).map_err(|e| e.to_string())?;
-        let kind = at
-            .dir
-            .metadata(&at.rel)
-            .map_err(|e| e.to_string())?
-            .file_type();
+        let kind = meta.file_type();
         if !(kind.is_char_device() || kind.is_block_device()) {
             return Err(format!(
                 "device node {:?} is not a character or block device",

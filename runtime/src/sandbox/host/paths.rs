@@ -94,17 +94,33 @@ pub fn escaped(e: &std::io::Error) -> bool {
 
 /// Where `path` really is, as a logical path: symlinks resolved beneath its tree.
 pub fn real_path(root: &Path, path: &str) -> std::io::Result<String> {
+    resolved(root, path).map(|(real, _, _)| real)
+}
+
+/// Where `path` really is, and what is there, with the tree opened once.
+pub fn real_path_and_metadata(
+    root: &Path,
+    path: &str,
+) -> std::io::Result<(String, cap_std::fs::Metadata)> {
+    let (real, at, canonical) = resolved(root, path)?;
+    let meta = at.dir.metadata(canonical)?;
+    Ok((real, meta))
+}
+
+/// The logical real path, the opened tree, and the canonical path within it.
+fn resolved(root: &Path, path: &str) -> std::io::Result<(String, Beneath, PathBuf)> {
     let at = beneath(root, path)?;
-    let real = at.dir.canonicalize(&at.rel)?;
+    let canonical = at.dir.canonicalize(&at.rel)?;
     let area = path.split('/').nth(1).unwrap_or_default();
-    let real = real
+    let text = canonical
         .to_str()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "path is not UTF-8"))?;
-    Ok(if real.is_empty() || real == "." {
+    let real = if text.is_empty() || text == "." {
         format!("/{area}")
     } else {
-        format!("/{area}/{real}")
-    })
+        format!("/{area}/{text}")
+    };
+    Ok((real, at, canonical))
 }
 
 #[cfg(test)]
