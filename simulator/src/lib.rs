@@ -97,6 +97,20 @@ impl Default for SimConfig {
     }
 }
 
+/// The order in which a [`Simulator::restart_in_order`] changes the device-plugin directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartOrder {
+    /// The kubelet's own order (KUBELET.md §7): every socket deleted, then `kubelet.sock`
+    /// created again (the pause is not used).
+    SocketsThenKubelet,
+    /// The plugins' sockets go first; the old `kubelet.sock` stays, refusing connections, until
+    /// the pause is over and a new one replaces it.
+    PluginSocketsFirst,
+    /// A new `kubelet.sock` replaces the old one first; the plugins' sockets are deleted only
+    /// after the pause.
+    KubeletFirst,
+}
+
 /// The PodResources socket's default place for `plugin_dir`: `pod-resources/kubelet.sock` in its
 /// parent directory (`/var/lib/kubelet/device-plugins` → `/var/lib/kubelet/pod-resources/kubelet.sock`).
 pub fn default_pod_resources_socket(plugin_dir: &Path) -> PathBuf {
@@ -366,6 +380,12 @@ impl Simulator {
         let inner = &self.inner;
         server::stop(inner).await;
         inner.lock().forget_endpoints();
+        self.restart_stopped().await
+    }
+
+    /// The rest of [`restart`](Self::restart), once the old server is stopped.
+    async fn restart_stopped(&self) -> Result<(), SimError> {
+        let inner = &self.inner;
         let removed = server::remove_sockets(&inner.dir).map_err(|source| SimError::Io {
             path: inner.dir.clone(),
             source,
@@ -378,6 +398,53 @@ impl Simulator {
         }
         info!("simulated kubelet restarted: {removed} sockets removed");
         server::serve(inner, inner.config.accept_delay)
+    }
+
+    /// A restart whose directory changes happen in `order`, with `pause` between the two halves
+    /// so plugins act in between (inotify may deliver a real restart's events late or in
+    /// bursts, and a plugin must register exactly once per kubelet start whatever it saw
+    /// first). Returns when both halves are done; like [`restart`](Self::restart), the new
+    /// `kubelet.sock` accepts connections [`SimConfig::accept_delay`] after it is created.
+    pub async fn restart_in_order(
+        &self,
+        order: RestartOrder,
+        pause: Duration,
+    ) -> Result<(), SimError> {
+        let inner = &self.inner;
+        let io = |source| SimError::Io {
+            path: inner.dir.clone(),
+            source,
+        };
+        server::stop(inner).await;
+        inner.lock().forget_endpoints();
+        let removed = match order {
+            RestartOrder::SocketsThenKubelet => return self.restart_stopped().await,
+            RestartOrder::PluginSocketsFirst => {
+                let removed =
+                    server::remove_sockets_but(&inner.dir, Some(KUBELET_SOCKET)).map_err(io)?;
+                tokio::time::sleep(pause).await;
+                server::serve(inner, inner.config.accept_delay)?;
+                removed + 1
+            }
+            RestartOrder::KubeletFirst => {
+                // Held open under another name while the new file is made, the old inode cannot
+                // be reused for it: plugins see a different `kubelet.sock`, as a new kubelet's
+                // would usually be.
+                let held = inner.dir.join(".kubelet.sock.old");
+                let hold = std::fs::hard_link(&inner.socket, &held);
+                server::serve(inner, inner.config.accept_delay)?;
+                if hold.is_ok() {
+                    std::fs::remove_file(&held).map_err(io)?;
+                }
+                tokio::time::sleep(pause).await;
+                server::remove_sockets_but(&inner.dir, Some(KUBELET_SOCKET)).map_err(io)? + 1
+            }
+        };
+        let _registry = inner.lock();
+        inner.notify(Some(SimEvent::Restarted {
+            sockets_removed: removed,
+        }));
+        Ok(())
     }
 
     /// Stops serving, stops every ListAndWatch consumer and removes `kubelet.sock` and the

@@ -277,10 +277,16 @@ impl BoundSocket {
 /// What a starting kubelet does to its device-plugin directory: deletes every socket in it
 /// (plugins must notice and register again), keeping the checkpoint. Returns how many went.
 pub(super) fn remove_sockets(dir: &Path) -> io::Result<usize> {
+    remove_sockets_but(dir, None)
+}
+
+/// [`remove_sockets`], sparing the file named `keep` as well (a restart that deletes the
+/// plugins' sockets apart from `kubelet.sock`).
+pub(super) fn remove_sockets_but(dir: &Path, keep: Option<&str>) -> io::Result<usize> {
     let mut removed = 0;
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
-        if entry.file_name() == CHECKPOINT {
+        if entry.file_name() == CHECKPOINT || keep.is_some_and(|k| entry.file_name() == k) {
             continue;
         }
         // `file_type` does not follow symlinks, like the kubelet's `os.Lstat`.

@@ -1,6 +1,9 @@
 //! A lifecycle that never loses a device: kubelet restarts, module crashes, health that
 //! recovers, registry edits and the allocation ledger.
 
+use std::time::Duration;
+
+use devicelet_simulator::RestartOrder;
 use devicelet_tests::{Node, WAIT, eventually, generic_dev, misbehaving};
 
 const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
@@ -39,6 +42,51 @@ async fn kubelet_restarts_a_hundred_times_without_losing_a_registration() {
         .allocate("devicelet.io/fuse", 1)
         .await
         .expect("allocate after restarts");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restarts_with_directory_events_in_any_order_register_each_resource_once() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 1 && r.streaming
+        })
+        .await
+        .expect("first registration");
+    let orders = [
+        RestartOrder::KubeletFirst,
+        RestartOrder::PluginSocketsFirst,
+        RestartOrder::SocketsThenKubelet,
+    ];
+    let mut starts = 1u32;
+    for order in orders.iter().chain(&orders) {
+        node.kubelet
+            .restart_in_order(*order, Duration::from_millis(300))
+            .await
+            .expect("kubelet restart");
+        starts += 1;
+        node.kubelet
+            .wait_until("devicelet.io/fuse", WAIT, |r| {
+                r.registrations == starts && r.streaming && r.allocatable == 2
+            })
+            .await
+            .unwrap_or_else(|e| panic!("not registered after a {order:?} restart: {e}"));
+        // A second registration would follow the deletion of our socket, or the agent's grace
+        // for a kubelet.sock that appeared beside it (1 s): watch past both.
+        let extra = node
+            .kubelet
+            .wait_until("devicelet.io/fuse", Duration::from_millis(1500), |r| {
+                r.registrations > starts
+            })
+            .await;
+        assert!(
+            extra.is_err(),
+            "registered again after a {order:?} restart: {extra:?}"
+        );
+    }
     agent.shutdown().await;
 }
 

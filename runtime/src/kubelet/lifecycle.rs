@@ -52,6 +52,10 @@ enum Registration {
 /// A safety net under inotify (e.g. the directory itself was replaced): re-check this often.
 const RECHECK: Duration = Duration::from_secs(5);
 
+/// How long a new `kubelet.sock` may stand beside our socket before we take it as a restart
+/// that will not delete our socket (see `wait_for_kubelet_restart`).
+const DELETION_GRACE: Duration = Duration::from_secs(1);
+
 /// Which `kubelet.sock` we registered with: a restarted kubelet makes a new file.
 fn kubelet_identity(plugin_dir: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(plugin_dir.join(KUBELET_SOCKET))
@@ -149,7 +153,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
             if !self.socket().exists() {
                 return Registration::SocketGone;
             }
-            let identity = kubelet_identity(&self.plugin_dir);
             let attempt = tokio::select! {
                 attempt = tokio::time::timeout(
                     REGISTER_TIMEOUT,
@@ -165,7 +168,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                         endpoint = self.endpoint,
                         "registered with the kubelet"
                     );
-                    return Registration::Accepted(identity);
+                    // Only now: the kubelet that answered just dialed us back, so the file is
+                    // its socket. Taken before the attempt it could still be a dead kubelet's
+                    // file (or none), and the next directory event would look like a restart.
+                    return Registration::Accepted(kubelet_identity(&self.plugin_dir));
                 }
                 Err(e) if !complained => {
                     tracing::warn!(resource = self.resource, "{e}; retrying with backoff");
@@ -186,19 +192,37 @@ impl<B: DeviceBackend> Lifecycle<B> {
     }
 
     /// Waits until the kubelet restarted (returns false) or we are told to stop (true).
+    ///
+    /// A starting kubelet deletes our socket: that alone is the restart. A new `kubelet.sock`
+    /// with our socket still in place is a restart whose deletion has not happened (or not
+    /// reached us) yet, so it counts only once [`DELETION_GRACE`] passes without the deletion;
+    /// reacting at once would register with the new kubelet and then again when it deletes
+    /// our socket.
     async fn wait_for_kubelet_restart(&mut self, registered_with: Option<(u64, u64)>) -> bool {
+        let mut replaced_since: Option<tokio::time::Instant> = None;
         loop {
+            let recheck = match replaced_since {
+                Some(since) => {
+                    (since + DELETION_GRACE).saturating_duration_since(tokio::time::Instant::now())
+                }
+                None => RECHECK,
+            };
             tokio::select! {
                 _ = kubelet_changed(&mut self.kubelet_events) => {}
-                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep(recheck) => {}
                 _ = self.stop.wait_for(|s| *s) => return true,
             }
-            let socket_gone = !self.socket().exists();
-            let kubelet_replaced =
-                kubelet_identity(&self.plugin_dir).is_some_and(|now| Some(now) != registered_with);
-            if socket_gone || kubelet_replaced {
+            if !self.socket().exists() {
                 return false;
             }
+            let kubelet_replaced =
+                kubelet_identity(&self.plugin_dir).is_some_and(|now| Some(now) != registered_with);
+            replaced_since = match (kubelet_replaced, replaced_since) {
+                (false, _) => None,
+                (true, None) => Some(tokio::time::Instant::now()),
+                (true, Some(since)) if since.elapsed() >= DELETION_GRACE => return false,
+                (true, since) => since,
+            };
         }
     }
 
