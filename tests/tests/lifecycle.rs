@@ -61,13 +61,11 @@ async fn kubelet_restarts_with_directory_events_in_any_order_register_each_resou
         RestartOrder::PluginSocketsFirst,
         RestartOrder::SocketsThenKubelet,
     ];
-    let mut starts = 1u32;
-    for order in orders.iter().chain(&orders) {
+    for (starts, order) in (2u32..).zip(orders.iter().chain(&orders)) {
         node.kubelet
             .restart_in_order(*order, Duration::from_millis(300))
             .await
             .expect("kubelet restart");
-        starts += 1;
         node.kubelet
             .wait_until("devicelet.io/fuse", WAIT, |r| {
                 r.registrations == starts && r.streaming && r.allocatable == 2
