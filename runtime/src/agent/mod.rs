@@ -258,7 +258,7 @@ impl Agent {
             ));
         }
         if options.state_dir.is_some() {
-            tasks.spawn(shared.ledger.clone().run_flusher(stopped.clone()));
+            tasks.spawn(shared.ledger.clone().run_writer(stopped.clone()));
         }
         if let Some(socket) = options.pod_resources.clone() {
             tasks.spawn(reconcile::run(
@@ -346,8 +346,11 @@ impl Agent {
         for name in names {
             self.shared.stop_module(&name).await;
         }
-        if let Err(e) = self.shared.ledger.flush() {
-            tracing::error!("flushing the ledger: {e}");
+        let ledger = self.shared.ledger.clone();
+        match tokio::task::spawn_blocking(move || ledger.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!("flushing the ledger: {e}"),
+            Err(e) => tracing::error!("flushing the ledger: {e}"),
         }
     }
 }

@@ -38,12 +38,9 @@ pub async fn run(
         complained = false;
         // Only our resources are adopted from PodResources; other plugins' are not our business.
         let ours: Vec<String> = shared.resources().into_iter().map(|r| r.name).collect();
-        match shared
+        let report = shared
             .ledger
-            .reconcile(&pods, grace, &|r| ours.iter().any(|n| n == r))
-        {
-            Ok(report) => tracing::debug!(%report, "ledger reconciled with PodResources"),
-            Err(e) => tracing::error!("reconciling the ledger: {e}"),
-        }
+            .reconcile(&pods, grace, &|r| ours.iter().any(|n| n == r));
+        tracing::debug!(%report, "ledger reconciled with PodResources");
     }
 }

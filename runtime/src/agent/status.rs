@@ -23,6 +23,17 @@ pub struct Status {
     pub load_errors: Vec<String>,
     /// Why the last registry edit was refused, if it was.
     pub reload_error: Option<String>,
+    #[serde(default)]
+    pub ledger: LedgerStatus,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerStatus {
+    pub entries: u64,
+    /// Entries dropped at the ledger's cap (PodResources unreachable while pods came and went).
+    pub dropped: u64,
+    /// Whether every change is in the checkpoint file yet.
+    pub written: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -106,7 +117,13 @@ pub(super) fn collect(shared: &Shared) -> Status {
             }
         })
         .collect();
+    let ledger = LedgerStatus {
+        entries: shared.ledger.entries().len() as u64,
+        dropped: shared.ledger.dropped(),
+        written: shared.ledger.is_written(),
+    };
     Status {
+        ledger,
         modules,
         resources,
         load_errors: shared

@@ -65,6 +65,24 @@ fn render(status: &Status) -> String {
             out += &format!("  {:<24} {:<9} {holder}\n", d.id, health);
         }
     }
+    let l = &status.ledger;
+    out += &format!(
+        "ledger: {} entries{}{}\n",
+        l.entries,
+        if l.written {
+            ""
+        } else {
+            ", not yet all written"
+        },
+        if l.dropped > 0 {
+            format!(
+                ", {} dropped at the cap (is PodResources reachable?)",
+                l.dropped
+            )
+        } else {
+            String::new()
+        }
+    );
     for e in &status.load_errors {
         out += &format!("not served: {e}\n");
     }

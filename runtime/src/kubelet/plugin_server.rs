@@ -258,7 +258,7 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         // Only what the kubelet is told succeeded goes into the ledger: a request that fails
         // part-way leaves no entry for its first containers.
         for c in &requests {
-            self.ledger.record_deferred(&self.resource, &c.devices_ids);
+            self.ledger.record(&self.resource, &c.devices_ids);
         }
         Ok(Response::new(api::AllocateResponse {
             container_responses,

@@ -1,6 +1,6 @@
 //! The on-disk checkpoint: `state_dir/ledger.json`, written atomically.
 //!
-//! Format: `{ "version": 1, "next_id": N, "entries": [Entry, ...] }`, mode 0600, in a 0700
+//! Format: compact JSON, `{"version":1,"next_id":N,"entries":[Entry,...]}`, mode 0600, in a 0700
 //! directory. A write goes to a uniquely named temp file in the same directory, is fsynced,
 //! renamed over `ledger.json`, and the directory is fsynced, so a crash at any point leaves
 //! either the old or the new checkpoint, never a partial one. A file that does not parse, has
@@ -54,7 +54,7 @@ pub(crate) fn encode(state: &State) -> Result<Vec<u8>, serde_json::Error> {
         next_id: state.next_id,
         entries: &state.entries,
     };
-    let mut bytes = serde_json::to_vec_pretty(&out)?;
+    let mut bytes = serde_json::to_vec(&out)?;
     bytes.push(b'\n');
     Ok(bytes)
 }
@@ -141,14 +141,18 @@ impl Store {
         Ok(aside)
     }
 
-    /// Writes `state` atomically: temp file, fsync, rename over the checkpoint, fsync the dir.
-    pub fn save(&self, state: &State) -> Result<(), LedgerError> {
-        let bytes = encode(state).map_err(|source| LedgerError::Encode {
+    /// The checkpoint's bytes for `state` (cheap: done under the ledger's lock).
+    pub fn encode(&self, state: &State) -> Result<Vec<u8>, LedgerError> {
+        encode(state).map_err(|source| LedgerError::Encode {
             path: self.file.clone(),
             source,
-        })?;
+        })
+    }
+
+    /// Writes `bytes` atomically: temp file, fsync, rename over the checkpoint, fsync the dir.
+    pub fn save(&self, bytes: &[u8]) -> Result<(), LedgerError> {
         let (temp, file) = create_temp(&self.dir)?;
-        let written = write_and_sync(file, &bytes)
+        let written = write_and_sync(file, bytes)
             .map_err(|e| LedgerError::io("write", &temp, e))
             .and_then(|()| {
                 fs::rename(&temp, &self.file).map_err(|e| LedgerError::io("rename", &temp, e))
@@ -332,7 +336,7 @@ mod tests {
         );
         assert!(!store.file().exists(), "opening alone writes nothing");
         let s = state_with(2);
-        store.save(&s).unwrap();
+        store.save(&store.encode(&s).unwrap()).unwrap();
         assert_eq!(
             fs::metadata(store.file()).unwrap().permissions().mode() & 0o777,
             0o600

@@ -1,7 +1,11 @@
 //! The agent's allocation bookkeeping.
 //!
-//! Every `Allocate` the agent answers is [recorded](Ledger::record) as an [`Entry`] and
-//! checkpointed atomically to `state_dir/ledger.json` before the answer goes out. The kubelet
+//! Every container request of an `Allocate` the kubelet is told succeeded is
+//! [recorded](Ledger::record) as an [`Entry`]. Recording only changes memory, under a short lock;
+//! [`Ledger::run_writer`] checkpoints atomically to `state_dir/ledger.json` within
+//! [`FLUSH_DELAY`], on the blocking pool and outside that lock, so Allocate never waits for a
+//! disk. A crash inside that window loses the newest entries from the file, and the next
+//! reconciliation adopts them back from the kubelet. The kubelet
 //! never says when a container ends (KUBELET.md §9), so the agent periodically asks its
 //! PodResources `List` ([`podresources::list_pods`]) and [reconciles](Ledger::reconcile): entries
 //! are attributed to the container holding their devices, entries of ended containers are freed,
@@ -35,14 +39,21 @@ pub use entry::{Entry, Holder};
 pub use error::LedgerError;
 pub use reconcile::ReconcileReport;
 
-/// How long a deferred record may wait for its checkpoint; records arriving meanwhile share it.
+/// How long a record may wait for its checkpoint; records arriving meanwhile share it.
 pub const FLUSH_DELAY: Duration = Duration::from_millis(20);
+/// After a failed checkpoint, how long before the writer tries again on its own.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The most entries kept. A node runs ~110 pods by default, so reaching this means the kubelet's
+/// PodResources has been unreachable while pods came and went: the oldest entries nobody was
+/// seen holding go first (they are the likeliest to be over), and are counted.
+pub const MAX_ENTRIES: usize = 8192;
 
 /// The allocation ledger. Cheap to clone; clones share one state.
 ///
-/// Methods take a short lock and, for a persistent ledger, do their checkpoint (a few small
-/// synchronous writes and fsyncs) under it, so concurrent writers are serialized and the file
-/// always matches a state the ledger was in.
+/// The state sits behind a short lock that no I/O is ever done under: a checkpoint encodes the
+/// state under the lock, then writes and fsyncs outside it. Writers are serialized by a second
+/// lock and never write a state older than one already written, so the file always matches a
+/// state the ledger was in, and never goes back in time.
 #[derive(Debug, Clone)]
 pub struct Ledger {
     inner: Arc<Inner>,
@@ -53,15 +64,19 @@ struct Inner {
     /// None: in memory only.
     store: Option<Store>,
     state: Mutex<Locked>,
-    /// Wakes the flusher after a deferred record.
+    /// The version last written; held for the whole write.
+    written: Mutex<u64>,
+    /// Wakes the writer after a change.
     changed: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
 struct Locked {
     state: State,
-    /// A change not yet checkpointed because a write failed; the next write retries.
-    dirty: bool,
+    /// Bumped by every change; the file holds the version in `Inner::written`.
+    version: u64,
+    /// Entries dropped to stay within [`MAX_ENTRIES`] since the agent started.
+    dropped: u64,
 }
 
 impl Ledger {
@@ -81,14 +96,14 @@ impl Ledger {
     }
 
     fn new(store: Option<Store>, state: State) -> Ledger {
-        let state = Mutex::new(Locked {
-            state,
-            dirty: false,
-        });
         Ledger {
             inner: Arc::new(Inner {
                 store,
-                state,
+                state: Mutex::new(Locked {
+                    state,
+                    ..Locked::default()
+                }),
+                written: Mutex::new(0),
                 changed: tokio::sync::Notify::new(),
             }),
         }
@@ -99,53 +114,73 @@ impl Ledger {
         self.inner.store.as_ref().map(Store::file)
     }
 
-    /// Records an allocation of `device_ids` of `resource` and checkpoints it before returning.
-    /// Returns the entry's id.
-    ///
-    /// If the checkpoint cannot be written the entry is still kept in memory (the container
-    /// gets its devices either way; a later write retries) and the error is returned. An entry
-    /// the kubelet never reports is freed by [`reconcile`](Self::reconcile) after `grace`.
-    pub fn record(&self, resource: &str, device_ids: &[String]) -> Result<u64, LedgerError> {
+    /// Records an allocation of `device_ids` of `resource` in memory and returns the entry's id;
+    /// [`run_writer`](Self::run_writer) checkpoints it within [`FLUSH_DELAY`], coalescing
+    /// bursts into one write. At [`MAX_ENTRIES`] the oldest entry no container was seen holding
+    /// (else the oldest) is dropped and counted in [`dropped`](Self::dropped). An entry the
+    /// kubelet never reports is freed by [`reconcile`](Self::reconcile) after its grace.
+    pub fn record(&self, resource: &str, device_ids: &[String]) -> u64 {
         let mut locked = self.lock();
+        let dropped = locked.state.make_room(MAX_ENTRIES - 1);
         let id = locked
             .state
             .push(resource, device_ids.to_vec(), None, SystemTime::now());
-        self.checkpoint(&mut locked)?;
-        Ok(id)
-    }
-
-    /// Records an allocation in memory and leaves the checkpoint to [`Ledger::run_flusher`],
-    /// which writes within [`FLUSH_DELAY`] and coalesces bursts into one write. This keeps the
-    /// fsync off Allocate's path: a crash inside that window loses the entry from the file, and
-    /// the next PodResources reconciliation adopts it again.
-    pub fn record_deferred(&self, resource: &str, device_ids: &[String]) -> u64 {
-        let mut locked = self.lock();
-        let id = locked
-            .state
-            .push(resource, device_ids.to_vec(), None, SystemTime::now());
-        locked.dirty = true;
-        drop(locked);
+        locked.version += 1;
+        if dropped > 0 {
+            locked.dropped += dropped;
+            let total = locked.dropped;
+            drop(locked);
+            // At 1, 2, 4, 8, ... drops: said, but not once per Allocate.
+            if total.is_power_of_two() {
+                tracing::warn!(
+                    "the ledger holds {MAX_ENTRIES} entries (is PodResources unreachable?): \
+                     dropped the oldest unattributed ones, {total} so far"
+                );
+            }
+        } else {
+            drop(locked);
+        }
         self.inner.changed.notify_one();
         id
     }
 
-    /// Writes deferred records until `stop` flips, then once more. For a persistent ledger, run
-    /// it as a task next to the code calling [`Ledger::record_deferred`].
-    pub async fn run_flusher(self, mut stop: tokio::sync::watch::Receiver<bool>) {
+    /// Entries dropped to stay within [`MAX_ENTRIES`] since the agent started.
+    pub fn dropped(&self) -> u64 {
+        self.lock().dropped
+    }
+
+    /// Checkpoints changes until `stop` flips, then once more: within [`FLUSH_DELAY`] of a
+    /// change, on the blocking pool, retrying a failed write every second. Run it as a task
+    /// beside the code calling [`record`](Self::record) and [`reconcile`](Self::reconcile).
+    pub async fn run_writer(self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        let mut failing = false;
         loop {
             let stopping = tokio::select! {
                 _ = self.inner.changed.notified() => false,
+                _ = tokio::time::sleep(RETRY_AFTER), if failing => false,
                 _ = stop.wait_for(|s| *s) => true,
             };
             if !stopping {
                 tokio::time::sleep(FLUSH_DELAY).await;
             }
             let ledger = self.clone();
-            let written = tokio::task::spawn_blocking(move || ledger.flush_if_dirty()).await;
-            match written {
-                Ok(Err(e)) => tracing::error!("checkpointing the ledger: {e}"),
-                Err(e) => tracing::error!("checkpointing the ledger: {e}"),
-                Ok(Ok(())) => {}
+            let written = tokio::task::spawn_blocking(move || ledger.write(false)).await;
+            let error = match written {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            match error {
+                Some(e) if !failing => {
+                    tracing::error!("checkpointing the ledger: {e}; retrying every second");
+                    failing = true;
+                }
+                Some(_) => {}
+                None if failing => {
+                    tracing::info!("the ledger checkpoint is written again");
+                    failing = false;
+                }
+                None => {}
             }
             if stopping {
                 return;
@@ -153,13 +188,42 @@ impl Ledger {
         }
     }
 
-    fn flush_if_dirty(&self) -> Result<(), LedgerError> {
-        let mut locked = self.lock();
-        if locked.dirty {
-            self.checkpoint(&mut locked)
-        } else {
-            Ok(())
-        }
+    /// Writes the checkpoint now, even if nothing changed (graceful shutdown). Blocking: call it
+    /// from `spawn_blocking` on a runtime. A no-op for an in-memory ledger.
+    pub fn flush(&self) -> Result<(), LedgerError> {
+        self.write(true)
+    }
+
+    /// Encodes the state under the state lock, writes and fsyncs outside it.
+    fn write(&self, always: bool) -> Result<(), LedgerError> {
+        let Some(store) = &self.inner.store else {
+            return Ok(());
+        };
+        let mut written = self
+            .inner
+            .written
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (version, bytes) = {
+            let locked = self.lock();
+            if locked.version <= *written && !always {
+                return Ok(());
+            }
+            (locked.version, store.encode(&locked.state)?)
+        };
+        store.save(&bytes)?;
+        *written = version;
+        Ok(())
+    }
+
+    /// Whether every change is in the file (for tests and status).
+    pub fn is_written(&self) -> bool {
+        let written = *self
+            .inner
+            .written
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.inner.store.is_none() || self.lock().version <= written
     }
 
     /// All entries, in increasing id (= recording) order.
@@ -174,53 +238,32 @@ impl Ledger {
         self.lock().state.holders(resource)
     }
 
-    /// Reconciles with the kubelet's PodResources `List` answer and checkpoints if anything
-    /// changed. The full rules are in `ledger/reconcile.rs`; in short: entries are attributed
-    /// to the container holding all their devices; entries no container holds are freed if they
-    /// had a holder or are at least `grace` old; devices listed containers hold, of resources
-    /// for which `ours` returns true, that no entry covers are adopted as new entries. `ours`
-    /// keeps other plugins' resources (GPUs of a vendor plugin, say) out of the ledger; pass
-    /// e.g. `&|r| names.iter().any(|n| n == r)`.
-    ///
-    /// If the checkpoint fails the in-memory ledger is still updated (and the error returned).
+    /// Reconciles with the kubelet's PodResources `List` answer in memory; a change reaches the
+    /// file through [`run_writer`](Self::run_writer). The full rules are in
+    /// `ledger/reconcile.rs`; in short: entries are attributed to the container holding all
+    /// their devices; entries no container holds are freed if they had a holder or are at least
+    /// `grace` old; devices listed containers hold, of resources for which `ours` returns true,
+    /// that no entry covers are adopted as new entries. `ours` keeps other plugins' resources
+    /// (GPUs of a vendor plugin, say) out of the ledger; pass e.g.
+    /// `&|r| names.iter().any(|n| n == r)`.
     pub fn reconcile(
         &self,
         pods: &ListPodResourcesResponse,
         grace: Duration,
         ours: &dyn Fn(&str) -> bool,
-    ) -> Result<ReconcileReport, LedgerError> {
+    ) -> ReconcileReport {
         let mut locked = self.lock();
         let report = locked.state.reconcile(pods, grace, SystemTime::now(), ours);
-        if report.changed() || locked.dirty {
-            self.checkpoint(&mut locked)?;
+        if report.changed() {
+            locked.version += 1;
+            drop(locked);
+            self.inner.changed.notify_one();
         }
-        Ok(report)
-    }
-
-    /// Writes the checkpoint now (graceful shutdown). A no-op for an in-memory ledger.
-    pub fn flush(&self) -> Result<(), LedgerError> {
-        let mut locked = self.lock();
-        self.checkpoint(&mut locked)
-    }
-
-    fn checkpoint(&self, locked: &mut Locked) -> Result<(), LedgerError> {
-        let Some(store) = &self.inner.store else {
-            return Ok(());
-        };
-        match store.save(&locked.state) {
-            Ok(()) => {
-                locked.dirty = false;
-                Ok(())
-            }
-            Err(e) => {
-                locked.dirty = true;
-                Err(e)
-            }
-        }
+        report
     }
 
     /// Nothing panics while holding the lock, but a poisoned state is still consistent: every
-    /// mutation completes before any I/O.
+    /// mutation completes before anything else reads it.
     fn lock(&self) -> MutexGuard<'_, Locked> {
         self.inner
             .state

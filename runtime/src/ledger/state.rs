@@ -45,6 +45,22 @@ impl State {
         id
     }
 
+    /// Drops entries until at most `keep` remain: the oldest without a holder first, then the
+    /// oldest. Returns how many went.
+    pub fn make_room(&mut self, keep: usize) -> u64 {
+        let mut dropped = 0;
+        while self.entries.len() > keep {
+            let oldest = self
+                .entries
+                .iter()
+                .position(|e| e.holder.is_none())
+                .unwrap_or(0);
+            self.entries.remove(oldest);
+            dropped += 1;
+        }
+        dropped
+    }
+
     /// One row per device id of `resource`, sorted by id. A device named by several entries (a
     /// stale entry not yet reconciled, or one reused from an init container) is reported with
     /// the holder of the newest entry, which is the kubelet's latest word on it.

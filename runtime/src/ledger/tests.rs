@@ -69,18 +69,19 @@ fn record_then_reopen_restores_entries_and_next_id() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
     assert_eq!(ledger.file(), Some(dir.path().join(FILE_NAME).as_path()));
-    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap(), 1);
-    assert_eq!(ledger.record(GPU, &ids(&["gpu-0"])).unwrap(), 2);
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])), 1);
+    assert_eq!(ledger.record(GPU, &ids(&["gpu-0"])), 2);
     let before = ledger.entries();
     assert_eq!(before.len(), 2);
     assert_eq!(before[0].device_ids, ids(&["fuse-0", "fuse-1"]));
     assert_eq!(before[0].holder, None);
+    ledger.write(false).unwrap();
     drop(ledger);
 
     let reopened = Ledger::open(dir.path()).unwrap();
     assert_eq!(reopened.entries(), before);
     assert_eq!(
-        reopened.record(FUSE, &ids(&["fuse-2"])).unwrap(),
+        reopened.record(FUSE, &ids(&["fuse-2"])),
         3,
         "ids are never reused"
     );
@@ -90,15 +91,14 @@ fn record_then_reopen_restores_entries_and_next_id() {
 fn ids_are_not_reused_after_entries_are_freed() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
-    let report = ledger
-        .reconcile(&list(vec![]), Duration::ZERO, &only_fuse)
-        .unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    let report = ledger.reconcile(&list(vec![]), Duration::ZERO, &only_fuse);
     assert_eq!(report.freed.len(), 1);
+    ledger.write(false).unwrap();
     drop(ledger);
     let reopened = Ledger::open(dir.path()).unwrap();
     assert!(reopened.entries().is_empty());
-    assert_eq!(reopened.record(FUSE, &ids(&["fuse-0"])).unwrap(), 2);
+    assert_eq!(reopened.record(FUSE, &ids(&["fuse-0"])), 2);
 }
 
 /// Captures what `tracing` logs while `f` runs.
@@ -160,7 +160,8 @@ fn corrupt_checkpoint_is_set_aside_and_logged() {
         assert!(log.contains(reason), "{log}");
 
         // The ledger works and its next checkpoint is a fresh, valid one.
-        assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
+        assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])), 1);
+        ledger.write(false).unwrap();
         assert_eq!(
             Ledger::open(dir.path()).unwrap().entries(),
             ledger.entries()
@@ -173,7 +174,8 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join(FILE_NAME);
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["seed"])).unwrap();
+    ledger.record(FUSE, &ids(&["seed"]));
+    ledger.write(false).unwrap();
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reader = {
@@ -188,21 +190,43 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
             reads
         })
     };
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let ledger = ledger.clone();
+    // Two checkpoint writers racing (the writer task and a shutdown flush, say) while four
+    // threads record: the file must never go back to an older state.
+    let checkpointers: Vec<_> = (0..2)
+        .map(|_| {
+            let (ledger, stop, file) = (ledger.clone(), stop.clone(), file.clone());
             std::thread::spawn(move || {
-                for i in 0..25 {
-                    ledger.record(FUSE, &[format!("dev-{w}-{i}")]).unwrap();
+                let mut last = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    ledger.write(false).unwrap();
+                    let now = checkpoint::decode(&fs::read(&file).unwrap())
+                        .unwrap()
+                        .next_id;
+                    assert!(now >= last, "the checkpoint went back from {last} to {now}");
+                    last = now;
                 }
             })
         })
         .collect();
-    for w in writers {
-        w.join().unwrap();
+    let recorders: Vec<_> = (0..4)
+        .map(|w| {
+            let ledger = ledger.clone();
+            std::thread::spawn(move || {
+                for i in 0..25 {
+                    ledger.record(FUSE, &[format!("dev-{w}-{i}")]);
+                }
+            })
+        })
+        .collect();
+    for r in recorders {
+        r.join().unwrap();
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(reader.join().unwrap() > 0);
+    for c in checkpointers {
+        c.join().unwrap();
+    }
+    ledger.write(false).unwrap();
 
     assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     let restored = Ledger::open(dir.path()).unwrap().entries();
@@ -214,41 +238,117 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
 }
 
 #[test]
+fn recording_never_waits_for_a_checkpoint_being_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    // Stand in for a write stuck in fsync: hold the writers' lock.
+    let stuck_write = ledger.inner.written.lock().unwrap();
+    let (done, recorded) = std::sync::mpsc::channel();
+    let recorder = {
+        let ledger = ledger.clone();
+        std::thread::spawn(move || {
+            let id = ledger.record(FUSE, &ids(&["fuse-0"]));
+            let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse);
+            done.send((id, report.pending)).unwrap();
+        })
+    };
+    assert_eq!(
+        recorded.recv_timeout(Duration::from_secs(30)),
+        Ok((1, 1)),
+        "record and reconcile waited for the disk"
+    );
+    drop(stuck_write);
+    recorder.join().unwrap();
+}
+
+#[test]
+fn at_the_cap_the_oldest_unattributed_entries_are_dropped_and_counted() {
+    let ledger = Ledger::in_memory();
+    ledger.record(FUSE, &ids(&["held"]));
+    let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["held"])])])]);
+    assert_eq!(ledger.reconcile(&pods, HOUR, &only_fuse).attributed, 1);
+    for i in 0..MAX_ENTRIES + 9 {
+        ledger.record(FUSE, &[format!("dev-{i}")]);
+    }
+    let entries = ledger.entries();
+    assert_eq!(entries.len(), MAX_ENTRIES);
+    assert_eq!(ledger.dropped(), 10);
+    assert_eq!(
+        entries[0].device_ids,
+        ids(&["held"]),
+        "the entry a container holds is kept"
+    );
+    assert_eq!(entries[1].device_ids, ids(&["dev-10"]), "dev-0..9 went");
+    assert_eq!(
+        entries.last().unwrap().device_ids,
+        [format!("dev-{}", MAX_ENTRIES + 8)]
+    );
+}
+
+#[test]
+fn the_checkpoint_is_compact_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(dir.path()).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.write(false).unwrap();
+    let text = fs::read_to_string(dir.path().join(FILE_NAME)).unwrap();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(!text.contains(": ") && !text.contains("  "), "{text}");
+}
+
+#[test]
 fn a_failed_checkpoint_keeps_the_entry_and_a_later_write_catches_up() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("state");
     let ledger = Ledger::open(&dir).unwrap();
     fs::remove_dir_all(&dir).unwrap();
 
-    let err = ledger.record(FUSE, &ids(&["fuse-0"])).unwrap_err();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    let err = ledger.write(false).unwrap_err();
     assert!(matches!(err, LedgerError::Io { .. }), "{err:?}");
     assert!(
         err.to_string().contains(&dir.display().to_string()),
         "{err}"
     );
     assert_eq!(ledger.entries().len(), 1, "kept in memory");
+    assert!(!ledger.is_written());
 
     fs::create_dir(&dir).unwrap();
-    // Nothing changes in this pass, but the pending write is retried.
-    let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse).unwrap();
-    assert!(!report.changed());
+    // Nothing changed since, but the pending write is still due.
+    ledger.write(false).unwrap();
+    assert!(ledger.is_written());
     assert_eq!(Ledger::open(&dir).unwrap().entries(), ledger.entries());
+}
+
+#[tokio::test]
+async fn the_writer_retries_a_failed_checkpoint_on_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("state");
+    let ledger = Ledger::open(&dir).unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let writer = tokio::spawn(ledger.clone().run_writer(stopped));
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    fs::create_dir(&dir).unwrap();
+    // No further change: only the writer's retry can write it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !ledger.is_written() {
+        assert!(std::time::Instant::now() < deadline, "never retried");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(Ledger::open(&dir).unwrap().entries(), ledger.entries());
+    stop.send(true).unwrap();
+    writer.await.unwrap();
 }
 
 #[test]
 fn in_memory_ledger_never_writes() {
     let ledger = Ledger::in_memory();
     assert_eq!(ledger.file(), None);
-    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])), 1);
     ledger.flush().unwrap();
     let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
-    assert_eq!(
-        ledger
-            .reconcile(&pods, HOUR, &only_fuse)
-            .unwrap()
-            .attributed,
-        1
-    );
+    assert_eq!(ledger.reconcile(&pods, HOUR, &only_fuse).attributed, 1);
 }
 
 #[test]
@@ -269,8 +369,8 @@ fn flush_writes_the_checkpoint() {
 fn reconcile_attributes_holders_and_checkpoints_them() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-2"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
+    ledger.record(FUSE, &ids(&["fuse-2"]));
     let pods = list(vec![
         pod(
             "default",
@@ -283,7 +383,7 @@ fn reconcile_attributes_holders_and_checkpoints_them() {
             &[("main", &[(GPU, &["gpu-0"]), (FUSE, &["fuse-2"])])],
         ),
     ]);
-    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse);
     assert_eq!(report.attributed, 2);
     assert!(report.freed.is_empty());
     assert!(report.adopted.is_empty(), "the GPU is not ours: {report:?}");
@@ -302,36 +402,32 @@ fn reconcile_attributes_holders_and_checkpoints_them() {
         ]
     );
     assert!(ledger.holders(GPU).is_empty());
+    assert!(!ledger.is_written(), "reconciling does no I/O");
+    ledger.write(false).unwrap();
     assert_eq!(
         Ledger::open(dir.path()).unwrap().entries(),
         ledger.entries()
     );
 
     // A second identical pass changes nothing.
-    let again = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    let again = ledger.reconcile(&pods, HOUR, &only_fuse);
     assert!(!again.changed(), "{again:?}");
 }
 
 #[test]
 fn reconcile_frees_entries_whose_pod_vanished() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-1"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-1"]));
     let both = list(vec![
         pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]),
         pod("ns", "b", &[("c", &[(FUSE, &["fuse-1"])])]),
     ]);
-    assert_eq!(
-        ledger
-            .reconcile(&both, HOUR, &only_fuse)
-            .unwrap()
-            .attributed,
-        2
-    );
+    assert_eq!(ledger.reconcile(&both, HOUR, &only_fuse).attributed, 2);
 
     // Pod a ended: its entry goes at once, whatever the grace.
     let one = list(vec![pod("ns", "b", &[("c", &[(FUSE, &["fuse-1"])])])]);
-    let report = ledger.reconcile(&one, HOUR, &only_fuse).unwrap();
+    let report = ledger.reconcile(&one, HOUR, &only_fuse);
     assert_eq!(report.freed.len(), 1);
     assert_eq!(report.freed[0].device_ids, ids(&["fuse-0"]));
     assert_eq!(report.freed[0].holder, Some(holder("ns", "a", "c")));
@@ -344,13 +440,13 @@ fn reconcile_frees_entries_whose_pod_vanished() {
 #[test]
 fn an_entry_is_held_only_by_a_container_with_all_its_devices() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
     // Same ids under another resource, and only part of them under ours: no match.
     let pods = list(vec![
         pod("ns", "other", &[("c", &[(GPU, &["fuse-0", "fuse-1"])])]),
         pod("ns", "part", &[("c", &[(FUSE, &["fuse-0"])])]),
     ]);
-    let report = ledger.reconcile(&pods, HOUR, &|_| false).unwrap();
+    let report = ledger.reconcile(&pods, HOUR, &|_| false);
     assert_eq!(report.attributed, 0);
     assert_eq!(report.pending, 1);
     assert_eq!(ledger.entries()[0].holder, None);
@@ -388,7 +484,7 @@ fn a_fresh_entry_that_shows_up_is_attributed_within_grace() {
 #[test]
 fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
     let pods = list(vec![
         // fuse-0 is known; fuse-1 in the same container is not.
         pod("ns", "known", &[("c", &[(FUSE, &["fuse-0", "fuse-1"])])]),
@@ -398,7 +494,7 @@ fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
             &[("c", &[(FUSE, &["fuse-3", "fuse-2"]), (GPU, &["gpu-0"])])],
         ),
     ]);
-    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse);
     assert_eq!(report.attributed, 1);
     let adopted: Vec<_> = report
         .adopted
@@ -417,8 +513,8 @@ fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
     assert!(ledger.holders(GPU).is_empty());
 
     // Adopted entries are ordinary entries: stable on the next pass, freed when the pod ends.
-    assert!(!ledger.reconcile(&pods, HOUR, &only_fuse).unwrap().changed());
-    let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse).unwrap();
+    assert!(!ledger.reconcile(&pods, HOUR, &only_fuse).changed());
+    let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse);
     assert_eq!(report.freed.len(), 3);
     assert!(ledger.entries().is_empty());
 }
@@ -427,14 +523,14 @@ fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
 fn a_newer_entry_supersedes_an_older_one_of_the_same_container() {
     let ledger = Ledger::in_memory();
     // Init container got fuse-0; the app container reused it and got fuse-1 too.
-    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
     let pods = list(vec![pod(
         "ns",
         "p",
         &[("app", &[(FUSE, &["fuse-0", "fuse-1"])])],
     )]);
-    let report = ledger.reconcile(&pods, HOUR, &only_fuse).unwrap();
+    let report = ledger.reconcile(&pods, HOUR, &only_fuse);
     assert_eq!(
         report.freed.iter().map(|e| e.id).collect::<Vec<_>>(),
         vec![1]
@@ -449,15 +545,11 @@ fn a_newer_entry_supersedes_an_older_one_of_the_same_container() {
 #[test]
 fn the_current_holder_is_kept_when_several_containers_qualify() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0"]));
     let b = pod("ns", "b", &[("c", &[(FUSE, &["fuse-0"])])]);
     let a = pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]);
-    ledger
-        .reconcile(&list(vec![b.clone()]), HOUR, &only_fuse)
-        .unwrap();
-    let report = ledger
-        .reconcile(&list(vec![a, b]), HOUR, &only_fuse)
-        .unwrap();
+    ledger.reconcile(&list(vec![b.clone()]), HOUR, &only_fuse);
+    let report = ledger.reconcile(&list(vec![a, b]), HOUR, &only_fuse);
     assert_eq!(report.attributed, 0);
     assert_eq!(ledger.entries()[0].holder, Some(holder("ns", "b", "c")));
 }
@@ -465,9 +557,9 @@ fn the_current_holder_is_kept_when_several_containers_qualify() {
 #[test]
 fn an_entry_without_devices_is_never_held() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &[]).unwrap();
+    ledger.record(FUSE, &[]);
     let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
-    let report = ledger.reconcile(&pods, HOUR, &|_| false).unwrap();
+    let report = ledger.reconcile(&pods, HOUR, &|_| false);
     assert_eq!((report.attributed, report.pending), (0, 1));
 }
 
@@ -477,20 +569,20 @@ fn ledger_is_send_sync_and_clones_share_state() {
     assert_send_sync::<Ledger>();
     let a = Ledger::in_memory();
     let b = a.clone();
-    a.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    a.record(FUSE, &ids(&["fuse-0"]));
     assert_eq!(b.entries().len(), 1);
 }
 
 #[tokio::test]
-async fn deferred_records_reach_the_checkpoint_through_the_flusher() {
+async fn records_reach_the_checkpoint_through_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let flusher = tokio::spawn(ledger.clone().run_flusher(stopped));
+    let flusher = tokio::spawn(ledger.clone().run_writer(stopped));
     for i in 0..50 {
-        ledger.record_deferred(FUSE, &[format!("fuse-{i}")]);
+        ledger.record(FUSE, &[format!("fuse-{i}")]);
     }
-    // Within the flush delay the burst is written, once, without stopping the flusher.
+    // The burst is written without stopping the writer.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         if Ledger::open(dir.path()).unwrap().entries().len() == 50 {
@@ -502,7 +594,7 @@ async fn deferred_records_reach_the_checkpoint_through_the_flusher() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    ledger.record_deferred(FUSE, &ids(&["last"]));
+    ledger.record(FUSE, &ids(&["last"]));
     stop.send(true).unwrap();
     flusher.await.unwrap();
     assert_eq!(
