@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use devicelet_tests::{Node, devicelet_bin, generic_dev, module_dir};
+use devicelet_tests::{Node, devicelet_bin, generic_dev, hostile, misbehaving, module_dir};
 
 /// Runs `devicelet validate` on a registry and returns (success, stdout + stderr).
 fn validate(node: &Node, modules: &str) -> (bool, String) {
@@ -44,6 +44,63 @@ async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
         !text.contains("devicelet:plugin/sysfs"),
         "generic-dev does not read sysfs: {text}"
     );
+}
+
+#[tokio::test]
+async fn validate_calls_enumerate_and_prints_the_devices_each_resource_would_advertise() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let (ok, text) = validate(&node, &generic_dev(GOOD));
+    assert!(ok, "{text}");
+    assert!(text.contains("1 devices, 1 healthy"), "{text}");
+    assert!(text.contains("\n    fuse Healthy\n"), "{text}");
+
+    // Granted the wrong paths: still valid (another node may have the hardware), but said.
+    let wrong = r#"groups = [{ name = "fuse", paths = ["/dev/fuse-missing"] }]"#;
+    let (ok, text) = validate(&node, &generic_dev(wrong));
+    assert!(ok, "{text}");
+    assert!(text.contains("0 devices now (warning"), "{text}");
+}
+
+#[tokio::test]
+async fn validate_fails_wherever_run_would_refuse_something() {
+    let node = Node::new().await;
+    let cases: &[(String, &[&str])] = &[
+        // A resource outside the module's domain: run serves nothing under it.
+        (
+            misbehaving("other", r#"resource = "example.com/gpu""#, "1s"),
+            &["module `other`", "outside its resource domain devicelet.io"],
+        ),
+        // More than 64 resources: run serves the first 64.
+        (
+            misbehaving("many", "also-declare = 64", "1s"),
+            &["module `many` declared 65 resources; at most 64 are served"],
+        ),
+        // A resource two modules declare: run serves it from one only.
+        (
+            format!(
+                "{}\n{}",
+                misbehaving("first", r#"resource = "same""#, "1s"),
+                misbehaving("second", r#"resource = "same""#, "1s")
+            ),
+            &["module `second` declared devicelet.io/same, which module `first` already serves"],
+        ),
+        // Enumerate fails: run would advertise no devices.
+        (
+            misbehaving("broken", r#"enumerate = "error""#, "1s"),
+            &["enumerate failed", "requested failure"],
+        ),
+        // Enumerate runs past its deadline.
+        (
+            misbehaving("slow", r#"enumerate = "loop""#, "300ms"),
+            &["enumerate failed", "deadline"],
+        ),
+        // Enumerate answers something the host refuses.
+        (hostile("duplicate-ids", None), &["enumerate failed", "dup"]),
+    ];
+    for (modules, expected) in cases {
+        assert_refused(&node, modules, expected);
+    }
 }
 
 #[tokio::test]

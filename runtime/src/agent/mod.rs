@@ -27,7 +27,7 @@ use crate::sandbox::engine;
 
 pub use crate::kubelet::resource::{ServedResource, qualify};
 use crate::kubelet::{dir_watch, resource};
-pub use modules::start_module;
+pub use modules::{plan, start_module};
 
 /// Where the agent serves, what it serves and where it keeps its state.
 #[derive(Debug, Clone)]

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use wasmtime::Engine;
 
 use crate::config::ModuleSpec;
+use crate::device::ResourceInfo;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::loader::load;
@@ -54,19 +55,15 @@ pub async fn start_module(
 /// Most resources one module may declare; a real one declares a handful.
 const MAX_RESOURCES: usize = 64;
 
-/// Serves every resource a started module declares. Resources it names invalidly, outside its
-/// domain, or that another module already serves are reported (each error names the module) and
-/// skipped; the others are served.
-pub fn serve_all(
-    handle: ModuleHandle,
+/// Which of a module's declared resources `run` serves, under which names, and why the others
+/// are not (each error names the module). `validate` shows the same plan.
+pub fn plan(
     spec: &ModuleSpec,
-    host_root: &Path,
-    at: &Serving<'_>,
+    declared: &[ResourceInfo],
     taken: &BTreeMap<String, String>,
-) -> (RunningModule, Vec<String>) {
-    let mut resources = Vec::new();
+) -> (Vec<(String, ResourceInfo)>, Vec<String>) {
+    let mut served: Vec<(String, ResourceInfo)> = Vec::new();
     let mut errors = Vec::new();
-    let declared = handle.resources();
     if declared.len() > MAX_RESOURCES {
         errors.push(format!(
             "module `{}` declared {} resources; at most {MAX_RESOURCES} are served",
@@ -75,21 +72,45 @@ pub fn serve_all(
         ));
     }
     for info in declared.iter().take(MAX_RESOURCES) {
-        let name = resource::qualify(&spec.resource_domain, &info.name);
+        let name = match resource::servable_name(&spec.resource_domain, info) {
+            Ok(name) => name,
+            Err(message) => {
+                errors.push(
+                    LoadError::Invalid {
+                        module: spec.name.clone(),
+                        message,
+                    }
+                    .to_string(),
+                );
+                continue;
+            }
+        };
         if let Some(owner) = taken.get(&name) {
             errors.push(format!(
                 "module `{}` declared {name}, which module `{owner}` already serves",
                 spec.name
             ));
-            continue;
-        }
-        if resources
-            .iter()
-            .any(|r: &RunningResource| r.served.name == name)
-        {
+        } else if served.iter().any(|(n, _)| *n == name) {
             errors.push(format!("module `{}` declared {name} twice", spec.name));
-            continue;
+        } else {
+            served.push((name, info.clone()));
         }
+    }
+    (served, errors)
+}
+
+/// Serves every resource of a started module's [`plan`]; the errors are the plan's and any
+/// resource that could not be served.
+pub fn serve_all(
+    handle: ModuleHandle,
+    spec: &ModuleSpec,
+    host_root: &Path,
+    at: &Serving<'_>,
+    taken: &BTreeMap<String, String>,
+) -> (RunningModule, Vec<String>) {
+    let (planned, mut errors) = plan(spec, handle.resources(), taken);
+    let mut resources = Vec::new();
+    for (_, info) in &planned {
         let owner = Owner {
             module: &spec.name,
             resource_domain: &spec.resource_domain,

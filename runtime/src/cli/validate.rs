@@ -2,9 +2,12 @@
 
 use std::path::PathBuf;
 
-use crate::agent::start_module;
+use std::collections::BTreeMap;
+
+use crate::agent::{plan, start_module};
 use crate::config::Registry;
-use crate::kubelet::names;
+use crate::device::{Device, Health};
+use crate::kubelet::backend::DeviceBackend;
 use crate::sandbox::engine::new_engine;
 
 #[derive(clap::Args, Debug)]
@@ -18,53 +21,58 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
     let engine = new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let mut failures = 0;
+    // Resource name -> module, as `run` assigns them (the first module to declare one keeps it).
+    let mut taken = BTreeMap::new();
     for spec in &registry.modules {
-        match start_module(&engine, None, spec, &registry.host_root).await {
-            Ok(module) => {
-                println!("module `{}` ({}): ok", spec.name, spec.path.display());
-                let interface = module.interface();
-                let host: Vec<&str> = interface
-                    .imports
-                    .iter()
-                    .filter(|i| !i.starts_with("wasi:"))
-                    .map(String::as_str)
-                    .collect();
-                let wasi = interface.imports.len() - host.len();
-                println!(
-                    "  implements devicelet:plugin@{}; imports {} (+{wasi} WASI interfaces, with no files, sockets or environment)",
-                    interface.version,
-                    host.join(", ")
-                );
-                for r in module.resources() {
-                    let name = crate::agent::qualify(&spec.resource_domain, &r.name);
-                    match names::validate_resource_name(&name) {
-                        Ok(()) => println!(
-                            "  resource {name} (prestart: {}, preferred allocation: {})",
-                            r.prestart, r.preferred_allocation
-                        ),
-                        Err(e) => {
-                            failures += 1;
-                            println!(
-                                "  error: module `{}` declared an invalid resource name: {e}",
-                                spec.name
-                            );
-                        }
-                    }
-                }
-                let sysfs: Vec<_> = spec.grants.sysfs.iter().map(|p| p.as_str()).collect();
-                let dev: Vec<_> = spec.grants.dev.iter().map(|p| p.as_str()).collect();
-                println!("  may read sysfs: {}", list_or_nothing(&sysfs));
-                println!("  may use device nodes: {}", list_or_nothing(&dev));
-                let libraries: Vec<_> = spec.grants.libraries.iter().map(String::as_str).collect();
-                println!(
-                    "  may use vendor libraries: {}",
-                    list_or_nothing(&libraries)
-                );
-            }
+        let module = match start_module(&engine, None, spec, &registry.host_root).await {
+            Ok(module) => module,
             Err(e) => {
                 failures += 1;
                 println!("error: {e}");
+                continue;
             }
+        };
+        println!("module `{}` ({}): loaded", spec.name, spec.path.display());
+        let interface = module.interface();
+        let host: Vec<&str> = interface
+            .imports
+            .iter()
+            .filter(|i| !i.starts_with("wasi:"))
+            .map(String::as_str)
+            .collect();
+        let wasi = interface.imports.len() - host.len();
+        println!(
+            "  implements devicelet:plugin@{}; imports {} (+{wasi} WASI interfaces, with no files, sockets or environment)",
+            interface.version,
+            host.join(", ")
+        );
+        let sysfs: Vec<_> = spec.grants.sysfs.iter().map(|p| p.as_str()).collect();
+        let dev: Vec<_> = spec.grants.dev.iter().map(|p| p.as_str()).collect();
+        println!("  may read sysfs: {}", list_or_nothing(&sysfs));
+        println!("  may use device nodes: {}", list_or_nothing(&dev));
+        let libraries: Vec<_> = spec.grants.libraries.iter().map(String::as_str).collect();
+        println!(
+            "  may use vendor libraries: {}",
+            list_or_nothing(&libraries)
+        );
+        let (planned, errors) = plan(spec, module.resources(), &taken);
+        for e in errors {
+            failures += 1;
+            println!("  error: {e}");
+        }
+        for (name, info) in planned {
+            println!(
+                "  resource {name} (prestart: {}, preferred allocation: {})",
+                info.prestart, info.preferred_allocation
+            );
+            match DeviceBackend::enumerate(&module, &info.name).await {
+                Ok(devices) => print_devices(&devices),
+                Err(e) => {
+                    failures += 1;
+                    println!("    error: enumerate failed, so `run` would serve no devices: {e}");
+                }
+            }
+            taken.insert(name, spec.name.clone());
         }
     }
     if failures > 0 {
@@ -72,6 +80,34 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     }
     println!("{}: ok", args.config.display());
     Ok(())
+}
+
+/// What the kubelet would be told, one line per device.
+fn print_devices(devices: &[Device]) {
+    if devices.is_empty() {
+        println!(
+            "    0 devices now (warning: if this node has the hardware, check the module's grants)"
+        );
+        return;
+    }
+    let healthy = devices
+        .iter()
+        .filter(|d| d.health == Health::Healthy)
+        .count();
+    println!("    {} devices, {healthy} healthy:", devices.len());
+    for d in devices {
+        let health = match d.health {
+            Health::Healthy => "Healthy",
+            Health::Unhealthy => "Unhealthy",
+        };
+        let numa = if d.numa_nodes.is_empty() {
+            String::new()
+        } else {
+            let nodes: Vec<String> = d.numa_nodes.iter().map(i64::to_string).collect();
+            format!(" NUMA {}", nodes.join(","))
+        };
+        println!("    {} {health}{numa}", d.id);
+    }
 }
 
 fn list_or_nothing(items: &[&str]) -> String {

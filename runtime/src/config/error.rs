@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     /// The registry file could not be read at all (missing, unreadable, a directory, ...).
-    #[error("{}: cannot read the module registry: {source}", file.display())]
-    Read { file: PathBuf, source: io::Error },
+    /// The cause is part of the message (not a `source`), so a `{:#}` chain says it once.
+    #[error("{}: cannot read the module registry: {error}", file.display())]
+    Read { file: PathBuf, error: io::Error },
 
     /// The file was read but its content is not a valid registry.
     #[error("{}:{line}:{column}: {}{message}", file.display(), key_prefix(key.as_deref()))]

@@ -33,10 +33,10 @@ impl Registry {
     /// Reads and validates the registry at `path`.
     pub fn load(path: &Path) -> Result<Registry, RegistryError> {
         let bytes =
-            crate::files::read_regular(path, crate::files::MAX_REGISTRY).map_err(|source| {
+            crate::files::read_regular(path, crate::files::MAX_REGISTRY).map_err(|error| {
                 RegistryError::Read {
                     file: path.to_path_buf(),
-                    source,
+                    error,
                 }
             })?;
         match std::str::from_utf8(&bytes) {

@@ -177,7 +177,7 @@ fn load_reports_unreadable_files() {
     let file = dir.path().join("missing.toml");
     let error = Registry::load(&file).unwrap_err();
     assert!(
-        matches!(&error, RegistryError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+        matches!(&error, RegistryError::Read { error, .. } if error.kind() == std::io::ErrorKind::NotFound)
     );
     assert_eq!(error.file(), file);
     let rendered = error.to_string();

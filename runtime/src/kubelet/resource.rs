@@ -62,6 +62,21 @@ impl RunningResource {
 }
 
 /// A bare suffix gets the module's domain; a full name is kept as the module gave it.
+/// The extended resource name a module's declaration is served under, or why it cannot be:
+/// invalid, or outside the module's domain (so a module cannot take over another vendor's
+/// resource: a new registration replaces the old plugin in the kubelet).
+pub fn servable_name(resource_domain: &str, info: &ResourceInfo) -> Result<String, String> {
+    let name = qualify(resource_domain, &info.name);
+    names::validate_resource_name(&name)
+        .map_err(|e| format!("declared an invalid resource name: {e}"))?;
+    if !name.starts_with(&format!("{resource_domain}/")) {
+        return Err(format!(
+            "declared {name}, outside its resource domain {resource_domain} (set `resource-domain` in the registry to allow it)"
+        ));
+    }
+    Ok(name)
+}
+
 pub fn qualify(domain: &str, name: &str) -> String {
     if name.contains('/') {
         name.to_owned()
@@ -125,17 +140,7 @@ pub fn serve<B: DeviceBackend>(
     info: &ResourceInfo,
     at: &Serving<'_>,
 ) -> Result<RunningResource, String> {
-    let name = qualify(spec.resource_domain, &info.name);
-    names::validate_resource_name(&name)
-        .map_err(|e| format!("declared an invalid resource name: {e}"))?;
-    // A module serves only names in its own domain, so it cannot take over another vendor's
-    // resource (a new registration replaces the old plugin in the kubelet).
-    if !name.starts_with(&format!("{}/", spec.resource_domain)) {
-        return Err(format!(
-            "declared {name}, outside its resource domain {} (set `resource-domain` in the registry to allow it)",
-            spec.resource_domain
-        ));
-    }
+    let name = servable_name(spec.resource_domain, info)?;
     let endpoint = endpoint_name(&name, at.instance);
     let options = DevicePluginOptions {
         pre_start_required: info.prestart,

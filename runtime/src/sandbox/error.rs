@@ -8,11 +8,12 @@ use crate::device::PluginError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("module `{module}`: cannot read {path}: {source}")]
+    /// The cause is part of the message (not a `source`), so a `{:#}` chain says it once.
+    #[error("module `{module}`: cannot read {path}: {error}")]
     Read {
         module: String,
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(
         "module `{module}`: {path} has sha256 {actual}, but the registry expects {expected}; refusing to load it"

@@ -41,11 +41,11 @@ pub fn load(
 ) -> Result<LoadedModule, LoadError> {
     let module = spec.name.clone();
     let bytes =
-        crate::files::read_regular(&spec.path, crate::files::MAX_MODULE).map_err(|source| {
+        crate::files::read_regular(&spec.path, crate::files::MAX_MODULE).map_err(|error| {
             LoadError::Read {
                 module: module.clone(),
                 path: spec.path.clone(),
-                source,
+                error,
             }
         })?;
     let digest = sha256_hex(&bytes);

@@ -15,6 +15,8 @@
 //! devices = 2           # how many devices enumerate lists: dev-0 .. dev-{N-1}
 //! numa = 0              # NUMA nodes to spread the devices over: dev-i is on node i % numa;
 //!                       # 0 (the default) reports no topology
+//! also-declare = 0      # declare this many more resources, `<resource>-extra-<i>` (the host
+//!                       # serves at most 64 per module); calls on them fail as unknown
 //! init = "ok"           # a mode (below) for each call
 //! enumerate = "ok"
 //! allocate = "ok"
@@ -76,6 +78,9 @@ struct Config {
     /// NUMA nodes the devices are spread over (device i on node i % numa); 0: no topology.
     #[serde(default)]
     numa: u32,
+    /// More resources to declare, `<resource>-extra-<i>`, to test the host's cap.
+    #[serde(default)]
+    also_declare: u32,
     #[serde(default)]
     init: Mode,
     #[serde(default)]
@@ -176,7 +181,10 @@ impl Plugin for Misbehaving {
             config.resource,
             config.devices
         );
-        Ok((Misbehaving { config, ids }, vec![info]))
+        let extra = (0..config.also_declare)
+            .map(|i| ResourceInfo::new(format!("{}-extra-{i}", config.resource)));
+        let declared = std::iter::once(info).chain(extra).collect();
+        Ok((Misbehaving { config, ids }, declared))
     }
 
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
