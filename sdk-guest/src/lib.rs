@@ -124,9 +124,47 @@ use bindings::exports::devicelet::plugin::plugin::Guest;
 
 pub use bindings::devicelet::plugin::devnodes::{NodeInfo, NodeKind};
 pub use bindings::devicelet::plugin::log::Level;
-pub use wit_types::{
-    ContainerEdits, Device, DeviceNode, FsError, Health, Mount, PluginError, ResourceInfo,
-};
+pub use wit_types::{ContainerEdits, Device, DeviceNode, FsError, Health, Mount, ResourceInfo};
+
+/// Why a call failed. The host reports it with the module's name: in the agent's log, in
+/// `devicelet status`, and (for Allocate) in the pod's events, so say what an operator can act
+/// on. `Display` gives that message (`invalid config: ...`, `unknown resource: ...`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PluginError {
+    /// The module's `[module.config]` table is unusable; the host adds the registry file and
+    /// line of that table.
+    InvalidConfig(String),
+    /// The host named a resource this module does not serve.
+    UnknownResource(String),
+    /// The host named a device this module does not know.
+    UnknownDevice(String),
+    /// Anything else.
+    Failed(String),
+}
+
+impl std::fmt::Display for PluginError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PluginError::InvalidConfig(m) => write!(f, "invalid config: {m}"),
+            PluginError::UnknownResource(m) => write!(f, "unknown resource: {m}"),
+            PluginError::UnknownDevice(m) => write!(f, "unknown device: {m}"),
+            PluginError::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for PluginError {}
+
+impl From<PluginError> for wit_types::PluginError {
+    fn from(e: PluginError) -> Self {
+        match e {
+            PluginError::InvalidConfig(m) => wit_types::PluginError::InvalidConfig(m),
+            PluginError::UnknownResource(m) => wit_types::PluginError::UnknownResource(m),
+            PluginError::UnknownDevice(m) => wit_types::PluginError::UnknownDevice(m),
+            PluginError::Failed(m) => wit_types::PluginError::Failed(m),
+        }
+    }
+}
 
 /// The vendor logic of a module: one value of this type lives in the instance between calls.
 ///
@@ -194,21 +232,21 @@ pub trait Plugin: Sized + 'static {
 /// `must_include` first, then the rest of `available` in order, until `size` devices are
 /// chosen.
 ///
-/// Duplicates are dropped. If `must_include` alone exceeds `size`, all of it is still returned:
-/// the kubelet requires every must-include device in the answer, and rejecting the request is
-/// its call, not the module's.
+/// The answer obeys every host rule for `preferred`: at most `size` IDs, each from `available`,
+/// none twice. A `must_include` ID that is not in `available` is left out, and if
+/// `must_include` alone exceeds `size` only its first `size` IDs are returned (the kubelet
+/// never asks that; if it did, the request cannot be met either way and the kubelet decides).
 pub fn default_preferred(
     available: &[String],
     must_include: &[String],
     size: usize,
 ) -> Vec<String> {
-    let mut chosen: Vec<String> = Vec::with_capacity(size.max(must_include.len()));
-    for id in must_include {
-        if !chosen.contains(id) {
-            chosen.push(id.clone());
-        }
-    }
-    for id in available {
+    let mut chosen: Vec<String> = Vec::with_capacity(size.min(available.len()));
+    let offered = must_include
+        .iter()
+        .filter(|id| available.contains(id))
+        .chain(available);
+    for id in offered {
         if chosen.len() >= size {
             break;
         }
@@ -563,13 +601,14 @@ pub mod __private {
     pub use wit_bindgen;
 
     use super::*;
+    use wit_types::PluginError as WitError;
 
     /// Binds the WIT export to a [`Plugin`] type; the export macro names it through a type
     /// alias because the generated macro only accepts an identifier.
     pub struct Adapter<P>(std::marker::PhantomData<P>);
 
     impl<P: Plugin> Guest for Adapter<P> {
-        fn init(config: String) -> Result<Vec<ResourceInfo>, PluginError> {
+        fn init(config: String) -> Result<Vec<ResourceInfo>, WitError> {
             // Drop any previous instance first so a failed re-init leaves "not initialised"
             // rather than a stale plugin configured from an older config.
             let cleared = INSTANCE.with(|cell| match cell.try_borrow_mut() {
@@ -580,31 +619,28 @@ pub mod __private {
                 Err(_) => false,
             });
             if !cleared {
-                return Err(PluginError::Failed("plugin re-entered".to_string()));
+                return Err(PluginError::Failed("plugin re-entered".to_string()).into());
             }
-            let (plugin, resources) = P::init(&config)?;
+            let (plugin, resources) = P::init(&config).map_err(WitError::from)?;
             INSTANCE.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut slot) => {
                     *slot = Some(Box::new(plugin));
                     Ok(resources)
                 }
-                Err(_) => Err(PluginError::Failed("plugin re-entered".to_string())),
+                Err(_) => Err(PluginError::Failed("plugin re-entered".to_string()).into()),
             })
         }
 
-        fn enumerate(resource_name: String) -> Result<Vec<Device>, PluginError> {
-            with_instance(|p| p.enumerate(&resource_name))
+        fn enumerate(resource_name: String) -> Result<Vec<Device>, WitError> {
+            with_instance(|p| p.enumerate(&resource_name)).map_err(WitError::from)
         }
 
-        fn allocate(
-            resource_name: String,
-            ids: Vec<String>,
-        ) -> Result<ContainerEdits, PluginError> {
-            with_instance(|p| p.allocate(&resource_name, &ids))
+        fn allocate(resource_name: String, ids: Vec<String>) -> Result<ContainerEdits, WitError> {
+            with_instance(|p| p.allocate(&resource_name, &ids)).map_err(WitError::from)
         }
 
-        fn prestart(resource_name: String, ids: Vec<String>) -> Result<(), PluginError> {
-            with_instance(|p| p.prestart(&resource_name, &ids))
+        fn prestart(resource_name: String, ids: Vec<String>) -> Result<(), WitError> {
+            with_instance(|p| p.prestart(&resource_name, &ids)).map_err(WitError::from)
         }
 
         fn preferred(
@@ -612,9 +648,10 @@ pub mod __private {
             available: Vec<String>,
             must_include: Vec<String>,
             size: u32,
-        ) -> Result<Vec<String>, PluginError> {
+        ) -> Result<Vec<String>, WitError> {
             let size = usize::try_from(size).unwrap_or(usize::MAX);
             with_instance(|p| p.preferred(&resource_name, &available, &must_include, size))
+                .map_err(WitError::from)
         }
     }
 }
@@ -653,8 +690,28 @@ mod tests {
     }
 
     #[test]
-    fn default_preferred_never_drops_must_include() {
+    fn default_preferred_obeys_every_host_rule() {
+        // Never more than `size`, even when must-include alone is more.
         let got = default_preferred(&ids(&["a", "b"]), &ids(&["a", "b"]), 1);
-        assert_eq!(got, ids(&["a", "b"]));
+        assert_eq!(got, ids(&["a"]));
+        // Only offered IDs, none twice.
+        let got = default_preferred(&ids(&["a", "b", "a"]), &ids(&["x", "b", "b"]), 3);
+        assert_eq!(got, ids(&["b", "a"]));
+        assert!(default_preferred(&ids(&["a"]), &[], 0).is_empty());
+    }
+
+    #[test]
+    fn plugin_errors_read_as_messages() {
+        assert_eq!(
+            PluginError::InvalidConfig("unknown key `pathz`".into()).to_string(),
+            "invalid config: unknown key `pathz`"
+        );
+        assert_eq!(PluginError::Failed("no GPU".into()).to_string(), "no GPU");
+        assert_eq!(
+            PluginError::from(FsError::Denied("not granted".into())).to_string(),
+            "denied: not granted"
+        );
+        let boxed: Box<dyn std::error::Error> = Box::new(PluginError::UnknownDevice("x".into()));
+        assert_eq!(boxed.to_string(), "unknown device: x");
     }
 }

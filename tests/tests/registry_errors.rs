@@ -216,5 +216,19 @@ async fn a_module_whose_digest_differs_from_the_registry_is_refused() {
 async fn a_module_rejecting_its_config_is_named_with_its_reason() {
     let node = Node::new().await;
     let modules = generic_dev(r#"groups = [{ name = "fuse", pathz = ["/dev/fuse"] }]"#);
-    assert_refused(&node, &modules, &["module `generic-dev`", "pathz"]);
+    let (ok, text) = validate(&node, &modules);
+    assert!(!ok, "{text}");
+    // The harness writes the module's `[module.config]` header on line 12.
+    assert!(
+        text.contains("module `generic-dev` refused its [module.config] ("),
+        "{text}"
+    );
+    assert!(text.contains("registry.toml:12): "), "{text}");
+    assert!(text.contains("pathz"), "{text}");
+    assert!(!text.contains("column"), "no JSON position: {text}");
+    assert_eq!(
+        text.matches("generic-dev`").count(),
+        1,
+        "named once: {text}"
+    );
 }

@@ -49,6 +49,9 @@ pub struct ModuleSpec {
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
     pub config: serde_json::Value,
+    /// `file:line` of the `[module.config]` table (of the `[[module]]` entry when there is
+    /// none), so a module refusing its config sends the operator to the right line.
+    pub config_at: String,
 }
 
 const KEYS: &[&str] = &[
@@ -90,6 +93,7 @@ pub(super) fn parse(
     let mut sha256 = None;
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
+    let mut config_at = node.location();
 
     for entry in table.entries() {
         let node = &entry.node;
@@ -120,7 +124,10 @@ pub(super) fn parse(
                 sha256 = Some(digest);
             }
             "grants" => grants = grants::parse(node)?,
-            "config" => config = json::config(node)?,
+            "config" => {
+                config = json::config(node)?;
+                config_at = node.location();
+            }
             _ => return Err(entry.unknown(KEYS)),
         }
     }
@@ -140,6 +147,7 @@ pub(super) fn parse(
             sha256,
             grants,
             config,
+            config_at,
         },
         name_span,
     })

@@ -21,6 +21,11 @@ impl<'a> Source<'a> {
     }
 
     /// An error about the text at byte `offset`, naming `key` unless it is the document root.
+    pub(super) fn location(&self, offset: usize) -> String {
+        let (line, _) = line_column(self.text, offset);
+        format!("{}:{line}", self.file.display())
+    }
+
     pub(super) fn error(
         &self,
         offset: usize,

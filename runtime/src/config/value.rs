@@ -30,6 +30,12 @@ impl<'a> Node<'a> {
     }
 
     /// An error about this value as a whole, pointing at its first character.
+    /// `file:line` of this value, for messages that arise later (a module refusing its
+    /// config) but should still send the reader to the registry.
+    pub(super) fn location(&self) -> String {
+        self.src.location(self.span().start)
+    }
+
     pub(super) fn error(&self, message: impl Into<String>) -> RegistryError {
         self.src.error(self.span().start, &self.path, message)
     }

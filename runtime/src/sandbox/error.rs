@@ -38,8 +38,17 @@ pub enum LoadError {
     UnknownImport { module: String, import: String },
     #[error("module `{module}` does not export the devicelet plugin interface: {message}")]
     NotAPlugin { module: String, message: String },
-    #[error("module `{module}` failed to initialise: {source}")]
-    Init { module: String, source: CallError },
+    /// `init` failed; the call error names the module.
+    #[error("{0}")]
+    Init(CallError),
+    /// The module refused its `[module.config]`.
+    #[error("module `{module}` refused its [module.config] ({at}): {message}")]
+    Config {
+        module: String,
+        /// `file:line` of the table in the registry.
+        at: String,
+        message: String,
+    },
     #[error("module `{module}`: {message}")]
     Invalid { module: String, message: String },
 }

@@ -123,10 +123,6 @@ impl ModuleHandle {
         };
         let kubelet = lane("kubelet")?;
         let health = lane("health")?;
-        let init_error = |source| LoadError::Init {
-            module: name.to_string(),
-            source,
-        };
         let resources = kubelet
             .call(deadline, |i: &mut Instance| {
                 let resources = i.resources.clone();
@@ -134,7 +130,17 @@ impl ModuleHandle {
             })
             .await
             .map_err(|failure| {
-                init_error(match failure {
+                LoadError::Init(match failure {
+                    Failure::Instantiate {
+                        init_error: Some(PluginError::InvalidConfig(message)),
+                        ..
+                    } => {
+                        return LoadError::Config {
+                            module: name.to_string(),
+                            at: module.spec.config_at.clone(),
+                            message: without_json_position(&message).to_owned(),
+                        };
+                    }
                     Failure::Instantiate {
                         init_error: Some(error),
                         ..
@@ -426,6 +432,21 @@ fn failure_message(failure: Failure) -> String {
     }
 }
 
+/// `message` without a trailing serde_json position (` at line 1 column 7`): the host hands the
+/// module its config as one line of JSON, so the position means nothing to whoever edits the
+/// TOML; the registry location is given instead.
+fn without_json_position(message: &str) -> &str {
+    let Some((head, tail)) = message.rsplit_once(" at line ") else {
+        return message;
+    };
+    let position = tail.split_once(" column ").is_some_and(|(line, column)| {
+        [line, column]
+            .iter()
+            .all(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
+    if position { head } else { message }
+}
+
 /// A fresh store and instance with the module's limits, initialised with its config. Runs in a
 /// cell; the cell bounds it by the module's call deadline.
 pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance, Failure> {
@@ -477,5 +498,23 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
             plugin,
             resources: resources.into_iter().map(ResourceInfo::from).collect(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_positions_are_cut_from_config_errors() {
+        assert_eq!(
+            without_json_position("unknown field `pathz`, expected `groups` at line 1 column 7"),
+            "unknown field `pathz`, expected `groups`"
+        );
+        assert_eq!(
+            without_json_position("at line 3 of the manual"),
+            "at line 3 of the manual"
+        );
+        assert_eq!(without_json_position("no GPU"), "no GPU");
     }
 }
