@@ -127,7 +127,9 @@ pub struct Allocation {
 
 /// The plugin client of the current registration of a resource.
 pub(super) struct Endpoint {
-    pub client: DevicePluginClient<Channel>,
+    /// Dropped (closing the connection, as the kubelet's `Disconnect` does) once the stream
+    /// ended.
+    pub client: Option<DevicePluginClient<Channel>>,
     /// Identifies this registration; stream tasks of older ones see a different value and stop.
     pub generation: u64,
     /// The ListAndWatch consumer task, aborted when the resource is registered again.
@@ -211,7 +213,7 @@ impl Registry {
                 endpoint: None,
             });
         if let Some(old) = resource.endpoint.replace(Endpoint {
-            client,
+            client: Some(client),
             generation,
             stream,
             stopped: false,
@@ -290,6 +292,7 @@ impl Registry {
         resource.state.streaming = false;
         if let Some(endpoint) = resource.endpoint.as_mut() {
             endpoint.stopped = true;
+            endpoint.client = None;
         }
         resource.recount();
         true
@@ -357,9 +360,11 @@ impl Registry {
                 resource: name.to_owned(),
             })?;
         match &resource.endpoint {
-            Some(endpoint) if !endpoint.stopped => {
-                Ok((endpoint.client.clone(), resource.state.options))
-            }
+            Some(Endpoint {
+                client: Some(client),
+                stopped: false,
+                ..
+            }) => Ok((client.clone(), resource.state.options)),
             _ => Err(SimError::EndpointStopped {
                 resource: name.to_owned(),
             }),

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use devicelet_simulator::RestartOrder;
+use devicelet_simulator::{RestartOrder, SimEvent};
 use devicelet_tests::{Node, WAIT, eventually, generic_dev, misbehaving};
 
 const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
@@ -299,7 +299,7 @@ async fn a_finished_pod_frees_its_devices_in_the_ledger() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
+async fn replacing_a_module_file_upgrades_it_behind_the_same_registration_and_stream() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let installed = node.dir.path().join("vendor.wasm");
@@ -335,6 +335,7 @@ async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
 
     // A vendor ships a new build (here: another module honouring the same config), installed
     // the way package managers do it: written aside, renamed over the old file.
+    let mut events = node.kubelet.events();
     let staged = node.dir.path().join("vendor.wasm.new");
     std::fs::copy(devicelet_tests::module_dir().join("hostile.wasm"), &staged).expect("stage v2");
     std::fs::rename(&staged, &installed).expect("install v2");
@@ -345,10 +346,32 @@ async fn replacing_a_module_file_upgrades_the_module_without_a_restart() {
         })
         .await
         .expect("the new build serves the resource");
-    assert!(
-        v2.registrations > v1.registrations,
-        "the upgraded module registered afresh"
+    assert_eq!(
+        v2.registrations, v1.registrations,
+        "the same registration carries the new build"
     );
+    // Everything the kubelet saw of the resource during the upgrade: no stream end, no new
+    // registration, never allocatable 0.
+    while let Ok(event) = events.try_recv() {
+        match event {
+            SimEvent::StreamEnded { resource, .. } | SimEvent::Registered { resource, .. }
+                if resource == "devicelet.io/bad" =>
+            {
+                panic!("the upgrade ended the stream or registered again: {resource}")
+            }
+            SimEvent::Snapshot {
+                resource,
+                allocatable,
+                ..
+            } if resource == "devicelet.io/bad" => {
+                assert!(
+                    allocatable > 0,
+                    "allocatable dropped to 0 during the upgrade"
+                )
+            }
+            _ => {}
+        }
+    }
 
     let fuse_after = node.kubelet.resource("devicelet.io/fuse").expect("fuse");
     assert_eq!(
@@ -469,5 +492,51 @@ async fn a_configmap_style_swap_of_the_registry_is_applied() {
         .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
         .await
         .expect("the swapped-in registry is applied");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_asking_for_other_calls_registers_again_only_after_the_old_stream_ended() {
+    let node = Node::new().await;
+    let v1 = misbehaving("vendor", "resource = \"bad\"", "1s");
+    let agent = node.start_agent(&v1).await;
+    let before = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.allocatable == 2 && r.streaming
+        })
+        .await
+        .expect("v1 served");
+    assert!(!before.options.pre_start_required);
+
+    let mut events = node.kubelet.events();
+    let v2 = misbehaving("vendor", "resource = \"bad\"\nprestart = \"ok\"", "1s");
+    node.registry(&v2);
+    let after = node
+        .kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| {
+            r.options.pre_start_required && r.streaming && r.allocatable == 2
+        })
+        .await
+        .expect("v2 registered with its options");
+    assert_eq!(
+        after.registrations,
+        before.registrations + 1,
+        "registered once more"
+    );
+    assert_eq!(after.endpoint, before.endpoint, "on the same socket");
+    let mut ended = false;
+    while let Ok(event) = events.try_recv() {
+        match event {
+            SimEvent::StreamEnded { resource, .. } if resource == "devicelet.io/bad" => {
+                ended = true
+            }
+            SimEvent::Registered { resource, .. } if resource == "devicelet.io/bad" => {
+                assert!(ended, "registered again while the old stream was live");
+            }
+            _ => {}
+        }
+    }
+    assert!(ended, "the old registration's stream ended");
     agent.shutdown().await;
 }

@@ -159,14 +159,16 @@ impl Shared {
             };
         // Claiming resource names and serving them is quick (the first enumeration runs in each
         // resource's own task) and done one module at a time, so two modules can never both
-        // claim a name.
-        // The old version (on an upgrade) stops first, outside the claim: a sick one that takes
-        // its time stopping delays nobody else.
-        self.stop_module(&spec.name).await;
+        // claim a name. An upgrade swaps the new version in behind the running resources.
         let _claiming = self.claiming.lock().await;
+        let old = self.lock_modules().remove(&spec.name);
         let taken = self.served_names();
-        let (running, errors) =
-            modules::serve_all(handle, spec, host_root, &self.serving(), &taken);
+        let (running, errors) = match old {
+            Some(old) => {
+                modules::upgrade(old, handle, spec, host_root, &self.serving(), &taken).await
+            }
+            None => modules::serve_all(handle, spec, host_root, &self.serving(), &taken),
+        };
         for r in &running.resources {
             tracing::info!(module = spec.name, resource = r.served.name, "serving");
         }

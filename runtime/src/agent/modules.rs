@@ -9,6 +9,7 @@ use wasmtime::Engine;
 
 use crate::config::ModuleSpec;
 use crate::device::ResourceInfo;
+use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::loader::load;
@@ -16,20 +17,30 @@ use crate::sandbox::{LoadError, ModuleHandle};
 
 pub struct RunningModule {
     pub spec: ModuleSpec,
-    pub handle: ModuleHandle,
+    /// The module version answering, swapped in place by an upgrade.
+    pub slot: Swappable<ModuleHandle>,
     pub resources: Vec<RunningResource>,
     /// Pokes the resources' device watchers when nodes under the /dev grants change.
     _dev_watch: Option<notify::RecommendedWatcher>,
 }
 
 impl RunningModule {
+    /// The module version answering now.
+    pub fn handle(&self) -> Arc<ModuleHandle> {
+        self.slot.current()
+    }
+
     pub async fn stop(self) {
-        for r in &self.resources {
-            r.signal_stop();
-        }
-        for r in self.resources {
-            r.stop(&self.handle).await;
-        }
+        stop_resources(self.resources, &self.slot).await;
+    }
+}
+
+async fn stop_resources(resources: Vec<RunningResource>, slot: &Swappable<ModuleHandle>) {
+    for r in &resources {
+        r.signal_stop();
+    }
+    for r in resources {
+        r.stop(slot).await;
     }
 }
 
@@ -109,14 +120,77 @@ pub fn serve_all(
     taken: &BTreeMap<String, String>,
 ) -> (RunningModule, Vec<String>) {
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
+    let slot = Swappable::new(handle);
+    let resources = serve_planned(&slot, spec, &planned, at, &mut errors);
+    (running(spec, host_root, slot, resources), errors)
+}
+
+/// Upgrades `old` to `handle` (a new version of its file or registry entry, loaded and
+/// initialised) without the kubelet seeing the resources go: each resource the new version
+/// still declares (same name, same health interval) keeps its socket, registration and
+/// ListAndWatch stream, and is re-enumerated at once through the new version. One whose
+/// options change registers again on the same socket. Resources no longer declared stop, new
+/// ones are served.
+pub async fn upgrade(
+    old: RunningModule,
+    handle: ModuleHandle,
+    spec: &ModuleSpec,
+    host_root: &Path,
+    at: &Serving<'_>,
+    taken: &BTreeMap<String, String>,
+) -> (RunningModule, Vec<String>) {
+    let (planned, mut errors) = plan(spec, handle.resources(), taken);
+    let same_interval = old.spec.health_interval == spec.health_interval;
+    let RunningModule {
+        slot, resources, ..
+    } = old;
+    let (kept, gone): (Vec<_>, Vec<_>) = resources.into_iter().partition(|r| {
+        same_interval
+            && planned
+                .iter()
+                .any(|(name, info)| *name == r.served.name && r.same_declaration(info))
+    });
+    // Gone ones stop while the old version still answers their last calls.
+    stop_resources(gone, &slot).await;
+    let previous = slot.replace(handle);
+    for r in &kept {
+        if let Some((_, info)) = planned.iter().find(|(name, _)| *name == r.served.name) {
+            r.set_options(info);
+        }
+        r.poke.notify_one();
+    }
+    let fresh: Vec<_> = planned
+        .into_iter()
+        .filter(|(name, _)| !kept.iter().any(|r| r.served.name == *name))
+        .collect();
+    let mut resources = kept;
+    resources.extend(serve_planned(&slot, spec, &fresh, at, &mut errors));
+    tracing::info!(
+        module = spec.name,
+        from = previous.digest(),
+        to = slot.current().digest(),
+        "upgraded in place"
+    );
+    // The old version's cells end once calls still running on it finish.
+    drop(previous);
+    (running(spec, host_root, slot, resources), errors)
+}
+
+fn serve_planned(
+    slot: &Swappable<ModuleHandle>,
+    spec: &ModuleSpec,
+    planned: &[(String, ResourceInfo)],
+    at: &Serving<'_>,
+    errors: &mut Vec<String>,
+) -> Vec<RunningResource> {
     let mut resources = Vec::new();
-    for (_, info) in &planned {
+    for (_, info) in planned {
         let owner = Owner {
             module: &spec.name,
             resource_domain: &spec.resource_domain,
             health_interval: spec.health_interval,
         };
-        match resource::serve(&handle, &owner, info, at) {
+        match resource::serve(slot, &owner, info, at) {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
                 LoadError::Invalid {
@@ -127,15 +201,21 @@ pub fn serve_all(
             ),
         }
     }
+    resources
+}
+
+fn running(
+    spec: &ModuleSpec,
+    host_root: &Path,
+    slot: Swappable<ModuleHandle>,
+    resources: Vec<RunningResource>,
+) -> RunningModule {
     let pokes = resources.iter().map(|r| r.poke.clone()).collect();
     let dev_watch = super::dev_watch::watch(host_root, &spec.grants, pokes);
-    (
-        RunningModule {
-            spec: spec.clone(),
-            handle,
-            resources,
-            _dev_watch: dev_watch,
-        },
-        errors,
-    )
+    RunningModule {
+        spec: spec.clone(),
+        slot,
+        resources,
+        _dev_watch: dev_watch,
+    }
 }

@@ -172,7 +172,7 @@ fn needs_restart(
     new: &ModuleSpec,
     digest: Option<&str>,
 ) -> bool {
-    running.spec != *new || digest != Some(running.handle.digest())
+    running.spec != *new || digest != Some(running.handle().digest())
 }
 
 /// `digests` are the new modules' file digests, hashed before any lock is taken: status and

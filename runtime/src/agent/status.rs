@@ -78,12 +78,13 @@ pub(super) fn collect(shared: &Shared) -> Status {
         .lock_modules()
         .values()
         .map(|m| {
-            let (used, limit) = m.handle.host_memory();
+            let handle = m.handle();
+            let (used, limit) = handle.host_memory();
             ModuleStatus {
                 name: m.spec.name.clone(),
-                digest: m.handle.digest().to_owned(),
-                stats: m.handle.stats(),
-                failed: m.handle.failure(),
+                digest: handle.digest().to_owned(),
+                stats: handle.stats(),
+                failed: handle.failure(),
                 host_memory: used as u64,
                 host_memory_limit: limit as u64,
             }

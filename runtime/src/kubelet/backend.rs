@@ -77,3 +77,85 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
         let _ = resource;
     }
 }
+
+/// A backend that can be replaced under a running resource: an upgrade swaps the new module
+/// version in behind the same socket, registration and ListAndWatch stream, so the kubelet never
+/// sees the resource go away. A call in flight finishes on the backend it started on.
+pub struct Swappable<B> {
+    name: std::sync::Arc<str>,
+    current: std::sync::Arc<std::sync::RwLock<std::sync::Arc<B>>>,
+}
+
+impl<B> Clone for Swappable<B> {
+    fn clone(&self) -> Self {
+        Swappable {
+            name: self.name.clone(),
+            current: self.current.clone(),
+        }
+    }
+}
+
+impl<B: DeviceBackend> Swappable<B> {
+    pub fn new(backend: B) -> Self {
+        Swappable {
+            name: backend.name().into(),
+            current: std::sync::Arc::new(std::sync::RwLock::new(std::sync::Arc::new(backend))),
+        }
+    }
+
+    /// The backend answering now.
+    pub fn current(&self) -> std::sync::Arc<B> {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Puts `next` in place for every later call; returns the one it replaces.
+    pub fn replace(&self, next: B) -> std::sync::Arc<B> {
+        let mut slot = self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::replace(&mut *slot, std::sync::Arc::new(next))
+    }
+}
+
+impl<B: DeviceBackend> DeviceBackend for Swappable<B> {
+    /// The name the backend had when this slot was made: an upgrade keeps the module's name.
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+        self.current().enumerate(resource).await
+    }
+
+    async fn allocate(
+        &self,
+        resource: &str,
+        ids: Vec<String>,
+    ) -> Result<ContainerEdits, BackendError> {
+        self.current().allocate(resource, ids).await
+    }
+
+    async fn preferred(
+        &self,
+        resource: &str,
+        available: Vec<String>,
+        must_include: Vec<String>,
+        size: u32,
+    ) -> Result<Vec<String>, BackendError> {
+        self.current()
+            .preferred(resource, available, must_include, size)
+            .await
+    }
+
+    async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
+        self.current().prestart(resource, ids).await
+    }
+
+    fn release(&self, resource: &str) {
+        self.current().release(resource);
+    }
+}

@@ -13,14 +13,15 @@ use super::api::deviceplugin::{
 };
 use super::backend::DeviceBackend;
 use super::plugin_server::ResourcePlugin;
-use super::{registration, uds};
+use super::{connections, registration, uds};
 
 /// What the lifecycle needs to serve and register one resource.
 pub struct Lifecycle<B> {
     pub plugin_dir: PathBuf,
     pub endpoint: String,
     pub resource: String,
-    pub options: DevicePluginOptions,
+    /// Changed by an upgrade whose new version asks for other calls: register again.
+    pub options: watch::Receiver<DevicePluginOptions>,
     pub plugin: ResourcePlugin<B>,
     /// Bumped by the directory watcher on every creation or removal.
     pub kubelet_events: watch::Receiver<u64>,
@@ -41,6 +42,17 @@ const LAST_RETRY: Duration = Duration::from_secs(2);
 /// The kubelet answers `Register` after dialing us back (10 s at most); a kubelet that accepts
 /// but never answers must not hold a resource (or the agent's shutdown) forever.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How long to wait for the kubelet to drop its connections to our socket after the streams of
+/// a registration ended, before registering with other options anyway.
+const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
+
+/// Why a registration is over.
+enum Over {
+    Stopped,
+    KubeletRestarted,
+    OptionsChanged,
+}
 
 enum Registration {
     /// With the identity of the `kubelet.sock` that accepted.
@@ -80,7 +92,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 return;
             }
             let (server_stop, server_stopped) = watch::channel(false);
-            if let Err(e) = self.start_server(server_stopped) {
+            let (open, connections) = watch::channel(0usize);
+            if let Err(e) = self.start_server(server_stopped, open) {
                 if bind_failures == 0 {
                     tracing::error!(resource = self.resource, "cannot serve: {e}; retrying");
                 }
@@ -91,34 +104,69 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 continue;
             }
             bind_failures = 0;
-            let registered_with = match self.register().await {
-                Registration::Accepted(identity) => identity,
-                Registration::SocketGone => {
-                    let _ = server_stop.send(true);
-                    tracing::info!(
-                        resource = self.resource,
-                        "our socket vanished while registering; serving again"
-                    );
-                    continue;
-                }
-                Registration::Stopped => {
-                    let _ = server_stop.send(true);
-                    return;
+            // Registers on this server until the kubelet restarts or we stop; options changed
+            // by an upgrade are registered again on the same socket.
+            let over = loop {
+                let registered_with = match self.register().await {
+                    Registration::Accepted(identity) => identity,
+                    Registration::SocketGone => {
+                        tracing::info!(
+                            resource = self.resource,
+                            "our socket vanished while registering; serving again"
+                        );
+                        break Over::KubeletRestarted;
+                    }
+                    Registration::Stopped => break Over::Stopped,
+                };
+                match self.wait_until_over(registered_with).await {
+                    Over::OptionsChanged => {
+                        tracing::info!(
+                            resource = self.resource,
+                            "the module's new version asks for other calls; registering again"
+                        );
+                        // The old streams ended when the options changed: let the kubelet
+                        // disconnect that registration before it sees the next one.
+                        if self.disconnected(connections.clone()).await {
+                            break Over::Stopped;
+                        }
+                    }
+                    over => break over,
                 }
             };
-            let stopped = self.wait_for_kubelet_restart(registered_with).await;
             let _ = server_stop.send(true);
-            if stopped {
-                return;
+            match over {
+                Over::Stopped => return,
+                Over::KubeletRestarted | Over::OptionsChanged => tracing::info!(
+                    resource = self.resource,
+                    "kubelet restarted; serving and registering again"
+                ),
             }
-            tracing::info!(
-                resource = self.resource,
-                "kubelet restarted; serving and registering again"
-            );
         }
     }
 
-    fn start_server(&self, server_stopped: watch::Receiver<bool>) -> std::io::Result<()> {
+    /// Waits (up to [`DISCONNECT_WAIT`]) until no connection to our socket is open; true if
+    /// told to stop meanwhile.
+    async fn disconnected(&mut self, mut connections: watch::Receiver<usize>) -> bool {
+        let drained = tokio::time::timeout(DISCONNECT_WAIT, connections.wait_for(|n| *n == 0));
+        tokio::select! {
+            drained = drained => {
+                if drained.is_err() {
+                    tracing::warn!(
+                        resource = self.resource,
+                        "the kubelet kept its connection {DISCONNECT_WAIT:?} after the stream ended; registering anyway"
+                    );
+                }
+                false
+            }
+            _ = self.stop.wait_for(|s| *s) => true,
+        }
+    }
+
+    fn start_server(
+        &self,
+        server_stopped: watch::Receiver<bool>,
+        open: watch::Sender<usize>,
+    ) -> std::io::Result<()> {
         std::fs::create_dir_all(&self.plugin_dir)?;
         let listener = uds::bind(&self.socket())?;
         restrict_to_owner(&self.socket());
@@ -128,12 +176,15 @@ impl<B: DeviceBackend> Lifecycle<B> {
         tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(plugin))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                    tokio::select! {
-                        _ = stop.wait_for(|s| *s) => {}
-                        _ = server_stopped.wait_for(|s| *s) => {}
-                    }
-                })
+                .serve_with_incoming_shutdown(
+                    connections::counted(UnixListenerStream::new(listener), open),
+                    async move {
+                        tokio::select! {
+                            _ = stop.wait_for(|s| *s) => {}
+                            _ = server_stopped.wait_for(|s| *s) => {}
+                        }
+                    },
+                )
                 .await;
             if let Err(e) = served {
                 tracing::error!(resource, "device-plugin server failed: {e}");
@@ -156,7 +207,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             let attempt = tokio::select! {
                 attempt = tokio::time::timeout(
                     REGISTER_TIMEOUT,
-                    registration::register(&self.plugin_dir, &self.endpoint, &self.resource, self.options),
+                    registration::register(&self.plugin_dir, &self.endpoint, &self.resource, *self.options.borrow_and_update()),
                 ) => attempt.unwrap_or_else(|_| Err(registration::RegistrationError::Timeout(REGISTER_TIMEOUT))),
                 _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
             };
@@ -191,14 +242,14 @@ impl<B: DeviceBackend> Lifecycle<B> {
         }
     }
 
-    /// Waits until the kubelet restarted (returns false) or we are told to stop (true).
+    /// Waits until the kubelet restarted, the options changed or we are told to stop.
     ///
     /// A starting kubelet deletes our socket: that alone is the restart. A new `kubelet.sock`
     /// with our socket still in place is a restart whose deletion has not happened (or not
     /// reached us) yet, so it counts only once [`DELETION_GRACE`] passes without the deletion;
     /// reacting at once would register with the new kubelet and then again when it deletes
     /// our socket.
-    async fn wait_for_kubelet_restart(&mut self, registered_with: Option<(u64, u64)>) -> bool {
+    async fn wait_until_over(&mut self, registered_with: Option<(u64, u64)>) -> Over {
         let mut replaced_since: Option<tokio::time::Instant> = None;
         loop {
             let recheck = match replaced_since {
@@ -210,17 +261,20 @@ impl<B: DeviceBackend> Lifecycle<B> {
             tokio::select! {
                 _ = kubelet_changed(&mut self.kubelet_events) => {}
                 _ = tokio::time::sleep(recheck) => {}
-                _ = self.stop.wait_for(|s| *s) => return true,
+                _ = self.stop.wait_for(|s| *s) => return Over::Stopped,
+                _ = options_changed(&mut self.options) => return Over::OptionsChanged,
             }
             if !self.socket().exists() {
-                return false;
+                return Over::KubeletRestarted;
             }
             let kubelet_replaced =
                 kubelet_identity(&self.plugin_dir).is_some_and(|now| Some(now) != registered_with);
             replaced_since = match (kubelet_replaced, replaced_since) {
                 (false, _) => None,
                 (true, None) => Some(tokio::time::Instant::now()),
-                (true, Some(since)) if since.elapsed() >= DELETION_GRACE => return false,
+                (true, Some(since)) if since.elapsed() >= DELETION_GRACE => {
+                    return Over::KubeletRestarted;
+                }
                 (true, since) => since,
             };
         }
@@ -238,6 +292,13 @@ impl<B: DeviceBackend> Lifecycle<B> {
 /// Resolves on the next directory event; never, once the watcher is gone (the timers take over).
 async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
     if events.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Resolves when the options change; never, once nobody can change them.
+async fn options_changed(options: &mut watch::Receiver<DevicePluginOptions>) {
+    if options.changed().await.is_err() {
         std::future::pending::<()>().await;
     }
 }

@@ -14,6 +14,7 @@
 pub use devicelet_api as api;
 pub use devicelet_api::{names, uds};
 pub mod backend;
+mod connections;
 pub mod dir_watch;
 pub mod lifecycle;
 pub mod plugin_server;

@@ -25,7 +25,9 @@ pub struct ResourcePlugin<B> {
     /// The backend's own name for the resource (what the module declared in `init`).
     local: Arc<str>,
     backend: B,
-    options: api::DevicePluginOptions,
+    /// Changed by an upgrade whose new version asks for other calls: streams of the old
+    /// registration end, and the lifecycle registers again.
+    options: watch::Receiver<api::DevicePluginOptions>,
     devices: watch::Receiver<Snapshot>,
     ledger: Ledger,
     /// Flips to true when the agent stops, ending every ListAndWatch stream.
@@ -38,7 +40,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             resource: self.resource.clone(),
             local: self.local.clone(),
             backend: self.backend.clone(),
-            options: self.options,
+            options: self.options.clone(),
             devices: self.devices.clone(),
             ledger: self.ledger.clone(),
             stop: self.stop.clone(),
@@ -101,7 +103,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         resource: &str,
         local: &str,
         backend: B,
-        options: api::DevicePluginOptions,
+        options: watch::Receiver<api::DevicePluginOptions>,
         devices: watch::Receiver<Snapshot>,
         ledger: Ledger,
         stop: watch::Receiver<bool>,
@@ -187,7 +189,7 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         &self,
         _: Request<api::Empty>,
     ) -> Result<Response<api::DevicePluginOptions>, Status> {
-        Ok(Response::new(self.options))
+        Ok(Response::new(*self.options.borrow()))
     }
 
     type ListAndWatchStream = SnapshotStream;
@@ -197,14 +199,20 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         _: Request<api::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         // Pulled, not pushed: each time the kubelet is ready for a message it gets the newest
-        // snapshot, never a queue of stale ones; the stream ends when the agent stops.
+        // snapshot, never a queue of stale ones. The stream ends when the agent stops, and when
+        // the options change (the registration it belongs to is over).
         let snapshots =
             WatchStream::new(self.devices.clone()).map(|snapshot| Some(Ok(to_wire(&snapshot))));
         let stopped = WatchStream::new(self.stop.clone())
             .filter(|stop| *stop)
             .map(|_| None);
+        let registered_with = *self.options.borrow();
+        let reregistering = WatchStream::new(self.options.clone())
+            .filter(move |now| *now != registered_with)
+            .map(|_| None);
         let stream = snapshots
             .merge(stopped)
+            .merge(reregistering)
             .take_while(Option::is_some)
             .map(|item| item.unwrap_or_else(|| Err(Status::unavailable("stopping"))));
         Ok(Response::new(Box::pin(stream)))
@@ -354,7 +362,7 @@ mod tests {
             fails,
             calls: calls.clone(),
         };
-        let options = api::DevicePluginOptions::default();
+        let (_, options) = watch::channel(api::DevicePluginOptions::default());
         let plugin = ResourcePlugin::new(
             "ex.com/dev",
             "dev",

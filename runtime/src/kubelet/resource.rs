@@ -22,7 +22,7 @@ pub struct ServedResource {
     pub name: String,
     pub module: String,
     pub socket: PathBuf,
-    pub options: DevicePluginOptions,
+    pub options: watch::Receiver<DevicePluginOptions>,
     pub devices: watch::Receiver<Snapshot>,
     /// True once the first enumeration finished (or failed): only then is the resource served
     /// and registered.
@@ -38,11 +38,34 @@ pub struct RunningResource {
     local: String,
     /// Wakes the device watcher for an immediate re-enumeration.
     pub poke: Arc<Notify>,
+    options: watch::Sender<DevicePluginOptions>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl RunningResource {
+    /// The module's own name for the resource.
+    pub fn local(&self) -> &str {
+        &self.local
+    }
+
+    /// Whether an upgraded module's declaration can take this resource over as it runs: the
+    /// same name, as the module spells it (what its calls are made with).
+    pub fn same_declaration(&self, info: &ResourceInfo) -> bool {
+        self.local == info.name
+    }
+
+    /// Puts an upgraded module's options in force: if they differ, the ListAndWatch streams end,
+    /// the kubelet is let disconnect, and the resource registers again on the same socket.
+    pub fn set_options(&self, info: &ResourceInfo) {
+        let next = options_of(info);
+        self.options.send_if_modified(|now| {
+            let changed = *now != next;
+            *now = next;
+            changed
+        });
+    }
+
     /// Tells its tasks to end, without waiting: stopping many resources at once then takes as
     /// long as the slowest, not the sum.
     pub fn signal_stop(&self) {
@@ -61,7 +84,13 @@ impl RunningResource {
     }
 }
 
-/// A bare suffix gets the module's domain; a full name is kept as the module gave it.
+fn options_of(info: &ResourceInfo) -> DevicePluginOptions {
+    DevicePluginOptions {
+        pre_start_required: info.prestart,
+        get_preferred_allocation_available: info.preferred_allocation,
+    }
+}
+
 /// The extended resource name a module's declaration is served under, or why it cannot be:
 /// invalid, or outside the module's domain (so a module cannot take over another vendor's
 /// resource: a new registration replaces the old plugin in the kubelet).
@@ -77,6 +106,7 @@ pub fn servable_name(resource_domain: &str, info: &ResourceInfo) -> Result<Strin
     Ok(name)
 }
 
+/// A bare suffix gets the module's domain; a full name is kept as the module gave it.
 pub fn qualify(domain: &str, name: &str) -> String {
     if name.contains('/') {
         name.to_owned()
@@ -142,10 +172,7 @@ pub fn serve<B: DeviceBackend>(
 ) -> Result<RunningResource, String> {
     let name = servable_name(spec.resource_domain, info)?;
     let endpoint = endpoint_name(&name, at.instance);
-    let options = DevicePluginOptions {
-        pre_start_required: info.prestart,
-        get_preferred_allocation_available: info.preferred_allocation,
-    };
+    let (options_tx, options) = watch::channel(options_of(info));
     let (stop_tx, stop) = watch::channel(false);
 
     // The first enumeration runs in the watcher's task: a slow module delays only its own
@@ -167,7 +194,7 @@ pub fn serve<B: DeviceBackend>(
         &name,
         &info.name,
         backend.clone(),
-        options,
+        options.clone(),
         devices.clone(),
         at.ledger.clone(),
         stop.clone(),
@@ -178,7 +205,7 @@ pub fn serve<B: DeviceBackend>(
             plugin_dir: at.plugin_dir.to_owned(),
             endpoint: endpoint.clone(),
             resource: name.clone(),
-            options,
+            options: options.clone(),
             plugin,
             kubelet_events: at.kubelet_events.clone(),
             ready: ready.clone(),
@@ -199,6 +226,7 @@ pub fn serve<B: DeviceBackend>(
         },
         poke,
         local: info.name.clone(),
+        options: options_tx,
         stop: stop_tx,
         tasks: vec![watcher, lifecycle],
     })
