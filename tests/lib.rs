@@ -156,6 +156,21 @@ impl Node {
     }
 }
 
+/// Polls `get` until it returns something; for values that have no event to wait on.
+pub async fn eventually_some<T>(what: &str, mut get: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        if let Some(value) = get() {
+            return value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Polls `cond` until it holds; for conditions that have no event to wait on.
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + WAIT;

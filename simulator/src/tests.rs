@@ -441,7 +441,7 @@ async fn reregistration_replaces_the_client() {
     assert_eq!(state.options, options(true, false));
     assert_eq!(state.devices.len(), 2);
 
-    // The old stream was cancelled; its later end changes nothing.
+    // The old stream was cancelled, so nothing the old plugin sends reaches the kubelet.
     for _ in 0..100 {
         if old.fake.cancelled_streams.load(Ordering::SeqCst) == 1 {
             break;
@@ -450,7 +450,6 @@ async fn reregistration_replaces_the_client() {
     }
     assert_eq!(old.fake.cancelled_streams.load(Ordering::SeqCst), 1);
     old.fake.set_devices(healthy(&["x", "w"]));
-    old.fake.end_streams();
 
     let allocation = sim.allocate(RESOURCE, 2).await.unwrap();
     assert_eq!(allocation.device_ids, ["y", "z"]);
@@ -529,7 +528,8 @@ async fn restart_deletes_sockets_and_forgets_plugins() {
 
 #[tokio::test]
 async fn kubelet_sock_refuses_connections_for_accept_delay_after_restart() {
-    let delay = Duration::from_millis(400);
+    // Long enough that even a loaded machine gets its early attempts in within it.
+    let delay = Duration::from_secs(3);
     let (_dir, sim) = simulator_with(SimConfig {
         accept_delay: delay,
         ..test_config()
@@ -552,14 +552,16 @@ async fn kubelet_sock_refuses_connections_for_accept_delay_after_restart() {
     // ... but a connection is refused until the delay has passed, and so is a registration.
     let early = tokio::net::UnixStream::connect(sim.socket()).await;
     let register_early = plugin.register(sim.socket(), RESOURCE).await;
-    if restarted.elapsed() < delay {
-        let err = early.expect_err("kubelet.sock accepted a connection during accept_delay");
-        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
-        let status = register_early.unwrap_err();
-        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-        assert_eq!(sim.registrations(RESOURCE), 1);
-    }
-    // (A machine too loaded to get here within the delay proves nothing either way.)
+    assert!(
+        restarted.elapsed() < delay,
+        "the machine took {:?} to try; this test cannot tell refused from accepted",
+        restarted.elapsed()
+    );
+    let err = early.expect_err("kubelet.sock accepted a connection during accept_delay");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused, "{err}");
+    let status = register_early.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(sim.registrations(RESOURCE), 1);
 
     register_retrying(&sim, &plugin).await;
     assert!(restarted.elapsed() >= delay);

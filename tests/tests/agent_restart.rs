@@ -76,6 +76,12 @@ async fn agent_killed_with_sigkill_comes_back_with_the_same_ledger() {
     let device = allocation.device_ids[0].clone();
     let holder = wait_for_holder(&node, &device).await;
     assert_eq!(holder, "default/db/postgres");
+    // The entry as the first agent wrote it: an entry adopted afresh from PodResources would
+    // have a new `allocated_at`, so this tells a surviving ledger from a rebuilt one.
+    let written = devicelet_tests::eventually_some("the holder in ledger.json", || {
+        ledger_entry(&node).filter(|e| e["holder"]["container"] == "postgres")
+    })
+    .await;
 
     first.kill().expect("SIGKILL");
     first.wait().expect("reaped");
@@ -94,7 +100,7 @@ async fn agent_killed_with_sigkill_comes_back_with_the_same_ledger() {
     assert_eq!(
         wait_for_holder(&node, &device).await,
         holder,
-        "the ledger survived SIGKILL"
+        "the second agent knows the holder"
     );
 
     // SIGTERM: streams end, the socket goes, the process exits cleanly.
@@ -103,6 +109,11 @@ async fn agent_killed_with_sigkill_comes_back_with_the_same_ledger() {
     let exit = second.wait().expect("reaped");
     assert!(exit.success(), "{exit:?}");
     assert!(!node.plugin_dir().join(&after.endpoint).exists());
+    assert_eq!(
+        ledger_entry(&node),
+        Some(written),
+        "the ledger survived SIGKILL: the same entry, not one adopted again"
+    );
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| !r.streaming)
         .await
@@ -142,5 +153,15 @@ async fn logs_carry_no_colour_off_a_terminal_and_are_json_lines_on_request() {
     for line in lines {
         let value: serde_json::Value = serde_json::from_str(line).expect("a JSON object per line");
         assert!(value.get("level").is_some(), "{line}");
+    }
+}
+
+/// The only entry of the ledger file, if it has exactly one.
+fn ledger_entry(node: &Node) -> Option<serde_json::Value> {
+    let bytes = std::fs::read(node.state_dir().join("ledger.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    match json["entries"].as_array()?.as_slice() {
+        [entry] => Some(entry.clone()),
+        _ => None,
     }
 }

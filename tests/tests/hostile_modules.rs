@@ -21,6 +21,10 @@ async fn attacked(attack: &str, path: Option<&str>) -> (Node, Agent) {
     node.tree
         .write_file("/sys/secret/x", "secret\n")
         .expect("sysfs");
+    // Something to find outside /dev, so a refused glob and an empty one differ.
+    node.tree
+        .write_file("/etc/passwd", "root:x:0:0\n")
+        .expect("etc");
     let outside = node.dir.path().join("outside-the-root");
     std::fs::write(&outside, "host secret\n").expect("outside file");
     std::os::unix::fs::symlink(&outside, node.tree.path("/sys/class/granted/escape"))
@@ -91,11 +95,10 @@ async fn device_globs_see_only_granted_nodes() {
     agent.shutdown().await;
 
     let (_node, agent) = attacked("glob-dev", Some("/dev/../etc/*")).await;
-    assert!(
-        hostile_devices(&agent)
-            .iter()
-            .all(|d| !d.id.starts_with("found-"))
-    );
+    let devices = hostile_devices(&agent);
+    assert!(devices.iter().all(|d| !d.id.starts_with("found-")));
+    let error = probe_error(&devices);
+    assert!(error.contains("Denied"), "/etc/passwd exists: {error}");
     agent.shutdown().await;
 }
 
@@ -150,6 +153,12 @@ async fn a_module_flooding_stdout_keeps_serving() {
         .wait_until("devicelet.io/evil", WAIT, |r| r.allocatable == 2)
         .await
         .expect("the flooding module still serves");
+    // The module printed 20,000 lines: all but the allowance (a burst of 50, then 5 a second)
+    // were dropped, and counted.
+    let dropped = devicelet_tests::module_status(&agent, "hostile")
+        .stats
+        .log_lines_dropped;
+    assert!(dropped >= 19_000, "only {dropped} of 20,000 lines dropped");
     still_serves_fuse(&node).await;
     agent.shutdown().await;
 }
@@ -230,10 +239,14 @@ async fn an_infinite_loop_in_any_export_is_cut_at_the_deadline() {
                 .await
                 .expect_err("a looping call fails the allocation")
                 .to_string();
+            // Cut off in the cell at the deadline, not by the caller's backstop.
             assert!(
-                msg.contains("spinner") && msg.contains("deadline"),
+                msg.contains(&format!(
+                    "module `spinner` missed its 300ms deadline in {call}"
+                )),
                 "{call}: {msg}"
             );
+            assert!(!msg.contains("not stopped in time"), "{call}: {msg}");
         }
         let deadlines = agent
             .status()

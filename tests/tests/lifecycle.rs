@@ -263,6 +263,11 @@ async fn a_finished_pod_frees_its_devices_in_the_ledger() {
         .await
         .expect("allocate");
     let held = &allocation.device_ids[0];
+    // Allocate itself recorded it, before the kubelet had the answer (and so before
+    // PodResources could show it for the reconciliation to adopt).
+    let recorded = agent.ledger().entries();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(&recorded[0].device_ids, &allocation.device_ids);
     let holder_of = |agent: &devicelet::agent::Agent| {
         agent
             .status()
@@ -443,6 +448,7 @@ async fn a_log_file_beside_the_registry_causes_no_reload() {
     // Any reload the log could cause would settle within 150 ms of its last write; the edit
     // below comes after that, so with one reload counted it was the edit's.
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(agent.reloads(), 0, "the log file caused a reload");
     node.registry(&format!("{}\n{}", generic_dev(FUSE), bad_with_switch()));
     node.kubelet
         .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)

@@ -209,11 +209,9 @@ async fn an_attribute_flood_is_refused_within_the_host_memory_budget() {
     assert_eq!(evil.capacity, 0, "no device of the refused answer is kept");
     let status = module_status(&agent, "hostile");
     assert!(status.stats.violations >= 1);
-    assert!(
-        status.host_memory <= status.host_memory_limit,
-        "{} held of {}",
-        status.host_memory,
-        status.host_memory_limit
+    assert_eq!(
+        status.host_memory, 0,
+        "the refused flood was its only answer: nothing of it is held"
     );
     assert!(
         status.host_memory_limit < 24_000_000,
@@ -373,15 +371,15 @@ async fn a_spinning_allocate_is_cut_off_at_its_deadline() {
         .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
         .await
         .expect("served");
-    let started = tokio::time::Instant::now();
     let msg = node
         .kubelet
         .allocate("devicelet.io/bad", 1)
         .await
         .expect_err("the spin is cut off")
         .to_string();
-    assert!(msg.contains("deadline"), "{msg}");
-    assert!(started.elapsed() < Duration::from_secs(10), "bounded wait");
+    // By its cell at the deadline, not by the caller's backstop.
+    assert!(msg.contains("missed its"), "{msg}");
+    assert!(!msg.contains("not stopped in time"), "{msg}");
     assert_eq!(module_status(&agent, "spinner").stats.deadlines, 1);
     assert_eq!(
         served_devices(&agent, "devicelet.io/bad").len(),

@@ -97,8 +97,10 @@ pub fn method() -> Vec<String> {
          and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
          runs from just before the spawn until the simulator in the bench process has every \
-         resource registered, streaming, with a first snapshot. Modules are copies of generic-dev \
-         with distinct names and resources (fuse0 … fuse9, each /dev/fuse × 10). Cold: a new, \
+         resource registered, streaming, with a first snapshot. Modules are distinct files: \
+         generic-dev with a custom section naming the copy, so each has its own digest and is \
+         compiled and cached on its own, with distinct names and resources (fuse0 … fuse9, each \
+         /dev/fuse × 10). Cold: a new, \
          empty cache directory; warm: the same directory on the next start. SIGTERM between \
          starts.",
         "4: the clock starts when `Simulator::restart` returns (every socket deleted, the new \

@@ -169,20 +169,56 @@ sysfs = ["/sys/testing"]
 }
 
 /// `count` generic-dev modules `gd-0` .. on `/dev/fuse`, serving `fuse0` ..; returns the
-/// registry entries and the resource names.
-pub fn fuse_modules(module_dir: &Path, count: usize) -> (String, Vec<String>) {
-    let entries = (0..count)
-        .map(|i| {
-            generic_dev(
-                module_dir,
-                &format!("gd-{i}"),
-                &format!("fuse{i}"),
-                "/dev/fuse",
-                10,
-                "5s",
-            )
-        })
-        .collect();
+/// registry entries and the resource names. Each module is its own file in `copies` (generic-dev
+/// with a custom section naming the copy), so each has its own digest and is compiled, cached
+/// and held in memory on its own, as distinct vendors' modules are.
+pub fn fuse_modules(
+    module_dir: &Path,
+    copies: &Path,
+    count: usize,
+) -> anyhow::Result<(String, Vec<String>)> {
+    let original = std::fs::read(module_dir.join("generic_dev.wasm"))?;
+    std::fs::create_dir_all(copies)?;
+    let mut entries = String::new();
+    for i in 0..count {
+        let copy = copies.join(format!("gd-{i}.wasm"));
+        std::fs::write(&copy, with_custom_section(&original, &format!("copy-{i}")))?;
+        let entry = generic_dev(
+            module_dir,
+            &format!("gd-{i}"),
+            &format!("fuse{i}"),
+            "/dev/fuse",
+            10,
+            "5s",
+        );
+        entries += &entry.replace(
+            &module_dir.join("generic_dev.wasm").display().to_string(),
+            &copy.display().to_string(),
+        );
+    }
     let names = (0..count).map(|i| resource(&format!("fuse{i}"))).collect();
-    (entries, names)
+    Ok((entries, names))
+}
+
+/// `wasm` with a custom section `devicelet-bench` holding `payload` appended: the same code, a
+/// different file.
+fn with_custom_section(wasm: &[u8], payload: &str) -> Vec<u8> {
+    const NAME: &[u8] = b"devicelet-bench";
+    let mut body = vec![NAME.len() as u8];
+    body.extend_from_slice(NAME);
+    body.extend_from_slice(payload.as_bytes());
+    let mut out = wasm.to_vec();
+    out.push(0); // custom section id
+    let mut size = body.len();
+    loop {
+        let byte = (size & 0x7f) as u8;
+        size >>= 7;
+        if size == 0 {
+            out.push(byte);
+            break;
+        }
+        out.push(byte | 0x80);
+    }
+    out.extend_from_slice(&body);
+    out
 }

@@ -61,7 +61,7 @@ fn spread(s: &Samples) -> String {
 async fn once(s: &Settings, modules: usize, cache: &Path) -> anyhow::Result<Duration> {
     let node = Node::start(SimConfig::default()).await?;
     node.add_char("/dev/fuse", 10, 229)?;
-    let (entries, names) = fuse_modules(&s.module_dir, modules);
+    let (entries, names) = fuse_modules(&s.module_dir, &node.dir.path().join("modules"), modules)?;
     let registry = node.registry(&entries)?;
     let dirs = AgentDirs {
         state: node.dir.path().join("state"),

@@ -30,7 +30,7 @@ fn render(status: &Status) -> String {
         let s = m.stats;
         out += &format!(
             "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors, \
-             {} cells abandoned; host memory {} of {} bytes\n",
+             {} cells abandoned, {} log lines dropped; host memory {} of {} bytes\n",
             m.name,
             m.digest.get(..12).unwrap_or(&m.digest),
             s.traps,
@@ -38,6 +38,7 @@ fn render(status: &Status) -> String {
             s.violations,
             s.errors,
             s.abandoned_cells,
+            s.log_lines_dropped,
             m.host_memory,
             m.host_memory_limit
         );

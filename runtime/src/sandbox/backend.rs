@@ -12,7 +12,9 @@ impl From<CallError> for BackendError {
             CallError::Plugin { .. } | CallError::InvalidOutput { .. } => {
                 BackendError::Failed(message)
             }
-            CallError::Deadline { .. } => BackendError::Deadline(message),
+            CallError::Deadline { .. } | CallError::Overran { .. } => {
+                BackendError::Deadline(message)
+            }
             CallError::Trap { .. } | CallError::Unavailable { .. } => {
                 BackendError::Unavailable(message)
             }

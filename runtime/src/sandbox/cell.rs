@@ -68,6 +68,8 @@ pub enum Failure {
     Unavailable(String),
     /// The job did not finish within its deadline (or waited too long to start).
     Deadline,
+    /// The cell did not cut the job off: the caller's backstop fired.
+    Overran,
 }
 
 struct Job<S> {
@@ -281,7 +283,7 @@ impl<S: 'static> Lane<S> {
                 if let Some((running, until)) = cell.running.get() {
                     self.watch_for_stuck(cell, running, until + STUCK_GRACE);
                 }
-                Err(Failure::Deadline)
+                Err(Failure::Overran)
             }
         }
     }
@@ -530,7 +532,7 @@ mod tests {
         let (lane, made) = lane(fate.clone());
         assert_eq!(which(&lane).await.unwrap(), 1);
         let (release, blocked) = std::sync::mpsc::channel();
-        assert!(matches!(block(&lane, blocked).await, Failure::Deadline));
+        assert!(matches!(block(&lane, blocked).await, Failure::Overran));
         until_abandoned(&fate, 1).await;
         assert_eq!(fate.abandoned(), 1, "the stuck cell was abandoned");
         assert_eq!(which(&lane).await.unwrap(), 2, "a fresh cell answers");
@@ -558,12 +560,14 @@ mod tests {
     async fn a_busy_cell_is_not_abandoned() {
         let fate = Arc::new(Fate::default());
         let (lane, _) = lane(fate.clone());
-        // A job well within its 2 s budget holds the cell for 600 ms; a call queued behind it
-        // with a 100 ms deadline gives up waiting to start. The cell is busy, not stuck: it is
-        // kept, and answers once the slow job is done.
+        // A job well within its 2 s budget holds the cell for 1.5 s; a call queued behind it
+        // with a 100 ms deadline gives up at its backstop (1.2 s and a little), and the stuck
+        // check runs when the slow job's budget plus the grace is over. The cell is busy, not
+        // stuck: it is kept, and answers once the slow job is done.
+        let started = Instant::now();
         let slow = lane.call(Duration::from_secs(2), |_| {
             Box::pin(async {
-                tokio::time::sleep(Duration::from_millis(600)).await;
+                tokio::time::sleep(Duration::from_millis(1500)).await;
                 Ok(1)
             })
         });
@@ -576,8 +580,12 @@ mod tests {
         };
         let (a, b) = tokio::join!(slow, impatient);
         assert_eq!(a.unwrap(), 1);
-        assert!(matches!(b, Err(Failure::Deadline)));
-        tokio::time::sleep(STUCK_GRACE + Duration::from_millis(100)).await;
+        assert!(
+            matches!(b, Err(Failure::Overran)),
+            "the impatient caller gave up at its backstop, while the slow job ran"
+        );
+        // Past the moment the stuck check looks (the slow job's end plus the grace).
+        tokio::time::sleep_until(started + Duration::from_secs(2) + STUCK_GRACE * 2).await;
         assert_eq!(fate.abandoned(), 0);
         assert_eq!(which(&lane).await.unwrap(), 1, "the same instance answers");
     }

@@ -91,8 +91,19 @@ pub enum CallError {
         call: CallKind,
         message: String,
     },
+    /// Cut off by its cell at the deadline.
     #[error("module `{module}` missed its {deadline:?} deadline in {call}")]
     Deadline {
+        module: String,
+        call: CallKind,
+        deadline: Duration,
+    },
+    /// Its cell did not cut it off (a thread blocked in a host call): the caller's backstop gave
+    /// up on it, and the cell is replaced if it stays stuck.
+    #[error(
+        "module `{module}` missed its {deadline:?} deadline in {call} and was not stopped in time; the call was abandoned"
+    )]
+    Overran {
         module: String,
         call: CallKind,
         deadline: Duration,

@@ -25,6 +25,8 @@ pub struct LoadedModule {
     pub(crate) host_root: Arc<PathBuf>,
     pub(crate) grants: Arc<Grants>,
     pub(crate) pre: DevicePluginPre<HostState>,
+    /// The log allowance all its instances share.
+    pub(crate) output: Arc<crate::sandbox::host::OutputBudget>,
     /// sha256 of the `.wasm` file, lowercase hex: tells a hot reload whether the file changed.
     pub digest: String,
     pub interface: ModuleInterface,
@@ -97,6 +99,7 @@ pub fn load(
         host_root: Arc::new(host_root.to_owned()),
         grants: Arc::new(spec.grants.clone()),
         pre,
+        output: Arc::default(),
         digest,
         interface,
     })

@@ -46,6 +46,9 @@ pub struct ModuleStats {
     /// Cells abandoned because a call was stuck in a host call past its deadline.
     #[serde(default)]
     pub abandoned_cells: u64,
+    /// Log lines (stdout, stderr, `log`) dropped over the rate limit since it was loaded.
+    #[serde(default)]
+    pub log_lines_dropped: u64,
 }
 
 const MAX_TABLE_ELEMENTS: usize = 100_000;
@@ -94,6 +97,7 @@ pub struct ModuleHandle {
     health: Lane<Instance>,
     fate: Arc<Fate>,
     budget: Arc<Budget>,
+    output: Arc<super::host::OutputBudget>,
 }
 
 impl ModuleHandle {
@@ -175,6 +179,7 @@ impl ModuleHandle {
             health,
             fate,
             budget,
+            output: module.output.clone(),
         })
     }
 
@@ -311,6 +316,7 @@ impl ModuleHandle {
             errors: get(&self.stats.errors),
             unavailable: get(&self.stats.unavailable),
             abandoned_cells: u64::from(self.fate.abandoned()),
+            log_lines_dropped: self.output.dropped(),
         }
     }
 
@@ -346,7 +352,7 @@ impl ModuleHandle {
         let counter = match e {
             CallError::Plugin { .. } => &self.stats.errors,
             CallError::Trap { .. } => &self.stats.traps,
-            CallError::Deadline { .. } => &self.stats.deadlines,
+            CallError::Deadline { .. } | CallError::Overran { .. } => &self.stats.deadlines,
             CallError::InvalidOutput { .. } => &self.stats.violations,
             CallError::Unavailable { .. } => &self.stats.unavailable,
         };
@@ -402,6 +408,11 @@ impl ModuleHandle {
                 call: kind,
                 deadline,
             },
+            Failure::Overran => CallError::Overran {
+                module,
+                call: kind,
+                deadline,
+            },
             Failure::Unavailable(reason) => CallError::Unavailable { module, reason },
             Failure::Violation(message) => {
                 tracing::warn!(module, %kind, "refused the module's answer: {message}");
@@ -429,6 +440,7 @@ fn failure_message(failure: Failure) -> String {
         Failure::Trap(m) | Failure::Unavailable(m) | Failure::Violation(m) => m,
         Failure::Instantiate { message, .. } => message,
         Failure::Deadline => "missed its deadline".into(),
+        Failure::Overran => "missed its deadline and was not stopped in time".into(),
     }
 }
 
@@ -465,6 +477,7 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
         module.host_root.clone(),
         module.grants.clone(),
         limits,
+        module.output.clone(),
     );
     let mut store = Store::new(module.pre.engine(), state);
     store.limiter(|s| &mut s.limits);

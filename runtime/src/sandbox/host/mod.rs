@@ -8,4 +8,5 @@ pub mod paths;
 mod state;
 mod sysfs;
 
+pub use output::OutputBudget;
 pub use state::HostState;

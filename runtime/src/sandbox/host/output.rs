@@ -25,26 +25,49 @@ struct Limiter {
     suppressed: u64,
 }
 
+/// A module's log allowance, shared by all its instances (both cells, and every instance made
+/// after a crash), so neither a second cell nor trapping on purpose buys more lines.
+pub struct OutputBudget {
+    limiter: Mutex<Limiter>,
+    dropped: std::sync::atomic::AtomicU64,
+}
+
+impl Default for OutputBudget {
+    fn default() -> Self {
+        OutputBudget {
+            limiter: Mutex::new(Limiter {
+                tokens: BURST,
+                at: Instant::now(),
+                suppressed: 0,
+            }),
+            dropped: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl OutputBudget {
+    /// Lines dropped over the rate since the module was loaded.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// One module's output, shared by its stdout and stderr.
 #[derive(Clone)]
 pub struct ModuleOutput {
     module: Arc<str>,
     stream: &'static str,
-    limiter: Arc<Mutex<Limiter>>,
+    budget: Arc<OutputBudget>,
 }
 
 impl ModuleOutput {
-    /// The stdout and stderr of `module`, sharing one allowance.
-    pub fn pair(module: Arc<str>) -> (ModuleOutput, ModuleOutput) {
-        let limiter = Arc::new(Mutex::new(Limiter {
-            tokens: BURST,
-            at: Instant::now(),
-            suppressed: 0,
-        }));
+    /// The stdout and stderr of `module`, drawing on its one allowance.
+    pub fn pair(module: Arc<str>, budget: Arc<OutputBudget>) -> (ModuleOutput, ModuleOutput) {
+        let limiter = budget;
         let out = ModuleOutput {
             module,
             stream: "stdout",
-            limiter,
+            budget: limiter,
         };
         let err = ModuleOutput {
             stream: "stderr",
@@ -55,13 +78,20 @@ impl ModuleOutput {
 
     /// Takes one line's worth of allowance; false when the module is over its rate.
     pub(super) fn admit(&self) -> bool {
-        let mut limiter = self.limiter.lock().unwrap_or_else(|p| p.into_inner());
+        let mut limiter = self
+            .budget
+            .limiter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let refill = now.duration_since(limiter.at).as_secs_f64() * PER_SECOND;
         limiter.tokens = (limiter.tokens + refill).min(BURST);
         limiter.at = now;
         if limiter.tokens < 1.0 {
             limiter.suppressed += 1;
+            self.budget
+                .dropped
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return false;
         }
         limiter.tokens -= 1.0;
@@ -209,11 +239,11 @@ mod tests {
 
     #[test]
     fn a_flood_is_cut_to_the_burst_and_counted() {
-        let (out, _) = ModuleOutput::pair("m".into());
+        let (out, _) = ModuleOutput::pair("m".into(), Arc::default());
         for _ in 0..1000 {
             out.emit(b"spam");
         }
-        let limiter = out.limiter.lock().unwrap();
+        let limiter = out.budget.limiter.lock().unwrap();
         assert!(
             limiter.suppressed >= 1000 - BURST as u64 - 1,
             "{}",
@@ -223,14 +253,14 @@ mod tests {
 
     #[test]
     fn the_allowance_refills_over_time() {
-        let (out, _) = ModuleOutput::pair("m".into());
+        let (out, _) = ModuleOutput::pair("m".into(), Arc::default());
         for _ in 0..100 {
             out.emit(b"spam");
         }
-        out.limiter.lock().unwrap().at -= Duration::from_secs(2);
+        out.budget.limiter.lock().unwrap().at -= Duration::from_secs(2);
         out.emit(b"after a pause");
         assert_eq!(
-            out.limiter.lock().unwrap().suppressed,
+            out.budget.limiter.lock().unwrap().suppressed,
             0,
             "the pause let a line through"
         );

@@ -32,8 +32,9 @@ impl HostState {
         host_root: Arc<PathBuf>,
         grants: Arc<Grants>,
         limits: StoreLimits,
+        output: Arc<super::output::OutputBudget>,
     ) -> Self {
-        let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone());
+        let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone(), output);
         let log_gate = stdout.clone();
         let mut wasi = WasiCtx::builder();
         wasi.stdout(stdout)
