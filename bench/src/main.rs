@@ -43,6 +43,10 @@ pub struct BenchArgs {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if let Some(code) = bench::remote::child_main(&argv).await {
+        return code;
+    }
     let args = BenchArgs::parse();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_new(&args.log).unwrap_or_else(|_| EnvFilter::new("error")))

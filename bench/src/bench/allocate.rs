@@ -6,9 +6,13 @@ use std::time::{Duration, Instant};
 
 use tonic::transport::Channel;
 
+use anyhow::Context;
+
 use super::Settings;
 use super::floor;
 use super::node::{self, Node, WAIT, resource};
+use super::process::{AgentDirs, AgentProcess, wait_all};
+use super::remote;
 use super::report::Row;
 use super::stats::{self, Samples};
 use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
@@ -145,7 +149,92 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     ));
     drop(persisted);
     agent.shutdown().await;
+
+    rows.extend(across_processes(s).await?);
     Ok(rows)
+}
+
+/// As on a node: `devicelet run` (ledger on disk), a trivial plugin answering from memory, and
+/// the client, each its own process.
+async fn across_processes(s: &Settings) -> anyhow::Result<Vec<Row>> {
+    let node = Node::start(SimConfig::default()).await?;
+    let registry = node.fuse_registry(&s.module_dir)?;
+    let name = resource("fuse");
+    let dirs = AgentDirs {
+        state: node.dir.path().join("state"),
+        cache: node.dir.path().join("cache"),
+    };
+    let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
+    wait_all(&node, &agent, std::slice::from_ref(&name)).await?;
+    let endpoint = node.sim.resource(&name).context("registered")?.endpoint;
+    let ours = node.plugin_dir().join(endpoint);
+    let answer = node
+        .client(&name)
+        .await?
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec!["fuse-0".into()],
+            }],
+        })
+        .await?
+        .into_inner()
+        .container_responses
+        .into_iter()
+        .next()
+        .context("one container response")?;
+    let me = std::env::current_exe()?;
+    let floor_socket = node.dir.path().join("floor-process.sock");
+    let mut floor = tokio::process::Command::new(&me)
+        .args(remote::floor_args(&floor_socket, &answer))
+        .stdin(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    remote::wait_for_socket(&floor_socket).await?;
+    let calls = s.n(10_000);
+    let out = tokio::process::Command::new(&me)
+        .arg("client-process")
+        .arg(&ours)
+        .arg(&floor_socket)
+        .arg(s.n(WARMUP).to_string())
+        .arg(calls.to_string())
+        .arg(BATCH.to_string())
+        .arg("fuse-0")
+        .output()
+        .await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "client process: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(floor.stdin.take());
+    let _ = floor.wait().await;
+    agent.terminate().await?;
+    let (ours_t, floor_t) = remote::parse_client_output(&String::from_utf8_lossy(&out.stdout))?;
+    let (ours_s, floor_s) = (Samples::new(ours_t), Samples::new(floor_t));
+    let p50 = stats::div(ours_s.p50(), floor_s.p50());
+    let p99 = stats::div(ours_s.p99(), floor_s.p99());
+    Ok(vec![
+        Row::info(
+            format!(
+                "1. Across processes: client process → `devicelet run` (ledger on disk) → generic-dev ({} calls)",
+                ours_s.len()
+            ),
+            ours_s.summary(true),
+        ),
+        Row::info(
+            format!(
+                "1. Across processes: client process → a trivial plugin process answering from memory ({} calls, alternating batches of {BATCH} with the row above)",
+                floor_s.len()
+            ),
+            floor_s.summary(true),
+        ),
+        Row::judged(
+            "1. Across processes: Allocate p50 and p99 ÷ the trivial plugin's",
+            format!("p50 {} / p99 {}", stats::ratio(p50), stats::ratio(p99)),
+            "≤ 1× (issue 9)",
+            p50 <= 1.0 && p99 <= 1.0,
+        ),
+    ])
 }
 
 /// Voluntary and involuntary context switches of every thread of this process so far.

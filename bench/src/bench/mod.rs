@@ -16,6 +16,7 @@ mod memory;
 mod node;
 mod preferred;
 mod process;
+pub mod remote;
 pub mod report;
 mod restart;
 mod startup;
@@ -92,7 +93,13 @@ pub fn method() -> Vec<String> {
          socket; the two are measured in alternating batches of 500. The ledger-on-disk row \
          restarts the agent with a state directory on the disk the scratch directory is on, as \
          `devicelet run` always has one. Context switches are summed over \
-         /proc/self/task/*/status around each side's batches.",
+         /proc/self/task/*/status around each side's batches. The across-processes rows take \
+         the bench process out of the path, as on a node: `devicelet run` is spawned (ledger \
+         on disk), the trivial plugin is `devicelet-bench floor-process` (the same constant \
+         tonic server, in a process of its own, answering with the bytes the module \
+         answered), and the calls come from `devicelet-bench client-process`, a third process \
+         that alternates batches of 500 between the two sockets after 1,000 warm-up calls on \
+         each.",
         "2: the misbehaving module with `devices = 64`, `numa = 2` (device i on NUMA node i % 2) \
          and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
