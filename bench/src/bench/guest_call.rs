@@ -29,7 +29,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let ids = vec!["fuse-0".to_owned()];
 
-    let handle = start_module(&engine, None, spec, &registry.host_root).await?;
+    let handle = start_module(&engine, None, spec, &registry.host_root, None).await?;
     let mut through_cell = Vec::new();
     for i in 0..s.n(WARMUP) + s.n(CALLS) {
         let started = Instant::now();

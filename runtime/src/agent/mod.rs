@@ -146,8 +146,15 @@ impl Shared {
     }
 
     async fn start_module(&self, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
+        // An upgrade's new version moves into the running version's home, beside the servers.
+        let home = self
+            .lock_modules()
+            .get(&spec.name)
+            .and_then(|m| m.handle().home());
         let handle =
-            match modules::start_module(&self.engine, self.cache.clone(), spec, host_root).await {
+            match modules::start_module(&self.engine, self.cache.clone(), spec, host_root, home)
+                .await
+            {
                 Ok(handle) => handle,
                 Err(e) => {
                     return vec![if self.lock_modules().contains_key(&spec.name) {
@@ -333,6 +340,18 @@ impl Agent {
 
     pub fn ledger(&self) -> &Ledger {
         &self.shared.ledger
+    }
+
+    /// Marks `module`'s home thread lost, as its watchdog does when a cell there is stuck in a
+    /// host call (which a test cannot provoke on demand); false if no such module runs.
+    #[doc(hidden)]
+    pub fn lose_home_of(&self, module: &str) -> bool {
+        let home = self
+            .shared
+            .lock_modules()
+            .get(module)
+            .and_then(|m| m.handle().home());
+        home.map(|h| h.lose()).is_some()
     }
 
     /// What `devicelet status` shows.

@@ -12,6 +12,7 @@ use crate::device::ResourceInfo;
 use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::sandbox::cache::CompileCache;
+use crate::sandbox::home::Home;
 use crate::sandbox::loader::load;
 use crate::sandbox::{LoadError, ModuleHandle};
 
@@ -51,6 +52,7 @@ pub async fn start_module(
     cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
+    home: Option<Arc<Home>>,
 ) -> Result<ModuleHandle, LoadError> {
     let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
     let loaded =
@@ -60,7 +62,7 @@ pub async fn start_module(
                 module: spec.name.clone(),
                 message: format!("loader panicked: {e}"),
             })??;
-    ModuleHandle::start(loaded).await
+    ModuleHandle::start_at(loaded, home).await
 }
 
 /// Most resources one module may declare; a real one declares a handful.

@@ -24,7 +24,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     // Resource name -> module, as `run` assigns them (the first module to declare one keeps it).
     let mut taken = BTreeMap::new();
     for spec in &registry.modules {
-        let module = match start_module(&engine, None, spec, &registry.host_root).await {
+        let module = match start_module(&engine, None, spec, &registry.host_root, None).await {
             Ok(module) => module,
             Err(e) => {
                 failures += 1;

@@ -76,6 +76,20 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     fn release(&self, resource: &str) {
         let _ = resource;
     }
+
+    /// Where to serve this backend's resources so that a call reaches it without a hop between
+    /// threads. None: on the caller's runtime.
+    fn serving_place(&self) -> Option<ServingPlace> {
+        None
+    }
+}
+
+/// A runtime to serve a resource on, and when to leave it.
+pub struct ServingPlace {
+    pub runtime: tokio::runtime::Handle,
+    /// Flips to true when the place is lost (its thread got stuck): serve again at the
+    /// backend's new place.
+    pub lost: tokio::sync::watch::Receiver<bool>,
 }
 
 /// A backend that can be replaced under a running resource: an upgrade swaps the new module
@@ -157,5 +171,9 @@ impl<B: DeviceBackend> DeviceBackend for Swappable<B> {
 
     fn release(&self, resource: &str) {
         self.current().release(resource);
+    }
+
+    fn serving_place(&self) -> Option<ServingPlace> {
+        self.current().serving_place()
     }
 }

@@ -52,6 +52,13 @@ enum Over {
     Stopped,
     KubeletRestarted,
     OptionsChanged,
+    /// The backend's serving place was lost (its thread got stuck): serve at its new place.
+    Moved,
+}
+
+/// The place the server runs on now: the signal that it was lost.
+struct Place {
+    lost: watch::Receiver<bool>,
 }
 
 enum Registration {
@@ -93,7 +100,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
             }
             let (server_stop, server_stopped) = watch::channel(false);
             let (open, connections) = watch::channel(0usize);
-            if let Err(e) = self.start_server(server_stopped, open) {
+            let mut place = None;
+            if let Err(e) = self.start_server(server_stopped, open, &mut place) {
                 if bind_failures == 0 {
                     tracing::error!(resource = self.resource, "cannot serve: {e}; retrying");
                 }
@@ -118,7 +126,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     }
                     Registration::Stopped => break Over::Stopped,
                 };
-                match self.wait_until_over(registered_with).await {
+                match self.wait_until_over(registered_with, &mut place).await {
                     Over::OptionsChanged => {
                         tracing::info!(
                             resource = self.resource,
@@ -136,6 +144,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
             let _ = server_stop.send(true);
             match over {
                 Over::Stopped => return,
+                Over::Moved => tracing::warn!(
+                    resource = self.resource,
+                    "its module's thread is stuck; serving and registering again on a new one"
+                ),
                 Over::KubeletRestarted | Over::OptionsChanged => tracing::info!(
                     resource = self.resource,
                     "kubelet restarted; serving and registering again"
@@ -162,10 +174,13 @@ impl<B: DeviceBackend> Lifecycle<B> {
         }
     }
 
+    /// Serves on the backend's serving place (so calls reach it without a thread hop), or on
+    /// this runtime.
     fn start_server(
         &self,
         server_stopped: watch::Receiver<bool>,
         open: watch::Sender<usize>,
+        place: &mut Option<Place>,
     ) -> std::io::Result<()> {
         std::fs::create_dir_all(&self.plugin_dir)?;
         let listener = uds::bind(&self.socket())?;
@@ -173,7 +188,12 @@ impl<B: DeviceBackend> Lifecycle<B> {
         let plugin = self.plugin.clone();
         let (mut stop, mut server_stopped) = (self.stop.clone(), server_stopped);
         let resource = self.resource.clone();
-        tokio::spawn(async move {
+        let serving = self.plugin.backend().serving_place();
+        let runtime = serving
+            .as_ref()
+            .map_or_else(tokio::runtime::Handle::current, |p| p.runtime.clone());
+        *place = serving.map(|p| Place { lost: p.lost });
+        runtime.spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(plugin))
                 .serve_with_incoming_shutdown(
@@ -249,7 +269,11 @@ impl<B: DeviceBackend> Lifecycle<B> {
     /// reached us) yet, so it counts only once [`DELETION_GRACE`] passes without the deletion;
     /// reacting at once would register with the new kubelet and then again when it deletes
     /// our socket.
-    async fn wait_until_over(&mut self, registered_with: Option<(u64, u64)>) -> Over {
+    async fn wait_until_over(
+        &mut self,
+        registered_with: Option<(u64, u64)>,
+        place: &mut Option<Place>,
+    ) -> Over {
         let mut replaced_since: Option<tokio::time::Instant> = None;
         loop {
             let recheck = match replaced_since {
@@ -263,6 +287,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 _ = tokio::time::sleep(recheck) => {}
                 _ = self.stop.wait_for(|s| *s) => return Over::Stopped,
                 _ = options_changed(&mut self.options) => return Over::OptionsChanged,
+                () = place_lost(place) => return Over::Moved,
             }
             if !self.socket().exists() {
                 return Over::KubeletRestarted;
@@ -293,6 +318,18 @@ impl<B: DeviceBackend> Lifecycle<B> {
 async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
     if events.changed().await.is_err() {
         std::future::pending::<()>().await;
+    }
+}
+
+/// Resolves when the place is lost; never without a place (or once nobody can lose it).
+async fn place_lost(place: &mut Option<Place>) {
+    match place {
+        Some(p) => {
+            if p.lost.wait_for(|lost| *lost).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
     }
 }
 

@@ -99,6 +99,10 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         )))
     }
 
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     pub fn new(
         resource: &str,
         local: &str,

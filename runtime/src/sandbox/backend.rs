@@ -3,7 +3,7 @@
 use super::error::CallError;
 use super::module::ModuleHandle;
 use crate::device::{ContainerEdits, Device};
-use crate::kubelet::backend::{BackendError, DeviceBackend};
+use crate::kubelet::backend::{BackendError, DeviceBackend, ServingPlace};
 
 impl From<CallError> for BackendError {
     fn from(e: CallError) -> Self {
@@ -55,5 +55,13 @@ impl DeviceBackend for ModuleHandle {
 
     fn release(&self, resource: &str) {
         ModuleHandle::release(self, resource);
+    }
+
+    fn serving_place(&self) -> Option<ServingPlace> {
+        let home = self.home()?;
+        Some(ServingPlace {
+            runtime: home.handle().clone(),
+            lost: home.lost(),
+        })
     }
 }

@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::engine::EPOCH_TICK;
+use super::home::Home;
 use crate::device::PluginError;
 
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
@@ -163,6 +164,9 @@ struct LaneInner<S> {
     fate: Arc<Fate>,
     next_id: AtomicU64,
     state: Mutex<LaneState<S>>,
+    /// For a lane living in a home: the home of its current cell (a stuck cell takes its home
+    /// down, and the next cell opens a new one). None: every cell is a thread of its own.
+    home: Mutex<Option<Arc<Home>>>,
 }
 
 /// A stream of jobs for one module, served by one cell at a time. Clones share the lane.
@@ -188,8 +192,30 @@ impl<S: 'static> Lane<S> {
         init_deadline: Duration,
         fate: Arc<Fate>,
     ) -> std::io::Result<Lane<S>> {
-        let cell = spawn_cell(&module, label, factory.clone(), init_deadline, 0)?;
-        Ok(Lane {
+        Self::new_at(module, label, factory, init_deadline, fate, None)
+    }
+
+    /// A lane whose cells live in `home` (see `home.rs`) when given. Its calls' callers may
+    /// then run on that same thread, so a watchdog on the caller's runtime (not the home's)
+    /// checks for a stuck cell, as no backstop on a blocked thread could.
+    pub fn new_at(
+        module: Arc<str>,
+        label: &'static str,
+        factory: Factory<S>,
+        init_deadline: Duration,
+        fate: Arc<Fate>,
+        home: Option<Arc<Home>>,
+    ) -> std::io::Result<Lane<S>> {
+        let cell = spawn_cell(
+            &module,
+            label,
+            factory.clone(),
+            init_deadline,
+            0,
+            home.as_ref(),
+        )?;
+        let watched = home.is_some();
+        let lane = Lane {
             inner: Arc::new(LaneInner {
                 module,
                 label,
@@ -201,8 +227,45 @@ impl<S: 'static> Lane<S> {
                     cell: Some(cell),
                     generation: 0,
                 }),
+                home: Mutex::new(home),
             }),
-        })
+        };
+        if watched && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(watchdog(Arc::downgrade(&lane.inner)));
+        }
+        Ok(lane)
+    }
+
+    /// The home the lane's cell lives in now, if it lives in one. A lane whose home was lost
+    /// (another cell there got stuck) moves to a new one first.
+    pub fn home(&self) -> Option<Arc<Home>> {
+        self.leave_lost_home();
+        self.inner
+            .home
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// If the lane's home is lost through no fault of this lane's cell, moves the lane to a new
+    /// home (no strike against the module).
+    fn leave_lost_home(&self) {
+        let lost = self
+            .inner
+            .home
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|h| h.is_lost());
+        if lost {
+            let generation = self
+                .inner
+                .state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .generation;
+            self.replace_cell(generation, false);
+        }
     }
 
     /// Runs `work` on the lane's cell. The job may wait `deadline` to start and then runs with
@@ -216,6 +279,7 @@ impl<S: 'static> Lane<S> {
         if let Some(reason) = self.inner.fate.failed() {
             return Err(Failure::Unavailable(reason));
         }
+        self.leave_lost_home();
         let cell = {
             let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
             state.cell.clone()
@@ -311,12 +375,30 @@ impl<S: 'static> Lane<S> {
     }
 
     fn abandon(&self, generation: u64) {
+        self.replace_cell(generation, true);
+    }
+
+    /// Replaces the cell of `generation` (if still current) with a fresh one, in a new home for
+    /// a home lane. `stuck`: its own job got stuck, which counts against the module and loses
+    /// its home for every lane there; otherwise it is leaving a home another lane lost.
+    fn replace_cell(&self, generation: u64, stuck: bool) {
         let inner = &self.inner;
         let mut state = inner.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.generation != generation || state.cell.is_none() {
             return;
         }
         state.cell = None;
+        if !stuck {
+            return self.respawn(&mut state);
+        }
+        if let Some(home) = inner
+            .home
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            home.lose();
+        }
         let abandoned = inner.fate.abandoned.fetch_add(1, Ordering::Relaxed) + 1;
         if abandoned > MAX_ABANDONED {
             let reason = format!(
@@ -333,14 +415,35 @@ impl<S: 'static> Lane<S> {
             "a call is stuck in a host call past its deadline; its cell is abandoned and a fresh \
              one takes the next call ({abandoned} of {MAX_ABANDONED} allowed)"
         );
+        self.respawn(&mut state);
+    }
+
+    /// A fresh cell for the lane (in a new home, for a home lane).
+    fn respawn(&self, state: &mut LaneState<S>) {
+        let inner = &self.inner;
         state.generation += 1;
-        match spawn_cell(
+        let mut home = inner.home.lock().unwrap_or_else(|p| p.into_inner());
+        if home.is_some() {
+            match Home::start(format!("home-{}", inner.module)) {
+                Ok(fresh) => *home = Some(fresh),
+                Err(e) => {
+                    let reason = format!("failed: cannot start a fresh home thread: {e}");
+                    tracing::error!(module = &*inner.module, "{reason}");
+                    *inner.fate.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+                    return;
+                }
+            }
+        }
+        let spawned = spawn_cell(
             &inner.module,
             inner.label,
             inner.factory.clone(),
             inner.init_deadline,
             state.generation,
-        ) {
+            home.as_ref(),
+        );
+        drop(home);
+        match spawned {
             Ok(cell) => state.cell = Some(cell),
             Err(e) => {
                 let reason = format!("failed: cannot start a fresh cell: {e}");
@@ -351,15 +454,50 @@ impl<S: 'static> Lane<S> {
     }
 }
 
+/// Checks a home lane's cell for a job stuck past its end, from outside the home, until the
+/// lane is gone.
+async fn watchdog<S: 'static>(lane: std::sync::Weak<LaneInner<S>>) {
+    loop {
+        tokio::time::sleep(STUCK_GRACE / 2).await;
+        let Some(inner) = lane.upgrade() else { return };
+        let cell = inner
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .cell
+            .clone();
+        if let Some(cell) = cell
+            && cell.running.stuck(None)
+        {
+            Lane { inner }.abandon(cell.generation);
+        }
+    }
+}
+
 fn spawn_cell<S: 'static>(
     module: &Arc<str>,
     label: &'static str,
     factory: Factory<S>,
     init_deadline: Duration,
     generation: u64,
+    home: Option<&Arc<Home>>,
 ) -> std::io::Result<Cell<S>> {
     let (jobs, rx) = mpsc::channel(QUEUE);
     let running = Arc::new(Running::default());
+    if let Some(home) = home {
+        let (name, marker) = (module.clone(), running.clone());
+        let task = Box::new(move || -> LocalBoxFuture<'static, ()> {
+            Box::pin(serve(name, factory, init_deadline, rx, marker))
+        });
+        if !home.spawn_local(task) {
+            return Err(std::io::Error::other("the home thread is gone"));
+        }
+        return Ok(Cell {
+            jobs,
+            running,
+            generation,
+        });
+    }
     // Time only: a cell does no socket I/O (WASI sockets are off), and without an I/O driver
     // the thread parks on a futex, the cheapest wake-up per call.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -554,6 +692,44 @@ mod tests {
         }
         assert!(fate.failed().is_some());
         assert!(matches!(which(&lane).await, Err(Failure::Unavailable(_))));
+    }
+
+    #[tokio::test]
+    async fn a_home_whose_cell_is_stuck_is_lost_and_the_lane_moves_to_a_new_home() {
+        let fate = Arc::new(Fate::default());
+        let made = Arc::new(AtomicUsize::new(0));
+        let counter = made.clone();
+        let factory: Factory<Blocker> = Arc::new(move || {
+            let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+            Box::pin(async move { Ok(Blocker { made: n }) })
+        });
+        let home = Home::start("test-home".into()).unwrap();
+        let lane = Lane::new_at(
+            "m".into(),
+            "kubelet",
+            factory,
+            Duration::from_secs(1),
+            fate.clone(),
+            Some(home.clone()),
+        )
+        .unwrap();
+        assert_eq!(which(&lane).await.unwrap(), 1);
+        // The caller runs on the home itself, as a resource's server does: when the job blocks
+        // the thread, no backstop of the caller's can run, only the watchdog outside.
+        let (_release, blocked) = std::sync::mpsc::channel::<()>();
+        let caller = lane.clone();
+        home.handle()
+            .spawn(async move { block(&caller, blocked).await });
+        let mut lost = home.lost();
+        tokio::time::timeout(Duration::from_secs(10), lost.wait_for(|l| *l))
+            .await
+            .expect("the watchdog saw the stuck cell")
+            .unwrap();
+        assert_eq!(fate.abandoned(), 1);
+        let moved = lane.home().expect("a home lane");
+        assert!(!Arc::ptr_eq(&moved, &home), "the lane has a new home");
+        assert!(!moved.is_lost());
+        assert_eq!(which(&lane).await.unwrap(), 2, "a fresh cell there answers");
     }
 
     #[tokio::test]

@@ -8,6 +8,7 @@ pub mod cache;
 pub mod cell;
 pub mod engine;
 pub mod error;
+pub mod home;
 pub mod host;
 pub mod loader;
 pub mod module;

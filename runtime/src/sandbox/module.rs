@@ -104,6 +104,15 @@ impl ModuleHandle {
     /// Starts the module's cells, instantiates it and calls `init` with its config (in its
     /// kubelet cell, under its call deadline). The health cell instantiates on its first call.
     pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
+        Self::start_at(module, None).await
+    }
+
+    /// [`start`](Self::start), with the kubelet cell in `home` (an upgrade passes the running
+    /// version's, so the resources' servers and the new cell share a thread), or in a new home.
+    pub async fn start_at(
+        module: LoadedModule,
+        home: Option<Arc<super::home::Home>>,
+    ) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
         let deadline = module.spec.call_deadline;
         let budget = Arc::new(Budget::new(module.spec.host_memory));
@@ -125,7 +134,27 @@ impl ModuleHandle {
                 }
             })
         };
-        let kubelet = lane("kubelet")?;
+        let home = match home {
+            Some(home) => home,
+            None => super::home::Home::start(format!("home-{name}")).map_err(|e| {
+                LoadError::Invalid {
+                    module: name.to_string(),
+                    message: format!("cannot start its home thread: {e}"),
+                }
+            })?,
+        };
+        let kubelet = Lane::new_at(
+            name.clone(),
+            "kubelet",
+            factory.clone(),
+            deadline,
+            fate.clone(),
+            Some(home),
+        )
+        .map_err(|e| LoadError::Invalid {
+            module: name.to_string(),
+            message: format!("cannot start a cell: {e}"),
+        })?;
         let health = lane("health")?;
         let resources = kubelet
             .call(deadline, |i: &mut Instance| {
@@ -228,6 +257,11 @@ impl ModuleHandle {
             self.budget.charge(resource, super::budget::cost(&devices)),
         )?;
         Ok(devices)
+    }
+
+    /// The thread the kubelet cell lives on: serve the module's resources there.
+    pub fn home(&self) -> Option<Arc<super::home::Home>> {
+        self.kubelet.home()
     }
 
     /// Forgets what the host keeps for `resource` (it is no longer served).
