@@ -21,7 +21,8 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
     let engine = new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let mut failures = 0;
-    // Resource name -> module, as `run` assigns them (the first module to declare one keeps it).
+    // Resource name -> the module that declared it first here; `run` serves a name two modules
+    // declare from only one of them, so a second declaration is a problem either way.
     let mut taken = BTreeMap::new();
     for spec in &registry.modules {
         let module = match start_module(&engine, None, spec, &registry.host_root, None).await {

@@ -90,6 +90,8 @@ pub struct ServingPlace {
     /// Flips to true when the place is lost (its thread got stuck): serve again at the
     /// backend's new place.
     pub lost: tokio::sync::watch::Receiver<bool>,
+    /// Held by whoever serves there, so the place lives as long as its servers.
+    pub keep_alive: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 /// A backend that can be replaced under a running resource: an upgrade swaps the new module

@@ -22,6 +22,9 @@ pub struct Lifecycle<B> {
     pub resource: String,
     /// Changed by an upgrade whose new version asks for other calls: register again.
     pub options: watch::Receiver<DevicePluginOptions>,
+    /// Bumped to end the ListAndWatch streams of the current registration (the plugin's streams
+    /// end when it changes) before registering again on the same socket.
+    pub streams: watch::Sender<u64>,
     pub plugin: ResourcePlugin<B>,
     /// Bumped by the directory watcher on every creation or removal.
     pub kubelet_events: watch::Receiver<u64>,
@@ -47,6 +50,10 @@ const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 /// a registration ended, before registering with other options anyway.
 const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
 
+/// After a move, how long the old server's connections get to close before we register on the
+/// new place anyway (a stuck thread never closes them).
+const MOVE_DRAIN: Duration = Duration::from_millis(500);
+
 /// Why a registration is over.
 enum Over {
     Stopped,
@@ -54,11 +61,17 @@ enum Over {
     OptionsChanged,
     /// The backend's serving place was lost (its thread got stuck): serve at its new place.
     Moved,
+    /// The connections to a server left on a lost place closed, after we registered again
+    /// elsewhere: a kubelet before kubernetes#135437 may take that for the end of the new
+    /// registration, so register once more.
+    StaleClosed,
 }
 
 /// The place the server runs on now: the signal that it was lost.
 struct Place {
     lost: watch::Receiver<bool>,
+    /// Keeps the place's thread alive while our server is on it.
+    _keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 enum Registration {
@@ -94,6 +107,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
             _ = self.stop.wait_for(|s| *s) => return,
         }
         let mut bind_failures = 0u32;
+        // Connections to a server left behind on a lost place.
+        let mut stale: Option<watch::Receiver<usize>> = None;
         loop {
             if *self.stop.borrow() {
                 return;
@@ -126,14 +141,20 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     }
                     Registration::Stopped => break Over::Stopped,
                 };
-                match self.wait_until_over(registered_with, &mut place).await {
-                    Over::OptionsChanged => {
-                        tracing::info!(
-                            resource = self.resource,
-                            "the module's new version asks for other calls; registering again"
-                        );
-                        // The old streams ended when the options changed: let the kubelet
-                        // disconnect that registration before it sees the next one.
+                match self
+                    .wait_until_over(registered_with, &mut place, &mut stale)
+                    .await
+                {
+                    reason @ (Over::OptionsChanged | Over::StaleClosed) => {
+                        if matches!(reason, Over::OptionsChanged) {
+                            tracing::info!(
+                                resource = self.resource,
+                                "the module's new version asks for other calls; registering again"
+                            );
+                        }
+                        // End this registration's streams and let the kubelet disconnect it
+                        // before it sees the next one.
+                        self.streams.send_modify(|n| *n += 1);
                         if self.disconnected(connections.clone()).await {
                             break Over::Stopped;
                         }
@@ -144,14 +165,29 @@ impl<B: DeviceBackend> Lifecycle<B> {
             let _ = server_stop.send(true);
             match over {
                 Over::Stopped => return,
-                Over::Moved => tracing::warn!(
-                    resource = self.resource,
-                    "its module's thread is stuck; serving and registering again on a new one"
-                ),
-                Over::KubeletRestarted | Over::OptionsChanged => tracing::info!(
-                    resource = self.resource,
-                    "kubelet restarted; serving and registering again"
-                ),
+                Over::Moved => {
+                    tracing::warn!(
+                        resource = self.resource,
+                        "its module's thread is stuck; serving and registering again on a new one"
+                    );
+                    // If the old thread still runs, its streams end and the kubelet lets go of
+                    // them before the new registration; if it is stuck, they cannot, and their
+                    // late end triggers one more registration (`Over::StaleClosed`).
+                    self.streams.send_modify(|n| *n += 1);
+                    let drained =
+                        tokio::time::timeout(MOVE_DRAIN, connections.clone().wait_for(|n| *n == 0))
+                            .await
+                            .is_ok_and(|r| r.is_ok());
+                    if !drained {
+                        stale = Some(connections);
+                    }
+                }
+                Over::KubeletRestarted | Over::OptionsChanged | Over::StaleClosed => {
+                    tracing::info!(
+                        resource = self.resource,
+                        "kubelet restarted; serving and registering again"
+                    )
+                }
             }
         }
     }
@@ -192,7 +228,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
         let runtime = serving
             .as_ref()
             .map_or_else(tokio::runtime::Handle::current, |p| p.runtime.clone());
-        *place = serving.map(|p| Place { lost: p.lost });
+        *place = serving.map(|p| Place {
+            lost: p.lost,
+            _keep: p.keep_alive,
+        });
         runtime.spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(plugin))
@@ -273,6 +312,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
         &mut self,
         registered_with: Option<(u64, u64)>,
         place: &mut Option<Place>,
+        stale: &mut Option<watch::Receiver<usize>>,
     ) -> Over {
         let mut replaced_since: Option<tokio::time::Instant> = None;
         loop {
@@ -288,6 +328,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 _ = self.stop.wait_for(|s| *s) => return Over::Stopped,
                 _ = options_changed(&mut self.options) => return Over::OptionsChanged,
                 () = place_lost(place) => return Over::Moved,
+                () = stale_closed(stale) => {
+                    *stale = None;
+                    return Over::StaleClosed;
+                }
             }
             if !self.socket().exists() {
                 return Over::KubeletRestarted;
@@ -321,13 +365,23 @@ async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
     }
 }
 
-/// Resolves when the place is lost; never without a place (or once nobody can lose it).
+/// Resolves when the place is lost (or its signal is gone, which only a lost place's end
+/// explains); never without a place.
 async fn place_lost(place: &mut Option<Place>) {
     match place {
         Some(p) => {
-            if p.lost.wait_for(|lost| *lost).await.is_err() {
-                std::future::pending::<()>().await;
-            }
+            let _ = p.lost.wait_for(|lost| *lost).await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves once every connection to a server left on a lost place has closed; never without
+/// one.
+async fn stale_closed(stale: &mut Option<watch::Receiver<usize>>) {
+    match stale {
+        Some(open) => {
+            let _ = open.wait_for(|n| *n == 0).await;
         }
         None => std::future::pending().await,
     }

@@ -18,6 +18,15 @@ use crate::ledger::Ledger;
 /// The device set the kubelet sees: replaced as a whole whenever anything in it changes.
 pub type Snapshot = Arc<Vec<Device>>;
 
+/// What a resource's server follows: its options, the registration its streams belong to, its
+/// devices, and the agent's stop.
+pub struct Watches {
+    pub options: watch::Receiver<api::DevicePluginOptions>,
+    pub streams: watch::Receiver<u64>,
+    pub devices: watch::Receiver<Snapshot>,
+    pub stop: watch::Receiver<bool>,
+}
+
 /// What the kubelet reaches through one socket.
 pub struct ResourcePlugin<B> {
     /// The extended resource name, as the kubelet and the ledger know it.
@@ -25,9 +34,10 @@ pub struct ResourcePlugin<B> {
     /// The backend's own name for the resource (what the module declared in `init`).
     local: Arc<str>,
     backend: B,
-    /// Changed by an upgrade whose new version asks for other calls: streams of the old
-    /// registration end, and the lifecycle registers again.
+    /// Changed by an upgrade whose new version asks for other calls.
     options: watch::Receiver<api::DevicePluginOptions>,
+    /// Bumped by the lifecycle when a registration is over: its streams end.
+    streams: watch::Receiver<u64>,
     devices: watch::Receiver<Snapshot>,
     ledger: Ledger,
     /// Flips to true when the agent stops, ending every ListAndWatch stream.
@@ -41,6 +51,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             local: self.local.clone(),
             backend: self.backend.clone(),
             options: self.options.clone(),
+            streams: self.streams.clone(),
             devices: self.devices.clone(),
             ledger: self.ledger.clone(),
             stop: self.stop.clone(),
@@ -103,20 +114,19 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         &self.backend
     }
 
-    pub fn new(
-        resource: &str,
-        local: &str,
-        backend: B,
-        options: watch::Receiver<api::DevicePluginOptions>,
-        devices: watch::Receiver<Snapshot>,
-        ledger: Ledger,
-        stop: watch::Receiver<bool>,
-    ) -> Self {
+    pub fn new(resource: &str, local: &str, backend: B, ledger: Ledger, watches: Watches) -> Self {
+        let Watches {
+            options,
+            streams,
+            devices,
+            stop,
+        } = watches;
         ResourcePlugin {
             resource: resource.into(),
             local: local.into(),
             backend,
             options,
+            streams,
             devices,
             ledger,
             stop,
@@ -204,15 +214,15 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         // Pulled, not pushed: each time the kubelet is ready for a message it gets the newest
         // snapshot, never a queue of stale ones. The stream ends when the agent stops, and when
-        // the options change (the registration it belongs to is over).
+        // the registration it belongs to is over (the lifecycle bumps `streams`).
         let snapshots =
             WatchStream::new(self.devices.clone()).map(|snapshot| Some(Ok(to_wire(&snapshot))));
         let stopped = WatchStream::new(self.stop.clone())
             .filter(|stop| *stop)
             .map(|_| None);
-        let registered_with = *self.options.borrow();
-        let reregistering = WatchStream::new(self.options.clone())
-            .filter(move |now| *now != registered_with)
+        let registration = *self.streams.borrow();
+        let reregistering = WatchStream::new(self.streams.clone())
+            .filter(move |now| *now != registration)
             .map(|_| None);
         let stream = snapshots
             .merge(stopped)
@@ -367,14 +377,18 @@ mod tests {
             calls: calls.clone(),
         };
         let (_, options) = watch::channel(api::DevicePluginOptions::default());
+        let (_, streams) = watch::channel(0);
         let plugin = ResourcePlugin::new(
             "ex.com/dev",
             "dev",
             backend,
-            options,
-            devices,
             Ledger::in_memory(),
-            stop,
+            Watches {
+                options,
+                streams,
+                devices,
+                stop,
+            },
         );
         (plugin, calls, devices_tx, stop_tx)
     }

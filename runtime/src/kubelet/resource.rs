@@ -10,7 +10,7 @@ use super::api::deviceplugin::DevicePluginOptions;
 use super::backend::DeviceBackend;
 use super::lifecycle::Lifecycle;
 use super::names;
-use super::plugin_server::{ResourcePlugin, Snapshot};
+use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
 use super::watcher;
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
@@ -173,6 +173,7 @@ pub fn serve<B: DeviceBackend>(
     let name = servable_name(spec.resource_domain, info)?;
     let endpoint = endpoint_name(&name, at.instance);
     let (options_tx, options) = watch::channel(options_of(info));
+    let (streams_tx, streams) = watch::channel(0u64);
     let (stop_tx, stop) = watch::channel(false);
 
     // The first enumeration runs in the watcher's task: a slow module delays only its own
@@ -194,10 +195,13 @@ pub fn serve<B: DeviceBackend>(
         &name,
         &info.name,
         backend.clone(),
-        options.clone(),
-        devices.clone(),
         at.ledger.clone(),
-        stop.clone(),
+        Watches {
+            options: options.clone(),
+            streams,
+            devices: devices.clone(),
+            stop: stop.clone(),
+        },
     );
     let (registrations_tx, registrations) = watch::channel(0);
     let lifecycle = tokio::spawn(
@@ -206,6 +210,7 @@ pub fn serve<B: DeviceBackend>(
             endpoint: endpoint.clone(),
             resource: name.clone(),
             options: options.clone(),
+            streams: streams_tx,
             plugin,
             kubelet_events: at.kubelet_events.clone(),
             ready: ready.clone(),

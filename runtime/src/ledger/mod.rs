@@ -64,8 +64,10 @@ struct Inner {
     /// None: in memory only.
     store: Option<Store>,
     state: Mutex<Locked>,
-    /// The version last written; held for the whole write.
+    /// The version last written; held for the whole write, so writers take turns.
     written: Mutex<u64>,
+    /// The same, readable without waiting for a write in progress (status asks).
+    written_now: std::sync::atomic::AtomicU64,
     /// Wakes the writer after a change.
     changed: tokio::sync::Notify,
 }
@@ -104,6 +106,7 @@ impl Ledger {
                     ..Locked::default()
                 }),
                 written: Mutex::new(0),
+                written_now: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
             }),
         }
@@ -213,16 +216,18 @@ impl Ledger {
         };
         store.save(&bytes)?;
         *written = version;
+        self.inner
+            .written_now
+            .store(version, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
-    /// Whether every change is in the file (for tests and status).
+    /// Whether every change is in the file (for tests and status); never waits for a write.
     pub fn is_written(&self) -> bool {
-        let written = *self
+        let written = self
             .inner
-            .written
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+            .written_now
+            .load(std::sync::atomic::Ordering::Acquire);
         self.inner.store.is_none() || self.lock().version <= written
     }
 

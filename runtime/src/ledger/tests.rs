@@ -182,12 +182,14 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
         let (file, stop) = (file.clone(), stop.clone());
         std::thread::spawn(move || {
             let mut reads = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            loop {
                 let bytes = fs::read(&file).expect("ledger.json is never missing once written");
                 checkpoint::decode(&bytes).expect("ledger.json always parses");
                 reads += 1;
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return reads;
+                }
             }
-            reads
         })
     };
     // Two checkpoint writers racing (the writer task and a shutdown flush, say) while four

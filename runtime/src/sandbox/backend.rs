@@ -58,10 +58,13 @@ impl DeviceBackend for ModuleHandle {
     }
 
     fn serving_place(&self) -> Option<ServingPlace> {
-        let home = self.home()?;
+        // A lost home (the module failed for good, or no new home could be made) is no place
+        // to serve: the servers stay on the agent's runtime and answer that the module is down.
+        let home = self.home().filter(|h| !h.is_lost())?;
         Some(ServingPlace {
             runtime: home.handle().clone(),
             lost: home.lost(),
+            keep_alive: home,
         })
     }
 }

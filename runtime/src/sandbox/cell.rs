@@ -387,10 +387,22 @@ impl<S: 'static> Lane<S> {
         if state.generation != generation || state.cell.is_none() {
             return;
         }
-        state.cell = None;
         if !stuck {
+            // Another caller may have moved the lane already: only a lane still in a lost home
+            // leaves it.
+            let still_lost = inner
+                .home
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_some_and(|h| h.is_lost());
+            if !still_lost {
+                return;
+            }
+            state.cell = None;
             return self.respawn(&mut state);
         }
+        state.cell = None;
         if let Some(home) = inner
             .home
             .lock()
