@@ -93,6 +93,13 @@
 //! the instance: the host drops it, creates a fresh one (calling [`Plugin::init`] again) after a
 //! backoff and reports the module's devices unhealthy meanwhile. So panic only on bugs, never on
 //! bad input from the config or the host file system.
+//!
+//! The host reports an error with the module's name and the error's `Display` text
+//! (`invalid config: ...`, `unknown resource: ...`, or a `Failed` message as written), in its
+//! log, in `devicelet status` and, for the kubelet's calls, in the pod's events. A
+//! [`PluginError::InvalidConfig`] from `init` is reported against the registry file and line of
+//! the module's `[module.config]` table; a trailing serde_json position (` at line 1 column 7`)
+//! is cut, since the module sees its config as one line of JSON.
 
 #![warn(missing_docs)]
 
