@@ -17,6 +17,7 @@ use devicelet::config::Registry;
 use devicelet::sandbox::engine;
 use devicelet::sandbox::loader::load;
 use devicelet::sandbox::module::instantiate;
+use devicelet::sandbox::validate;
 use devicelet_simulator::SimConfig;
 
 const CALLS: usize = 10_000;
@@ -42,6 +43,49 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     }
     let through_cell = Samples::new(through_cell);
 
+    // The same calls made from the module's home thread, as its resources' servers make them:
+    // no thread hop, so what is left is the lane's bookkeeping, the guest and the answer checks.
+    let home = handle.home().context("the kubelet cell has a home")?;
+    let (n, warmup) = (s.n(CALLS), s.n(WARMUP));
+    let on_home = {
+        let (handle, ids) = (handle.clone(), ids.clone());
+        home.handle()
+            .spawn(async move {
+                let mut samples = Vec::with_capacity(n);
+                for i in 0..warmup + n {
+                    let started = Instant::now();
+                    let edits = handle.allocate("fuse", ids.clone()).await?;
+                    let took = started.elapsed();
+                    std::hint::black_box(edits);
+                    if i >= warmup {
+                        samples.push(took);
+                    }
+                }
+                Ok::<_, anyhow::Error>(samples)
+            })
+            .await??
+    };
+    let on_home = Samples::new(on_home);
+
+    // Resolving the answer's device node beneath the grants, alone.
+    let answer = handle.allocate("fuse", ids.clone()).await?;
+    let mut resolving = Vec::with_capacity(s.n(CALLS));
+    for _ in 0..s.n(CALLS) {
+        let mut edits = answer.clone();
+        for d in &mut edits.devices {
+            d.host_path = d
+                .host_path
+                .strip_prefix(&registry.host_root.display().to_string())
+                .unwrap_or(&d.host_path)
+                .to_owned();
+        }
+        let started = Instant::now();
+        validate::resolve_edits(&mut edits, &spec.grants, &registry.host_root)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        resolving.push(started.elapsed());
+    }
+    let resolving = Samples::new(resolving);
+
     let bare = bare_calls(s, &engine, spec, &registry, &ids).await?;
     Ok(vec![
         Row::info(
@@ -51,6 +95,21 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 through_cell.len()
             ),
             through_cell.summary(false),
+        ),
+        Row::info(
+            format!(
+                "7. Guest call: the same, called from the module's home thread as its servers \
+                 call it (no thread hop; {} calls)",
+                on_home.len()
+            ),
+            on_home.summary(false),
+        ),
+        Row::info(
+            format!(
+                "7. Resolving the answer's device node beneath the /dev grants, alone ({} calls)",
+                resolving.len()
+            ),
+            resolving.summary(false),
         ),
         Row::info(
             format!(

@@ -124,7 +124,12 @@ pub fn method() -> Vec<String> {
          keeps disk speed from setting the run time).",
         "7: in the bench process, no gRPC: `ModuleHandle::allocate` (the module's kubelet cell: \
          a channel to its thread, deadline, answer validation), and the generated wasmtime \
-         binding's `call_allocate` on a store set up as a cell sets one up.",
+         binding's `call_allocate` on a store set up as a cell sets one up. \
+         `ModuleHandle::allocate` is timed twice: from the bench's runtime (a hop to the \
+         module's home thread and back) and from a task on the home thread itself, as the \
+         resource's gRPC server calls it. The resolution row times \
+         `validate::resolve_edits` on the module's answer (open the /dev tree, canonicalize \
+         the node beneath it, stat it).",
         "8: the agent in the bench process with generic-dev (fuse × 10) and two misbehaving \
          modules whose enumerate spins (a sysfs switch file, read at every enumerate) until its \
          5 s health deadline, every 100 ms health interval; the same client and calls as row 1, \
