@@ -70,6 +70,10 @@ struct Inner {
     written_now: std::sync::atomic::AtomicU64,
     /// Wakes the writer after a change.
     changed: tokio::sync::Notify,
+    /// Set by the first change after a write, cleared by the writer as it starts the next one:
+    /// a burst of Allocates wakes the writer's thread once, not once per call (each wake is a
+    /// system call on Allocate's path).
+    wake_pending: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -108,6 +112,7 @@ impl Ledger {
                 written: Mutex::new(0),
                 written_now: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
+                wake_pending: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -143,8 +148,19 @@ impl Ledger {
         } else {
             drop(locked);
         }
-        self.inner.changed.notify_one();
+        self.wake_writer();
         id
+    }
+
+    /// Tells the writer there is something to write, unless it was told already.
+    fn wake_writer(&self) {
+        if !self
+            .inner
+            .wake_pending
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.inner.changed.notify_one();
+        }
     }
 
     /// Entries dropped to stay within [`MAX_ENTRIES`] since the agent started.
@@ -166,6 +182,10 @@ impl Ledger {
             if !stopping {
                 tokio::time::sleep(FLUSH_DELAY).await;
             }
+            // Changes from here on wake us again; the write below covers the ones before.
+            self.inner
+                .wake_pending
+                .store(false, std::sync::atomic::Ordering::Release);
             let ledger = self.clone();
             let written = tokio::task::spawn_blocking(move || ledger.write(false)).await;
             let error = match written {
@@ -262,7 +282,7 @@ impl Ledger {
         if report.changed() {
             locked.version += 1;
             drop(locked);
-            self.inner.changed.notify_one();
+            self.wake_writer();
         }
         report
     }
