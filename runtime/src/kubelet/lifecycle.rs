@@ -174,11 +174,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     // them before the new registration; if it is stuck, they cannot, and their
                     // late end triggers one more registration (`Over::StaleClosed`).
                     self.streams.send_modify(|n| *n += 1);
-                    let drained =
-                        tokio::time::timeout(MOVE_DRAIN, connections.clone().wait_for(|n| *n == 0))
-                            .await
-                            .is_ok_and(|r| r.is_ok());
-                    if !drained {
+                    if !all_closed_within(&connections, MOVE_DRAIN).await {
                         stale = Some(connections);
                     }
                 }
@@ -194,11 +190,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
 
     /// Waits (up to [`DISCONNECT_WAIT`]) until no connection to our socket is open; true if
     /// told to stop meanwhile.
-    async fn disconnected(&mut self, mut connections: watch::Receiver<usize>) -> bool {
-        let drained = tokio::time::timeout(DISCONNECT_WAIT, connections.wait_for(|n| *n == 0));
+    async fn disconnected(&mut self, connections: watch::Receiver<usize>) -> bool {
         tokio::select! {
-            drained = drained => {
-                if drained.is_err() {
+            drained = all_closed_within(&connections, DISCONNECT_WAIT) => {
+                if !drained {
                     tracing::warn!(
                         resource = self.resource,
                         "the kubelet kept its connection {DISCONNECT_WAIT:?} after the stream ended; registering anyway"
@@ -363,6 +358,14 @@ async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
     if events.changed().await.is_err() {
         std::future::pending::<()>().await;
     }
+}
+
+/// Whether every connection counted in `connections` closes within `within`.
+async fn all_closed_within(connections: &watch::Receiver<usize>, within: Duration) -> bool {
+    let mut connections = connections.clone();
+    tokio::time::timeout(within, connections.wait_for(|n| *n == 0))
+        .await
+        .is_ok_and(|r| r.is_ok())
 }
 
 /// Resolves when the place is lost (or its signal is gone, which only a lost place's end

@@ -64,10 +64,10 @@ struct Inner {
     /// None: in memory only.
     store: Option<Store>,
     state: Mutex<Locked>,
-    /// The version last written; held for the whole write, so writers take turns.
-    written: Mutex<u64>,
-    /// The same, readable without waiting for a write in progress (status asks).
-    written_now: std::sync::atomic::AtomicU64,
+    /// Held for a whole write, so writers take turns.
+    writing: Mutex<()>,
+    /// The version last written; read without waiting for a write in progress (status asks).
+    written: std::sync::atomic::AtomicU64,
     /// Wakes the writer after a change.
     changed: tokio::sync::Notify,
     /// Set by the first change after a write, cleared by the writer as it starts the next one:
@@ -109,8 +109,8 @@ impl Ledger {
                     state,
                     ..Locked::default()
                 }),
-                written: Mutex::new(0),
-                written_now: std::sync::atomic::AtomicU64::new(0),
+                writing: Mutex::new(()),
+                written: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
                 wake_pending: std::sync::atomic::AtomicBool::new(false),
             }),
@@ -222,22 +222,25 @@ impl Ledger {
         let Some(store) = &self.inner.store else {
             return Ok(());
         };
-        let mut written = self
+        let _turn = self
             .inner
-            .written
+            .writing
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let written = self
+            .inner
+            .written
+            .load(std::sync::atomic::Ordering::Acquire);
         let (version, bytes) = {
             let locked = self.lock();
-            if locked.version <= *written && !always {
+            if locked.version <= written && !always {
                 return Ok(());
             }
             (locked.version, store.encode(&locked.state)?)
         };
         store.save(&bytes)?;
-        *written = version;
         self.inner
-            .written_now
+            .written
             .store(version, std::sync::atomic::Ordering::Release);
         Ok(())
     }
@@ -246,7 +249,7 @@ impl Ledger {
     pub fn is_written(&self) -> bool {
         let written = self
             .inner
-            .written_now
+            .written
             .load(std::sync::atomic::Ordering::Acquire);
         self.inner.store.is_none() || self.lock().version <= written
     }

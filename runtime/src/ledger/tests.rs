@@ -244,7 +244,7 @@ fn recording_never_waits_for_a_checkpoint_being_written() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
     // Stand in for a write stuck in fsync: hold the writers' lock.
-    let stuck_write = ledger.inner.written.lock().unwrap();
+    let stuck_write = ledger.inner.writing.lock().unwrap();
     let (done, recorded) = std::sync::mpsc::channel();
     let recorder = {
         let ledger = ledger.clone();

@@ -126,12 +126,18 @@ impl ModuleHandle {
             })
         };
         let fate = Arc::new(Fate::default());
-        let lane = |label| {
-            Lane::new(name.clone(), label, factory.clone(), deadline, fate.clone()).map_err(|e| {
-                LoadError::Invalid {
-                    module: name.to_string(),
-                    message: format!("cannot start a cell thread: {e}"),
-                }
+        let lane = |label, home| {
+            Lane::new_at(
+                name.clone(),
+                label,
+                factory.clone(),
+                deadline,
+                fate.clone(),
+                home,
+            )
+            .map_err(|e| LoadError::Invalid {
+                module: name.to_string(),
+                message: format!("cannot start a cell: {e}"),
             })
         };
         let home = match home {
@@ -143,19 +149,8 @@ impl ModuleHandle {
                 }
             })?,
         };
-        let kubelet = Lane::new_at(
-            name.clone(),
-            "kubelet",
-            factory.clone(),
-            deadline,
-            fate.clone(),
-            Some(home),
-        )
-        .map_err(|e| LoadError::Invalid {
-            module: name.to_string(),
-            message: format!("cannot start a cell: {e}"),
-        })?;
-        let health = lane("health")?;
+        let kubelet = lane("kubelet", Some(home))?;
+        let health = lane("health", None)?;
         let resources = kubelet
             .call(deadline, |i: &mut Instance| {
                 let resources = i.resources.clone();
