@@ -124,11 +124,13 @@ impl Ledger {
 
     /// Records an allocation of `device_ids` of `resource` in memory and returns the entry's id;
     /// [`run_writer`](Self::run_writer) checkpoints it within [`FLUSH_DELAY`], coalescing
-    /// bursts into one write. At [`MAX_ENTRIES`] the oldest entry no container was seen holding
+    /// bursts into one write. Older entries give the devices up (see `State::supersede`), so the
+    /// ledger stays as small as the devices it names. At [`MAX_ENTRIES`] the oldest entry no container was seen holding
     /// (else the oldest) is dropped and counted in [`dropped`](Self::dropped). An entry the
     /// kubelet never reports is freed by [`reconcile`](Self::reconcile) after its grace.
     pub fn record(&self, resource: &str, device_ids: &[String]) -> u64 {
         let mut locked = self.lock();
+        locked.state.supersede(resource, device_ids);
         let dropped = locked.state.make_room(MAX_ENTRIES - 1);
         let id = locked
             .state

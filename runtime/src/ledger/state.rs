@@ -45,6 +45,18 @@ impl State {
         id
     }
 
+    /// Takes `device_ids` out of the older entries of `resource`, dropping those left empty: the
+    /// kubelet only allocates a device nobody holds (a finished init container's devices are
+    /// reused by the next container), so a new allocation is the device's newest word and the
+    /// ledger holds at most one entry per device, however many pods came and went unreported.
+    pub fn supersede(&mut self, resource: &str, device_ids: &[String]) {
+        for entry in self.entries.iter_mut().filter(|e| e.resource == resource) {
+            entry.device_ids.retain(|id| !device_ids.contains(id));
+        }
+        self.entries
+            .retain(|e| e.resource != resource || !e.device_ids.is_empty());
+    }
+
     /// Drops entries until at most `keep` remain: the oldest without a holder first, then the
     /// oldest. Returns how many went.
     pub fn make_room(&mut self, keep: usize) -> u64 {
@@ -133,6 +145,31 @@ mod tests {
             vec![("a".to_owned(), Some(holder("x")))]
         );
         assert!(s.holders("none").is_empty());
+    }
+
+    #[test]
+    fn a_new_allocation_takes_its_devices_out_of_older_entries() {
+        let mut s = State::default();
+        let now = SystemTime::now();
+        s.push("r", vec!["a".into(), "b".into()], Some(holder("init")), now);
+        s.push("other", vec!["a".into()], None, now);
+        s.push("r", vec!["c".into()], None, now);
+        s.supersede("r", &["a".into(), "c".into()]);
+        s.push("r", vec!["a".into(), "c".into()], Some(holder("app")), now);
+        let left: Vec<_> = s
+            .entries
+            .iter()
+            .map(|e| (e.resource.as_str(), e.device_ids.join(",")))
+            .collect();
+        assert_eq!(
+            left,
+            [
+                ("r", "b".into()),
+                ("other", "a".into()),
+                ("r", "a,c".into())
+            ]
+        );
+        assert_eq!(s.check(), Ok(()));
     }
 
     #[test]

@@ -522,26 +522,30 @@ fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
 }
 
 #[test]
-fn a_newer_entry_supersedes_an_older_one_of_the_same_container() {
+fn a_newer_allocation_of_a_device_supersedes_the_older_entry_at_once() {
     let ledger = Ledger::in_memory();
     // Init container got fuse-0; the app container reused it and got fuse-1 too.
     ledger.record(FUSE, &ids(&["fuse-0"]));
     ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
+    assert_eq!(
+        ledger.entries().iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![2],
+        "the kubelet's newest word on fuse-0 is the only one kept"
+    );
     let pods = list(vec![pod(
         "ns",
         "p",
         &[("app", &[(FUSE, &["fuse-0", "fuse-1"])])],
     )]);
     let report = ledger.reconcile(&pods, HOUR, &only_fuse);
-    assert_eq!(
-        report.freed.iter().map(|e| e.id).collect::<Vec<_>>(),
-        vec![1]
-    );
-    assert!(report.adopted.is_empty());
-    assert_eq!(
-        ledger.entries().iter().map(|e| e.id).collect::<Vec<_>>(),
-        vec![2]
-    );
+    assert!(report.freed.is_empty() && report.adopted.is_empty());
+    assert_eq!(report.attributed, 1);
+
+    // However many pods come and go unreported, one entry per device.
+    for _ in 0..100 {
+        ledger.record(FUSE, &ids(&["fuse-2"]));
+    }
+    assert_eq!(ledger.entries().len(), 2);
 }
 
 #[test]
