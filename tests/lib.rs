@@ -248,7 +248,12 @@ dev = ["/dev/*", "/dev/net/*"]
 }
 
 /// The misbehaving module with the given config table (inline TOML key/values).
+///
+/// One told how to misbehave in `allocate` is asked only on the kubelet's path
+/// (`allocate-ahead = false`), so a scenario sees what the kubelet's own call meets, not what
+/// the preparer met first; preparing misbehaving answers has scenarios of its own.
 pub fn misbehaving(name: &str, config: &str, deadline: &str) -> String {
+    let ahead = !config.contains("allocate =");
     format!(
         r#"[[module]]
 name = "{name}"
@@ -256,6 +261,7 @@ path = "@MODULES@/misbehaving.wasm"
 health-interval = "100ms"
 call-deadline = "{deadline}"
 memory-limit = "16MiB"
+allocate-ahead = {ahead}
 
 [module.grants]
 sysfs = ["/sys/testing"]
@@ -267,7 +273,8 @@ sysfs = ["/sys/testing"]
 }
 
 /// The hostile module with `attack` (and `path`, if any), granted `/sys/class/granted` and
-/// `/dev/fuse` only.
+/// `/dev/fuse` only. Its allocate attacks meet the kubelet's own call (`allocate-ahead = false`):
+/// the preparer runs the same checks, but would meet them first.
 pub fn hostile(attack: &str, path: Option<&str>) -> String {
     let path = path.map(|p| format!("path = {p:?}\n")).unwrap_or_default();
     format!(
@@ -279,6 +286,7 @@ call-deadline = "1s"
 # Floods (20,000 log lines, 24 MB of attributes) take a while in a debug build on a busy machine.
 health-deadline = "5s"
 memory-limit = "64MiB"
+allocate-ahead = false
 
 [module.grants]
 sysfs = ["/sys/class/granted"]

@@ -207,6 +207,12 @@ pub trait Plugin: Sized + 'static {
     ///
     /// The host checks the answer against the module's grants (device nodes and mounts must
     /// fall under them), so return exactly what the container needs and nothing broader.
+    ///
+    /// The host also calls it ahead of time, for each healthy device alone, whenever a device
+    /// appears or changes, and answers the kubelet's single-device Allocates from those answers
+    /// while the device is unchanged (registry key `allocate-ahead`, on by default). So answer
+    /// from `ids` and the devices' state only (the same IDs get the same edits, whenever
+    /// asked), and do side effects in [`Plugin::prestart`], which runs for every container.
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
 
     /// Runs before each container using the devices starts, when the resource asked for it with

@@ -546,3 +546,114 @@ async fn an_upgrade_asking_for_other_calls_registers_again_only_after_the_old_st
     assert!(ended, "the old registration's stream ended");
     agent.shutdown().await;
 }
+
+/// Allocate of `ids` straight on the resource's socket, as the kubelet sends it; the env the
+/// misbehaving module answers with.
+async fn allocate_on_socket(
+    agent: &devicelet::agent::Agent,
+    resource: &str,
+    ids: &[&str],
+) -> String {
+    use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+    use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+    let served = agent.resource(resource).expect("served");
+    let mut plugin = DevicePluginClient::new(
+        devicelet::kubelet::uds::connect(&served.socket)
+            .await
+            .expect("dial plugin"),
+    );
+    let answer = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+            }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    answer.container_responses[0].envs["MISBEHAVING_DEVICES"].clone()
+}
+
+async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, ready: usize) {
+    let mut progress = agent
+        .resource(resource)
+        .expect("served")
+        .prepared
+        .progress();
+    tokio::time::timeout(WAIT, progress.wait_for(|p| p.ready == ready))
+        .await
+        .expect("answers prepared in time")
+        .expect("the preparer runs");
+}
+
+fn allocate_calls(agent: &devicelet::agent::Agent) -> u64 {
+    devicelet_tests::module_status(agent, "flaky")
+        .stats
+        .allocate_calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() {
+    let node = Node::new().await;
+    let agent = node.start_agent(&bad_with_switch()).await;
+    prepared_answers(&agent, "devicelet.io/bad", 2).await;
+    let prepared = allocate_calls(&agent);
+    assert_eq!(prepared, 2, "one call per healthy device, ahead of time");
+
+    for _ in 0..3 {
+        let env = allocate_on_socket(&agent, "devicelet.io/bad", &["dev-1"]).await;
+        assert_eq!(env, "dev-1", "the module's own answer for that device");
+    }
+    assert_eq!(
+        allocate_calls(&agent),
+        prepared,
+        "no module call on the kubelet's path"
+    );
+    let env = allocate_on_socket(&agent, "devicelet.io/bad", &["dev-0", "dev-1"]).await;
+    assert_eq!(env, "dev-0,dev-1");
+    assert_eq!(
+        allocate_calls(&agent),
+        prepared + 1,
+        "several devices: the module is asked"
+    );
+
+    // A device that changed is never answered from what was prepared for it before.
+    node.tree
+        .write_file("/sys/testing/switch", "unhealthy")
+        .expect("switch");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 0)
+        .await
+        .expect("unhealthy");
+    prepared_answers(&agent, "devicelet.io/bad", 0).await;
+    allocate_on_socket(&agent, "devicelet.io/bad", &["dev-1"]).await;
+    assert_eq!(allocate_calls(&agent), prepared + 2);
+
+    node.tree
+        .write_file("/sys/testing/switch", "ok")
+        .expect("switch");
+    prepared_answers(&agent, "devicelet.io/bad", 2).await;
+    let calls = allocate_calls(&agent);
+    assert_eq!(calls, prepared + 4, "healthy again: prepared again");
+    allocate_on_socket(&agent, "devicelet.io/bad", &["dev-0"]).await;
+    assert_eq!(allocate_calls(&agent), calls);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_allocate_ahead_off_every_allocate_asks_the_module() {
+    let node = Node::new().await;
+    let registry = bad_with_switch().replace("allocate-ahead = true", "allocate-ahead = false");
+    let agent = node.start_agent(&registry).await;
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("served");
+    for expected in 1..=2 {
+        allocate_on_socket(&agent, "devicelet.io/bad", &["dev-1"]).await;
+        assert_eq!(allocate_calls(&agent), expected);
+    }
+    let status = agent.status();
+    assert!(status.resources[0].devices.iter().all(|d| !d.prepared));
+    agent.shutdown().await;
+}

@@ -190,3 +190,39 @@ prestart = "ok""#,
     assert!(a.prestarted);
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocate_that_traps_while_prepared_ahead_is_tried_once_per_device() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let bad = misbehaving("trapper", "resource = \"bad\"\nallocate = \"trap\"", "1s")
+        .replace("allocate-ahead = false", "allocate-ahead = true");
+    let agent = node
+        .start_agent(&format!("{}\n{bad}", generic_dev(FUSE)))
+        .await;
+    let traps = || {
+        devicelet_tests::module_status(&agent, "trapper")
+            .stats
+            .traps
+    };
+    devicelet_tests::eventually("both devices tried", || traps() == 2).await;
+
+    // Enumerations keep coming (every 100 ms) and find the devices unchanged: no retry.
+    let mut progress = agent
+        .resource("devicelet.io/bad")
+        .expect("served")
+        .prepared
+        .progress();
+    let rounds = progress.borrow_and_update().rounds;
+    tokio::time::timeout(WAIT, progress.wait_for(|p| p.rounds >= rounds + 5))
+        .await
+        .expect("the preparer keeps checking")
+        .expect("the preparer runs");
+    assert_eq!(traps(), 2, "a failed preparation is not retried");
+    assert_eq!(progress.borrow().ready, 0, "nothing to serve from memory");
+
+    let msg = node.refused_allocation("devicelet.io/bad").await;
+    assert!(msg.contains("trapper"), "{msg}");
+    assert_other_module_still_allocates(&node).await;
+    agent.shutdown().await;
+}

@@ -120,13 +120,15 @@ path = "{deep}"
     agent.shutdown().await;
 }
 
-/// The hostile module granted `/dev/fuse` and `/dev/granted-*`, answering Allocate with `attack`.
+/// The hostile module granted `/dev/fuse` and `/dev/granted-*`, answering Allocate with `attack`
+/// on the kubelet's own call (not prepared ahead, which would meet the same checks first).
 fn hostile_edit(attack: &str, path: &str) -> String {
     format!(
         r#"[[module]]
 name = "hostile"
 path = "@MODULES@/hostile.wasm"
 call-deadline = "1s"
+allocate-ahead = false
 
 [module.grants]
 sysfs = ["/sys/class/granted"]

@@ -88,7 +88,8 @@ pub fn method() -> Vec<String> {
         "1: the agent runs in the bench process with the generic-dev module (one resource, \
          /dev/fuse × 10) against the kubelet simulator; the client is tonic's generated \
          `DevicePluginClient` on the resource's Unix socket, one `Allocate` of one device per \
-         call, after 1,000 warm-up calls. The floor is a tonic DevicePlugin server in the same \
+         call, after 1,000 warm-up calls (so answered from the answer the agent prepared ahead \
+         of time, as every single-device Allocate is once its answer is ready). The floor is a tonic DevicePlugin server in the same \
          process that answers every Allocate with the bytes the module answered, on its own Unix \
          socket; the two are measured in alternating batches of 500. The ledger-on-disk row \
          restarts the agent with a state directory on the disk the scratch directory is on, as \
@@ -99,7 +100,10 @@ pub fn method() -> Vec<String> {
          tonic server, in a process of its own, answering with the bytes the module \
          answered), and the calls come from `devicelet-bench client-process`, a third process \
          that alternates batches of 500 between the two sockets after 1,000 warm-up calls on \
-         each.",
+         each; measuring starts once `devicelet status` shows every device's answer prepared. \
+         The two-device rows repeat this with `fuse-0` and `fuse-1` in one container, which \
+         the agent never prepares, so the module is called every time; their trivial plugin \
+         answers the module's two-device answer.",
         "2: the misbehaving module with `devices = 64`, `numa = 2` (device i on NUMA node i % 2) \
          and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
@@ -120,8 +124,9 @@ pub fn method() -> Vec<String> {
          sysfs-only changes.",
         "6: VmRSS from /proc/<pid>/status of `devicelet run` (warm compile cache, state directory \
          on tmpfs) after every resource registered and 1 s idle, and 1 s after 10,000 Allocate \
-         calls spread round-robin over its resources (the ledger then holds 10,000 entries; tmpfs \
-         keeps disk speed from setting the run time).",
+         calls spread round-robin over its resources and devices (a new allocation takes its device \
+         out of older entries, so the ledger ends with one entry per device; tmpfs keeps disk \
+         speed from setting the run time).",
         "7: in the bench process, no gRPC: `ModuleHandle::allocate` (the module's kubelet cell: \
          a channel to its thread, deadline, answer validation), and the generated wasmtime \
          binding's `call_allocate` on a store set up as a cell sets one up. \

@@ -19,7 +19,7 @@ use devicelet::kubelet::api::deviceplugin as api;
 
 /// `devicelet-bench floor-process <socket> <container:host:perm>... [--env K=V]...`.
 const FLOOR: &str = "floor-process";
-/// `devicelet-bench client-process <ours> <floor> <warmup> <calls> <batch> <device-id>`.
+/// `devicelet-bench client-process <ours> <floor> <warmup> <calls> <batch> <id>[,<id>...]`.
 const CLIENT: &str = "client-process";
 
 /// Runs a helper role if `args` names one (None: the normal benchmark run).
@@ -84,13 +84,13 @@ async fn serve_floor(args: &[String]) -> anyhow::Result<()> {
 
 async fn run_client(args: &[String]) -> anyhow::Result<()> {
     let [ours, floor, warmup, calls, batch, device] = args else {
-        anyhow::bail!("usage: {CLIENT} <ours> <floor> <warmup> <calls> <batch> <device-id>");
+        anyhow::bail!("usage: {CLIENT} <ours> <floor> <warmup> <calls> <batch> <id>[,<id>...]");
     };
     let (warmup, calls, batch): (usize, usize, usize) =
         (warmup.parse()?, calls.parse()?, batch.parse()?);
     let request = api::AllocateRequest {
         container_requests: vec![api::ContainerAllocateRequest {
-            devices_ids: vec![device.clone()],
+            devices_ids: device.split(',').map(str::to_owned).collect(),
         }],
     };
     let mut clients = [

@@ -71,6 +71,9 @@ pub struct DeviceStatus {
     /// allocated but not yet seen in PodResources.
     pub allocated: bool,
     pub holder: Option<Holder>,
+    /// Whether a single-device Allocate of it is answered from an answer prepared ahead of time.
+    #[serde(default)]
+    pub prepared: bool,
 }
 
 pub(super) fn collect(shared: &Shared) -> Status {
@@ -106,6 +109,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                         healthy: d.health == Health::Healthy,
                         allocated: held.is_some(),
                         holder: held.and_then(|(_, h)| h.clone()),
+                        prepared: r.prepared.is_ready(&d.id),
                     }
                 })
                 .collect();

@@ -30,7 +30,8 @@ fn render(status: &Status) -> String {
         let s = m.stats;
         out += &format!(
             "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors, \
-             {} cells abandoned, {} log lines dropped; host memory {} of {} bytes\n",
+             {} cells abandoned, {} log lines dropped; {} allocate calls; host memory {} of {} \
+             bytes\n",
             m.name,
             m.digest.get(..12).unwrap_or(&m.digest),
             s.traps,
@@ -39,6 +40,7 @@ fn render(status: &Status) -> String {
             s.errors,
             s.abandoned_cells,
             s.log_lines_dropped,
+            s.allocate_calls,
             m.host_memory,
             m.host_memory_limit
         );
@@ -48,8 +50,10 @@ fn render(status: &Status) -> String {
     }
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();
+        let prepared = r.devices.iter().filter(|d| d.prepared).count();
         out += &format!(
-            "{} (module {}, socket {}, {} devices, {healthy} healthy, registered {} time(s))\n",
+            "{} (module {}, socket {}, {} devices, {healthy} healthy, {prepared} with an Allocate \
+             answer ready, registered {} time(s))\n",
             r.name,
             r.module,
             r.socket.file_name().unwrap_or_default().to_string_lossy(),

@@ -45,6 +45,10 @@ pub struct ModuleSpec {
     /// Expected SHA-256 of the module file, lowercase hex; when set, a file that does not match
     /// is refused, so a swapped binary cannot run under another module's grants.
     pub sha256: Option<String>,
+    /// Whether the host asks the module's `allocate` for each healthy device alone ahead of time
+    /// and answers the kubelet's single-device Allocates from those answers while the device is
+    /// unchanged (`kubelet::prepared`). Off: every Allocate calls the module.
+    pub allocate_ahead: bool,
     /// What the module may read from the host.
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
@@ -64,6 +68,7 @@ const KEYS: &[&str] = &[
     "memory-limit",
     "host-memory",
     "sha256",
+    "allocate-ahead",
     "grants",
     "config",
 ];
@@ -91,6 +96,7 @@ pub(super) fn parse(
     let mut memory_limit = DEFAULT_MEMORY_LIMIT;
     let mut host_memory = DEFAULT_HOST_MEMORY;
     let mut sha256 = None;
+    let mut allocate_ahead = true;
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
     let mut config_at = node.location();
@@ -123,6 +129,12 @@ pub(super) fn parse(
                     .map_err(|(index, message)| node.error_in_str(index, message))?;
                 sha256 = Some(digest);
             }
+            "allocate-ahead" => {
+                allocate_ahead = node
+                    .get()
+                    .as_bool()
+                    .ok_or_else(|| node.type_error("true or false"))?
+            }
             "grants" => grants = grants::parse(node)?,
             "config" => {
                 config = json::config(node)?;
@@ -145,6 +157,7 @@ pub(super) fn parse(
             memory_limit,
             host_memory,
             sha256,
+            allocate_ahead,
             grants,
             config,
             config_at,

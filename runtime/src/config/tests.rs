@@ -69,6 +69,7 @@ health-interval = "500ms"
 call-deadline = "3s"
 memory-limit = "128MiB"
 sha256 = "0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789ABCDEF"
+allocate-ahead = false
 
 [module.grants]
 sysfs = ["/sys/bus/pci/devices/*"]
@@ -107,6 +108,7 @@ path = "/opt/devicelet/usb.wasm"
         generic.sha256.as_deref(),
         Some(&*"0123456789abcdef".repeat(4))
     );
+    assert!(!generic.allocate_ahead);
     let patterns = |ps: &[glob::Pattern]| {
         ps.iter()
             .map(|p| p.as_str().to_string())
@@ -135,6 +137,10 @@ path = "/opt/devicelet/usb.wasm"
     assert_eq!(usb.call_deadline, super::DEFAULT_CALL_DEADLINE);
     assert_eq!(usb.memory_limit, super::DEFAULT_MEMORY_LIMIT);
     assert_eq!(usb.sha256, None);
+    assert!(
+        usb.allocate_ahead,
+        "answers are prepared unless the registry says not"
+    );
     assert!(usb.grants.is_empty());
     assert_eq!(usb.config, json!({}));
     assert!(registry.module("nope").is_none());
@@ -346,6 +352,11 @@ fn wrong_types() {
             "sha256 = 1979-05-27",
             "module[0].sha256",
             "found a datetime",
+        ),
+        (
+            "allocate-ahead = \"yes\"",
+            "module[0].allocate-ahead",
+            "expected true or false, found a string",
         ),
         (
             "grants = [\"/dev/fuse\"]",

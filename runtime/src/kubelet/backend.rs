@@ -20,7 +20,10 @@ pub enum BackendError {
     /// The call did not finish in time.
     #[error("{0}")]
     Deadline(String),
-    /// The backend is down (crashed and restarting, failed for good).
+    /// The backend crashed in this call (it is restarted).
+    #[error("{0}")]
+    Crashed(String),
+    /// The backend is down and did not run the call (restarting after a crash, failed for good).
     #[error("{0}")]
     Unavailable(String),
 }
@@ -72,6 +75,19 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
         std::future::ready(Ok(()))
     }
 
+    /// Changes whenever the backend's answers may change for reasons other than its devices (a new
+    /// module version swapped in): Allocate answers prepared before are then stale.
+    fn generation(&self) -> u64 {
+        0
+    }
+
+    /// Asks to keep `bytes` of Allocate answers prepared for `resource` (their new total): the
+    /// backend charges them to its memory budget, and says why not when they do not fit.
+    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
+        let _ = (resource, bytes);
+        Ok(())
+    }
+
     /// The resource is no longer served: forget what is kept for it.
     fn release(&self, resource: &str) {
         let _ = resource;
@@ -100,6 +116,8 @@ pub struct ServingPlace {
 pub struct Swappable<B> {
     name: std::sync::Arc<str>,
     current: std::sync::Arc<std::sync::RwLock<std::sync::Arc<B>>>,
+    /// How many times a new backend was swapped in: the [`DeviceBackend::generation`].
+    swaps: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<B> Clone for Swappable<B> {
@@ -107,6 +125,7 @@ impl<B> Clone for Swappable<B> {
         Swappable {
             name: self.name.clone(),
             current: self.current.clone(),
+            swaps: self.swaps.clone(),
         }
     }
 }
@@ -116,6 +135,7 @@ impl<B: DeviceBackend> Swappable<B> {
         Swappable {
             name: backend.name().into(),
             current: std::sync::Arc::new(std::sync::RwLock::new(std::sync::Arc::new(backend))),
+            swaps: std::sync::Arc::default(),
         }
     }
 
@@ -133,7 +153,10 @@ impl<B: DeviceBackend> Swappable<B> {
             .current
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        std::mem::replace(&mut *slot, std::sync::Arc::new(next))
+        let previous = std::mem::replace(&mut *slot, std::sync::Arc::new(next));
+        self.swaps
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+        previous
     }
 }
 
@@ -169,6 +192,14 @@ impl<B: DeviceBackend> DeviceBackend for Swappable<B> {
 
     async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
         self.current().prestart(resource, ids).await
+    }
+
+    fn generation(&self) -> u64 {
+        self.swaps.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
+        self.current().keep_answers(resource, bytes)
     }
 
     fn release(&self, resource: &str) {

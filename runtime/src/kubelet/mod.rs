@@ -9,7 +9,8 @@
 //! cell (`sandbox/cell.rs`), runs the guest's `allocate` through the bindings
 //! (`sandbox/bindings.rs`), has its answer checked there (`sandbox/validate.rs`) and comes back as
 //! [`crate::device::ContainerEdits`], which `plugin_server` records in the ledger and turns into
-//! the kubelet's response.
+//! the kubelet's response. A single-device Allocate usually never gets that far: [`prepared`]
+//! asked the module for that device's answer ahead of time, and the server answers from it.
 
 pub use devicelet_api as api;
 pub use devicelet_api::{names, uds};
@@ -18,6 +19,7 @@ mod connections;
 pub mod dir_watch;
 pub mod lifecycle;
 pub mod plugin_server;
+pub mod prepared;
 pub mod registration;
 pub mod resource;
 pub mod watcher;

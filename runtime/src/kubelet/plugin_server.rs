@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status};
 
 use super::api::deviceplugin as api;
 use super::backend::{BackendError, DeviceBackend};
+use super::prepared::Prepared;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
 
@@ -25,6 +26,8 @@ pub struct Watches {
     pub streams: watch::Receiver<u64>,
     pub devices: watch::Receiver<Snapshot>,
     pub stop: watch::Receiver<bool>,
+    /// Answers prepared ahead of time for single devices (empty when the module opted out).
+    pub prepared: Prepared,
 }
 
 /// What the kubelet reaches through one socket.
@@ -42,6 +45,7 @@ pub struct ResourcePlugin<B> {
     ledger: Ledger,
     /// Flips to true when the agent stops, ending every ListAndWatch stream.
     stop: watch::Receiver<bool>,
+    prepared: Prepared,
 }
 
 impl<B: Clone> Clone for ResourcePlugin<B> {
@@ -55,6 +59,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             devices: self.devices.clone(),
             ledger: self.ledger.clone(),
             stop: self.stop.clone(),
+            prepared: self.prepared.clone(),
         }
     }
 }
@@ -120,6 +125,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             streams,
             devices,
             stop,
+            prepared,
         } = watches;
         ResourcePlugin {
             resource: resource.into(),
@@ -130,7 +136,16 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             devices,
             ledger,
             stop,
+            prepared,
         }
+    }
+
+    /// The answer prepared for a lone device exactly as the snapshot lists it now.
+    fn prepared_answer(&self, ids: &[String]) -> Option<api::ContainerAllocateResponse> {
+        let [id] = ids else { return None };
+        let snapshot = self.devices.borrow();
+        let device = snapshot.iter().find(|d| &d.id == id)?;
+        self.prepared.answer(device, self.backend.generation())
     }
 }
 
@@ -139,7 +154,7 @@ fn status(e: BackendError) -> Status {
     match e {
         BackendError::Failed(m) => Status::internal(m),
         BackendError::Deadline(m) => Status::deadline_exceeded(m),
-        BackendError::Unavailable(m) => Status::unavailable(m),
+        BackendError::Crashed(m) | BackendError::Unavailable(m) => Status::unavailable(m),
     }
 }
 
@@ -165,7 +180,7 @@ pub fn to_wire(devices: &[Device]) -> api::ListAndWatchResponse {
     }
 }
 
-fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
+pub(super) fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
     api::ContainerAllocateResponse {
         envs: e.envs.into_iter().collect::<HashMap<_, _>>(),
         mounts: e
@@ -270,6 +285,10 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         }
         let mut container_responses = Vec::with_capacity(requests.len());
         for c in &requests {
+            if let Some(answer) = self.prepared_answer(&c.devices_ids) {
+                container_responses.push(answer);
+                continue;
+            }
             let edits = self
                 .backend
                 .allocate(&self.local, c.devices_ids.clone())
@@ -388,6 +407,7 @@ mod tests {
                 streams,
                 devices,
                 stop,
+                prepared: Prepared::default(),
             },
         );
         (plugin, calls, devices_tx, stop_tx)

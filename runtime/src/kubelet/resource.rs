@@ -11,7 +11,8 @@ use super::backend::DeviceBackend;
 use super::lifecycle::Lifecycle;
 use super::names;
 use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
-use super::watcher;
+use super::prepared::{self, Prepared};
+use super::watcher::{self, Signals};
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
 
@@ -29,6 +30,8 @@ pub struct ServedResource {
     pub ready: watch::Receiver<bool>,
     /// How many times the kubelet accepted our registration (once per kubelet start).
     pub registrations: watch::Receiver<u32>,
+    /// Allocate answers prepared ahead of time, per device.
+    pub prepared: Prepared,
 }
 
 /// A served resource and what stops it.
@@ -160,6 +163,8 @@ pub struct Owner<'a> {
     pub resource_domain: &'a str,
     /// How often the devices are re-enumerated.
     pub health_interval: std::time::Duration,
+    /// Whether single-device Allocate answers are prepared ahead of time.
+    pub allocate_ahead: bool,
 }
 
 /// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
@@ -181,15 +186,31 @@ pub fn serve<B: DeviceBackend>(
     let (devices_tx, devices) = watch::channel(Snapshot::default());
     let (ready_tx, ready) = watch::channel(false);
     let poke = Arc::new(Notify::new());
+    let enumerated = Arc::new(Notify::new());
     let watcher = tokio::spawn(watcher::watch_devices(
         backend.clone(),
         info.name.clone(),
         spec.health_interval,
         devices_tx,
-        ready_tx,
-        poke.clone(),
-        stop.clone(),
+        Signals {
+            ready: ready_tx,
+            poke: poke.clone(),
+            enumerated: enumerated.clone(),
+            stop: stop.clone(),
+        },
     ));
+    let prepared = Prepared::default();
+    let mut tasks = vec![watcher];
+    if spec.allocate_ahead {
+        tasks.push(tokio::spawn(prepared::prepare_answers(
+            backend.clone(),
+            info.name.clone(),
+            devices.clone(),
+            enumerated,
+            prepared.clone(),
+            stop.clone(),
+        )));
+    }
 
     let plugin = ResourcePlugin::new(
         &name,
@@ -201,10 +222,11 @@ pub fn serve<B: DeviceBackend>(
             streams,
             devices: devices.clone(),
             stop: stop.clone(),
+            prepared: prepared.clone(),
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
-    let lifecycle = tokio::spawn(
+    tasks.push(tokio::spawn(
         Lifecycle {
             plugin_dir: at.plugin_dir.to_owned(),
             endpoint: endpoint.clone(),
@@ -218,7 +240,7 @@ pub fn serve<B: DeviceBackend>(
             registrations: registrations_tx,
         }
         .run(),
-    );
+    ));
     Ok(RunningResource {
         served: ServedResource {
             name,
@@ -228,12 +250,13 @@ pub fn serve<B: DeviceBackend>(
             devices,
             ready,
             registrations,
+            prepared,
         },
         poke,
         local: info.name.clone(),
         options: options_tx,
         stop: stop_tx,
-        tasks: vec![watcher, lifecycle],
+        tasks,
     })
 }
 

@@ -56,23 +56,40 @@ fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
         .collect()
 }
 
+/// What a device watcher reports to, and is woken by.
+pub struct Signals {
+    /// Flips to true once the first snapshot is in.
+    pub ready: watch::Sender<bool>,
+    /// Re-enumerate at once (a device node appeared or vanished under the module's /dev grants,
+    /// or a new module version was swapped in).
+    pub poke: Arc<Notify>,
+    /// Fired after every enumeration, changed or not: the preparer checks its answers then.
+    pub enumerated: Arc<Notify>,
+    pub stop: watch::Receiver<bool>,
+}
+
 /// Takes the first snapshot (then flips `ready`), and re-enumerates at every `interval`, and at
-/// once when `poke` fires (a device node appeared or vanished under the module's /dev grants).
+/// once when `poke` fires.
 pub async fn watch_devices<B: DeviceBackend>(
     backend: B,
     resource: String,
     interval: Duration,
     devices: watch::Sender<Snapshot>,
-    ready: watch::Sender<bool>,
-    poke: Arc<Notify>,
-    mut stop: watch::Receiver<bool>,
+    signals: Signals,
 ) {
+    let Signals {
+        ready,
+        poke,
+        enumerated,
+        mut stop,
+    } = signals;
     let first = tokio::select! {
         first = initial(&backend, &resource) => first,
         _ = stop.wait_for(|s| *s) => return,
     };
     devices.send_replace(Arc::new(first));
     ready.send_replace(true);
+    enumerated.notify_one();
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
@@ -104,6 +121,7 @@ pub async fn watch_devices<B: DeviceBackend>(
             }
         };
         publish(&devices, next);
+        enumerated.notify_one();
     }
 }
 

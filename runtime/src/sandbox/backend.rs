@@ -15,9 +15,8 @@ impl From<CallError> for BackendError {
             CallError::Deadline { .. } | CallError::Overran { .. } => {
                 BackendError::Deadline(message)
             }
-            CallError::Trap { .. } | CallError::Unavailable { .. } => {
-                BackendError::Unavailable(message)
-            }
+            CallError::Trap { .. } => BackendError::Crashed(message),
+            CallError::Unavailable { .. } => BackendError::Unavailable(message),
         }
     }
 }
@@ -51,6 +50,10 @@ impl DeviceBackend for ModuleHandle {
 
     async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
         Ok(ModuleHandle::prestart(self, resource, ids).await?)
+    }
+
+    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
+        ModuleHandle::keep_answers(self, resource, bytes)
     }
 
     fn release(&self, resource: &str) {

@@ -37,11 +37,19 @@ pub fn cost(devices: &[Device]) -> Result<usize, Violation> {
     Ok(total)
 }
 
-/// One module's budget: what each of its resources' current snapshot costs.
+/// What of a resource the host keeps: its snapshot, and the Allocate answers prepared ahead of
+/// time for its devices (`kubelet::prepared`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kept {
+    Devices,
+    Answers,
+}
+
+/// One module's budget: what each of its resources' current snapshot and prepared answers cost.
 #[derive(Debug)]
 pub struct Budget {
     limit: usize,
-    held: Mutex<HashMap<String, usize>>,
+    held: Mutex<HashMap<(String, Kept), usize>>,
 }
 
 impl Budget {
@@ -52,29 +60,37 @@ impl Budget {
         }
     }
 
-    /// Replaces what `resource` holds with `cost`, unless that would take the module past its
-    /// budget (then nothing changes).
-    pub fn charge(&self, resource: &str, cost: Result<usize, Violation>) -> Result<(), Violation> {
+    /// Replaces what `resource` holds of `kind` with `cost`, unless that would take the module
+    /// past its budget (then nothing changes).
+    pub fn charge(
+        &self,
+        resource: &str,
+        kind: Kept,
+        cost: Result<usize, Violation>,
+    ) -> Result<(), Violation> {
         let cost = cost?;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        // Prepared answers are a cache: devices never lose their place to them. The preparer
+        // charges its answers again after every enumeration and drops them when they no longer
+        // fit.
         let others: usize = held
             .iter()
-            .filter(|(r, _)| r.as_str() != resource)
+            .filter(|((r, k), _)| !(r == resource && *k == kind))
+            .filter(|((_, k), _)| kind == Kept::Answers || *k == Kept::Devices)
             .map(|(_, n)| n)
             .sum();
         if others.saturating_add(cost) > self.limit {
+            let what = match kind {
+                Kept::Devices => "its devices",
+                Kept::Answers => "its prepared Allocate answers",
+            };
             return Err(format!(
-                "its devices would take {} bytes of host memory ({cost} for {resource}); its host-memory budget is {} bytes",
+                "{what} would take its host memory to {} bytes ({cost} for {resource}); its host-memory budget is {} bytes",
                 others.saturating_add(cost),
                 self.limit
             ));
         }
-        match held.get_mut(resource) {
-            Some(n) => *n = cost,
-            None => {
-                held.insert(resource.to_owned(), cost);
-            }
-        }
+        held.insert((resource.to_owned(), kind), cost);
         Ok(())
     }
 
@@ -82,7 +98,7 @@ impl Budget {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(resource);
+            .retain(|(r, _), _| r != resource);
     }
 
     pub fn used(&self) -> usize {
@@ -118,16 +134,36 @@ mod tests {
     fn resources_share_the_modules_budget() {
         let budget = Budget::new(100_000);
         let big: Vec<Device> = (0..60).map(|i| device(&format!("d{i}"), 1, 1000)).collect();
-        budget.charge("a", cost(&big)).unwrap();
+        budget.charge("a", Kept::Devices, cost(&big)).unwrap();
         assert!(
-            budget.charge("b", cost(&big)).is_err(),
+            budget.charge("b", Kept::Devices, cost(&big)).is_err(),
             "a and b together exceed it"
         );
         // Replacing a's own snapshot is measured without its old one.
-        budget.charge("a", cost(&big)).unwrap();
+        budget.charge("a", Kept::Devices, cost(&big)).unwrap();
         budget.release("a");
-        budget.charge("b", cost(&big)).unwrap();
+        budget.charge("b", Kept::Devices, cost(&big)).unwrap();
         assert!(budget.used() > 60_000 && budget.used() <= 100_000);
+    }
+
+    #[test]
+    fn prepared_answers_count_against_the_same_budget_and_go_with_the_resource() {
+        let budget = Budget::new(100_000);
+        budget.charge("a", Kept::Devices, Ok(40_000)).unwrap();
+        let e = budget.charge("a", Kept::Answers, Ok(70_000)).unwrap_err();
+        assert!(e.contains("prepared Allocate answers"), "{e}");
+        budget.charge("a", Kept::Answers, Ok(20_000)).unwrap();
+        budget.charge("a", Kept::Answers, Ok(10_000)).unwrap();
+        assert_eq!(budget.used(), 50_000, "a new total replaces the old one");
+        budget
+            .charge("b", Kept::Devices, Ok(55_000))
+            .expect("devices never lose their place to prepared answers");
+        assert!(
+            budget.charge("a", Kept::Answers, Ok(10_000)).is_err(),
+            "the answers no longer fit"
+        );
+        budget.release("a");
+        assert_eq!(budget.used(), 55_000, "a's answers went with its snapshot");
     }
 
     #[test]

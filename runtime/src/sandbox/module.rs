@@ -30,6 +30,7 @@ struct Counters {
     violations: AtomicU64,
     errors: AtomicU64,
     unavailable: AtomicU64,
+    allocate_calls: AtomicU64,
 }
 
 /// How often calls into a module failed, by kind.
@@ -49,6 +50,10 @@ pub struct ModuleStats {
     /// Log lines (stdout, stderr, `log`) dropped over the rate limit since it was loaded.
     #[serde(default)]
     pub log_lines_dropped: u64,
+    /// Calls made to its `allocate`, answers prepared ahead of time included: a single-device
+    /// Allocate answered from a prepared answer makes none.
+    #[serde(default)]
+    pub allocate_calls: u64,
 }
 
 const MAX_TABLE_ELEMENTS: usize = 100_000;
@@ -249,7 +254,11 @@ impl ModuleHandle {
             .await?;
         self.check(
             CallKind::Enumerate,
-            self.budget.charge(resource, super::budget::cost(&devices)),
+            self.budget.charge(
+                resource,
+                super::budget::Kept::Devices,
+                super::budget::cost(&devices),
+            ),
         )?;
         Ok(devices)
     }
@@ -257,6 +266,14 @@ impl ModuleHandle {
     /// The thread the kubelet cell lives on: serve the module's resources there.
     pub fn home(&self) -> Option<Arc<super::home::Home>> {
         self.kubelet.home()
+    }
+
+    /// Charges `bytes` of Allocate answers prepared for `resource` (their new total) to the
+    /// module's host-memory budget; refused, changing nothing, when over it.
+    pub fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
+        self.budget
+            .charge(resource, super::budget::Kept::Answers, Ok(bytes))
+            .map_err(|message| format!("module `{}`: {message}", self.name))
     }
 
     /// Forgets what the host keeps for `resource` (it is no longer served).
@@ -269,6 +286,7 @@ impl ModuleHandle {
         resource: &str,
         ids: Vec<String>,
     ) -> Result<ContainerEdits, CallError> {
+        self.stats.allocate_calls.fetch_add(1, Ordering::Relaxed);
         let resource = resource.to_owned();
         let (grants, root) = (self.grants.clone(), self.host_root.clone());
         self.call(
@@ -346,6 +364,7 @@ impl ModuleHandle {
             unavailable: get(&self.stats.unavailable),
             abandoned_cells: u64::from(self.fate.abandoned()),
             log_lines_dropped: self.output.dropped(),
+            allocate_calls: get(&self.stats.allocate_calls),
         }
     }
 

@@ -1,0 +1,505 @@
+//! Allocate answers made ahead of time, one per healthy device, so that the kubelet's Allocate of
+//! a single device waits for no module call.
+//!
+//! Most containers ask for one device of a resource. As soon as a device is listed Healthy (and
+//! again whenever it changes, or a new module version is swapped in), the preparer asks the
+//! module's `allocate` for that device alone, off the kubelet's path, one call at a time (a real
+//! Allocate waits behind at most one). A single-device Allocate whose device is exactly as it was
+//! prepared for is answered from memory, like a plugin that computed its answers at start.
+//! Everything else calls the module: several devices, an answer not ready yet, a device that
+//! changed since, a preparation that failed (never kept: the live call reports the module's own
+//! error to the kubelet; not retried until the device or the module changes, except when the
+//! module was only down for the moment, restarting after a crash). Answers are charged to the module's host-memory budget and dropped when
+//! they no longer fit.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::{Notify, watch};
+
+use super::api::deviceplugin as api;
+use super::backend::{BackendError, DeviceBackend};
+use super::plugin_server::{Snapshot, edits_to_wire};
+use crate::device::{Device, Health};
+
+/// One resource's prepared answers, shared by its preparer and its server.
+#[derive(Clone)]
+pub struct Prepared {
+    answers: Arc<Mutex<Answers>>,
+    /// Lets status and tests follow the preparer.
+    progress: Arc<watch::Sender<Progress>>,
+}
+
+/// Where the preparer stands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Answers ready to serve.
+    pub ready: usize,
+    /// Wakes handled to the end: every device then had its answer, or a failed attempt.
+    pub rounds: u64,
+}
+
+#[derive(Default)]
+struct Answers {
+    by_id: HashMap<String, Entry>,
+    bytes: usize,
+}
+
+struct Entry {
+    /// The device as it was when the module answered; the answer holds only while it is unchanged.
+    device: Device,
+    generation: u64,
+    /// None: the module failed, or the answer did not fit the budget; not tried again until the
+    /// device or the module changes.
+    answer: Option<api::ContainerAllocateResponse>,
+    bytes: usize,
+}
+
+impl Default for Prepared {
+    fn default() -> Self {
+        Prepared {
+            answers: Arc::default(),
+            progress: Arc::new(watch::channel(Progress::default()).0),
+        }
+    }
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("progress", &*self.progress.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Prepared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Answers> {
+        self.answers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The answer prepared for `device` exactly as it is now, from the backend of `generation`.
+    pub fn answer(
+        &self,
+        device: &Device,
+        generation: u64,
+    ) -> Option<api::ContainerAllocateResponse> {
+        let answers = self.lock();
+        let entry = answers.by_id.get(&device.id)?;
+        if entry.generation != generation || entry.device != *device {
+            return None;
+        }
+        entry.answer.clone()
+    }
+
+    /// Whether an answer is ready for the device with this ID (status shows it).
+    pub fn is_ready(&self, id: &str) -> bool {
+        self.lock()
+            .by_id
+            .get(id)
+            .is_some_and(|e| e.answer.is_some())
+    }
+
+    /// Follows the preparer.
+    pub fn progress(&self) -> watch::Receiver<Progress> {
+        self.progress.subscribe()
+    }
+
+    fn publish_count(&self, answers: &Answers) {
+        let ready = answers
+            .by_id
+            .values()
+            .filter(|e| e.answer.is_some())
+            .count();
+        self.progress
+            .send_if_modified(|now| std::mem::replace(&mut now.ready, ready) != ready);
+    }
+
+    fn round_done(&self) {
+        self.progress.send_modify(|now| now.rounds += 1);
+    }
+
+    /// Drops every entry that no longer holds (device gone or changed, another module version)
+    /// and returns the first Healthy device that has none.
+    fn next_to_prepare(&self, snapshot: &[Device], generation: u64) -> Option<Device> {
+        let mut answers = self.lock();
+        let before = answers.by_id.len();
+        answers.by_id.retain(|id, e| {
+            e.generation == generation
+                && snapshot
+                    .iter()
+                    .find(|d| d.id == *id)
+                    .is_some_and(|d| *d == e.device)
+        });
+        if answers.by_id.len() != before {
+            answers.bytes = answers.by_id.values().map(|e| e.bytes).sum();
+            self.publish_count(&answers);
+        }
+        snapshot
+            .iter()
+            .find(|d| d.health == Health::Healthy && !answers.by_id.contains_key(&d.id))
+            .cloned()
+    }
+
+    /// Keeps the module's answer for `device`, if the device and the module are still as they
+    /// were when it was asked and the budget allows.
+    fn store<B: DeviceBackend>(
+        &self,
+        backend: &B,
+        resource: &str,
+        device: Device,
+        generation: u64,
+        answer: Option<api::ContainerAllocateResponse>,
+        current: &Snapshot,
+    ) {
+        if backend.generation() != generation || !current.contains(&device) {
+            return;
+        }
+        let mut answers = self.lock();
+        let bytes = answer.as_ref().map_or(0, cost);
+        let mut answer = answer;
+        if bytes > 0 {
+            let total = answers.bytes.saturating_add(bytes);
+            if let Err(why) = backend.keep_answers(resource, total) {
+                tracing::debug!(resource, "not preparing more Allocate answers: {why}");
+                answer = None;
+            }
+        }
+        let kept = if answer.is_some() { bytes } else { 0 };
+        answers.bytes = answers.bytes.saturating_add(kept);
+        answers.by_id.insert(
+            device.id.clone(),
+            Entry {
+                device,
+                generation,
+                answer,
+                bytes: kept,
+            },
+        );
+        self.publish_count(&answers);
+    }
+
+    /// Charges the answers again (the devices may have grown into the budget); drops them all when
+    /// they no longer fit.
+    fn recharge<B: DeviceBackend>(&self, backend: &B, resource: &str) {
+        let mut answers = self.lock();
+        if let Err(why) = backend.keep_answers(resource, answers.bytes) {
+            tracing::debug!(resource, "dropping prepared Allocate answers: {why}");
+            for e in answers.by_id.values_mut() {
+                e.answer = None;
+                e.bytes = 0;
+            }
+            answers.bytes = 0;
+            let _ = backend.keep_answers(resource, 0);
+            self.publish_count(&answers);
+        }
+    }
+}
+
+/// Bytes an answer holds while kept: the message and every string in it.
+fn cost(a: &api::ContainerAllocateResponse) -> usize {
+    let pairs = |m: &HashMap<String, String>| {
+        m.iter()
+            .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
+            .sum::<usize>()
+    };
+    std::mem::size_of::<api::ContainerAllocateResponse>()
+        + pairs(&a.envs)
+        + pairs(&a.annotations)
+        + a.mounts
+            .iter()
+            .map(|m| std::mem::size_of::<api::Mount>() + m.container_path.len() + m.host_path.len())
+            .sum::<usize>()
+        + a.devices
+            .iter()
+            .map(|d| {
+                std::mem::size_of::<api::DeviceSpec>()
+                    + d.container_path.len()
+                    + d.host_path.len()
+                    + d.permissions.len()
+            })
+            .sum::<usize>()
+        + a.cdi_devices
+            .iter()
+            .map(|c| std::mem::size_of::<api::CdiDevice>() + c.name.len())
+            .sum::<usize>()
+}
+
+/// Prepares answers for `resource` whenever `wake` fires (after every enumeration), until `stop`.
+pub async fn prepare_answers<B: DeviceBackend>(
+    backend: B,
+    resource: String,
+    devices: watch::Receiver<Snapshot>,
+    wake: Arc<Notify>,
+    prepared: Prepared,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = wake.notified() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        prepared.recharge(&backend, &resource);
+        loop {
+            let snapshot = devices.borrow().clone();
+            let generation = backend.generation();
+            let Some(device) = prepared.next_to_prepare(&snapshot, generation) else {
+                prepared.round_done();
+                break;
+            };
+            let asked = tokio::select! {
+                asked = backend.allocate(&resource, vec![device.id.clone()]) => asked,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let answer = match asked {
+                Ok(edits) => Some(edits_to_wire(edits)),
+                // Down for now, the call not run (restarting after a crash): try again after the
+                // next enumeration.
+                Err(BackendError::Unavailable(_)) => {
+                    prepared.round_done();
+                    break;
+                }
+                Err(_) => None,
+            };
+            let current = devices.borrow().clone();
+            prepared.store(&backend, &resource, device, generation, answer, &current);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::ContainerEdits;
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+    /// Answers `DEV=<id>@<version>`; fails for `broken`; keeps at most `budget` bytes.
+    #[derive(Clone)]
+    struct Fake {
+        version: Arc<AtomicU64>,
+        calls: Arc<AtomicUsize>,
+        broken: &'static str,
+        budget: usize,
+        down: Arc<AtomicBool>,
+    }
+
+    impl Fake {
+        fn new(budget: usize) -> Fake {
+            Fake {
+                version: Arc::default(),
+                calls: Arc::default(),
+                broken: "broken",
+                budget,
+                down: Arc::default(),
+            }
+        }
+
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+    }
+
+    impl DeviceBackend for Fake {
+        fn name(&self) -> &str {
+            "fake"
+        }
+
+        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+            Ok(Vec::new())
+        }
+
+        async fn allocate(
+            &self,
+            _: &str,
+            ids: Vec<String>,
+        ) -> Result<ContainerEdits, BackendError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.down.load(Ordering::SeqCst) {
+                return Err(BackendError::Unavailable("restarting".into()));
+            }
+            if ids.iter().any(|id| id == self.broken) {
+                return Err(BackendError::Crashed("trapped on this device".into()));
+            }
+            let version = self.version.load(Ordering::SeqCst);
+            Ok(ContainerEdits {
+                envs: vec![("DEV".into(), format!("{}@{version}", ids.join(",")))],
+                ..ContainerEdits::default()
+            })
+        }
+
+        fn generation(&self) -> u64 {
+            self.version.load(Ordering::SeqCst)
+        }
+
+        fn keep_answers(&self, _: &str, bytes: usize) -> Result<(), String> {
+            if bytes > self.budget {
+                return Err(format!("{bytes} bytes is over {}", self.budget));
+            }
+            Ok(())
+        }
+    }
+
+    fn device(id: &str, health: Health, temperature: &str) -> Device {
+        Device {
+            id: id.into(),
+            health,
+            numa_nodes: vec![0],
+            attributes: vec![("temperature".into(), temperature.into())],
+        }
+    }
+
+    struct Running {
+        devices: watch::Sender<Snapshot>,
+        wake: Arc<Notify>,
+        prepared: Prepared,
+        progress: watch::Receiver<Progress>,
+        _stop: watch::Sender<bool>,
+    }
+
+    impl Running {
+        fn start(backend: &Fake, snapshot: Vec<Device>) -> Running {
+            let (devices, devices_rx) = watch::channel(Arc::new(snapshot));
+            let (stop, stop_rx) = watch::channel(false);
+            let wake = Arc::new(Notify::new());
+            let prepared = Prepared::default();
+            tokio::spawn(prepare_answers(
+                backend.clone(),
+                "r".into(),
+                devices_rx,
+                wake.clone(),
+                prepared.clone(),
+                stop_rx,
+            ));
+            let progress = prepared.progress();
+            Running {
+                devices,
+                wake,
+                prepared,
+                progress,
+                _stop: stop,
+            }
+        }
+
+        /// Publishes a new snapshot and wakes the preparer, as the watcher does; waits until it
+        /// has handled the wake, and checks that `n` answers are then ready.
+        async fn enumerated(&mut self, snapshot: Option<Vec<Device>>, n: usize) {
+            if let Some(s) = snapshot {
+                self.devices.send_replace(Arc::new(s));
+            }
+            let rounds = self.progress.borrow_and_update().rounds;
+            self.wake.notify_one();
+            let now = *tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                self.progress.wait_for(|p| p.rounds > rounds),
+            )
+            .await
+            .expect("the preparer settles")
+            .expect("the preparer runs");
+            assert_eq!(now.ready, n, "answers ready");
+        }
+
+        fn env(&self, d: &Device, generation: u64) -> Option<String> {
+            self.prepared
+                .answer(d, generation)
+                .map(|a| a.envs["DEV"].clone())
+        }
+    }
+
+    #[tokio::test]
+    async fn every_healthy_device_gets_its_own_answer_once() {
+        let fake = Fake::new(usize::MAX);
+        let a = device("a", Health::Healthy, "40C");
+        let sick = device("sick", Health::Unhealthy, "90C");
+        let mut r = Running::start(&fake, vec![a.clone(), sick.clone()]);
+        r.enumerated(None, 1).await;
+        assert_eq!(r.env(&a, 0).as_deref(), Some("a@0"));
+        assert_eq!(r.env(&sick, 0), None, "an Unhealthy device is not prepared");
+        r.enumerated(None, 1).await;
+        // The second wake has nothing to do: the answer holds.
+        r.enumerated(None, 1).await;
+        assert_eq!(fake.calls(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_changed_device_or_a_new_module_version_is_asked_again() {
+        let fake = Fake::new(usize::MAX);
+        let a = device("a", Health::Healthy, "40C");
+        let mut r = Running::start(&fake, vec![a.clone()]);
+        r.enumerated(None, 1).await;
+        let warmer = device("a", Health::Healthy, "41C");
+        assert_eq!(
+            r.env(&warmer, 0),
+            None,
+            "an answer holds only for the device as it was"
+        );
+        r.enumerated(Some(vec![warmer.clone()]), 1).await;
+        assert_eq!(r.env(&warmer, 0).as_deref(), Some("a@0"));
+        assert_eq!(fake.calls(), 2);
+
+        fake.version.store(1, Ordering::SeqCst);
+        assert_eq!(
+            r.env(&warmer, 1),
+            None,
+            "the old version's answer is not served"
+        );
+        r.enumerated(None, 1).await;
+        assert_eq!(r.env(&warmer, 1).as_deref(), Some("a@1"));
+
+        r.enumerated(Some(Vec::new()), 0).await;
+        assert!(
+            !r.prepared.is_ready("a"),
+            "a device gone takes its answer along"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_preparation_is_not_kept_nor_retried_until_the_device_changes() {
+        let fake = Fake::new(usize::MAX);
+        let broken = device("broken", Health::Healthy, "40C");
+        let a = device("a", Health::Healthy, "40C");
+        let mut r = Running::start(&fake, vec![a.clone(), broken.clone()]);
+        r.enumerated(None, 1).await;
+        assert_eq!(r.env(&broken, 0), None);
+        let calls = fake.calls();
+        r.enumerated(None, 1).await;
+        r.enumerated(None, 1).await;
+        assert_eq!(
+            fake.calls(),
+            calls,
+            "no retry storm against a failing module"
+        );
+        let changed = device("broken", Health::Healthy, "41C");
+        r.enumerated(Some(vec![a, changed]), 1).await;
+        assert_eq!(fake.calls(), calls + 1, "asked again once it changed");
+    }
+
+    #[tokio::test]
+    async fn a_module_down_for_now_is_asked_again_after_the_next_enumeration() {
+        let fake = Fake::new(usize::MAX);
+        let a = device("a", Health::Healthy, "40C");
+        let mut r = Running::start(&fake, vec![a.clone()]);
+        fake.down.store(true, Ordering::SeqCst);
+        r.enumerated(None, 0).await;
+        fake.down.store(false, Ordering::SeqCst);
+        r.enumerated(None, 1).await;
+        assert_eq!(r.env(&a, 0).as_deref(), Some("a@0"));
+    }
+
+    #[tokio::test]
+    async fn answers_past_the_budget_are_not_kept() {
+        let one = cost(&edits_to_wire(ContainerEdits {
+            envs: vec![("DEV".into(), "d0@0".into())],
+            ..ContainerEdits::default()
+        }));
+        let fake = Fake::new(one * 2 + one / 2);
+        let devices: Vec<Device> = (0..4)
+            .map(|i| device(&format!("d{i}"), Health::Healthy, "40C"))
+            .collect();
+        let mut r = Running::start(&fake, devices.clone());
+        r.enumerated(None, 2).await;
+        let ready = devices.iter().filter(|d| r.env(d, 0).is_some()).count();
+        assert_eq!(
+            ready, 2,
+            "two answers fit the budget, the others are served live"
+        );
+    }
+}
