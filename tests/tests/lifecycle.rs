@@ -547,13 +547,12 @@ async fn an_upgrade_asking_for_other_calls_registers_again_only_after_the_old_st
     agent.shutdown().await;
 }
 
-/// Allocate of `ids` straight on the resource's socket, as the kubelet sends it; the env the
-/// misbehaving module answers with.
+/// Allocate of `ids` in one container, straight on the resource's socket as the kubelet sends it.
 async fn allocate_on_socket(
     agent: &devicelet::agent::Agent,
     resource: &str,
     ids: &[&str],
-) -> String {
+) -> devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse {
     use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
     use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
     let served = agent.resource(resource).expect("served");
@@ -571,7 +570,16 @@ async fn allocate_on_socket(
         .await
         .expect("allocate")
         .into_inner();
-    answer.container_responses[0].envs["MISBEHAVING_DEVICES"].clone()
+    answer
+        .container_responses
+        .into_iter()
+        .next()
+        .expect("one container")
+}
+
+/// The env the misbehaving module answers Allocate of `ids` with.
+async fn misbehaving_env(agent: &devicelet::agent::Agent, resource: &str, ids: &[&str]) -> String {
+    allocate_on_socket(agent, resource, ids).await.envs["MISBEHAVING_DEVICES"].clone()
 }
 
 async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, ready: usize) {
@@ -601,7 +609,7 @@ async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() 
     assert_eq!(prepared, 2, "one call per healthy device, ahead of time");
 
     for _ in 0..3 {
-        let env = allocate_on_socket(&agent, "devicelet.io/bad", &["dev-1"]).await;
+        let env = misbehaving_env(&agent, "devicelet.io/bad", &["dev-1"]).await;
         assert_eq!(env, "dev-1", "the module's own answer for that device");
     }
     assert_eq!(
@@ -609,7 +617,7 @@ async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() 
         prepared,
         "no module call on the kubelet's path"
     );
-    let env = allocate_on_socket(&agent, "devicelet.io/bad", &["dev-0", "dev-1"]).await;
+    let env = misbehaving_env(&agent, "devicelet.io/bad", &["dev-0", "dev-1"]).await;
     assert_eq!(env, "dev-0,dev-1");
     assert_eq!(
         allocate_calls(&agent),
@@ -655,5 +663,43 @@ async fn with_allocate_ahead_off_every_allocate_asks_the_module() {
     }
     let status = agent.status();
     assert!(status.resources[0].devices.iter().all(|d| !d.prepared));
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_ones_answers() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent(&generic_dev(FUSE)).await;
+    prepared_answers(&agent, "devicelet.io/fuse", 2).await;
+    let permissions = |a: devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse| {
+        a.devices[0].permissions.clone()
+    };
+    assert_eq!(
+        permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &["fuse-0"]).await),
+        "rw"
+    );
+
+    // The same devices, other answers: only the module's version tells them apart.
+    node.registry(&generic_dev(
+        r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2, permissions = "r" }]"#,
+    ));
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let now = permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &["fuse-0"]).await);
+        if now == "r" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still answering as the old version: {now}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    prepared_answers(&agent, "devicelet.io/fuse", 2).await;
+    for id in ["fuse-0", "fuse-1"] {
+        let now = permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &[id]).await);
+        assert_eq!(now, "r", "{id}");
+    }
     agent.shutdown().await;
 }

@@ -16,8 +16,17 @@ use super::prepared::Prepared;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
 
-/// The device set the kubelet sees: replaced as a whole whenever anything in it changes.
+/// The device set the kubelet sees: replaced as a whole whenever anything in it changes. Sorted
+/// by ID (the watcher sorts each one), so [`find`] is a binary search.
 pub type Snapshot = Arc<Vec<Device>>;
+
+/// The device with this ID in a snapshot (sorted by ID).
+pub fn find<'a>(snapshot: &'a [Device], id: &str) -> Option<&'a Device> {
+    snapshot
+        .binary_search_by(|d| d.id.as_str().cmp(id))
+        .ok()
+        .map(|at| &snapshot[at])
+}
 
 /// What a resource's server follows: its options, the registration its streams belong to, its
 /// devices, and the agent's stop.
@@ -82,7 +91,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         for id in ids {
             if !seen.insert(id.as_str()) {
                 twice.push(id.as_str());
-            } else if !snapshot.iter().any(|d| &d.id == id) && !held.contains(id) {
+            } else if find(&snapshot, id).is_none() && !held.contains(id) {
                 unknown.push(id.as_str());
             }
         }
@@ -143,9 +152,9 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
     /// The answer prepared for a lone device exactly as the snapshot lists it now.
     fn prepared_answer(&self, ids: &[String]) -> Option<api::ContainerAllocateResponse> {
         let [id] = ids else { return None };
-        let snapshot = self.devices.borrow();
-        let device = snapshot.iter().find(|d| &d.id == id)?;
-        self.prepared.answer(device, self.backend.generation())
+        let snapshot = self.devices.borrow().clone();
+        self.prepared
+            .answer(find(&snapshot, id)?, self.backend.generation())
     }
 }
 

@@ -7,10 +7,12 @@
 //! Allocate waits behind at most one). A single-device Allocate whose device is exactly as it was
 //! prepared for is answered from memory, like a plugin that computed its answers at start.
 //! Everything else calls the module: several devices, an answer not ready yet, a device that
-//! changed since, a preparation that failed (never kept: the live call reports the module's own
-//! error to the kubelet; not retried until the device or the module changes, except when the
-//! module was only down for the moment, restarting after a crash). Answers are charged to the module's host-memory budget and dropped when
-//! they no longer fit.
+//! changed since, a preparation that failed. An error the module returns is not retried until
+//! the device or the module changes (the live call reports the module's own error to the
+//! kubelet); a crash or a missed deadline stops preparation for that module version, since each
+//! costs the kubelet's calls a fresh instance, so asking ahead costs at most one; a module down
+//! for the moment is asked again after the next enumeration. Answers are charged to the module's
+//! host-memory budget: past it the rest are answered live, and asked again once room is freed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,7 +21,7 @@ use tokio::sync::{Notify, watch};
 
 use super::api::deviceplugin as api;
 use super::backend::{BackendError, DeviceBackend};
-use super::plugin_server::{Snapshot, edits_to_wire};
+use super::plugin_server::{Snapshot, edits_to_wire, find};
 use crate::device::{Device, Health};
 
 /// One resource's prepared answers, shared by its preparer and its server.
@@ -43,16 +45,26 @@ pub struct Progress {
 struct Answers {
     by_id: HashMap<String, Entry>,
     bytes: usize,
+    /// The module version preparation stopped for: it crashed or overran while being prepared,
+    /// and a crash costs the kubelet's calls a restart, so it is not asked ahead again.
+    stopped: Option<u64>,
 }
 
 struct Entry {
     /// The device as it was when the module answered; the answer holds only while it is unchanged.
     device: Device,
     generation: u64,
-    /// None: the module failed, or the answer did not fit the budget; not tried again until the
-    /// device or the module changes.
-    answer: Option<api::ContainerAllocateResponse>,
+    kept: Kept,
     bytes: usize,
+}
+
+enum Kept {
+    Answer(api::ContainerAllocateResponse),
+    /// The module answered with an error: not asked again until the device or the module
+    /// changes.
+    Failed,
+    /// The answer did not fit the module's budget: asked again once room is freed.
+    OverBudget,
 }
 
 impl Default for Prepared {
@@ -85,18 +97,21 @@ impl Prepared {
     ) -> Option<api::ContainerAllocateResponse> {
         let answers = self.lock();
         let entry = answers.by_id.get(&device.id)?;
-        if entry.generation != generation || entry.device != *device {
-            return None;
+        match &entry.kept {
+            Kept::Answer(a) if entry.generation == generation && entry.device == *device => {
+                Some(a.clone())
+            }
+            _ => None,
         }
-        entry.answer.clone()
     }
 
-    /// Whether an answer is ready for the device with this ID (status shows it).
+    /// Whether an answer is ready for the device with this ID, as of the preparer's last round
+    /// (status shows it).
     pub fn is_ready(&self, id: &str) -> bool {
         self.lock()
             .by_id
             .get(id)
-            .is_some_and(|e| e.answer.is_some())
+            .is_some_and(|e| matches!(e.kept, Kept::Answer(_)))
     }
 
     /// Follows the preparer.
@@ -108,7 +123,7 @@ impl Prepared {
         let ready = answers
             .by_id
             .values()
-            .filter(|e| e.answer.is_some())
+            .filter(|e| matches!(e.kept, Kept::Answer(_)))
             .count();
         self.progress
             .send_if_modified(|now| std::mem::replace(&mut now.ready, ready) != ready);
@@ -118,30 +133,49 @@ impl Prepared {
         self.progress.send_modify(|now| now.rounds += 1);
     }
 
-    /// Drops every entry that no longer holds (device gone or changed, another module version)
-    /// and returns the first Healthy device that has none.
-    fn next_to_prepare(&self, snapshot: &[Device], generation: u64) -> Option<Device> {
+    /// Starts a round: drops every entry that no longer holds (device gone or changed, another
+    /// module version), charges what is left to the budget (dropping it all when the devices
+    /// have grown into the room it took), and returns the Healthy devices to ask for, in order.
+    fn begin_round<B: DeviceBackend>(
+        &self,
+        backend: &B,
+        resource: &str,
+        snapshot: &[Device],
+        generation: u64,
+    ) -> Vec<Device> {
         let mut answers = self.lock();
-        let before = answers.by_id.len();
+        let mut freed = false;
         answers.by_id.retain(|id, e| {
-            e.generation == generation
-                && snapshot
-                    .iter()
-                    .find(|d| d.id == *id)
-                    .is_some_and(|d| *d == e.device)
+            let holds =
+                e.generation == generation && find(snapshot, id).is_some_and(|d| *d == e.device);
+            freed |= !holds && e.bytes > 0;
+            holds
         });
-        if answers.by_id.len() != before {
-            answers.bytes = answers.by_id.values().map(|e| e.bytes).sum();
-            self.publish_count(&answers);
+        if freed {
+            answers
+                .by_id
+                .retain(|_, e| !matches!(e.kept, Kept::OverBudget));
+        }
+        answers.bytes = answers.by_id.values().map(|e| e.bytes).sum();
+        if let Err(why) = backend.keep_answers(resource, answers.bytes) {
+            tracing::debug!(resource, "dropping the prepared Allocate answers: {why}");
+            answers.by_id.clear();
+            answers.bytes = 0;
+            let _ = backend.keep_answers(resource, 0);
+        }
+        self.publish_count(&answers);
+        if answers.stopped == Some(generation) {
+            return Vec::new();
         }
         snapshot
             .iter()
-            .find(|d| d.health == Health::Healthy && !answers.by_id.contains_key(&d.id))
+            .filter(|d| d.health == Health::Healthy && !answers.by_id.contains_key(&d.id))
             .cloned()
+            .collect()
     }
 
-    /// Keeps the module's answer for `device`, if the device and the module are still as they
-    /// were when it was asked and the budget allows.
+    /// Keeps what the module answered for `device`, if the device and the module are still as
+    /// they were when it was asked.
     fn store<B: DeviceBackend>(
         &self,
         backend: &B,
@@ -149,49 +183,43 @@ impl Prepared {
         device: Device,
         generation: u64,
         answer: Option<api::ContainerAllocateResponse>,
-        current: &Snapshot,
+        current: &[Device],
     ) {
-        if backend.generation() != generation || !current.contains(&device) {
+        let still = find(current, &device.id).is_some_and(|d| *d == device);
+        if backend.generation() != generation || !still {
             return;
         }
         let mut answers = self.lock();
-        let bytes = answer.as_ref().map_or(0, cost);
-        let mut answer = answer;
-        if bytes > 0 {
-            let total = answers.bytes.saturating_add(bytes);
-            if let Err(why) = backend.keep_answers(resource, total) {
-                tracing::debug!(resource, "not preparing more Allocate answers: {why}");
-                answer = None;
+        let (kept, bytes) = match answer {
+            None => (Kept::Failed, 0),
+            Some(answer) => {
+                let bytes = cost(&answer);
+                let total = answers.bytes.saturating_add(bytes);
+                match backend.keep_answers(resource, total) {
+                    Ok(()) => (Kept::Answer(answer), bytes),
+                    Err(why) => {
+                        tracing::debug!(resource, "not keeping more Allocate answers: {why}");
+                        (Kept::OverBudget, 0)
+                    }
+                }
             }
-        }
-        let kept = if answer.is_some() { bytes } else { 0 };
-        answers.bytes = answers.bytes.saturating_add(kept);
+        };
+        answers.bytes = answers.bytes.saturating_add(bytes);
         answers.by_id.insert(
             device.id.clone(),
             Entry {
                 device,
                 generation,
-                answer,
-                bytes: kept,
+                kept,
+                bytes,
             },
         );
         self.publish_count(&answers);
     }
 
-    /// Charges the answers again (the devices may have grown into the budget); drops them all when
-    /// they no longer fit.
-    fn recharge<B: DeviceBackend>(&self, backend: &B, resource: &str) {
-        let mut answers = self.lock();
-        if let Err(why) = backend.keep_answers(resource, answers.bytes) {
-            tracing::debug!(resource, "dropping prepared Allocate answers: {why}");
-            for e in answers.by_id.values_mut() {
-                e.answer = None;
-                e.bytes = 0;
-            }
-            answers.bytes = 0;
-            let _ = backend.keep_answers(resource, 0);
-            self.publish_count(&answers);
-        }
+    /// No more asking ahead for this module version.
+    fn stop(&self, generation: u64) {
+        self.lock().stopped = Some(generation);
     }
 }
 
@@ -238,31 +266,36 @@ pub async fn prepare_answers<B: DeviceBackend>(
             _ = wake.notified() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        prepared.recharge(&backend, &resource);
-        loop {
-            let snapshot = devices.borrow().clone();
-            let generation = backend.generation();
-            let Some(device) = prepared.next_to_prepare(&snapshot, generation) else {
-                prepared.round_done();
-                break;
-            };
+        let snapshot = devices.borrow().clone();
+        let generation = backend.generation();
+        for device in prepared.begin_round(&backend, &resource, &snapshot, generation) {
+            let id = device.id.clone();
             let asked = tokio::select! {
-                asked = backend.allocate(&resource, vec![device.id.clone()]) => asked,
+                asked = backend.allocate(&resource, vec![id.clone()]) => asked,
                 _ = stop.wait_for(|s| *s) => return,
             };
             let answer = match asked {
                 Ok(edits) => Some(edits_to_wire(edits)),
+                Err(BackendError::Failed(_)) => None,
                 // Down for now, the call not run (restarting after a crash): try again after the
                 // next enumeration.
-                Err(BackendError::Unavailable(_)) => {
-                    prepared.round_done();
+                Err(BackendError::Unavailable(_)) => break,
+                Err(e @ (BackendError::Crashed(_) | BackendError::Deadline(_))) => {
+                    tracing::warn!(
+                        module = backend.name(),
+                        resource,
+                        device = id,
+                        "preparing the Allocate answer failed ({e}); no more answers are prepared \
+                         for this module version: each Allocate asks the module"
+                    );
+                    prepared.stop(generation);
                     break;
                 }
-                Err(_) => None,
             };
             let current = devices.borrow().clone();
             prepared.store(&backend, &resource, device, generation, answer, &current);
         }
+        prepared.round_done();
     }
 }
 
@@ -272,12 +305,14 @@ mod tests {
     use crate::device::ContainerEdits;
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-    /// Answers `DEV=<id>@<version>`; fails for `broken`; keeps at most `budget` bytes.
+    /// Answers `DEV=<id>@<version>`; returns an error for `broken`, crashes on `crash`; keeps at
+    /// most `budget` bytes.
     #[derive(Clone)]
     struct Fake {
         version: Arc<AtomicU64>,
         calls: Arc<AtomicUsize>,
         broken: &'static str,
+        crash: &'static str,
         budget: usize,
         down: Arc<AtomicBool>,
     }
@@ -288,6 +323,7 @@ mod tests {
                 version: Arc::default(),
                 calls: Arc::default(),
                 broken: "broken",
+                crash: "crash",
                 budget,
                 down: Arc::default(),
             }
@@ -317,6 +353,9 @@ mod tests {
                 return Err(BackendError::Unavailable("restarting".into()));
             }
             if ids.iter().any(|id| id == self.broken) {
+                return Err(BackendError::Failed("no such device".into()));
+            }
+            if ids.iter().any(|id| id == self.crash) {
                 return Err(BackendError::Crashed("trapped on this device".into()));
             }
             let version = self.version.load(Ordering::SeqCst);
@@ -473,6 +512,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_crash_while_preparing_stops_preparation_until_the_next_version() {
+        let fake = Fake::new(usize::MAX);
+        let b = device("b", Health::Healthy, "40C");
+        let crash = device("crash", Health::Healthy, "40C");
+        let mut r = Running::start(&fake, vec![b.clone(), crash.clone()]);
+        r.enumerated(None, 1).await;
+        assert_eq!(fake.calls(), 2, "b prepared, then the crash");
+        // Readings that change at every enumeration ask nothing more of this version.
+        for t in ["41C", "42C", "43C"] {
+            let warmer = vec![
+                device("b", Health::Healthy, t),
+                device("crash", Health::Healthy, t),
+            ];
+            r.enumerated(Some(warmer), 0).await;
+        }
+        assert_eq!(fake.calls(), 2, "at most one crash per module version");
+        fake.version.store(1, Ordering::SeqCst);
+        r.enumerated(None, 1).await;
+        assert_eq!(fake.calls(), 4, "a new version is asked again");
+    }
+
+    #[tokio::test]
     async fn a_module_down_for_now_is_asked_again_after_the_next_enumeration() {
         let fake = Fake::new(usize::MAX);
         let a = device("a", Health::Healthy, "40C");
@@ -496,10 +557,20 @@ mod tests {
             .collect();
         let mut r = Running::start(&fake, devices.clone());
         r.enumerated(None, 2).await;
-        let ready = devices.iter().filter(|d| r.env(d, 0).is_some()).count();
+        let ready: Vec<_> = devices.iter().filter(|d| r.env(d, 0).is_some()).collect();
         assert_eq!(
-            ready, 2,
+            ready.len(),
+            2,
             "two answers fit the budget, the others are served live"
         );
+        let calls = fake.calls();
+        r.enumerated(None, 2).await;
+        assert_eq!(fake.calls(), calls, "no room, nothing asked again");
+
+        let gone = ready[0].id.clone();
+        let fewer: Vec<Device> = devices.iter().filter(|d| d.id != gone).cloned().collect();
+        r.enumerated(Some(fewer.clone()), 2).await;
+        let now_ready = fewer.iter().filter(|d| r.env(d, 0).is_some()).count();
+        assert_eq!(now_ready, 2, "the room a device freed is used for another");
     }
 }
