@@ -103,7 +103,10 @@ pub fn method() -> Vec<String> {
          each; measuring starts once `devicelet status` shows every device's answer prepared. \
          The two-device rows repeat this with `fuse-0` and `fuse-1` in one container, which \
          the agent never prepares, so the module is called every time; their trivial plugin \
-         answers the module's two-device answer.",
+         answers the module's two-device answer. The calibration row runs the same client \
+         against a second copy of the trivial plugin and the first: the spread it shows between \
+         two identical servers is what this machine cannot resolve, and the one-device ratio is \
+         judged against 1 or that spread, whichever is larger.",
         "2: the misbehaving module with `devices = 64`, `numa = 2` (device i on NUMA node i % 2) \
          and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
