@@ -12,4 +12,5 @@ pub mod files;
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;
+pub mod policy;
 pub mod sandbox;

@@ -230,6 +230,11 @@ pub trait Plugin: Sized + 'static {
     /// The kubelet treats the answer as a hint, but a good one (same NUMA node, same switch,
     /// spread over physical devices) is the point of asking. The default is
     /// [`default_preferred`].
+    ///
+    /// Only implement it for a preference the host cannot make: without it, the host answers
+    /// for the resource itself from the devices' `numa_nodes` (all of `must_include`, then the
+    /// fewest NUMA nodes, then packed or distributed, per the registry's `allocation-policy`),
+    /// and the registry can put that policy over this method too.
     fn preferred(
         &mut self,
         resource: &str,
@@ -325,7 +330,8 @@ impl ResourceInfo {
         self
     }
 
-    /// Asks the kubelet to call [`Plugin::preferred`] before each allocation.
+    /// Asks the kubelet to call [`Plugin::preferred`] before each allocation (without it, the
+    /// host answers the kubelet's call with its own NUMA-aware policy).
     pub fn with_preferred_allocation(mut self, preferred: bool) -> Self {
         self.preferred_allocation = preferred;
         self

@@ -4,7 +4,8 @@
 use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use devicelet::kubelet::api::deviceplugin::{DeviceSpec, PreStartContainerRequest};
 use devicelet::kubelet::uds;
-use devicelet_tests::{Node, WAIT, generic_dev};
+use devicelet_tests::{Node, WAIT, generic_dev, misbehaving};
+use std::collections::HashSet;
 use std::os::unix::fs::PermissionsExt;
 
 const FUSE_AND_SERIAL: &str = r#"groups = [
@@ -30,7 +31,10 @@ async fn module_registers_and_streams_its_first_snapshot() {
     assert!(fuse.devices.iter().all(|d| d.health == "Healthy"));
     assert_eq!((fuse.capacity, fuse.allocatable), (3, 3));
     assert!(!fuse.options.pre_start_required);
-    assert!(!fuse.options.get_preferred_allocation_available);
+    assert!(
+        fuse.options.get_preferred_allocation_available,
+        "generic-dev has no preference of its own: the host answers"
+    );
     assert!(fuse.endpoint.ends_with(".sock") && !fuse.endpoint.contains('/'));
     let mode = std::fs::metadata(node.plugin_dir().join(&fuse.endpoint))
         .expect("our socket exists")
@@ -237,4 +241,143 @@ async fn a_sixty_three_character_resource_name_registers() {
         .await
         .expect("and serves Allocate");
     agent.shutdown().await;
+}
+
+/// The NUMA node the misbehaving module puts `dev-<i>` on, with `numa = 2`.
+fn numa_of(id: &str) -> u32 {
+    id.trim_start_matches("dev-")
+        .parse::<u32>()
+        .expect("dev-<i>")
+        % 2
+}
+
+/// GetPreferredAllocation straight on the resource's socket, as the kubelet asks it.
+async fn preferred_on_socket(
+    agent: &devicelet::agent::Agent,
+    resource: &str,
+    available: &[&str],
+    must_include: &[&str],
+    size: i32,
+) -> Vec<String> {
+    use devicelet::kubelet::api::deviceplugin::{
+        ContainerPreferredAllocationRequest, PreferredAllocationRequest,
+    };
+    let served = agent.resource(resource).expect("served");
+    let mut plugin = DevicePluginClient::new(uds::connect(&served.socket).await.expect("dial"));
+    let strings = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect();
+    let answer = plugin
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: strings(available),
+                must_include_device_i_ds: strings(must_include),
+                allocation_size: size,
+            }],
+        })
+        .await
+        .expect("preferred allocation")
+        .into_inner();
+    answer.container_responses[0].device_i_ds.clone()
+}
+
+const EIGHT_ON_TWO_NODES: &str = "resource = \"gpu\"\ndevices = 8\nnuma = 2";
+const ALL: [&str; 8] = [
+    "dev-0", "dev-1", "dev-2", "dev-3", "dev-4", "dev-5", "dev-6", "dev-7",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_without_preferred_gets_the_hosts_numa_aligned_preference() {
+    let node = Node::new().await;
+    let agent = node
+        .start_agent(&misbehaving(
+            "gpus",
+            &format!("{EIGHT_ON_TWO_NODES}\nswitch = \"/sys/testing/switch\""),
+            "1s",
+        ))
+        .await;
+    let gpu = node
+        .kubelet
+        .wait_until("devicelet.io/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("served");
+    assert!(
+        gpu.options.get_preferred_allocation_available,
+        "the host offers the call the module does not"
+    );
+
+    // Through the kubelet's own selection: it takes the preference.
+    let first = node
+        .kubelet
+        .allocate("devicelet.io/gpu", 3)
+        .await
+        .expect("allocate");
+    assert_eq!(first.preferred.as_deref(), Some(&first.device_ids[..]));
+    let nodes: HashSet<u32> = first.device_ids.iter().map(|id| numa_of(id)).collect();
+    assert_eq!(nodes.len(), 1, "one NUMA node: {:?}", first.device_ids);
+
+    // A device reused from an init container pulls the rest to its node.
+    let chosen = preferred_on_socket(&agent, "devicelet.io/gpu", &ALL, &["dev-5"], 3).await;
+    assert_eq!(chosen[0], "dev-5");
+    assert!(chosen.iter().all(|id| numa_of(id) == 1), "{chosen:?}");
+
+    // A device gone Unhealthy is passed over; the others are still chosen.
+    node.tree
+        .write_file("/sys/testing/switch", "unhealthy")
+        .expect("switch");
+    node.kubelet
+        .wait_until("devicelet.io/gpu", WAIT, |r| r.allocatable == 0)
+        .await
+        .expect("unhealthy");
+    let chosen = preferred_on_socket(&agent, "devicelet.io/gpu", &ALL, &[], 2).await;
+    assert!(
+        chosen.is_empty(),
+        "no healthy device to prefer, and no error: {chosen:?}"
+    );
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_picks_who_answers_preferred_allocation() {
+    let modules_own = format!("{EIGHT_ON_TWO_NODES}\npreferred = \"ok\"");
+    for (policy, expect) in [
+        // The module's own answer: the last `size` IDs offered, across both nodes.
+        ("module", Some(vec!["dev-6", "dev-7"])),
+        ("packed", None),
+        ("distributed", None),
+    ] {
+        let node = Node::new().await;
+        let registry = misbehaving("gpus", &modules_own, "1s").replace(
+            "memory-limit =",
+            &format!("allocation-policy = \"{policy}\"\nmemory-limit ="),
+        );
+        let agent = node.start_agent(&registry).await;
+        node.kubelet
+            .wait_until("devicelet.io/gpu", WAIT, |r| r.allocatable == 8)
+            .await
+            .expect("served");
+        let chosen = preferred_on_socket(&agent, "devicelet.io/gpu", &ALL, &[], 2).await;
+        match expect {
+            Some(ids) => assert_eq!(chosen, ids, "{policy}"),
+            None => {
+                let nodes: HashSet<u32> = chosen.iter().map(|id| numa_of(id)).collect();
+                assert_eq!((chosen.len(), nodes.len()), (2, 1), "{policy}: {chosen:?}");
+            }
+        }
+        agent.shutdown().await;
+    }
+
+    let node = Node::new().await;
+    let registry = misbehaving("gpus", &modules_own, "1s").replace(
+        "memory-limit =",
+        "allocation-policy = \"none\"\nmemory-limit =",
+    );
+    let _agent = node.start_agent(&registry).await;
+    let gpu = node
+        .kubelet
+        .wait_until("devicelet.io/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("served");
+    assert!(
+        !gpu.options.get_preferred_allocation_available,
+        "none: the kubelet chooses"
+    );
 }

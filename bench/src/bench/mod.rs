@@ -108,7 +108,12 @@ pub fn method() -> Vec<String> {
          two identical servers is what this machine cannot resolve, and the one-device ratio is \
          judged against 1 or that spread, whichever is larger.",
         "2: the misbehaving module with `devices = 64`, `numa = 2` (device i on NUMA node i % 2) \
-         and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4.",
+         and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4. The host \
+         policy row: the same module with `devices = 256`, `numa = 8` and no `preferred`, so \
+         the host's default (`packed`) answers; each call offers all 256 and asks for 8. The \
+         policy-alone row calls the host's choice directly on 256 devices (device i on node \
+         i % 8) with the devices whose ID ends in 0 taken except on node 7, one must-include \
+         device, 8 wanted, half the calls packed and half distributed.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
          runs from just before the spawn until the simulator in the bench process has every \
          resource registered, streaming, with a first snapshot. Modules are distinct files: \

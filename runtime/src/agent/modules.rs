@@ -129,7 +129,7 @@ pub fn serve_all(
 
 /// Upgrades `old` to `handle` (a new version of its file or registry entry, loaded and
 /// initialised) without the kubelet seeing the resources go: each resource the new version
-/// still declares (same name, same health interval and `allocate-ahead`) keeps its socket, registration and
+/// still declares (same name, same health interval, `allocate-ahead` and `allocation-policy`) keeps its socket, registration and
 /// ListAndWatch stream, and is re-enumerated at once through the new version. One whose
 /// options change registers again on the same socket. Resources no longer declared stop, new
 /// ones are served.
@@ -144,7 +144,8 @@ pub async fn upgrade(
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
     // The watcher's interval and the preparer are set when a resource starts serving.
     let same_interval = old.spec.health_interval == spec.health_interval
-        && old.spec.allocate_ahead == spec.allocate_ahead;
+        && old.spec.allocate_ahead == spec.allocate_ahead
+        && old.spec.allocation_policy == spec.allocation_policy;
     let RunningModule {
         slot, resources, ..
     } = old;
@@ -194,6 +195,7 @@ fn serve_planned(
             resource_domain: &spec.resource_domain,
             health_interval: spec.health_interval,
             allocate_ahead: spec.allocate_ahead,
+            allocation_policy: spec.allocation_policy,
         };
         match resource::serve(slot, &owner, info, at) {
             Ok(r) => resources.push(r),

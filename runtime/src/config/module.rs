@@ -49,6 +49,8 @@ pub struct ModuleSpec {
     /// and answers the kubelet's single-device Allocates from those answers while the device is
     /// unchanged (`kubelet::prepared`). Off: every Allocate calls the module.
     pub allocate_ahead: bool,
+    /// Who answers GetPreferredAllocation for the module's resources.
+    pub allocation_policy: crate::policy::AllocationPolicy,
     /// What the module may read from the host.
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
@@ -69,6 +71,7 @@ const KEYS: &[&str] = &[
     "host-memory",
     "sha256",
     "allocate-ahead",
+    "allocation-policy",
     "grants",
     "config",
 ];
@@ -97,6 +100,7 @@ pub(super) fn parse(
     let mut host_memory = DEFAULT_HOST_MEMORY;
     let mut sha256 = None;
     let mut allocate_ahead = true;
+    let mut allocation_policy = crate::policy::AllocationPolicy::default();
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
     let mut config_at = node.location();
@@ -135,6 +139,7 @@ pub(super) fn parse(
                     .as_bool()
                     .ok_or_else(|| node.type_error("true or false"))?
             }
+            "allocation-policy" => allocation_policy = policy(node)?,
             "grants" => grants = grants::parse(node)?,
             "config" => {
                 config = json::config(node)?;
@@ -158,6 +163,7 @@ pub(super) fn parse(
             host_memory,
             sha256,
             allocate_ahead,
+            allocation_policy,
             grants,
             config,
             config_at,
@@ -181,6 +187,22 @@ pub(super) fn resource_domain_of(node: &Node<'_>) -> Result<String, RegistryErro
     names::check_resource_domain(text)
         .map_err(|(index, message)| node.error_in_str(index, message))?;
     Ok(text.to_string())
+}
+
+fn policy(node: &Node<'_>) -> Result<crate::policy::AllocationPolicy, RegistryError> {
+    use crate::policy::AllocationPolicy;
+    let text = node.str()?;
+    Ok(match text {
+        "module" => AllocationPolicy::Module,
+        "packed" => AllocationPolicy::Packed,
+        "distributed" => AllocationPolicy::Distributed,
+        "none" => AllocationPolicy::None,
+        _ => {
+            return Err(node.error(format!(
+                "unknown allocation policy {text:?}: expected \"module\", \"packed\", \"distributed\" or \"none\""
+            )));
+        }
+    })
 }
 
 fn duration(node: &Node<'_>, min: Duration, max: Duration) -> Result<Duration, RegistryError> {

@@ -70,6 +70,7 @@ call-deadline = "3s"
 memory-limit = "128MiB"
 sha256 = "0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789ABCDEF"
 allocate-ahead = false
+allocation-policy = "distributed"
 
 [module.grants]
 sysfs = ["/sys/bus/pci/devices/*"]
@@ -109,6 +110,10 @@ path = "/opt/devicelet/usb.wasm"
         Some(&*"0123456789abcdef".repeat(4))
     );
     assert!(!generic.allocate_ahead);
+    assert_eq!(
+        generic.allocation_policy,
+        crate::policy::AllocationPolicy::Distributed
+    );
     let patterns = |ps: &[glob::Pattern]| {
         ps.iter()
             .map(|p| p.as_str().to_string())
@@ -263,6 +268,17 @@ fn unknown_module_key() {
         8,
         Some("module[1].health_interval"),
         "did you mean `health-interval`?",
+    );
+}
+
+#[test]
+fn an_unknown_allocation_policy_names_the_choices() {
+    let text = format!("{MINIMAL}allocation-policy = \"spread\"\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].allocation-policy"),
+        "expected \"module\", \"packed\", \"distributed\" or \"none\"",
     );
 }
 

@@ -15,6 +15,7 @@ use super::backend::{BackendError, DeviceBackend};
 use super::prepared::Prepared;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
+use crate::policy::{Preferred, preferred};
 
 /// The device set the kubelet sees: replaced as a whole whenever anything in it changes. Sorted
 /// by ID (the watcher sorts each one), so [`find`] is a binary search.
@@ -37,6 +38,8 @@ pub struct Watches {
     pub stop: watch::Receiver<bool>,
     /// Answers prepared ahead of time for single devices (empty when the module opted out).
     pub prepared: Prepared,
+    /// Who answers GetPreferredAllocation (the module, the host's policy, nobody).
+    pub preferred: watch::Receiver<Preferred>,
 }
 
 /// What the kubelet reaches through one socket.
@@ -55,6 +58,7 @@ pub struct ResourcePlugin<B> {
     /// Flips to true when the agent stops, ending every ListAndWatch stream.
     stop: watch::Receiver<bool>,
     prepared: Prepared,
+    preferred: watch::Receiver<Preferred>,
 }
 
 impl<B: Clone> Clone for ResourcePlugin<B> {
@@ -69,6 +73,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             ledger: self.ledger.clone(),
             stop: self.stop.clone(),
             prepared: self.prepared.clone(),
+            preferred: self.preferred.clone(),
         }
     }
 }
@@ -135,6 +140,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             devices,
             stop,
             prepared,
+            preferred,
         } = watches;
         ResourcePlugin {
             resource: resource.into(),
@@ -146,6 +152,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             ledger,
             stop,
             prepared,
+            preferred,
         }
     }
 
@@ -261,21 +268,40 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         request: Request<api::PreferredAllocationRequest>,
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
         let mut container_responses = Vec::new();
+        let who = *self.preferred.borrow();
         for c in request.into_inner().container_requests {
             let size = u32::try_from(c.allocation_size)
                 .map_err(|_| Status::invalid_argument("allocation_size is negative"))?;
             self.known(&c.available_device_i_ds)?;
             self.known(&c.must_include_device_i_ds)?;
-            let ids = self
-                .backend
-                .preferred(
-                    &self.local,
-                    c.available_device_i_ds,
-                    c.must_include_device_i_ds,
-                    size,
-                )
-                .await
-                .map_err(status)?;
+            let ids = match who {
+                Preferred::Host(spread) => {
+                    let snapshot = self.devices.borrow().clone();
+                    preferred::choose(
+                        &snapshot,
+                        &c.available_device_i_ds,
+                        &c.must_include_device_i_ds,
+                        usize::try_from(size).unwrap_or(usize::MAX),
+                        spread,
+                    )
+                }
+                Preferred::Module => self
+                    .backend
+                    .preferred(
+                        &self.local,
+                        c.available_device_i_ds,
+                        c.must_include_device_i_ds,
+                        size,
+                    )
+                    .await
+                    .map_err(status)?,
+                Preferred::Off => {
+                    return Err(Status::failed_precondition(format!(
+                        "{} does not offer preferred allocation",
+                        self.resource
+                    )));
+                }
+            };
             container_responses
                 .push(api::ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
@@ -417,6 +443,7 @@ mod tests {
                 devices,
                 stop,
                 prepared: Prepared::default(),
+                preferred: watch::channel(Preferred::Module).1,
             },
         );
         (plugin, calls, devices_tx, stop_tx)

@@ -15,6 +15,7 @@ use super::prepared::{self, Prepared};
 use super::watcher::{self, Signals};
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
+use crate::policy::{AllocationPolicy, Preferred};
 
 /// A resource the agent serves, as others (status, tests) may observe it.
 #[derive(Debug, Clone)]
@@ -42,6 +43,9 @@ pub struct RunningResource {
     /// Wakes the device watcher for an immediate re-enumeration.
     pub poke: Arc<Notify>,
     options: watch::Sender<DevicePluginOptions>,
+    /// Who answers GetPreferredAllocation: follows the module's declaration and the registry.
+    preferred: watch::Sender<Preferred>,
+    policy: AllocationPolicy,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -61,7 +65,9 @@ impl RunningResource {
     /// Puts an upgraded module's options in force: if they differ, the ListAndWatch streams end,
     /// the kubelet is let disconnect, and the resource registers again on the same socket.
     pub fn set_options(&self, info: &ResourceInfo) {
-        let next = options_of(info);
+        let who = self.policy.for_resource(info.preferred_allocation);
+        self.preferred.send_replace(who);
+        let next = options_of(info, who);
         self.options.send_if_modified(|now| {
             let changed = *now != next;
             *now = next;
@@ -87,10 +93,10 @@ impl RunningResource {
     }
 }
 
-fn options_of(info: &ResourceInfo) -> DevicePluginOptions {
+fn options_of(info: &ResourceInfo, preferred: Preferred) -> DevicePluginOptions {
     DevicePluginOptions {
         pre_start_required: info.prestart,
-        get_preferred_allocation_available: info.preferred_allocation,
+        get_preferred_allocation_available: preferred != Preferred::Off,
     }
 }
 
@@ -165,6 +171,8 @@ pub struct Owner<'a> {
     pub health_interval: std::time::Duration,
     /// Whether single-device Allocate answers are prepared ahead of time.
     pub allocate_ahead: bool,
+    /// Who answers GetPreferredAllocation.
+    pub allocation_policy: AllocationPolicy,
 }
 
 /// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
@@ -177,7 +185,11 @@ pub fn serve<B: DeviceBackend>(
 ) -> Result<RunningResource, String> {
     let name = servable_name(spec.resource_domain, info)?;
     let endpoint = endpoint_name(&name, at.instance);
-    let (options_tx, options) = watch::channel(options_of(info));
+    let who = spec
+        .allocation_policy
+        .for_resource(info.preferred_allocation);
+    let (preferred_tx, preferred) = watch::channel(who);
+    let (options_tx, options) = watch::channel(options_of(info, who));
     let (streams_tx, streams) = watch::channel(0u64);
     let (stop_tx, stop) = watch::channel(false);
 
@@ -223,6 +235,7 @@ pub fn serve<B: DeviceBackend>(
             devices: devices.clone(),
             stop: stop.clone(),
             prepared: prepared.clone(),
+            preferred,
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
@@ -255,6 +268,8 @@ pub fn serve<B: DeviceBackend>(
         poke,
         local: info.name.clone(),
         options: options_tx,
+        preferred: preferred_tx,
+        policy: spec.allocation_policy,
         stop: stop_tx,
         tasks,
     })

@@ -1,0 +1,39 @@
+//! What the host decides for every resource, whatever module serves it: pure functions over the
+//! device snapshot, free of WebAssembly and of gRPC, so they are tested and measured alone.
+
+pub mod preferred;
+
+/// Who answers a resource's GetPreferredAllocation, as the registry's `allocation-policy` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AllocationPolicy {
+    /// The module's own `preferred` when it asks for the call, the host's `packed` otherwise.
+    #[default]
+    Module,
+    /// The host, filling NUMA nodes (and devices) with the fewest free first.
+    Packed,
+    /// The host, spreading over the NUMA nodes it chose.
+    Distributed,
+    /// Nobody: the kubelet picks devices itself.
+    None,
+}
+
+/// Who answers GetPreferredAllocation for one resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preferred {
+    Module,
+    Host(preferred::Spread),
+    Off,
+}
+
+impl AllocationPolicy {
+    /// Who answers for a resource whose module does (or does not) ask for preferred calls.
+    pub fn for_resource(self, module_offers: bool) -> Preferred {
+        use preferred::Spread;
+        match self {
+            AllocationPolicy::Module if module_offers => Preferred::Module,
+            AllocationPolicy::Module | AllocationPolicy::Packed => Preferred::Host(Spread::Packed),
+            AllocationPolicy::Distributed => Preferred::Host(Spread::Distributed),
+            AllocationPolicy::None => Preferred::Off,
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! GetPreferredAllocation answered by the host, for any resource: every `must_include` device,
+//! then the fewest NUMA nodes that can hold the rest, then `packed` or `distributed` among them.
+//!
+//! The kubelet's topology manager has already narrowed `available` to NUMA-aligned candidates (plus
+//! devices reused from init containers, passed in `must_include`), but within a hint spanning
+//! several nodes it takes whatever the plugin prefers, and without a preference it takes IDs in
+//! order. So the answer keeps a container on as few NUMA nodes as it can; `packed` then fills the
+//! nodes with the fewest free devices first (keeping whole nodes free for the next large request),
+//! `distributed` spreads the devices over the chosen nodes. Unhealthy devices are never chosen
+//! unless the kubelet must include them, and one never makes the answer fail for the others.
+//!
+//! The answer is advisory: the kubelet checks it and falls back to its own choice.
+
+use std::collections::{BTreeMap, HashSet};
+
+use crate::device::{Device, Health};
+
+/// How the host spreads a container's devices over the NUMA nodes it chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spread {
+    /// Fill the node with the fewest free devices first.
+    Packed,
+    /// Take one device from each chosen node in turn, the node with the most free first.
+    Distributed,
+}
+
+/// Most distinct NUMA nodes the subset search tells apart (2^12 subsets); devices on nodes seen
+/// after those count as fitting anywhere.
+const MAX_NODES: usize = 12;
+
+/// `size` IDs: all of `must_include` first, then candidates from `available` chosen as the module
+/// doc says. `snapshot` is the resource's current device list, sorted by ID.
+pub fn choose(
+    snapshot: &[Device],
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+    spread: Spread,
+) -> Vec<String> {
+    let mut chosen: Vec<String> = Vec::with_capacity(size);
+    let mut taken: HashSet<&str> = HashSet::new();
+    for id in must_include {
+        if chosen.len() < size && taken.insert(id) {
+            chosen.push(id.clone());
+        }
+    }
+    if chosen.len() == size {
+        return chosen;
+    }
+    let need = size - chosen.len();
+    let device = |id: &str| crate::kubelet::plugin_server::find(snapshot, id);
+
+    // Each NUMA node seen gets a bit; a device's mask is the nodes it sits on (0: none known).
+    let mut bits: BTreeMap<i64, u32> = BTreeMap::new();
+    let mut mask_of = |d: &Device| -> u64 {
+        let mut mask = 0u64;
+        for node in &d.numa_nodes {
+            let next = bits.len() as u32;
+            let bit = *bits.entry(*node).or_insert(next);
+            if (bit as usize) < MAX_NODES {
+                mask |= 1 << bit;
+            }
+        }
+        mask
+    };
+    let required: u64 = chosen
+        .iter()
+        .filter_map(|id| device(id))
+        .fold(0, |m, d| m | mask_of(d));
+    let mut candidates: Vec<(&Device, u64)> = Vec::new();
+    for id in available {
+        if !taken.insert(id) {
+            continue;
+        }
+        if let Some(d) = device(id).filter(|d| d.health == Health::Healthy) {
+            candidates.push((d, mask_of(d)));
+        }
+    }
+    let nodes = bits.len().min(MAX_NODES);
+
+    let within = best_nodes(&candidates, required, need, nodes, spread);
+    let mut pool: Vec<(&Device, u64)> = candidates
+        .iter()
+        .copied()
+        .filter(|(_, m)| m & !within == 0)
+        .collect();
+    order(&mut pool, spread);
+    chosen.extend(pool.iter().take(need).map(|(d, _)| d.id.clone()));
+    if chosen.len() < size {
+        // Not enough within any node set: the rest, in the same order, still beats failing.
+        let mut rest: Vec<(&Device, u64)> = candidates
+            .iter()
+            .copied()
+            .filter(|(d, _)| !chosen.contains(&d.id))
+            .collect();
+        order(&mut rest, spread);
+        let missing = size - chosen.len();
+        chosen.extend(rest.iter().take(missing).map(|(d, _)| d.id.clone()));
+    }
+    chosen
+}
+
+/// The node set (as a mask) with the fewest nodes that includes `required` and holds `need`
+/// candidates; among equals, the tightest fit when packing, the roomiest when distributing. All
+/// nodes when none is big enough.
+fn best_nodes(
+    candidates: &[(&Device, u64)],
+    required: u64,
+    need: usize,
+    nodes: usize,
+    spread: Spread,
+) -> u64 {
+    let all = (1u64 << nodes) - 1;
+    let mut per_mask: BTreeMap<u64, usize> = BTreeMap::new();
+    for (_, m) in candidates {
+        *per_mask.entry(*m).or_default() += 1;
+    }
+    let mut best: Option<(u32, usize, u64)> = None;
+    for set in 0..=all {
+        if set & required != required {
+            continue;
+        }
+        let fits: usize = per_mask
+            .iter()
+            .filter(|(m, _)| *m & !set == 0)
+            .map(|(_, n)| n)
+            .sum();
+        if fits < need {
+            continue;
+        }
+        let rank = (set.count_ones(), fits, set);
+        let better = match best {
+            None => true,
+            Some((count, best_fits, _)) => {
+                rank.0 < count
+                    || (rank.0 == count
+                        && match spread {
+                            Spread::Packed => fits < best_fits,
+                            Spread::Distributed => fits > best_fits,
+                        })
+            }
+        };
+        if better {
+            best = Some(rank);
+        }
+    }
+    best.map_or(all, |(_, _, set)| set)
+}
+
+/// Puts `pool` in the order devices are taken.
+fn order(pool: &mut [(&Device, u64)], spread: Spread) {
+    let mut free: BTreeMap<u64, usize> = BTreeMap::new();
+    for (_, m) in pool.iter() {
+        *free.entry(*m).or_default() += 1;
+    }
+    match spread {
+        // The node set with the fewest free devices first, by ID within it.
+        Spread::Packed => {
+            pool.sort_by(|(a, am), (b, bm)| (free[am], am, &a.id).cmp(&(free[bm], bm, &b.id)))
+        }
+        // One from each node set in turn, the set with the most free first.
+        Spread::Distributed => {
+            pool.sort_by(|(a, am), (b, bm)| {
+                (std::cmp::Reverse(free[am]), am, &a.id).cmp(&(
+                    std::cmp::Reverse(free[bm]),
+                    bm,
+                    &b.id,
+                ))
+            });
+            let mut turn: BTreeMap<u64, usize> = BTreeMap::new();
+            let mut ranked: Vec<(usize, usize, (&Device, u64))> = pool
+                .iter()
+                .enumerate()
+                .map(|(at, entry)| {
+                    let n = turn.entry(entry.1).or_default();
+                    *n += 1;
+                    (*n, at, *entry)
+                })
+                .collect();
+            ranked.sort_by_key(|(round, at, _)| (*round, *at));
+            for (slot, (_, _, entry)) in pool.iter_mut().zip(ranked) {
+                *slot = entry;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(id: &str, numa: &[i64], health: Health) -> Device {
+        Device {
+            id: id.into(),
+            health,
+            numa_nodes: numa.to_vec(),
+            attributes: Vec::new(),
+        }
+    }
+
+    /// `per_node` healthy devices on each of `nodes` NUMA nodes: `n<node>-<i>`.
+    fn node(nodes: i64, per_node: usize) -> Vec<Device> {
+        let mut all: Vec<Device> = (0..nodes)
+            .flat_map(|n| {
+                (0..per_node).map(move |i| device(&format!("n{n}-{i}"), &[n], Health::Healthy))
+            })
+            .collect();
+        all.sort_by(|a, b| a.id.cmp(&b.id));
+        all
+    }
+
+    fn ids(devices: &[Device]) -> Vec<String> {
+        devices.iter().map(|d| d.id.clone()).collect()
+    }
+
+    fn strings(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn nodes_of(snapshot: &[Device], chosen: &[String]) -> HashSet<i64> {
+        chosen
+            .iter()
+            .flat_map(|id| {
+                crate::kubelet::plugin_server::find(snapshot, id)
+                    .unwrap()
+                    .numa_nodes
+                    .clone()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_request_that_fits_one_node_stays_on_one_node() {
+        let snapshot = node(2, 4);
+        for spread in [Spread::Packed, Spread::Distributed] {
+            let chosen = choose(&snapshot, &ids(&snapshot), &[], 3, spread);
+            assert_eq!(chosen.len(), 3);
+            assert_eq!(
+                nodes_of(&snapshot, &chosen).len(),
+                1,
+                "{spread:?}: {chosen:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn packed_fills_the_fuller_node_and_distributed_the_emptier() {
+        let snapshot = node(2, 4);
+        // Node 0 has one device taken already: 3 free there, 4 on node 1.
+        let available: Vec<String> = ids(&snapshot)
+            .into_iter()
+            .filter(|id| id != "n0-0")
+            .collect();
+        let packed = choose(&snapshot, &available, &[], 2, Spread::Packed);
+        assert_eq!(
+            nodes_of(&snapshot, &packed),
+            HashSet::from([0]),
+            "{packed:?}"
+        );
+        let spread = choose(&snapshot, &available, &[], 2, Spread::Distributed);
+        assert_eq!(
+            nodes_of(&snapshot, &spread),
+            HashSet::from([1]),
+            "{spread:?}"
+        );
+    }
+
+    #[test]
+    fn must_include_comes_first_and_pulls_the_rest_to_its_node() {
+        let snapshot = node(2, 4);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &strings(&["n1-3"]),
+            3,
+            Spread::Packed,
+        );
+        assert_eq!(chosen[0], "n1-3");
+        assert_eq!(nodes_of(&snapshot, &chosen), HashSet::from([1]));
+        assert_eq!(
+            chosen.iter().collect::<HashSet<_>>().len(),
+            3,
+            "no ID twice"
+        );
+    }
+
+    #[test]
+    fn a_request_larger_than_a_node_takes_the_fewest_nodes() {
+        let snapshot = node(4, 2);
+        let chosen = choose(&snapshot, &ids(&snapshot), &[], 4, Spread::Distributed);
+        assert_eq!(chosen.len(), 4);
+        assert_eq!(nodes_of(&snapshot, &chosen).len(), 2, "{chosen:?}");
+    }
+
+    #[test]
+    fn an_unhealthy_device_is_skipped_and_never_fails_the_answer() {
+        let mut snapshot = node(1, 3);
+        snapshot[0].health = Health::Unhealthy;
+        let chosen = choose(&snapshot, &ids(&snapshot), &[], 2, Spread::Packed);
+        assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
+        // Asked for more than the healthy ones: as many as there are, no error.
+        let chosen = choose(&snapshot, &ids(&snapshot), &[], 3, Spread::Packed);
+        assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
+    }
+
+    #[test]
+    fn distributed_alternates_between_the_nodes_it_needs() {
+        let snapshot = node(2, 2);
+        let chosen = choose(&snapshot, &ids(&snapshot), &[], 4, Spread::Distributed);
+        let first_two = nodes_of(&snapshot, &chosen[..2]);
+        assert_eq!(first_two.len(), 2, "one from each node first: {chosen:?}");
+    }
+
+    #[test]
+    fn devices_without_topology_fit_anywhere() {
+        let snapshot = vec![
+            device("a", &[], Health::Healthy),
+            device("b", &[0], Health::Healthy),
+            device("c", &[1], Health::Healthy),
+        ];
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &strings(&["b"]),
+            2,
+            Spread::Packed,
+        );
+        assert_eq!(chosen, strings(&["b", "a"]), "stays on node 0");
+    }
+}
