@@ -305,6 +305,11 @@ impl Device {
     }
 
     /// Adds a free-form fact (model, PCI address...) the host may use for policies and metrics.
+    ///
+    /// Two keys the host reads: `pci-address` (`0000:3b:00.0`) and `dev` (`<major>:<minor>` of
+    /// the device's character device node). A device with no [`Device::numa_node`] gets the NUMA
+    /// node sysfs gives for either, so the kubelet can align it without the module reading
+    /// topology itself.
     pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.attributes.push((key.into(), value.into()));
         self

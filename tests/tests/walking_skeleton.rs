@@ -381,3 +381,41 @@ async fn the_registry_picks_who_answers_preferred_allocation() {
         "none: the kubelet chooses"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_dev_devices_carry_the_numa_node_sysfs_gives_their_device_node() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    node.add_char("/dev/net/tun", 10, 200);
+    node.tree
+        .write_file("/sys/dev/char/10:229/device/numa_node", "1\n")
+        .expect("sysfs");
+    node.tree
+        .write_file("/sys/dev/char/10:200/device/numa_node", "-1\n")
+        .expect("sysfs");
+    let config = r#"groups = [
+  { name = "fuse", paths = ["/dev/fuse"], count = 2 },
+  { name = "tun", paths = ["/dev/net/tun"] },
+]"#;
+    let agent = node.start_agent(&generic_dev(config)).await;
+    let fuse = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+    for d in &fuse.devices {
+        let nodes: Vec<i64> = d
+            .topology
+            .iter()
+            .flat_map(|t| t.nodes.iter().map(|n| n.id))
+            .collect();
+        assert_eq!(nodes, [1], "{}: the node of /dev/fuse", d.id);
+    }
+    let tun = node
+        .kubelet
+        .wait_until("devicelet.io/tun", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("tun");
+    assert!(tun.devices[0].topology.is_none(), "-1: no NUMA node");
+    agent.shutdown().await;
+}

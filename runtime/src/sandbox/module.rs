@@ -92,6 +92,8 @@ pub struct ModuleHandle {
     health_deadline: Duration,
     grants: Arc<Grants>,
     host_root: Arc<PathBuf>,
+    /// NUMA nodes read from sysfs for devices the module gives none.
+    topology: Arc<crate::policy::topology::TopologyCache>,
     interface: Arc<ModuleInterface>,
     stats: Arc<Counters>,
     deadline: Duration,
@@ -200,6 +202,7 @@ impl ModuleHandle {
             health_deadline: module.spec.health_deadline,
             grants: module.grants.clone(),
             host_root: module.host_root.clone(),
+            topology: Arc::default(),
             interface: Arc::new(module.interface.clone()),
             stats: Arc::default(),
             deadline,
@@ -235,6 +238,7 @@ impl ModuleHandle {
     /// snapshot the host keeps is what it costs).
     pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
         let owned = resource.to_owned();
+        let (topology, root) = (self.topology.clone(), self.host_root.clone());
         let devices = self
             .call(
                 &self.health,
@@ -246,9 +250,12 @@ impl ModuleHandle {
                         r.call_enumerate(&mut i.store, &owned).await
                     })
                 },
-                |found| {
-                    let devices: Vec<Device> = found.into_iter().map(Device::from).collect();
-                    validate::devices(&devices).map(|()| devices)
+                // Reading sysfs is file-system work: it runs in the cell.
+                move |found| {
+                    let mut devices: Vec<Device> = found.into_iter().map(Device::from).collect();
+                    validate::devices(&devices)?;
+                    topology.fill(&mut devices, &root);
+                    Ok(devices)
                 },
             )
             .await?;

@@ -1,0 +1,176 @@
+//! NUMA nodes for devices whose module reports none, read from sysfs under the host root.
+//!
+//! The kubelet's topology manager can only align devices that carry topology, and most simple
+//! modules (generic-dev among them) know device nodes, not NUMA nodes. The kernel does: a PCI
+//! device's `numa_node`, and a character device's through `/sys/dev/char/<major>:<minor>/device`.
+//! So a device with no NUMA node whose attributes name a PCI address (`pci-address`, e.g.
+//! `0000:3b:00.0`) or a character device (`dev`, `<major>:<minor>`) gets the node sysfs gives
+//! (`-1`, a missing file or anything unreadable: none). The attribute values are checked before
+//! they become paths, so a module cannot point the host at any other file.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::Path;
+use std::sync::Mutex;
+
+use crate::device::Device;
+
+/// The attribute naming a device's PCI address.
+pub const PCI_ADDRESS: &str = "pci-address";
+/// The attribute naming a device's character device node, as `<major>:<minor>`.
+pub const CHAR_DEV: &str = "dev";
+
+/// Most sysfs answers remembered per module; a NUMA node never changes while the machine runs.
+const MAX_REMEMBERED: usize = 16_384;
+
+/// The nodes sysfs gave, by file, so each is read once.
+#[derive(Debug, Default)]
+pub struct TopologyCache {
+    known: Mutex<HashMap<String, Option<i64>>>,
+}
+
+impl TopologyCache {
+    /// Gives every device without NUMA nodes the node sysfs names for it, if any.
+    pub fn fill(&self, devices: &mut [Device], host_root: &Path) {
+        for device in devices.iter_mut().filter(|d| d.numa_nodes.is_empty()) {
+            let Some(file) = sysfs_file(device) else {
+                continue;
+            };
+            let node = self.node(&file, host_root);
+            device.numa_nodes.extend(node);
+        }
+    }
+
+    fn node(&self, file: &str, host_root: &Path) -> Option<i64> {
+        let mut known = self
+            .known
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(node) = known.get(file) {
+            return *node;
+        }
+        let node = read_node(&host_root.join(file.trim_start_matches('/')));
+        // A missing file may appear later (a driver still binding): only answers are kept.
+        if node.is_some() && known.len() < MAX_REMEMBERED {
+            known.insert(file.to_owned(), node);
+        }
+        node
+    }
+}
+
+/// The sysfs `numa_node` file a device's attributes point at, when they are well formed.
+fn sysfs_file(device: &Device) -> Option<String> {
+    let attribute = |key: &str| {
+        device
+            .attributes
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    };
+    if let Some(address) = attribute(PCI_ADDRESS).filter(|a| is_pci_address(a)) {
+        return Some(format!("/sys/bus/pci/devices/{address}/numa_node"));
+    }
+    let dev = attribute(CHAR_DEV)?;
+    let (major, minor) = dev.split_once(':')?;
+    let number = |s: &str| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit());
+    (number(major) && number(minor))
+        .then(|| format!("/sys/dev/char/{major}:{minor}/device/numa_node"))
+}
+
+/// `dddd:bb:dd.f` in lowercase or uppercase hex: domain, bus, device, function.
+fn is_pci_address(a: &str) -> bool {
+    let b = a.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_hexdigit);
+    b.len() == 12
+        && hex(0..4)
+        && b[4] == b':'
+        && hex(5..7)
+        && b[7] == b':'
+        && hex(8..10)
+        && b[10] == b'.'
+        && (b'0'..=b'7').contains(&b[11])
+}
+
+/// The node in a `numa_node` file; None for `-1`, a missing file, or anything else.
+fn read_node(path: &Path) -> Option<i64> {
+    let file = std::fs::File::open(path).ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(32).read_to_string(&mut text).ok()?;
+    let node: i64 = text.trim().parse().ok()?;
+    (node >= 0).then_some(node)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Health;
+
+    fn device(attributes: &[(&str, &str)], numa: &[i64]) -> Device {
+        Device {
+            id: "d".into(),
+            health: Health::Healthy,
+            numa_nodes: numa.to_vec(),
+            attributes: attributes
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    fn write(root: &Path, file: &str, text: &str) {
+        let path = root.join(file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn devices_get_the_node_sysfs_gives_their_pci_address_or_device_node() {
+        let root = tempfile::tempdir().unwrap();
+        write(
+            root.path(),
+            "sys/bus/pci/devices/0000:3b:00.0/numa_node",
+            "1\n",
+        );
+        write(root.path(), "sys/dev/char/10:229/device/numa_node", "0\n");
+        write(root.path(), "sys/dev/char/10:200/device/numa_node", "-1\n");
+        let mut devices = vec![
+            device(&[(PCI_ADDRESS, "0000:3b:00.0")], &[]),
+            device(&[(CHAR_DEV, "10:229")], &[]),
+            device(&[(CHAR_DEV, "10:200")], &[]),
+            device(&[(CHAR_DEV, "10:229")], &[3]),
+            device(&[(PCI_ADDRESS, "0000:3b:00.0/../../..")], &[]),
+            device(&[(CHAR_DEV, "../10:229")], &[]),
+            device(&[], &[]),
+        ];
+        TopologyCache::default().fill(&mut devices, root.path());
+        let nodes: Vec<Vec<i64>> = devices.into_iter().map(|d| d.numa_nodes).collect();
+        assert_eq!(
+            nodes,
+            [vec![1], vec![0], vec![], vec![3], vec![], vec![], vec![]],
+            "-1 is none; a module's own node wins; malformed attributes are no paths"
+        );
+    }
+
+    #[test]
+    fn a_node_is_read_once_and_a_missing_file_again() {
+        let root = tempfile::tempdir().unwrap();
+        write(root.path(), "sys/dev/char/1:2/device/numa_node", "1");
+        let cache = TopologyCache::default();
+        let mut devices = vec![device(&[(CHAR_DEV, "1:2")], &[])];
+        cache.fill(&mut devices, root.path());
+        write(root.path(), "sys/dev/char/1:2/device/numa_node", "0");
+        let mut again = vec![device(&[(CHAR_DEV, "1:2")], &[])];
+        cache.fill(&mut again, root.path());
+        assert_eq!(again[0].numa_nodes, [1]);
+
+        let mut late = vec![device(&[(CHAR_DEV, "3:4")], &[])];
+        cache.fill(&mut late, root.path());
+        assert!(late[0].numa_nodes.is_empty());
+        write(root.path(), "sys/dev/char/3:4/device/numa_node", "0");
+        cache.fill(&mut late, root.path());
+        assert_eq!(late[0].numa_nodes, [0], "a driver bound since");
+    }
+}
