@@ -232,3 +232,35 @@ async fn a_module_rejecting_its_config_is_named_with_its_reason() {
         "named once: {text}"
     );
 }
+
+#[tokio::test]
+async fn validate_shows_the_sharing_and_preferred_allocation_in_effect() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let shared = format!(
+        "{}\n[module.sharing]\nreplicas = 2\nrename = true\n",
+        generic_dev(GOOD)
+    );
+    let (ok, text) = validate(&node, &shared);
+    assert!(ok, "{text}");
+    assert!(text.contains("resource devicelet.io/fuse.shared"), "{text}");
+    assert!(
+        text.contains("preferred allocation: the host's, distributed"),
+        "{text}"
+    );
+    assert!(
+        text.contains("sharing: 2 replicas per device, served as .shared"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\n    fuse::0 Healthy"),
+        "replicas as run serves them: {text}"
+    );
+
+    let (ok, text) = validate(&node, &generic_dev(GOOD));
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("preferred allocation: the host's, packed") && text.contains("sharing: none"),
+        "{text}"
+    );
+}

@@ -419,3 +419,66 @@ async fn generic_dev_devices_carry_the_numa_node_sysfs_gives_their_device_node()
     assert!(tun.devices[0].topology.is_none(), "-1: no NUMA node");
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_devices_are_replicas_and_the_module_sees_physical_ids() {
+    let node = Node::new().await;
+    let registry = format!(
+        "{}\n[module.sharing]\nreplicas = 3\nrename = true\nfail-requests-greater-than-one = true\n",
+        misbehaving("gpus", "resource = \"gpu\"\ndevices = 2", "1s")
+    );
+    let agent = node.start_agent(&registry).await;
+    let gpu = node
+        .kubelet
+        .wait_until("devicelet.io/gpu.shared", WAIT, |r| r.allocatable == 6)
+        .await
+        .expect("served as .shared, three replicas of each device");
+    let ids: Vec<&str> = gpu.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "dev-0::0", "dev-0::1", "dev-0::2", "dev-1::0", "dev-1::1", "dev-1::2"
+        ]
+    );
+    assert!(
+        gpu.options.get_preferred_allocation_available,
+        "the host prefers for shared resources"
+    );
+
+    // Least used first: two containers land on two different devices.
+    let env = |a: &devicelet_simulator::Allocation| a.response.envs["MISBEHAVING_DEVICES"].clone();
+    let first = node
+        .kubelet
+        .allocate("devicelet.io/gpu.shared", 1)
+        .await
+        .expect("first");
+    let second = node
+        .kubelet
+        .allocate("devicelet.io/gpu.shared", 1)
+        .await
+        .expect("second");
+    let mut physical = [env(&first), env(&second)];
+    physical.sort();
+    assert_eq!(
+        physical,
+        ["dev-0", "dev-1"],
+        "the module sees physical IDs only"
+    );
+
+    let refused = node
+        .kubelet
+        .allocate("devicelet.io/gpu.shared", 2)
+        .await
+        .expect_err("two replicas for one container are refused")
+        .to_string();
+    assert!(
+        refused.contains("fail-requests-greater-than-one"),
+        "{refused}"
+    );
+
+    let status = agent.status();
+    let served = &status.resources[0];
+    assert_eq!(served.name, "devicelet.io/gpu.shared");
+    assert_eq!(served.devices.iter().filter(|d| d.allocated).count(), 2);
+    agent.shutdown().await;
+}

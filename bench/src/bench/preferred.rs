@@ -89,7 +89,7 @@ fn policy_alone(s: &Settings) -> Row {
     for spread in [Spread::Packed, Spread::Distributed] {
         for _ in 0..calls / 2 {
             let started = Instant::now();
-            let chosen = choose(&devices, &available, &must, 8, spread);
+            let chosen = choose(&devices, &available, &must, 8, spread, &Default::default());
             samples.push(started.elapsed());
             std::hint::black_box(chosen);
         }

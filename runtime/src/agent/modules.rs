@@ -11,6 +11,7 @@ use crate::config::ModuleSpec;
 use crate::device::ResourceInfo;
 use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
+use crate::kubelet::sharing::Shared;
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::home::Home;
 use crate::sandbox::loader::load;
@@ -85,7 +86,8 @@ pub fn plan(
         ));
     }
     for info in declared.iter().take(MAX_RESOURCES) {
-        let name = match resource::servable_name(&spec.resource_domain, info) {
+        let share = spec.sharing.rule(&info.name);
+        let name = match resource::served_name(&spec.resource_domain, info, share) {
             Ok(name) => name,
             Err(message) => {
                 errors.push(
@@ -129,7 +131,7 @@ pub fn serve_all(
 
 /// Upgrades `old` to `handle` (a new version of its file or registry entry, loaded and
 /// initialised) without the kubelet seeing the resources go: each resource the new version
-/// still declares (same name, same health interval, `allocate-ahead` and `allocation-policy`) keeps its socket, registration and
+/// still declares (same name, same health interval, `allocate-ahead`, `allocation-policy` and sharing) keeps its socket, registration and
 /// ListAndWatch stream, and is re-enumerated at once through the new version. One whose
 /// options change registers again on the same socket. Resources no longer declared stop, new
 /// ones are served.
@@ -145,7 +147,8 @@ pub async fn upgrade(
     // The watcher's interval and the preparer are set when a resource starts serving.
     let same_interval = old.spec.health_interval == spec.health_interval
         && old.spec.allocate_ahead == spec.allocate_ahead
-        && old.spec.allocation_policy == spec.allocation_policy;
+        && old.spec.allocation_policy == spec.allocation_policy
+        && old.spec.sharing == spec.sharing;
     let RunningModule {
         slot, resources, ..
     } = old;
@@ -196,8 +199,10 @@ fn serve_planned(
             health_interval: spec.health_interval,
             allocate_ahead: spec.allocate_ahead,
             allocation_policy: spec.allocation_policy,
+            share: spec.sharing.rule(&info.name),
         };
-        match resource::serve(slot, &owner, info, at) {
+        let backend = Shared::new(slot.clone(), spec.sharing.clone());
+        match resource::serve(&backend, &owner, info, at) {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
                 LoadError::Invalid {

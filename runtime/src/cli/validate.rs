@@ -61,12 +61,20 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             failures += 1;
             println!("  error: {e}");
         }
+        let shared = crate::kubelet::sharing::Shared::new(module.clone(), spec.sharing.clone());
         for (name, info) in planned {
+            let rule = spec.sharing.rule(&info.name);
+            let who =
+                crate::kubelet::resource::who_answers(spec.allocation_policy, &info, rule.shares());
             println!(
-                "  resource {name} (prestart: {}, preferred allocation: {})",
-                info.prestart, info.preferred_allocation
+                "  resource {name} (prestart: {}, preferred allocation: {}, Allocate answers \
+                 prepared ahead: {}, sharing: {})",
+                info.prestart,
+                describe_preferred(who),
+                if spec.allocate_ahead { "yes" } else { "no" },
+                describe_sharing(rule)
             );
-            match DeviceBackend::enumerate(&module, &info.name).await {
+            match DeviceBackend::enumerate(&shared, &info.name).await {
                 Ok(devices) => print_devices(&devices),
                 Err(e) => {
                     failures += 1;
@@ -117,4 +125,31 @@ fn list_or_nothing(items: &[&str]) -> String {
     } else {
         items.join(", ")
     }
+}
+
+fn describe_preferred(who: crate::policy::Preferred) -> &'static str {
+    use crate::policy::{Preferred, preferred::Spread};
+    match who {
+        Preferred::Module => "the module's",
+        Preferred::Host(Spread::Packed) => "the host's, packed",
+        Preferred::Host(Spread::Distributed) => "the host's, distributed",
+        Preferred::Off => "off",
+    }
+}
+
+fn describe_sharing(rule: &crate::config::ShareRule) -> String {
+    if !rule.shares() {
+        return "none".into();
+    }
+    let mut text = format!("{} replicas per device", rule.replicas);
+    for (id, n) in &rule.devices {
+        text.push_str(&format!(", {id}: {n}"));
+    }
+    if rule.rename {
+        text.push_str(", served as .shared");
+    }
+    if rule.fail_requests_greater_than_one {
+        text.push_str(", one device per container");
+    }
+    text
 }

@@ -43,6 +43,7 @@ mod limits;
 mod module;
 mod names;
 mod registry;
+mod sharing;
 mod source;
 mod units;
 
@@ -61,3 +62,4 @@ pub use limits::{
 };
 pub use module::ModuleSpec;
 pub use registry::Registry;
+pub use sharing::{MAX_REPLICAS, ShareRule, Sharing};

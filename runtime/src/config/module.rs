@@ -51,6 +51,8 @@ pub struct ModuleSpec {
     pub allocate_ahead: bool,
     /// Who answers GetPreferredAllocation for the module's resources.
     pub allocation_policy: crate::policy::AllocationPolicy,
+    /// How many containers may share each device of its resources (`[module.sharing]`).
+    pub sharing: super::Sharing,
     /// What the module may read from the host.
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
@@ -72,6 +74,7 @@ const KEYS: &[&str] = &[
     "sha256",
     "allocate-ahead",
     "allocation-policy",
+    "sharing",
     "grants",
     "config",
 ];
@@ -101,6 +104,7 @@ pub(super) fn parse(
     let mut sha256 = None;
     let mut allocate_ahead = true;
     let mut allocation_policy = crate::policy::AllocationPolicy::default();
+    let mut sharing = super::Sharing::default();
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
     let mut config_at = node.location();
@@ -140,6 +144,7 @@ pub(super) fn parse(
                     .ok_or_else(|| node.type_error("true or false"))?
             }
             "allocation-policy" => allocation_policy = policy(node)?,
+            "sharing" => sharing = super::sharing::parse(node)?,
             "grants" => grants = grants::parse(node)?,
             "config" => {
                 config = json::config(node)?;
@@ -164,6 +169,7 @@ pub(super) fn parse(
             sha256,
             allocate_ahead,
             allocation_policy,
+            sharing,
             grants,
             config,
             config_at,

@@ -283,6 +283,63 @@ fn an_unknown_allocation_policy_names_the_choices() {
 }
 
 #[test]
+fn sharing_per_module_per_resource_and_per_device() {
+    let text = format!(
+        "{MINIMAL}[module.sharing]\nreplicas = 2\nrename = true\n\
+         [module.sharing.resources.gpu]\nreplicas = 4\ndevices = {{ \"gpu-0\" = 1 }}\n"
+    );
+    let registry = parse(&text).unwrap();
+    let sharing = &registry.modules[0].sharing;
+    assert_eq!(
+        (sharing.default.replicas, sharing.default.rename),
+        (2, true)
+    );
+    let gpu = sharing.rule("gpu");
+    assert_eq!(
+        (gpu.replicas, gpu.rename),
+        (4, true),
+        "the module's keys are inherited"
+    );
+    assert_eq!((gpu.replicas_of("gpu-0"), gpu.replicas_of("gpu-1")), (1, 4));
+    assert_eq!(sharing.rule("other").replicas, 2);
+    assert!(!super::ShareRule::default().shares());
+}
+
+#[test]
+fn bad_sharing_values_name_the_key() {
+    for (table, key, needle) in [
+        (
+            "replicas = 0",
+            "module[0].sharing.replicas",
+            "expected 1 to 256",
+        ),
+        (
+            "replicas = \"2\"",
+            "module[0].sharing.replicas",
+            "expected a number of replicas",
+        ),
+        (
+            "rename = 1",
+            "module[0].sharing.rename",
+            "expected true or false",
+        ),
+        (
+            "replica = 2",
+            "module[0].sharing.replica",
+            "did you mean `replicas`?",
+        ),
+        (
+            "resources.gpu.devices = { a = 999 }",
+            "module[0].sharing.resources.gpu.devices.a",
+            "expected 1 to 256",
+        ),
+    ] {
+        let text = format!("{MINIMAL}[module.sharing]\n{table}\n");
+        assert_invalid(&text, 5, Some(key), needle);
+    }
+}
+
+#[test]
 fn unknown_grants_key() {
     let text =
         "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n[module.grants]\ndevs = [\"/dev/fuse\"]\n";

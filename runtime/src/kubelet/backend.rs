@@ -20,6 +20,9 @@ pub enum BackendError {
     /// The call did not finish in time.
     #[error("{0}")]
     Deadline(String),
+    /// The request breaks a rule of the resource (the kubelet gets `InvalidArgument`).
+    #[error("{0}")]
+    Invalid(String),
     /// The backend crashed in this call (it is restarted).
     #[error("{0}")]
     Crashed(String),

@@ -22,4 +22,5 @@ pub mod plugin_server;
 pub mod prepared;
 pub mod registration;
 pub mod resource;
+pub mod sharing;
 pub mod watcher;

@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status};
 use super::api::deviceplugin as api;
 use super::backend::{BackendError, DeviceBackend};
 use super::prepared::Prepared;
+use super::sharing::physical_id;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
 use crate::policy::{Preferred, preferred};
@@ -40,6 +41,8 @@ pub struct Watches {
     pub prepared: Prepared,
     /// Who answers GetPreferredAllocation (the module, the host's policy, nobody).
     pub preferred: watch::Receiver<Preferred>,
+    /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
+    pub shared: bool,
 }
 
 /// What the kubelet reaches through one socket.
@@ -59,6 +62,7 @@ pub struct ResourcePlugin<B> {
     stop: watch::Receiver<bool>,
     prepared: Prepared,
     preferred: watch::Receiver<Preferred>,
+    shared: bool,
 }
 
 impl<B: Clone> Clone for ResourcePlugin<B> {
@@ -74,6 +78,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             stop: self.stop.clone(),
             prepared: self.prepared.clone(),
             preferred: self.preferred.clone(),
+            shared: self.shared,
         }
     }
 }
@@ -141,6 +146,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             stop,
             prepared,
             preferred,
+            shared,
         } = watches;
         ResourcePlugin {
             resource: resource.into(),
@@ -153,6 +159,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             stop,
             prepared,
             preferred,
+            shared,
         }
     }
 
@@ -169,6 +176,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
 fn status(e: BackendError) -> Status {
     match e {
         BackendError::Failed(m) => Status::internal(m),
+        BackendError::Invalid(m) => Status::invalid_argument(m),
         BackendError::Deadline(m) => Status::deadline_exceeded(m),
         BackendError::Crashed(m) | BackendError::Unavailable(m) => Status::unavailable(m),
     }
@@ -277,12 +285,22 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
             let ids = match who {
                 Preferred::Host(spread) => {
                     let snapshot = self.devices.borrow().clone();
+                    let holders;
+                    let mut usage = preferred::Usage::default();
+                    if self.shared {
+                        holders = self.ledger.holders(&self.resource);
+                        usage.physical = Some(physical_id);
+                        for (id, _) in &holders {
+                            *usage.in_use.entry(physical_id(id)).or_default() += 1;
+                        }
+                    }
                     preferred::choose(
                         &snapshot,
                         &c.available_device_i_ds,
                         &c.must_include_device_i_ds,
                         usize::try_from(size).unwrap_or(usize::MAX),
                         spread,
+                        &usage,
                     )
                 }
                 Preferred::Module => self
@@ -444,6 +462,7 @@ mod tests {
                 stop,
                 prepared: Prepared::default(),
                 preferred: watch::channel(Preferred::Module).1,
+                shared: false,
             },
         );
         (plugin, calls, devices_tx, stop_tx)

@@ -276,7 +276,7 @@ pub async fn prepare_answers<B: DeviceBackend>(
             };
             let answer = match asked {
                 Ok(edits) => Some(edits_to_wire(edits)),
-                Err(BackendError::Failed(_)) => None,
+                Err(BackendError::Failed(_) | BackendError::Invalid(_)) => None,
                 // Down for now, the call not run (restarting after a crash): try again after the
                 // next enumeration.
                 Err(BackendError::Unavailable(_)) => break,

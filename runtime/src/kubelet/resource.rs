@@ -13,6 +13,7 @@ use super::names;
 use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
 use super::prepared::{self, Prepared};
 use super::watcher::{self, Signals};
+use crate::config::ShareRule;
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
 use crate::policy::{AllocationPolicy, Preferred};
@@ -46,6 +47,8 @@ pub struct RunningResource {
     /// Who answers GetPreferredAllocation: follows the module's declaration and the registry.
     preferred: watch::Sender<Preferred>,
     policy: AllocationPolicy,
+    /// Whether its devices are advertised as replicas.
+    shared: bool,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -65,7 +68,7 @@ impl RunningResource {
     /// Puts an upgraded module's options in force: if they differ, the ListAndWatch streams end,
     /// the kubelet is let disconnect, and the resource registers again on the same socket.
     pub fn set_options(&self, info: &ResourceInfo) {
-        let who = self.policy.for_resource(info.preferred_allocation);
+        let who = who_answers(self.policy, info, self.shared);
         self.preferred.send_replace(who);
         let next = options_of(info, who);
         self.options.send_if_modified(|now| {
@@ -93,6 +96,19 @@ impl RunningResource {
     }
 }
 
+/// Who answers GetPreferredAllocation: the registry's policy, except that a shared resource's is
+/// always the host's (the module knows nothing of replicas), least-used devices first unless the
+/// policy says `packed`.
+pub fn who_answers(policy: AllocationPolicy, info: &ResourceInfo, shared: bool) -> Preferred {
+    use crate::policy::preferred::Spread;
+    match policy.for_resource(info.preferred_allocation && !shared) {
+        Preferred::Host(_) if shared && policy != AllocationPolicy::Packed => {
+            Preferred::Host(Spread::Distributed)
+        }
+        who => who,
+    }
+}
+
 fn options_of(info: &ResourceInfo, preferred: Preferred) -> DevicePluginOptions {
     DevicePluginOptions {
         pre_start_required: info.prestart,
@@ -112,6 +128,18 @@ pub fn servable_name(resource_domain: &str, info: &ResourceInfo) -> Result<Strin
             "declared {name}, outside its resource domain {resource_domain} (set `resource-domain` in the registry to allow it)"
         ));
     }
+    Ok(name)
+}
+
+/// [`servable_name`], as sharing serves it: `<name>.shared` when the rule renames.
+pub fn served_name(
+    resource_domain: &str,
+    info: &ResourceInfo,
+    share: &ShareRule,
+) -> Result<String, String> {
+    let name = super::sharing::served_name(servable_name(resource_domain, info)?, share);
+    names::validate_resource_name(&name)
+        .map_err(|e| format!("is shared as an invalid resource name: {e}"))?;
     Ok(name)
 }
 
@@ -173,6 +201,8 @@ pub struct Owner<'a> {
     pub allocate_ahead: bool,
     /// Who answers GetPreferredAllocation.
     pub allocation_policy: AllocationPolicy,
+    /// How the resource's devices are shared.
+    pub share: &'a ShareRule,
 }
 
 /// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
@@ -183,11 +213,10 @@ pub fn serve<B: DeviceBackend>(
     info: &ResourceInfo,
     at: &Serving<'_>,
 ) -> Result<RunningResource, String> {
-    let name = servable_name(spec.resource_domain, info)?;
+    let name = served_name(spec.resource_domain, info, spec.share)?;
+    let shared = spec.share.shares();
     let endpoint = endpoint_name(&name, at.instance);
-    let who = spec
-        .allocation_policy
-        .for_resource(info.preferred_allocation);
+    let who = who_answers(spec.allocation_policy, info, shared);
     let (preferred_tx, preferred) = watch::channel(who);
     let (options_tx, options) = watch::channel(options_of(info, who));
     let (streams_tx, streams) = watch::channel(0u64);
@@ -236,6 +265,7 @@ pub fn serve<B: DeviceBackend>(
             stop: stop.clone(),
             prepared: prepared.clone(),
             preferred,
+            shared,
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
@@ -270,6 +300,7 @@ pub fn serve<B: DeviceBackend>(
         options: options_tx,
         preferred: preferred_tx,
         policy: spec.allocation_policy,
+        shared,
         stop: stop_tx,
         tasks,
     })

@@ -11,7 +11,7 @@
 //!
 //! The answer is advisory: the kubelet checks it and falls back to its own choice.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::device::{Device, Health};
 
@@ -28,14 +28,33 @@ pub enum Spread {
 /// after those count as fitting anywhere.
 const MAX_NODES: usize = 12;
 
+/// What a shared resource's answer takes into account: which physical device each replica ID
+/// belongs to, and how many replicas of each are held already (from the ledger).
+#[derive(Default)]
+pub struct Usage<'a> {
+    /// The physical device of an ID; None: every ID is its own device (not shared).
+    pub physical: Option<fn(&str) -> &str>,
+    /// Replicas held per physical device.
+    pub in_use: HashMap<&'a str, usize>,
+}
+
+impl Usage<'_> {
+    fn physical<'b>(&self, id: &'b str) -> &'b str {
+        self.physical.map_or(id, |f| f(id))
+    }
+}
+
 /// `size` IDs: all of `must_include` first, then candidates from `available` chosen as the module
-/// doc says. `snapshot` is the resource's current device list, sorted by ID.
+/// doc says. `snapshot` is the resource's current device list, sorted by ID. With replicas,
+/// `packed` fills the replicas of the most used physical devices first and `distributed` takes
+/// the least used ones, one replica per device while it can.
 pub fn choose(
     snapshot: &[Device],
     available: &[String],
     must_include: &[String],
     size: usize,
     spread: Spread,
+    usage: &Usage<'_>,
 ) -> Vec<String> {
     let mut chosen: Vec<String> = Vec::with_capacity(size);
     let mut taken: HashSet<&str> = HashSet::new();
@@ -79,23 +98,26 @@ pub fn choose(
     let nodes = bits.len().min(MAX_NODES);
 
     let within = best_nodes(&candidates, required, need, nodes, spread);
-    let mut pool: Vec<(&Device, u64)> = candidates
+    let mut held: HashMap<String, usize> = HashMap::new();
+    for id in &chosen {
+        *held.entry(usage.physical(id).to_owned()).or_default() += 1;
+    }
+    let pool: Vec<(&Device, u64)> = candidates
         .iter()
         .copied()
         .filter(|(_, m)| m & !within == 0)
         .collect();
-    order(&mut pool, spread);
-    chosen.extend(pool.iter().take(need).map(|(d, _)| d.id.clone()));
+    let picked = pick(pool, need, spread, usage, &mut held);
+    chosen.extend(picked);
     if chosen.len() < size {
         // Not enough within any node set: the rest, in the same order, still beats failing.
-        let mut rest: Vec<(&Device, u64)> = candidates
+        let rest: Vec<(&Device, u64)> = candidates
             .iter()
             .copied()
             .filter(|(d, _)| !chosen.contains(&d.id))
             .collect();
-        order(&mut rest, spread);
         let missing = size - chosen.len();
-        chosen.extend(rest.iter().take(missing).map(|(d, _)| d.id.clone()));
+        chosen.extend(pick(rest, missing, spread, usage, &mut held));
     }
     chosen
 }
@@ -147,42 +169,81 @@ fn best_nodes(
     best.map_or(all, |(_, _, set)| set)
 }
 
-/// Puts `pool` in the order devices are taken.
-fn order(pool: &mut [(&Device, u64)], spread: Spread) {
+/// Takes `n` devices from `pool` one at a time, each the best by the policy given what was
+/// taken so far (`held`: replicas per physical device, this request's included).
+fn pick(
+    mut pool: Vec<(&Device, u64)>,
+    n: usize,
+    spread: Spread,
+    usage: &Usage<'_>,
+    held: &mut HashMap<String, usize>,
+) -> Vec<String> {
     let mut free: BTreeMap<u64, usize> = BTreeMap::new();
-    for (_, m) in pool.iter() {
+    for (_, m) in &pool {
         *free.entry(*m).or_default() += 1;
     }
-    match spread {
-        // The node set with the fewest free devices first, by ID within it.
-        Spread::Packed => {
-            pool.sort_by(|(a, am), (b, bm)| (free[am], am, &a.id).cmp(&(free[bm], bm, &b.id)))
-        }
-        // One from each node set in turn, the set with the most free first.
-        Spread::Distributed => {
-            pool.sort_by(|(a, am), (b, bm)| {
-                (std::cmp::Reverse(free[am]), am, &a.id).cmp(&(
-                    std::cmp::Reverse(free[bm]),
-                    bm,
-                    &b.id,
-                ))
-            });
-            let mut turn: BTreeMap<u64, usize> = BTreeMap::new();
-            let mut ranked: Vec<(usize, usize, (&Device, u64))> = pool
+    let mut taken_from: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n && !pool.is_empty() {
+        let used = |d: &Device| {
+            let p = usage.physical(&d.id);
+            usage.in_use.get(p).copied().unwrap_or(0) + held.get(p).copied().unwrap_or(0)
+        };
+        let best = match spread {
+            // The node set with the fewest free first; within it, the most used device.
+            Spread::Packed => pool
                 .iter()
                 .enumerate()
-                .map(|(at, entry)| {
-                    let n = turn.entry(entry.1).or_default();
-                    *n += 1;
-                    (*n, at, *entry)
-                })
-                .collect();
-            ranked.sort_by_key(|(round, at, _)| (*round, *at));
-            for (slot, (_, _, entry)) in pool.iter_mut().zip(ranked) {
-                *slot = entry;
-            }
-        }
+                .min_by(|(_, (a, am)), (_, (b, bm))| {
+                    (
+                        free[am],
+                        am,
+                        std::cmp::Reverse(used(a)),
+                        usage.physical(&a.id),
+                        &a.id,
+                    )
+                        .cmp(&(
+                            free[bm],
+                            bm,
+                            std::cmp::Reverse(used(b)),
+                            usage.physical(&b.id),
+                            &b.id,
+                        ))
+                }),
+            // The node set taken from least (the one with the most free first); within it, the
+            // least used device.
+            Spread::Distributed => pool
+                .iter()
+                .enumerate()
+                .min_by(|(_, (a, am)), (_, (b, bm))| {
+                    let turn = |m: &u64| taken_from.get(m).copied().unwrap_or(0);
+                    (
+                        turn(am),
+                        std::cmp::Reverse(free[am]),
+                        am,
+                        used(a),
+                        usage.physical(&a.id),
+                        &a.id,
+                    )
+                        .cmp(&(
+                            turn(bm),
+                            std::cmp::Reverse(free[bm]),
+                            bm,
+                            used(b),
+                            usage.physical(&b.id),
+                            &b.id,
+                        ))
+                }),
+        };
+        let Some((at, _)) = best else { break };
+        let (device, mask) = pool.swap_remove(at);
+        *taken_from.entry(mask).or_default() += 1;
+        *held
+            .entry(usage.physical(&device.id).to_owned())
+            .or_default() += 1;
+        out.push(device.id.clone());
     }
+    out
 }
 
 #[cfg(test)]
@@ -233,7 +294,14 @@ mod tests {
     fn a_request_that_fits_one_node_stays_on_one_node() {
         let snapshot = node(2, 4);
         for spread in [Spread::Packed, Spread::Distributed] {
-            let chosen = choose(&snapshot, &ids(&snapshot), &[], 3, spread);
+            let chosen = choose(
+                &snapshot,
+                &ids(&snapshot),
+                &[],
+                3,
+                spread,
+                &Usage::default(),
+            );
             assert_eq!(chosen.len(), 3);
             assert_eq!(
                 nodes_of(&snapshot, &chosen).len(),
@@ -251,13 +319,27 @@ mod tests {
             .into_iter()
             .filter(|id| id != "n0-0")
             .collect();
-        let packed = choose(&snapshot, &available, &[], 2, Spread::Packed);
+        let packed = choose(
+            &snapshot,
+            &available,
+            &[],
+            2,
+            Spread::Packed,
+            &Usage::default(),
+        );
         assert_eq!(
             nodes_of(&snapshot, &packed),
             HashSet::from([0]),
             "{packed:?}"
         );
-        let spread = choose(&snapshot, &available, &[], 2, Spread::Distributed);
+        let spread = choose(
+            &snapshot,
+            &available,
+            &[],
+            2,
+            Spread::Distributed,
+            &Usage::default(),
+        );
         assert_eq!(
             nodes_of(&snapshot, &spread),
             HashSet::from([1]),
@@ -274,6 +356,7 @@ mod tests {
             &strings(&["n1-3"]),
             3,
             Spread::Packed,
+            &Usage::default(),
         );
         assert_eq!(chosen[0], "n1-3");
         assert_eq!(nodes_of(&snapshot, &chosen), HashSet::from([1]));
@@ -287,7 +370,14 @@ mod tests {
     #[test]
     fn a_request_larger_than_a_node_takes_the_fewest_nodes() {
         let snapshot = node(4, 2);
-        let chosen = choose(&snapshot, &ids(&snapshot), &[], 4, Spread::Distributed);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &[],
+            4,
+            Spread::Distributed,
+            &Usage::default(),
+        );
         assert_eq!(chosen.len(), 4);
         assert_eq!(nodes_of(&snapshot, &chosen).len(), 2, "{chosen:?}");
     }
@@ -296,19 +386,96 @@ mod tests {
     fn an_unhealthy_device_is_skipped_and_never_fails_the_answer() {
         let mut snapshot = node(1, 3);
         snapshot[0].health = Health::Unhealthy;
-        let chosen = choose(&snapshot, &ids(&snapshot), &[], 2, Spread::Packed);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &[],
+            2,
+            Spread::Packed,
+            &Usage::default(),
+        );
         assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
         // Asked for more than the healthy ones: as many as there are, no error.
-        let chosen = choose(&snapshot, &ids(&snapshot), &[], 3, Spread::Packed);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &[],
+            3,
+            Spread::Packed,
+            &Usage::default(),
+        );
         assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
     }
 
     #[test]
     fn distributed_alternates_between_the_nodes_it_needs() {
         let snapshot = node(2, 2);
-        let chosen = choose(&snapshot, &ids(&snapshot), &[], 4, Spread::Distributed);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &[],
+            4,
+            Spread::Distributed,
+            &Usage::default(),
+        );
         let first_two = nodes_of(&snapshot, &chosen[..2]);
         assert_eq!(first_two.len(), 2, "one from each node first: {chosen:?}");
+    }
+
+    /// `gpu-<g>::<r>` replicas: 2 GPUs on node 0 with 2 replicas each.
+    fn replicas() -> Vec<Device> {
+        ["gpu-0::0", "gpu-0::1", "gpu-1::0", "gpu-1::1"]
+            .map(|id| device(id, &[0], Health::Healthy))
+            .into()
+    }
+
+    fn shared(in_use: &[(&'static str, usize)]) -> Usage<'static> {
+        Usage {
+            physical: Some(crate::kubelet::sharing::physical_id),
+            in_use: in_use.iter().copied().collect(),
+        }
+    }
+
+    #[test]
+    fn distributed_takes_the_least_used_devices_one_replica_each() {
+        let snapshot = replicas();
+        let free = strings(&["gpu-0::1", "gpu-1::0", "gpu-1::1"]);
+        // gpu-0 has a replica held: gpu-1 first.
+        let one = choose(
+            &snapshot,
+            &free,
+            &[],
+            1,
+            Spread::Distributed,
+            &shared(&[("gpu-0", 1)]),
+        );
+        assert_eq!(one, strings(&["gpu-1::0"]));
+        // Two for one container: one replica of each GPU, never two of one while another is free.
+        let all = ids(&snapshot);
+        let two = choose(&snapshot, &all, &[], 2, Spread::Distributed, &shared(&[]));
+        let gpus: HashSet<&str> = two
+            .iter()
+            .map(|id| crate::kubelet::sharing::physical_id(id))
+            .collect();
+        assert_eq!(gpus.len(), 2, "{two:?}");
+    }
+
+    #[test]
+    fn packed_fills_a_devices_replicas_first() {
+        let snapshot = replicas();
+        let free = strings(&["gpu-0::1", "gpu-1::0", "gpu-1::1"]);
+        let one = choose(
+            &snapshot,
+            &free,
+            &[],
+            1,
+            Spread::Packed,
+            &shared(&[("gpu-0", 1)]),
+        );
+        assert_eq!(one, strings(&["gpu-0::1"]), "the GPU already in use");
+        let all = ids(&snapshot);
+        let two = choose(&snapshot, &all, &[], 2, Spread::Packed, &shared(&[]));
+        assert_eq!(two, strings(&["gpu-0::0", "gpu-0::1"]));
     }
 
     #[test]
@@ -324,6 +491,7 @@ mod tests {
             &strings(&["b"]),
             2,
             Spread::Packed,
+            &Usage::default(),
         );
         assert_eq!(chosen, strings(&["b", "a"]), "stays on node 0");
     }

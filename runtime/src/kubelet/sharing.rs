@@ -1,0 +1,287 @@
+//! Sharing for any resource: each physical device advertised as several replicas
+//! (`<id>::<n>`), with the health and topology of the device, while the module only ever sees
+//! physical IDs.
+//!
+//! A [`Shared`] backend wraps the module's: `enumerate` is expanded, the IDs of `allocate` and
+//! `prestart` are mapped back to physical ones (each once), and the rest passes through. The
+//! kubelet side then needs nothing special: snapshots, ID checks, prepared answers and the ledger
+//! work on replica IDs like on any others. Preferred allocation for a shared resource is always
+//! the host's, which knows from the ledger how many replicas of each device are in use.
+
+use std::sync::Arc;
+
+use super::backend::{BackendError, DeviceBackend, ServingPlace};
+use crate::config::{ShareRule, Sharing};
+use crate::device::{ContainerEdits, Device};
+
+/// Separates a physical device ID from its replica number.
+pub const REPLICA_SEPARATOR: &str = "::";
+
+/// The physical device a replica ID belongs to (`gpu-0::3` → `gpu-0`).
+pub fn physical_id(id: &str) -> &str {
+    match id.rsplit_once(REPLICA_SEPARATOR) {
+        Some((physical, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => physical,
+        _ => id,
+    }
+}
+
+/// The served name of a resource the module declared as `name`: `<name>.shared` when its rule
+/// shares and renames.
+pub fn served_name(name: String, rule: &ShareRule) -> String {
+    if rule.rename && rule.shares() {
+        format!("{name}.shared")
+    } else {
+        name
+    }
+}
+
+/// A module's backend with its resources shared as the registry says.
+#[derive(Clone)]
+pub struct Shared<B> {
+    inner: B,
+    sharing: Arc<Sharing>,
+}
+
+impl<B: DeviceBackend> Shared<B> {
+    pub fn new(inner: B, sharing: Sharing) -> Self {
+        Shared {
+            inner,
+            sharing: Arc::new(sharing),
+        }
+    }
+
+    fn rule(&self, resource: &str) -> Option<&ShareRule> {
+        Some(self.sharing.rule(resource)).filter(|r| r.shares())
+    }
+}
+
+/// Each device `replicas_of` times, as `<id>::<n>` when more than once.
+fn expand(
+    devices: Vec<Device>,
+    rule: &ShareRule,
+    module: &str,
+) -> Result<Vec<Device>, BackendError> {
+    let mut out = Vec::with_capacity(devices.len());
+    for d in devices {
+        if d.id.contains(REPLICA_SEPARATOR) {
+            return Err(BackendError::Failed(format!(
+                "module `{module}` listed device {:?}, but `{REPLICA_SEPARATOR}` in an ID is \
+                 reserved for replicas when a resource is shared",
+                d.id
+            )));
+        }
+        let replicas = rule.replicas_of(&d.id);
+        if replicas <= 1 {
+            out.push(d);
+            continue;
+        }
+        for n in 0..replicas {
+            out.push(Device {
+                id: format!("{}{REPLICA_SEPARATOR}{n}", d.id),
+                ..d.clone()
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Physical IDs of `ids`, each once, in order.
+fn physical(ids: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(ids.len());
+    for id in ids {
+        let p = physical_id(id);
+        if !out.iter().any(|o| o == p) {
+            out.push(p.to_owned());
+        }
+    }
+    out
+}
+
+impl<B: DeviceBackend> DeviceBackend for Shared<B> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+        let devices = self.inner.enumerate(resource).await?;
+        match self.rule(resource) {
+            Some(rule) => expand(devices, rule, self.inner.name()),
+            None => Ok(devices),
+        }
+    }
+
+    async fn allocate(
+        &self,
+        resource: &str,
+        ids: Vec<String>,
+    ) -> Result<ContainerEdits, BackendError> {
+        let Some(rule) = self.rule(resource) else {
+            return self.inner.allocate(resource, ids).await;
+        };
+        if rule.fail_requests_greater_than_one && ids.len() > 1 {
+            return Err(BackendError::Invalid(format!(
+                "{resource} is shared: a container may ask for one device only, not {} \
+                 (fail-requests-greater-than-one)",
+                ids.len()
+            )));
+        }
+        self.inner.allocate(resource, physical(&ids)).await
+    }
+
+    async fn preferred(
+        &self,
+        resource: &str,
+        available: Vec<String>,
+        must_include: Vec<String>,
+        size: u32,
+    ) -> Result<Vec<String>, BackendError> {
+        if self.rule(resource).is_some() {
+            return Err(BackendError::Failed(format!(
+                "{resource} is shared: the host answers its preferred allocation"
+            )));
+        }
+        self.inner
+            .preferred(resource, available, must_include, size)
+            .await
+    }
+
+    async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
+        let ids = match self.rule(resource) {
+            Some(_) => physical(&ids),
+            None => ids,
+        };
+        self.inner.prestart(resource, ids).await
+    }
+
+    fn generation(&self) -> u64 {
+        self.inner.generation()
+    }
+
+    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
+        self.inner.keep_answers(resource, bytes)
+    }
+
+    fn release(&self, resource: &str) {
+        self.inner.release(resource);
+    }
+
+    fn serving_place(&self) -> Option<ServingPlace> {
+        self.inner.serving_place()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Health;
+    use std::sync::Mutex;
+
+    /// Two physical devices; remembers the IDs its calls got.
+    #[derive(Clone, Default)]
+    struct Module {
+        seen: Arc<Mutex<Vec<Vec<String>>>>,
+    }
+
+    impl DeviceBackend for Module {
+        fn name(&self) -> &str {
+            "gpus"
+        }
+
+        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+            Ok(["gpu-0", "gpu-1"]
+                .map(|id| Device {
+                    id: id.into(),
+                    health: Health::Healthy,
+                    numa_nodes: vec![1],
+                    attributes: Vec::new(),
+                })
+                .into())
+        }
+
+        async fn allocate(
+            &self,
+            _: &str,
+            ids: Vec<String>,
+        ) -> Result<ContainerEdits, BackendError> {
+            self.seen.lock().unwrap().push(ids);
+            Ok(ContainerEdits::default())
+        }
+
+        async fn prestart(&self, _: &str, ids: Vec<String>) -> Result<(), BackendError> {
+            self.seen.lock().unwrap().push(ids);
+            Ok(())
+        }
+    }
+
+    fn rule(replicas: u32) -> ShareRule {
+        ShareRule {
+            replicas,
+            devices: [("gpu-1".to_string(), 1)].into(),
+            ..ShareRule::default()
+        }
+    }
+
+    fn strings(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[tokio::test]
+    async fn replicas_are_advertised_and_the_module_sees_physical_ids_once() {
+        let module = Module::default();
+        let shared = Shared::new(
+            module.clone(),
+            Sharing {
+                default: rule(3),
+                ..Sharing::default()
+            },
+        );
+        let devices = shared.enumerate("gpu").await.unwrap();
+        let ids: Vec<&str> = devices.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["gpu-0::0", "gpu-0::1", "gpu-0::2", "gpu-1"]);
+        assert!(devices.iter().all(|d| d.numa_nodes == [1]), "topology kept");
+
+        shared
+            .allocate("gpu", strings(&["gpu-0::2", "gpu-0::0", "gpu-1"]))
+            .await
+            .unwrap();
+        shared
+            .prestart("gpu", strings(&["gpu-0::1"]))
+            .await
+            .unwrap();
+        assert_eq!(
+            *module.seen.lock().unwrap(),
+            [strings(&["gpu-0", "gpu-1"]), strings(&["gpu-0"])]
+        );
+    }
+
+    #[tokio::test]
+    async fn requests_for_more_than_one_can_be_refused() {
+        let shared = Shared::new(
+            Module::default(),
+            Sharing {
+                default: ShareRule {
+                    fail_requests_greater_than_one: true,
+                    ..rule(2)
+                },
+                ..Sharing::default()
+            },
+        );
+        shared
+            .allocate("gpu", strings(&["gpu-0::0"]))
+            .await
+            .unwrap();
+        let e = shared
+            .allocate("gpu", strings(&["gpu-0::0", "gpu-0::1"]))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    }
+
+    #[test]
+    fn physical_ids_come_from_replica_ids_only() {
+        assert_eq!(physical_id("gpu-0::12"), "gpu-0");
+        assert_eq!(physical_id("gpu-0"), "gpu-0");
+        assert_eq!(physical_id("a::b"), "a::b");
+        assert_eq!(physical_id("a::"), "a::");
+    }
+}
