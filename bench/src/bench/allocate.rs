@@ -122,6 +122,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     ));
     drop((ours, bare));
     agent.shutdown().await;
+    rows.extend(sharing_on_against_off(s, &node).await?);
 
     // As `devicelet run` serves: with a state directory, so the ledger is checkpointed to disk
     // (here the disk the scratch directory is on).
@@ -152,6 +153,70 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
 
     rows.extend(across_processes(s).await?);
     Ok(rows)
+}
+
+/// Allocate of one device of the same module served twice by one agent, plain and shared four
+/// ways (served as `fuse.shared`), in alternating batches.
+async fn sharing_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row>> {
+    let registry = node.registry(&format!(
+        "{}\n{}\n[module.sharing]\nreplicas = 4\nrename = true\n",
+        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse", 10, "5s"),
+        node::generic_dev(
+            &s.module_dir,
+            "generic-dev-shared",
+            "fuse",
+            "/dev/fuse",
+            10,
+            "5s"
+        ),
+    ))?;
+    let agent = node.start_agent(&registry, None).await?;
+    let (plain, shared) = (resource("fuse"), resource("fuse.shared"));
+    node.wait_served(&plain).await?;
+    node.wait_served(&shared).await?;
+    let one = |id: &str| AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: vec![id.into()],
+        }],
+    };
+    let sides = [(one("fuse-0"), plain), (one("fuse-0::1"), shared)];
+    let mut clients = Vec::new();
+    for (request, name) in &sides {
+        let mut client = node.client(name).await?;
+        measure(&mut client, request, s.n(WARMUP), &mut Vec::new()).await?;
+        clients.push(client);
+    }
+    let calls = s.n(5_000);
+    let mut times = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+    let mut batch = 0;
+    while times[0].len() < calls {
+        let k = BATCH.min(calls - times[0].len());
+        for side in [batch % 2, 1 - batch % 2] {
+            measure(&mut clients[side], &sides[side].0, k, &mut times[side]).await?;
+        }
+        batch += 1;
+    }
+    drop(clients);
+    agent.shutdown().await;
+    let [off, on] = times.map(Samples::new);
+    let (p50, p99) = (
+        stats::div(on.p50(), off.p50()),
+        stats::div(on.p99(), off.p99()),
+    );
+    Ok(vec![
+        Row::info(
+            format!(
+                "1. Allocate of one replica, generic-dev shared 4 ways (`fuse.shared`), ledger in \
+                 memory ({} calls, alternating batches of {BATCH} with the same module unshared)",
+                on.len()
+            ),
+            on.summary(true),
+        ),
+        Row::info(
+            "1. Allocate with sharing on ÷ off (p50, p99)",
+            format!("{} / {}", stats::ratio(p50), stats::ratio(p99)),
+        ),
+    ])
 }
 
 /// As on a node: `devicelet run` (ledger on disk), a trivial plugin answering from memory, and

@@ -91,7 +91,10 @@ pub fn method() -> Vec<String> {
          call, after 1,000 warm-up calls (so answered from the answer the agent prepared ahead \
          of time, as every single-device Allocate is once its answer is ready). The floor is a tonic DevicePlugin server in the same \
          process that answers every Allocate with the bytes the module answered, on its own Unix \
-         socket; the two are measured in alternating batches of 500. The ledger-on-disk row \
+         socket; the two are measured in alternating batches of 500. The sharing rows serve \
+         generic-dev twice from one agent, plain and with `[module.sharing] replicas = 4, rename \
+         = true` (`fuse.shared`), and alternate batches of 500 Allocates of one device \
+         (`fuse-0`) and one replica (`fuse-0::1`). The ledger-on-disk row \
          restarts the agent with a state directory on the disk the scratch directory is on, as \
          `devicelet run` always has one. Context switches are summed over \
          /proc/self/task/*/status around each side's batches. The across-processes rows take \
@@ -111,9 +114,10 @@ pub fn method() -> Vec<String> {
          and `preferred = \"ok\"`; each call offers all 64 devices and asks for 4. The host \
          policy row: the same module with `devices = 256`, `numa = 8` and no `preferred`, so \
          the host's default (`packed`) answers; each call offers all 256 and asks for 8. The \
-         policy-alone row calls the host's choice directly on 256 devices (device i on node \
-         i % 8) with the devices whose ID ends in 0 taken except on node 7, one must-include \
-         device, 8 wanted, half the calls packed and half distributed.",
+         policy-alone row calls the host's choice directly on 64 physical devices (device g on \
+         node g % 8) shared 4 ways (256 replica IDs), replica 0 of each device held except on \
+         node 7 (the ledger's usage), one must-include replica, 8 wanted, half the calls packed \
+         and half distributed.",
         "3: `devicelet run` spawned with its own state, cache and kubelet directories; the clock \
          runs from just before the spawn until the simulator in the bench process has every \
          resource registered, streaming, with a first snapshot. Modules are distinct files: \

@@ -64,32 +64,44 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// The host's choice alone, no gRPC: 256 devices on 8 NUMA nodes, those whose ID ends in 0
-/// taken except on node 7, a must-include device, 8 wanted.
+/// The host's choice alone, no gRPC: 64 physical devices on 8 NUMA nodes, 4 replicas each (256
+/// IDs), replica 0 of every device but those on node 7 held, a must-include replica, 8 wanted.
 fn policy_alone(s: &Settings) -> Row {
     use devicelet::device::{Device, Health};
-    use devicelet::policy::preferred::{Spread, choose};
-    let mut devices: Vec<Device> = (0..256)
-        .map(|i| Device {
-            id: format!("dev-{i:03}"),
-            health: Health::Healthy,
-            numa_nodes: vec![i % 8],
-            attributes: Vec::new(),
+    use devicelet::kubelet::sharing::physical_id;
+    use devicelet::policy::preferred::{Spread, Usage, choose};
+    let mut devices: Vec<Device> = (0..64)
+        .flat_map(|gpu: i64| {
+            (0..4).map(move |r| Device {
+                id: format!("gpu-{gpu:02}::{r}"),
+                health: Health::Healthy,
+                numa_nodes: vec![gpu % 8],
+                attributes: Vec::new(),
+            })
         })
         .collect();
     devices.sort_by(|a, b| a.id.cmp(&b.id));
+    let held = |d: &Device| d.numa_nodes[0] != 7 && d.id.ends_with("::0");
     let available: Vec<String> = devices
         .iter()
-        .filter(|d| d.numa_nodes[0] == 7 || !d.id.ends_with('0'))
+        .filter(|d| !held(d))
         .map(|d| d.id.clone())
         .collect();
+    let usage = Usage {
+        physical: Some(physical_id),
+        in_use: devices
+            .iter()
+            .filter(|d| held(d))
+            .map(|d| (physical_id(&d.id), 1))
+            .collect(),
+    };
     let must = vec![available[3].clone()];
     let calls = s.n(10_000);
     let mut samples = Vec::with_capacity(calls);
     for spread in [Spread::Packed, Spread::Distributed] {
         for _ in 0..calls / 2 {
             let started = Instant::now();
-            let chosen = choose(&devices, &available, &must, 8, spread, &Default::default());
+            let chosen = choose(&devices, &available, &must, 8, spread, &usage);
             samples.push(started.elapsed());
             std::hint::black_box(chosen);
         }
@@ -97,8 +109,9 @@ fn policy_alone(s: &Settings) -> Row {
     let samples = Samples::new(samples);
     Row::judged(
         format!(
-            "2. Host preferred allocation alone (`policy::preferred::choose`, no gRPC): 256 \
-             devices on 8 NUMA nodes, one must-include, size 8, packed and distributed ({} calls)",
+            "2. Host preferred allocation alone (`policy::preferred::choose`, no gRPC): 64 \
+             devices × 4 replicas on 8 NUMA nodes, a quarter held, one must-include, size 8, \
+             packed and distributed ({} calls)",
             samples.len()
         ),
         samples.summary(false),
