@@ -1,7 +1,8 @@
 //! Write a devicelet device module in Rust: implement one trait, invoke one macro.
 //!
 //! devicelet owns everything that is the same for every kind of device (kubelet sockets,
-//! registration, health diffing, bookkeeping, sharing, CDI). A module only answers the
+//! registration, health diffing, bookkeeping, sharing, NUMA-aware preferred allocation; CDI spec
+//! files are planned, not there yet). A module only answers the
 //! vendor-specific questions: which devices exist, are they healthy, what does a container need
 //! to use them, and optionally what to check before a container starts and which devices to
 //! prefer. This crate hides the WebAssembly component plumbing of the `devicelet:plugin` WIT
