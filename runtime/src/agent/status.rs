@@ -61,6 +61,9 @@ pub struct ResourceStatus {
     pub socket: PathBuf,
     pub registrations: u32,
     pub devices: Vec<DeviceStatus>,
+    /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +122,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 module: r.module,
                 socket: r.socket,
                 devices,
+                shared: r.shared,
             }
         })
         .collect();

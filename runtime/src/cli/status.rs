@@ -69,6 +69,9 @@ fn render(status: &Status) -> String {
             };
             out += &format!("  {:<24} {:<9} {holder}\n", d.id, health);
         }
+        if r.shared {
+            out += &replicas_in_use(&r.devices);
+        }
     }
     let l = &status.ledger;
     out += &format!(
@@ -95,4 +98,60 @@ fn render(status: &Status) -> String {
         out += &format!("last registry edit refused: {e}\n");
     }
     out
+}
+
+/// One line per physical device of a shared resource: how many of its replicas are held.
+fn replicas_in_use(devices: &[status::DeviceStatus]) -> String {
+    let mut per_device: std::collections::BTreeMap<&str, (usize, usize)> = Default::default();
+    for d in devices {
+        let counts = per_device
+            .entry(crate::kubelet::sharing::physical_id(&d.id))
+            .or_default();
+        counts.1 += 1;
+        counts.0 += usize::from(d.allocated);
+    }
+    per_device
+        .into_iter()
+        .map(|(id, (used, all))| format!("  {id}: {used} of {all} replicas in use\n"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::status::{DeviceStatus, LedgerStatus, ResourceStatus};
+
+    #[test]
+    fn a_shared_resource_shows_the_replicas_in_use_per_device() {
+        let device = |id: &str, allocated: bool| DeviceStatus {
+            id: id.into(),
+            healthy: true,
+            allocated,
+            holder: None,
+            prepared: true,
+        };
+        let status = Status {
+            modules: Vec::new(),
+            resources: vec![ResourceStatus {
+                name: "ex.com/gpu.shared".into(),
+                module: "gpus".into(),
+                socket: "devicelet-x.sock".into(),
+                registrations: 1,
+                devices: vec![
+                    device("gpu-0::0", true),
+                    device("gpu-0::1", true),
+                    device("gpu-1::0", false),
+                    device("gpu-1::1", false),
+                ],
+                shared: true,
+            }],
+            load_errors: Vec::new(),
+            reload_error: None,
+            ledger: LedgerStatus::default(),
+        };
+        let text = render(&status);
+        assert!(text.contains("  gpu-0: 2 of 2 replicas in use\n"), "{text}");
+        assert!(text.contains("  gpu-1: 0 of 2 replicas in use\n"), "{text}");
+        assert!(text.contains("4 with an Allocate answer ready"), "{text}");
+    }
 }

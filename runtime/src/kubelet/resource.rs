@@ -34,6 +34,8 @@ pub struct ServedResource {
     pub registrations: watch::Receiver<u32>,
     /// Allocate answers prepared ahead of time, per device.
     pub prepared: Prepared,
+    /// Whether its devices are replicas (`<id>::<n>`) of shared physical devices.
+    pub shared: bool,
 }
 
 /// A served resource and what stops it.
@@ -294,6 +296,7 @@ pub fn serve<B: DeviceBackend>(
             ready,
             registrations,
             prepared,
+            shared,
         },
         poke,
         local: info.name.clone(),
