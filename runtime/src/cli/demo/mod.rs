@@ -73,7 +73,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         let a = kubelet.allocate(resource, count).await?;
         println!("\nallocated {count} × {resource}: {:?}", a.device_ids);
         if let Some(p) = &a.preferred {
-            println!("  the module preferred {p:?}");
+            println!("  GetPreferredAllocation answered {p:?}");
         }
         print_response(&a.response);
         if a.prestarted {
