@@ -5,6 +5,12 @@
 //! converts a module's answers into them at the seam (`sandbox::bindings`), so a new WIT major
 //! version only needs a new bindings module.
 
+/// Most devices one resource may list (replicas of shared devices included): far above any real
+/// node, far below what hurts.
+pub const MAX_DEVICES: usize = 16_384;
+/// Longest device ID (a replica's `::<n>` suffix included).
+pub const MAX_ID: usize = 128;
+
 /// A resource a module serves, as declared by its `init`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResourceInfo {

@@ -264,3 +264,18 @@ async fn validate_shows_the_sharing_and_preferred_allocation_in_effect() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_sharing_rule_for_a_resource_the_module_does_not_declare_is_refused() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let typo = format!(
+        "{}\n[module.sharing.resources.fsue]\nreplicas = 2\n",
+        generic_dev(GOOD)
+    );
+    assert_refused(
+        &node,
+        &typo,
+        &["[module.sharing.resources.fsue] names no resource it declares (it declares: fuse)"],
+    );
+}

@@ -85,6 +85,17 @@ pub fn plan(
             declared.len()
         ));
     }
+    for name in spec.sharing.resources.keys() {
+        if !declared.iter().any(|info| info.name == *name) {
+            let names: Vec<&str> = declared.iter().map(|i| i.name.as_str()).collect();
+            errors.push(format!(
+                "module `{}`: [module.sharing.resources.{name}] names no resource it declares \
+                 (it declares: {})",
+                spec.name,
+                names.join(", ")
+            ));
+        }
+    }
     for info in declared.iter().take(MAX_RESOURCES) {
         let share = spec.sharing.rule(&info.name);
         let name = match resource::served_name(&spec.resource_domain, info, share) {

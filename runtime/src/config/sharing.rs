@@ -136,6 +136,11 @@ fn devices(node: &Node<'_>) -> Result<BTreeMap<String, u32>, RegistryError> {
     let table = node.table("a table of device IDs to replicas, e.g. { \"gpu-0\" = 1 }")?;
     let mut devices = BTreeMap::new();
     for entry in table.entries() {
+        if entry.name.contains("::") {
+            return Err(entry
+                .node
+                .error("a device ID with `::` cannot be shared: `::` separates replica numbers"));
+        }
         devices.insert(entry.name.to_owned(), replicas(&entry.node)?);
     }
     Ok(devices)

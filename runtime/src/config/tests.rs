@@ -340,6 +340,14 @@ fn bad_sharing_values_name_the_key() {
 }
 
 #[test]
+fn a_shared_device_id_with_the_replica_separator_is_refused() {
+    let text = format!("{MINIMAL}[module.sharing.resources.gpu]\ndevices = {{ \"gpu::1\" = 2 }}\n");
+    let (line, _, _, message) = invalid(&text);
+    assert_eq!(line, 5);
+    assert!(message.contains("separates replica numbers"), "{message}");
+}
+
+#[test]
 fn unknown_grants_key() {
     let text =
         "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n[module.grants]\ndevs = [\"/dev/fuse\"]\n";

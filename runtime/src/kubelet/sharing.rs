@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::backend::{BackendError, DeviceBackend, ServingPlace};
 use crate::config::{ShareRule, Sharing};
-use crate::device::{ContainerEdits, Device};
+use crate::device::{ContainerEdits, Device, MAX_DEVICES, MAX_ID};
 
 /// Separates a physical device ID from its replica number.
 pub const REPLICA_SEPARATOR: &str = "::";
@@ -74,6 +74,20 @@ fn expand(
         if replicas <= 1 {
             out.push(d);
             continue;
+        }
+        let longest = d.id.len() + REPLICA_SEPARATOR.len() + (replicas - 1).to_string().len();
+        if longest > MAX_ID {
+            return Err(BackendError::Failed(format!(
+                "module `{module}`: device {:?} shared {replicas} ways would have IDs of \
+                 {longest} bytes; at most {MAX_ID} allowed",
+                d.id
+            )));
+        }
+        if out.len() + replicas as usize > MAX_DEVICES {
+            return Err(BackendError::Failed(format!(
+                "module `{module}`: sharing would advertise more than {MAX_DEVICES} devices; \
+                 lower `replicas`"
+            )));
         }
         for n in 0..replicas {
             out.push(Device {
@@ -275,6 +289,28 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    }
+
+    #[test]
+    fn sharing_never_lists_more_devices_or_longer_ids_than_the_host_allows() {
+        let many: Vec<Device> = (0..100)
+            .map(|i| Device {
+                id: format!("d{i}"),
+                health: Health::Healthy,
+                numa_nodes: Vec::new(),
+                attributes: Vec::new(),
+            })
+            .collect();
+        let e = expand(many, &rule(200), "m").unwrap_err();
+        assert!(e.to_string().contains("more than 16384"), "{e}");
+        let long = vec![Device {
+            id: "x".repeat(125),
+            health: Health::Healthy,
+            numa_nodes: Vec::new(),
+            attributes: Vec::new(),
+        }];
+        let e = expand(long, &rule(12), "m").unwrap_err();
+        assert!(e.to_string().contains("at most 128"), "{e}");
     }
 
     #[test]

@@ -24,8 +24,8 @@ pub enum Spread {
     Distributed,
 }
 
-/// Most distinct NUMA nodes the subset search tells apart (2^12 subsets); devices on nodes seen
-/// after those count as fitting anywhere.
+/// Most distinct NUMA nodes the subset search tells apart (2^12 subsets); nodes seen after the
+/// first 11 share the last bit, so a device there still counts as one node more.
 const MAX_NODES: usize = 12;
 
 /// What a shared resource's answer takes into account: which physical device each replica ID
@@ -56,6 +56,8 @@ pub fn choose(
     spread: Spread,
     usage: &Usage<'_>,
 ) -> Vec<String> {
+    // The kubelet never asks for more than it offers; a caller that does gets what there is.
+    let size = size.min(available.len().saturating_add(must_include.len()));
     let mut chosen: Vec<String> = Vec::with_capacity(size);
     let mut taken: HashSet<&str> = HashSet::new();
     for id in must_include {
@@ -76,9 +78,7 @@ pub fn choose(
         for node in &d.numa_nodes {
             let next = bits.len() as u32;
             let bit = *bits.entry(*node).or_insert(next);
-            if (bit as usize) < MAX_NODES {
-                mask |= 1 << bit;
-            }
+            mask |= 1 << bit.min(MAX_NODES as u32 - 1);
         }
         mask
     };
@@ -98,10 +98,9 @@ pub fn choose(
     let nodes = bits.len().min(MAX_NODES);
 
     let within = best_nodes(&candidates, required, need, nodes, spread);
+    // Must-include replicas are held already (reused from an init container): the ledger's
+    // usage counts them.
     let mut held: HashMap<String, usize> = HashMap::new();
-    for id in &chosen {
-        *held.entry(usage.physical(id).to_owned()).or_default() += 1;
-    }
     let pool: Vec<(&Device, u64)> = candidates
         .iter()
         .copied()
@@ -476,6 +475,40 @@ mod tests {
         let all = ids(&snapshot);
         let two = choose(&snapshot, &all, &[], 2, Spread::Packed, &shared(&[]));
         assert_eq!(two, strings(&["gpu-0::0", "gpu-0::1"]));
+    }
+
+    #[test]
+    fn past_twelve_nodes_a_request_still_stays_on_one_node() {
+        let snapshot = node(16, 2);
+        for spread in [Spread::Packed, Spread::Distributed] {
+            let chosen = choose(
+                &snapshot,
+                &ids(&snapshot),
+                &[],
+                2,
+                spread,
+                &Usage::default(),
+            );
+            assert_eq!(
+                nodes_of(&snapshot, &chosen).len(),
+                1,
+                "{spread:?}: {chosen:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_size_beyond_what_is_offered_gets_what_there_is() {
+        let snapshot = node(1, 2);
+        let chosen = choose(
+            &snapshot,
+            &ids(&snapshot),
+            &[],
+            1 << 40,
+            Spread::Packed,
+            &Usage::default(),
+        );
+        assert_eq!(chosen.len(), 2);
     }
 
     #[test]

@@ -41,20 +41,27 @@ impl TopologyCache {
         }
     }
 
-    fn node(&self, file: &str, host_root: &Path) -> Option<i64> {
-        let mut known = self
-            .known
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<i64>>> {
+        self.known
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(node) = known.get(file) {
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn node(&self, file: &str, host_root: &Path) -> Option<i64> {
+        if let Some(node) = self.known().get(file) {
             return *node;
         }
-        let node = read_node(&host_root.join(file.trim_start_matches('/')));
-        // A missing file may appear later (a driver still binding): only answers are kept.
-        if node.is_some() && known.len() < MAX_REMEMBERED {
+        // Read without the lock: a slow file delays only the device that names it.
+        let read = read_node(&host_root.join(file.trim_start_matches('/')));
+        // A missing file may appear later (a driver still binding): only answers are kept,
+        // `-1` among them.
+        let mut known = self.known();
+        if let Some(node) = read
+            && known.len() < MAX_REMEMBERED
+        {
             known.insert(file.to_owned(), node);
         }
-        node
+        read.flatten()
     }
 }
 
@@ -77,30 +84,38 @@ fn sysfs_file(device: &Device) -> Option<String> {
         .then(|| format!("/sys/dev/char/{major}:{minor}/device/numa_node"))
 }
 
-/// `dddd:bb:dd.f` in lowercase or uppercase hex: domain, bus, device, function.
+/// `dddd:bb:dd.f` in hex: a domain of 4 to 8 digits (VMD domains have 5), bus, device,
+/// function.
 fn is_pci_address(a: &str) -> bool {
-    let b = a.as_bytes();
-    let hex = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_hexdigit);
-    b.len() == 12
-        && hex(0..4)
-        && b[4] == b':'
-        && hex(5..7)
-        && b[7] == b':'
-        && hex(8..10)
-        && b[10] == b'.'
-        && (b'0'..=b'7').contains(&b[11])
+    let hex = |s: &str, len: std::ops::RangeInclusive<usize>| {
+        len.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_hexdigit())
+    };
+    let mut parts = a.split(':');
+    let (Some(domain), Some(bus), Some(slot), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return false;
+    };
+    let Some((device, function)) = slot.split_once('.') else {
+        return false;
+    };
+    hex(domain, 4..=8)
+        && hex(bus, 2..=2)
+        && hex(device, 2..=2)
+        && function.len() == 1
+        && (b'0'..=b'7').contains(&function.as_bytes()[0])
 }
 
-/// The node in a `numa_node` file; None for `-1`, a missing file, or anything else.
-fn read_node(path: &Path) -> Option<i64> {
+/// What a `numa_node` file says: None when it cannot be read (missing, not a file);
+/// Some(None) for `-1` or anything but a node number.
+fn read_node(path: &Path) -> Option<Option<i64>> {
     let file = std::fs::File::open(path).ok()?;
     if !file.metadata().ok()?.is_file() {
         return None;
     }
     let mut text = String::new();
     file.take(32).read_to_string(&mut text).ok()?;
-    let node: i64 = text.trim().parse().ok()?;
-    (node >= 0).then_some(node)
+    Some(text.trim().parse::<i64>().ok().filter(|n| *n >= 0))
 }
 
 #[cfg(test)]
@@ -136,12 +151,18 @@ mod tests {
         );
         write(root.path(), "sys/dev/char/10:229/device/numa_node", "0\n");
         write(root.path(), "sys/dev/char/10:200/device/numa_node", "-1\n");
+        write(
+            root.path(),
+            "sys/bus/pci/devices/10000:01:00.0/numa_node",
+            "0\n",
+        );
         let mut devices = vec![
             device(&[(PCI_ADDRESS, "0000:3b:00.0")], &[]),
             device(&[(CHAR_DEV, "10:229")], &[]),
             device(&[(CHAR_DEV, "10:200")], &[]),
             device(&[(CHAR_DEV, "10:229")], &[3]),
             device(&[(PCI_ADDRESS, "0000:3b:00.0/../../..")], &[]),
+            device(&[(PCI_ADDRESS, "10000:01:00.0")], &[]),
             device(&[(CHAR_DEV, "../10:229")], &[]),
             device(&[], &[]),
         ];
@@ -149,7 +170,16 @@ mod tests {
         let nodes: Vec<Vec<i64>> = devices.into_iter().map(|d| d.numa_nodes).collect();
         assert_eq!(
             nodes,
-            [vec![1], vec![0], vec![], vec![3], vec![], vec![], vec![]],
+            [
+                vec![1],
+                vec![0],
+                vec![],
+                vec![3],
+                vec![],
+                vec![0],
+                vec![],
+                vec![]
+            ],
             "-1 is none; a module's own node wins; malformed attributes are no paths"
         );
     }

@@ -14,9 +14,7 @@ use super::host::paths::{granted, real_path, real_path_and_metadata};
 use crate::config::Grants;
 use crate::device::{ContainerEdits, Device};
 
-/// Most devices one resource may list: far above any real node, far below what hurts.
-pub const MAX_DEVICES: usize = 16_384;
-pub const MAX_ID: usize = 128;
+pub use crate::device::{MAX_DEVICES, MAX_ID};
 const MAX_NUMA_NODES: usize = 64;
 const MAX_ATTRIBUTES: usize = 64;
 const MAX_ATTRIBUTE: usize = 1024;
