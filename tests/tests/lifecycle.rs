@@ -703,3 +703,41 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
     }
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_one_resources_sharing_re_serves_that_resource_only() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    node.add_char("/dev/net/tun", 10, 200);
+    let config = r#"groups = [
+  { name = "fuse", paths = ["/dev/fuse"], count = 2 },
+  { name = "tun", paths = ["/dev/net/tun"] },
+]"#;
+    let agent = node.start_agent(&generic_dev(config)).await;
+    let tun = node
+        .kubelet
+        .wait_until("devicelet.io/tun", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("tun");
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("fuse");
+
+    node.registry(&format!(
+        "{}\n[module.sharing.resources.fuse]\nreplicas = 2\n",
+        generic_dev(config)
+    ));
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 4)
+        .await
+        .expect("fuse shared two ways");
+    let after = node.kubelet.resource("devicelet.io/tun").expect("tun");
+    assert!(after.streaming);
+    assert_eq!(
+        (after.registrations, after.snapshots),
+        (tun.registrations, tun.snapshots),
+        "tun kept its registration and stream"
+    );
+    agent.shutdown().await;
+}

@@ -142,7 +142,7 @@ pub fn serve_all(
 
 /// Upgrades `old` to `handle` (a new version of its file or registry entry, loaded and
 /// initialised) without the kubelet seeing the resources go: each resource the new version
-/// still declares (same name, same health interval, `allocate-ahead`, `allocation-policy` and sharing) keeps its socket, registration and
+/// still declares (same name, same health interval, `allocate-ahead` and `allocation-policy`, and the same sharing rule) keeps its socket, registration and
 /// ListAndWatch stream, and is re-enumerated at once through the new version. One whose
 /// options change registers again on the same socket. Resources no longer declared stop, new
 /// ones are served.
@@ -158,13 +158,14 @@ pub async fn upgrade(
     // The watcher's interval and the preparer are set when a resource starts serving.
     let same_interval = old.spec.health_interval == spec.health_interval
         && old.spec.allocate_ahead == spec.allocate_ahead
-        && old.spec.allocation_policy == spec.allocation_policy
-        && old.spec.sharing == spec.sharing;
+        && old.spec.allocation_policy == spec.allocation_policy;
+    let old_sharing = old.spec.sharing.clone();
     let RunningModule {
         slot, resources, ..
     } = old;
     let (kept, gone): (Vec<_>, Vec<_>) = resources.into_iter().partition(|r| {
         same_interval
+            && old_sharing.rule(r.local()) == spec.sharing.rule(r.local())
             && planned
                 .iter()
                 .any(|(name, info)| *name == r.served.name && r.same_declaration(info))
