@@ -553,11 +553,19 @@ async fn allocate_on_socket(
     resource: &str,
     ids: &[&str],
 ) -> devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse {
+    let socket = agent.resource(resource).expect("served").socket;
+    allocate_at(&socket, ids).await
+}
+
+/// Allocate of `ids` in one container on a resource's socket.
+async fn allocate_at(
+    socket: &std::path::Path,
+    ids: &[&str],
+) -> devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse {
     use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
     use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
-    let served = agent.resource(resource).expect("served");
     let mut plugin = DevicePluginClient::new(
-        devicelet::kubelet::uds::connect(&served.socket)
+        devicelet::kubelet::uds::connect(socket)
             .await
             .expect("dial plugin"),
     );
@@ -680,13 +688,16 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
         "rw"
     );
 
-    // The same devices, other answers: only the module's version tells them apart.
+    // The same devices, other answers: only the module's version tells them apart. The socket
+    // stays (the agent's own list may not show the resource while it is being upgraded).
+    let served = agent.resource("devicelet.io/fuse").expect("served");
+    let socket = served.socket.clone();
     node.registry(&generic_dev(
         r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2, permissions = "r" }]"#,
     ));
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let now = permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &["fuse-0"]).await);
+        let now = permissions(allocate_at(&socket, &["fuse-0"]).await);
         if now == "r" {
             break;
         }
@@ -696,9 +707,13 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    prepared_answers(&agent, "devicelet.io/fuse", 2).await;
+    let mut progress = served.prepared.progress();
+    tokio::time::timeout(WAIT, progress.wait_for(|p| p.ready == 2))
+        .await
+        .expect("answers prepared again in time")
+        .expect("the preparer runs");
     for id in ["fuse-0", "fuse-1"] {
-        let now = permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &[id]).await);
+        let now = permissions(allocate_at(&socket, &[id]).await);
         assert_eq!(now, "r", "{id}");
     }
     agent.shutdown().await;
