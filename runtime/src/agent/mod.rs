@@ -47,6 +47,8 @@ pub struct AgentOptions {
     pub hot_reload: bool,
     /// Where compiled modules are kept between starts (created 0700); None compiles every time.
     pub cache_dir: Option<PathBuf>,
+    /// Where CDI spec files are written, for resources whose strategy uses CDI.
+    pub cdi_dir: PathBuf,
 }
 
 impl AgentOptions {
@@ -60,6 +62,7 @@ impl AgentOptions {
             reconcile_grace: Duration::from_secs(60),
             hot_reload: true,
             cache_dir: None,
+            cdi_dir: PathBuf::from(crate::cdi::DEFAULT_DIR),
         }
     }
 }
@@ -70,6 +73,7 @@ pub(crate) struct Shared {
     cache: Option<Arc<CompileCache>>,
     instance: String,
     plugin_dir: PathBuf,
+    cdi_dir: PathBuf,
     ledger: Ledger,
     kubelet_events: watch::Receiver<u64>,
     modules: Mutex<BTreeMap<String, modules::RunningModule>>,
@@ -88,6 +92,7 @@ impl Shared {
             instance: &self.instance,
             kubelet_events: &self.kubelet_events,
             ledger: &self.ledger,
+            cdi_dir: &self.cdi_dir,
         }
     }
 
@@ -236,6 +241,7 @@ impl Agent {
             cache,
             instance,
             plugin_dir: options.plugin_dir.clone(),
+            cdi_dir: options.cdi_dir.clone(),
             ledger,
             kubelet_events: kubelet_watch.events.clone(),
             modules: Mutex::new(BTreeMap::new()),

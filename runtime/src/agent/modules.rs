@@ -158,7 +158,8 @@ pub async fn upgrade(
     // The watcher's interval and the preparer are set when a resource starts serving.
     let same_interval = old.spec.health_interval == spec.health_interval
         && old.spec.allocate_ahead == spec.allocate_ahead
-        && old.spec.allocation_policy == spec.allocation_policy;
+        && old.spec.allocation_policy == spec.allocation_policy
+        && old.spec.device_list_strategy == spec.device_list_strategy;
     let old_sharing = old.spec.sharing.clone();
     let RunningModule {
         slot, resources, ..
@@ -212,6 +213,7 @@ fn serve_planned(
             allocate_ahead: spec.allocate_ahead,
             allocation_policy: spec.allocation_policy,
             share: spec.sharing.rule(&info.name),
+            device_list_strategy: spec.device_list_strategy,
         };
         let backend = Shared::new(slot.clone(), spec.sharing.clone());
         match resource::serve(&backend, &owner, info, at) {

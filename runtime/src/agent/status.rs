@@ -64,6 +64,23 @@ pub struct ResourceStatus {
     /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
     #[serde(default)]
     pub shared: bool,
+    /// Its CDI spec, when its device-list strategy uses CDI.
+    #[serde(default)]
+    pub cdi: Option<CdiStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CdiStatus {
+    pub strategy: String,
+    pub spec: PathBuf,
+    /// Devices the spec on disk names (0 while none is written).
+    pub devices: usize,
+    /// Containers whose devices Allocate named by CDI.
+    pub named: u64,
+    /// Containers given the module's answer itself: the spec would not have given them the same.
+    pub unnamed: u64,
+    /// Why the spec could not be written, until it can.
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,6 +140,18 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 socket: r.socket,
                 devices,
                 shared: r.shared,
+                cdi: r.cdi.map(|c| {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let devices = c.naming.view.borrow().as_ref().map_or(0, |v| v.len());
+                    CdiStatus {
+                        strategy: c.naming.strategy.to_string(),
+                        spec: c.path,
+                        devices,
+                        named: c.naming.counts.named.load(Relaxed),
+                        unnamed: c.naming.counts.unnamed.load(Relaxed),
+                        error: c.written.error(),
+                    }
+                }),
             }
         })
         .collect();

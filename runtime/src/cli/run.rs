@@ -28,6 +28,10 @@ pub struct RunArgs {
     /// How often the ledger is reconciled with PodResources, e.g. 30s.
     #[arg(long, default_value = "30s", value_parser = crate::config::parse_duration)]
     pub reconcile_interval: std::time::Duration,
+    /// Where CDI spec files are written, for resources whose `device-list-strategy` uses CDI
+    /// (the directory container runtimes read transient specs from).
+    #[arg(long, default_value = crate::cdi::DEFAULT_DIR)]
+    pub cdi_dir: PathBuf,
     /// Ignore edits of the registry and module files until restarted.
     #[arg(long)]
     pub no_hot_reload: bool,
@@ -45,6 +49,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.reconcile_interval = args.reconcile_interval;
     options.reconcile_grace = args.reconcile_interval * 2;
     options.hot_reload = !args.no_hot_reload;
+    options.cdi_dir = args.cdi_dir;
     let agent = Agent::start(options).await.context("starting the agent")?;
     for r in agent.resources() {
         tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");

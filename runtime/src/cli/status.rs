@@ -72,6 +72,19 @@ fn render(status: &Status) -> String {
         if r.shared {
             out += &replicas_in_use(&r.devices);
         }
+        if let Some(c) = &r.cdi {
+            out += &format!(
+                "  CDI ({}): {} with {} devices; {} containers named by CDI, {} given the module's answer itself\n",
+                c.strategy,
+                c.spec.display(),
+                c.devices,
+                c.named,
+                c.unnamed
+            );
+            if let Some(e) = &c.error {
+                out += &format!("  CDI spec not written: {e}\n");
+            }
+        }
     }
     let l = &status.ledger;
     out += &format!(
@@ -144,6 +157,7 @@ mod tests {
                     device("gpu-1::1", false),
                 ],
                 shared: true,
+                cdi: None,
             }],
             load_errors: Vec::new(),
             reload_error: None,

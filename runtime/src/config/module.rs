@@ -53,6 +53,9 @@ pub struct ModuleSpec {
     pub allocation_policy: crate::policy::AllocationPolicy,
     /// How many containers may share each device of its resources (`[module.sharing]`).
     pub sharing: super::Sharing,
+    /// How Allocate names devices to the runtime; a CDI strategy also has the host write a CDI
+    /// spec per resource (`crate::cdi`).
+    pub device_list_strategy: crate::cdi::DeviceListStrategy,
     /// What the module may read from the host.
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
@@ -75,6 +78,7 @@ const KEYS: &[&str] = &[
     "allocate-ahead",
     "allocation-policy",
     "sharing",
+    "device-list-strategy",
     "grants",
     "config",
 ];
@@ -105,6 +109,9 @@ pub(super) fn parse(
     let mut allocate_ahead = true;
     let mut allocation_policy = crate::policy::AllocationPolicy::default();
     let mut sharing = super::Sharing::default();
+    let mut device_list_strategy = crate::cdi::DeviceListStrategy::default();
+    // CDI specs are built from the answers prepared ahead: reported at the strategy's line.
+    let mut needs_allocate_ahead = None;
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
     let mut config_at = node.location();
@@ -145,6 +152,14 @@ pub(super) fn parse(
             }
             "allocation-policy" => allocation_policy = policy(node)?,
             "sharing" => sharing = super::sharing::parse(node)?,
+            "device-list-strategy" => {
+                device_list_strategy = strategy(node)?;
+                needs_allocate_ahead = device_list_strategy.uses_cdi().then(|| {
+                    node.error(
+                        "a CDI device-list strategy needs `allocate-ahead = true`: the CDI spec is built from the answers prepared for each device",
+                    )
+                });
+            }
             "grants" => grants = grants::parse(node)?,
             "config" => {
                 config = json::config(node)?;
@@ -154,6 +169,9 @@ pub(super) fn parse(
         }
     }
 
+    if let (Some(error), false) = (needs_allocate_ahead, allocate_ahead) {
+        return Err(error);
+    }
     let (name, name_span) = name.ok_or_else(|| table.missing("name"))?;
     let path = path.ok_or_else(|| table.missing("path"))?;
     Ok(Parsed {
@@ -170,6 +188,7 @@ pub(super) fn parse(
             allocate_ahead,
             allocation_policy,
             sharing,
+            device_list_strategy,
             grants,
             config,
             config_at,
@@ -209,6 +228,19 @@ fn policy(node: &Node<'_>) -> Result<crate::policy::AllocationPolicy, RegistryEr
             )));
         }
     })
+}
+
+/// `device-list-strategy`: one name, or a list of them.
+fn strategy(node: &Node<'_>) -> Result<crate::cdi::DeviceListStrategy, RegistryError> {
+    let names = match node.get().as_str() {
+        Some(name) => vec![name],
+        None => node
+            .array("a strategy name such as \"cdi-cri\", or a list of them")?
+            .iter()
+            .map(|n| n.str())
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    crate::cdi::DeviceListStrategy::parse(names).map_err(|message| node.error(message))
 }
 
 fn duration(node: &Node<'_>, min: Duration, max: Duration) -> Result<Duration, RegistryError> {

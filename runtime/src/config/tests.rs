@@ -283,6 +283,47 @@ fn an_unknown_allocation_policy_names_the_choices() {
 }
 
 #[test]
+fn the_device_list_strategy_is_one_name_or_several() {
+    let registry = parse(MINIMAL).unwrap();
+    assert!(!registry.modules[0].device_list_strategy.uses_cdi());
+    let text = format!("{MINIMAL}device-list-strategy = \"cdi-cri\"\n");
+    let s = parse(&text).unwrap().modules[0].device_list_strategy;
+    assert!(s.cdi_cri && !s.devices && !s.cdi_annotations);
+    let text = format!("{MINIMAL}device-list-strategy = [\"devices\", \"cdi-annotations\"]\n");
+    let s = parse(&text).unwrap().modules[0].device_list_strategy;
+    assert!(s.devices && s.cdi_annotations && !s.cdi_cri);
+}
+
+#[test]
+fn an_unknown_or_empty_device_list_strategy_is_refused() {
+    let text = format!("{MINIMAL}device-list-strategy = [\"devices\", \"cdi\"]\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].device-list-strategy"),
+        "unknown device-list strategy \"cdi\"",
+    );
+    let text = format!("{MINIMAL}device-list-strategy = []\n");
+    assert_invalid(
+        &text,
+        4,
+        Some("module[0].device-list-strategy"),
+        "the device-list strategy is empty",
+    );
+}
+
+#[test]
+fn a_cdi_strategy_without_answers_prepared_ahead_is_refused() {
+    let text = format!("{MINIMAL}allocate-ahead = false\ndevice-list-strategy = \"cdi-cri\"\n");
+    assert_invalid(
+        &text,
+        5,
+        Some("module[0].device-list-strategy"),
+        "needs `allocate-ahead = true`",
+    );
+}
+
+#[test]
 fn sharing_per_module_per_resource_and_per_device() {
     let text = format!(
         "{MINIMAL}[module.sharing]\nreplicas = 2\nrename = true\n\

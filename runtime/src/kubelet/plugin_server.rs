@@ -14,6 +14,7 @@ use super::api::deviceplugin as api;
 use super::backend::{BackendError, DeviceBackend};
 use super::prepared::Prepared;
 use super::sharing::physical_id;
+use crate::cdi::Naming;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
 use crate::policy::{Preferred, preferred};
@@ -43,6 +44,8 @@ pub struct Watches {
     pub preferred: watch::Receiver<Preferred>,
     /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
     pub shared: bool,
+    /// How Allocate names devices by CDI, when the resource's strategy uses CDI.
+    pub cdi: Option<Naming>,
 }
 
 /// What the kubelet reaches through one socket.
@@ -63,6 +66,7 @@ pub struct ResourcePlugin<B> {
     prepared: Prepared,
     preferred: watch::Receiver<Preferred>,
     shared: bool,
+    cdi: Option<Naming>,
 }
 
 impl<B: Clone> Clone for ResourcePlugin<B> {
@@ -79,6 +83,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             prepared: self.prepared.clone(),
             preferred: self.preferred.clone(),
             shared: self.shared,
+            cdi: self.cdi.clone(),
         }
     }
 }
@@ -147,6 +152,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             prepared,
             preferred,
             shared,
+            cdi,
         } = watches;
         ResourcePlugin {
             resource: resource.into(),
@@ -160,7 +166,20 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             prepared,
             preferred,
             shared,
+            cdi,
         }
+    }
+
+    /// The physical devices behind `ids`, each once, in order.
+    fn physical<'a>(&self, ids: &'a [String]) -> Vec<&'a str> {
+        let mut physical: Vec<&str> = Vec::with_capacity(ids.len());
+        for id in ids {
+            let id = if self.shared { physical_id(id) } else { id };
+            if !physical.contains(&id) {
+                physical.push(id);
+            }
+        }
+        physical
     }
 
     /// The answer prepared for a lone device exactly as the snapshot lists it now.
@@ -338,16 +357,19 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         }
         let mut container_responses = Vec::with_capacity(requests.len());
         for c in &requests {
-            if let Some(answer) = self.prepared_answer(&c.devices_ids) {
-                container_responses.push(answer);
-                continue;
-            }
-            let edits = self
-                .backend
-                .allocate(&self.local, c.devices_ids.clone())
-                .await
-                .map_err(status)?;
-            container_responses.push(edits_to_wire(edits));
+            let answer = match self.prepared_answer(&c.devices_ids) {
+                Some(answer) => answer,
+                None => edits_to_wire(
+                    self.backend
+                        .allocate(&self.local, c.devices_ids.clone())
+                        .await
+                        .map_err(status)?,
+                ),
+            };
+            container_responses.push(match &self.cdi {
+                Some(naming) => naming.shape(&self.physical(&c.devices_ids), answer),
+                None => answer,
+            });
         }
         // Only what the kubelet is told succeeded goes into the ledger: a request that fails
         // part-way leaves no entry for its first containers.
@@ -463,6 +485,7 @@ mod tests {
                 prepared: Prepared::default(),
                 preferred: watch::channel(Preferred::Module).1,
                 shared: false,
+                cdi: None,
             },
         );
         (plugin, calls, devices_tx, stop_tx)

@@ -105,6 +105,29 @@ impl Prepared {
         }
     }
 
+    /// Every answer that holds for `snapshot` as it is now, from the backend of `generation`, by
+    /// device ID (the CDI spec writer builds the spec from them).
+    pub fn current(
+        &self,
+        snapshot: &[Device],
+        generation: u64,
+    ) -> HashMap<String, api::ContainerAllocateResponse> {
+        let answers = self.lock();
+        answers
+            .by_id
+            .iter()
+            .filter_map(|(id, entry)| match &entry.kept {
+                Kept::Answer(a)
+                    if entry.generation == generation
+                        && find(snapshot, id) == Some(&entry.device) =>
+                {
+                    Some((id.clone(), a.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Whether an answer is ready for the device with this ID, as of the preparer's last round
     /// (status shows it).
     pub fn is_ready(&self, id: &str) -> bool {

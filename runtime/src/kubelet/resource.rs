@@ -13,6 +13,7 @@ use super::names;
 use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
 use super::prepared::{self, Prepared};
 use super::watcher::{self, Signals};
+use crate::cdi::{self, DeviceListStrategy, Naming, SpecWriter, Written};
 use crate::config::ShareRule;
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
@@ -36,6 +37,16 @@ pub struct ServedResource {
     pub prepared: Prepared,
     /// Whether its devices are replicas (`<id>::<n>`) of shared physical devices.
     pub shared: bool,
+    /// Its CDI spec, when its device-list strategy uses CDI.
+    pub cdi: Option<CdiServed>,
+}
+
+/// A resource's CDI spec file and how Allocate has named its devices.
+#[derive(Debug, Clone)]
+pub struct CdiServed {
+    pub path: PathBuf,
+    pub naming: Naming,
+    pub written: Arc<Written>,
 }
 
 /// A served resource and what stops it.
@@ -189,6 +200,8 @@ pub struct Serving<'a> {
     pub instance: &'a str,
     pub kubelet_events: &'a watch::Receiver<u64>,
     pub ledger: &'a Ledger,
+    /// Where CDI spec files go.
+    pub cdi_dir: &'a Path,
 }
 
 /// Who serves a resource, and how: what the registry says of its module.
@@ -205,6 +218,8 @@ pub struct Owner<'a> {
     pub allocation_policy: AllocationPolicy,
     /// How the resource's devices are shared.
     pub share: &'a ShareRule,
+    /// How Allocate names devices to the runtime.
+    pub device_list_strategy: DeviceListStrategy,
 }
 
 /// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
@@ -216,6 +231,13 @@ pub fn serve<B: DeviceBackend>(
     at: &Serving<'_>,
 ) -> Result<RunningResource, String> {
     let name = served_name(spec.resource_domain, info, spec.share)?;
+    let kind = match spec.device_list_strategy.uses_cdi() {
+        true => Some(
+            cdi::spec::kind_of(&name)
+                .map_err(|e| format!("cannot have a CDI spec for {name}: {e}"))?,
+        ),
+        false => None,
+    };
     let shared = spec.share.shares();
     let endpoint = endpoint_name(&name, at.instance);
     let who = who_answers(spec.allocation_policy, info, shared);
@@ -255,6 +277,36 @@ pub fn serve<B: DeviceBackend>(
         )));
     }
 
+    let cdi = kind.map(|kind| {
+        let (view_tx, view) = watch::channel(None);
+        let path = cdi::spec_path(at.cdi_dir, &kind);
+        let written = Arc::new(Written::default());
+        tasks.push(tokio::spawn(
+            SpecWriter {
+                backend: backend.clone(),
+                kind: kind.clone(),
+                path: path.clone(),
+                shared,
+                devices: devices.clone(),
+                prepared: prepared.clone(),
+                view: view_tx,
+                written: written.clone(),
+                stop: stop.clone(),
+            }
+            .run(),
+        ));
+        CdiServed {
+            path,
+            naming: Naming {
+                strategy: spec.device_list_strategy,
+                view,
+                annotation_key: cdi::annotation_key(&name).into(),
+                counts: Arc::default(),
+            },
+            written,
+        }
+    });
+
     let plugin = ResourcePlugin::new(
         &name,
         &info.name,
@@ -268,6 +320,7 @@ pub fn serve<B: DeviceBackend>(
             prepared: prepared.clone(),
             preferred,
             shared,
+            cdi: cdi.as_ref().map(|c| c.naming.clone()),
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
@@ -297,6 +350,7 @@ pub fn serve<B: DeviceBackend>(
             registrations,
             prepared,
             shared,
+            cdi,
         },
         poke,
         local: info.name.clone(),

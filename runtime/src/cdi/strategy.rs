@@ -1,0 +1,173 @@
+//! How Allocate hands devices to the container runtime: the registry's `device-list-strategy`,
+//! and the answer it shapes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::watch;
+
+use super::build::View;
+use crate::kubelet::api::deviceplugin as api;
+
+/// Which ways Allocate names a container's devices; any non-empty combination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceListStrategy {
+    /// Device specs, env and mounts, as the module answered (what every runtime understands).
+    pub devices: bool,
+    /// The `cdi_devices` field (containerd 1.7+, CRI-O 1.24+ with CDI enabled).
+    pub cdi_cri: bool,
+    /// A `cdi.k8s.io/` annotation (older runtimes with CDI annotations enabled).
+    pub cdi_annotations: bool,
+}
+
+impl Default for DeviceListStrategy {
+    fn default() -> Self {
+        DeviceListStrategy {
+            devices: true,
+            cdi_cri: false,
+            cdi_annotations: false,
+        }
+    }
+}
+
+impl DeviceListStrategy {
+    pub const NAMES: [&'static str; 3] = ["devices", "cdi-cri", "cdi-annotations"];
+
+    /// The strategy made of these names; an error naming the first unknown one.
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Self, String> {
+        let mut s = DeviceListStrategy {
+            devices: false,
+            cdi_cri: false,
+            cdi_annotations: false,
+        };
+        for name in names {
+            match name {
+                "devices" => s.devices = true,
+                "cdi-cri" => s.cdi_cri = true,
+                "cdi-annotations" => s.cdi_annotations = true,
+                _ => {
+                    return Err(format!(
+                        "unknown device-list strategy {name:?}: expected \"devices\", \"cdi-cri\" or \"cdi-annotations\""
+                    ));
+                }
+            }
+        }
+        if !(s.devices || s.cdi_cri || s.cdi_annotations) {
+            return Err("the device-list strategy is empty: name at least one of \"devices\", \"cdi-cri\", \"cdi-annotations\"".into());
+        }
+        Ok(s)
+    }
+
+    /// Whether the resource gets a CDI spec file.
+    pub fn uses_cdi(&self) -> bool {
+        self.cdi_cri || self.cdi_annotations
+    }
+}
+
+impl std::fmt::Display for DeviceListStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on = [self.devices, self.cdi_cri, self.cdi_annotations];
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .zip(on)
+            .filter(|(_, on)| *on)
+            .map(|(name, _)| *name)
+            .collect();
+        f.write_str(&names.join(", "))
+    }
+}
+
+/// How often Allocate named devices by CDI, and how often it could not.
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub named: AtomicU64,
+    /// Containers that got the module's answer itself, because the written spec would not have
+    /// given them the same (a device not in it yet, an answer for several devices that is not
+    /// the sum of their own).
+    pub unnamed: AtomicU64,
+}
+
+/// One resource's CDI naming, shared by its spec writer and its server.
+#[derive(Debug, Clone)]
+pub struct Naming {
+    pub strategy: DeviceListStrategy,
+    /// The spec as last written; None while there is none.
+    pub view: watch::Receiver<Option<Arc<View>>>,
+    /// The `cdi.k8s.io/` annotation key the resource's answers use.
+    pub annotation_key: Arc<str>,
+    pub counts: Arc<Counts>,
+}
+
+impl Naming {
+    /// Shapes the module's `answer` for `ids` (physical device IDs, each once) per the strategy.
+    pub fn shape(
+        &self,
+        ids: &[&str],
+        answer: api::ContainerAllocateResponse,
+    ) -> api::ContainerAllocateResponse {
+        let view = self.view.borrow().clone();
+        let Some(view) = view.filter(|v| v.covers(ids, &answer)) else {
+            self.counts.unnamed.fetch_add(1, Ordering::Relaxed);
+            return answer;
+        };
+        self.counts.named.fetch_add(1, Ordering::Relaxed);
+        let mut out = answer;
+        if !self.strategy.devices {
+            out.envs.clear();
+            out.mounts.clear();
+            out.devices.clear();
+        }
+        let names: Vec<String> = ids.iter().map(|id| view.name(id)).collect();
+        if self.strategy.cdi_annotations {
+            out.annotations
+                .insert(self.annotation_key.to_string(), names.join(","));
+        }
+        if self.strategy.cdi_cri {
+            out.cdi_devices
+                .extend(names.into_iter().map(|name| api::CdiDevice { name }));
+        }
+        out
+    }
+}
+
+/// Longest name part of an annotation key (after `cdi.k8s.io/`), by Kubernetes' rules.
+const MAX_ANNOTATION_NAME: usize = 63;
+
+/// The annotation key for a resource's devices: `cdi.k8s.io/devicelet_<vendor>_<class>`, unique
+/// per resource (the kubelet merges every plugin's annotations into one container's); a digest
+/// of the name stands in when that would be too long.
+pub fn annotation_key(resource: &str) -> String {
+    let name = format!("devicelet_{}", resource.replace('/', "_"));
+    if name.len() <= MAX_ANNOTATION_NAME {
+        return format!("cdi.k8s.io/{name}");
+    }
+    let digest = crate::digest::sha256_hex(resource.as_bytes());
+    format!("cdi.k8s.io/devicelet_{}", &digest[..32])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategies_parse_alone_or_together() {
+        let s = DeviceListStrategy::parse(["cdi-cri", "devices"]).unwrap();
+        assert!(s.devices && s.cdi_cri && !s.cdi_annotations);
+        assert_eq!(s.to_string(), "devices, cdi-cri");
+        assert!(!DeviceListStrategy::default().uses_cdi());
+        let e = DeviceListStrategy::parse(["cdi"]).unwrap_err();
+        assert!(e.contains("unknown device-list strategy \"cdi\""), "{e}");
+        assert!(DeviceListStrategy::parse([]).is_err());
+    }
+
+    #[test]
+    fn annotation_keys_fit_kubernetes_limits() {
+        assert_eq!(
+            annotation_key("devicelet.io/fuse"),
+            "cdi.k8s.io/devicelet_devicelet.io_fuse"
+        );
+        let long = annotation_key(&format!("example.com/{}", "x".repeat(60)));
+        let name = long.strip_prefix("cdi.k8s.io/").unwrap();
+        assert!(name.len() <= MAX_ANNOTATION_NAME, "{long}");
+    }
+}
