@@ -63,6 +63,10 @@ impl Edits {
         true
     }
 
+    fn is_empty(&self) -> bool {
+        self.envs.is_empty() && self.mounts.is_empty() && self.nodes.is_empty()
+    }
+
     /// What `self` and `other` both hold.
     fn common(&self, other: &Edits) -> Edits {
         Edits {
@@ -171,8 +175,10 @@ impl View {
 }
 
 /// The spec for `kind` from each physical device's own answer, with the edits every device
-/// shares (when there are several) lifted into the top-level `containerEdits`. Devices whose ID
-/// is not a CDI device name are left out. None when no device is left.
+/// shares (when there are several) lifted into the top-level `containerEdits`, unless that would
+/// leave a device with no edits of its own (CDI refuses such a device). Devices whose ID is not
+/// a CDI device name, or whose answer holds nothing a spec can carry, are left out. None when no
+/// device is left.
 pub fn build(
     kind: &str,
     answers: &BTreeMap<String, api::ContainerAllocateResponse>,
@@ -181,6 +187,7 @@ pub fn build(
         .iter()
         .filter(|(id, _)| spec::is_device_name(id))
         .map(|(id, answer)| (id, Edits::of(answer), answer))
+        .filter(|(_, e, _)| !e.is_empty())
         .collect();
     let common = match edits.as_slice() {
         [] => return None,
@@ -188,6 +195,11 @@ pub fn build(
         [(_, first, _), rest @ ..] => rest
             .iter()
             .fold(first.clone(), |common, (_, e, _)| common.common(e)),
+    };
+    let common = if edits.iter().any(|(_, e, _)| e.without(&common).is_empty()) {
+        Edits::default()
+    } else {
+        common
     };
     let mut devices = Vec::with_capacity(edits.len());
     let mut view = HashMap::with_capacity(edits.len());
@@ -302,6 +314,26 @@ mod tests {
         let mut both = answer("/dev/gpu0", &[("DRIVER", "x")]);
         both.devices.extend(answer("/dev/gpu1", &[]).devices);
         assert!(view.covers(&["gpu0", "gpu1"], &both));
+    }
+
+    #[test]
+    fn nothing_is_lifted_that_would_leave_a_device_with_no_edits() {
+        let same: BTreeMap<_, _> = [
+            ("fuse-0".to_string(), answer("/dev/fuse", &[])),
+            ("fuse-1".to_string(), answer("/dev/fuse", &[])),
+        ]
+        .into();
+        let (spec, view) = build("a.com/fuse", &same).unwrap();
+        assert!(spec.container_edits.is_empty());
+        assert!(spec.devices.iter().all(|d| !d.container_edits.is_empty()));
+        let mut both = answer("/dev/fuse", &[]);
+        both.devices.extend(answer("/dev/fuse", &[]).devices);
+        assert!(view.covers(&["fuse-0", "fuse-1"], &both));
+        let empty: BTreeMap<_, _> = [("x".to_string(), Default::default())].into();
+        assert!(
+            build("a.com/x", &empty).is_none(),
+            "an empty device is left out"
+        );
     }
 
     #[test]
