@@ -266,6 +266,53 @@ async fn validate_shows_the_sharing_and_preferred_allocation_in_effect() {
 }
 
 #[tokio::test]
+async fn validate_shows_the_device_list_strategy_and_the_cdi_spec_run_would_write() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    node.add_char("/dev/ttyUSB1", 188, 1);
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let cdi = generic_dev(serial).replace(
+        "health-interval",
+        "device-list-strategy = [\"devices\", \"cdi-cri\"]\nhealth-interval",
+    );
+    let (ok, text) = validate(&node, &cdi);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains(
+            "device list: devices, cdi-cri; CDI spec /var/run/cdi/devicelet_devicelet.io_serial.json \
+             (kind devicelet.io/serial, annotation cdi.k8s.io/devicelet_devicelet.io_serial)"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("CDI spec: cdiVersion 0.3.0, 2 of 2 devices named"),
+        "{text}"
+    );
+
+    let (ok, text) = validate(&node, &generic_dev(serial));
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("device list: devices (no CDI spec)"),
+        "{text}"
+    );
+
+    // CDI is stricter than Kubernetes: a class must start with a letter.
+    let digit = r#"groups = [{ name = "1serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let cdi = generic_dev(digit).replace(
+        "health-interval",
+        "device-list-strategy = \"cdi-cri\"\nhealth-interval",
+    );
+    assert_refused(
+        &node,
+        &cdi,
+        &[
+            "cannot have a CDI spec for devicelet.io/1serial",
+            "must start with a letter",
+        ],
+    );
+}
+
+#[tokio::test]
 async fn a_sharing_rule_for_a_resource_the_module_does_not_declare_is_refused() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);

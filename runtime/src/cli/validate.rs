@@ -15,6 +15,9 @@ pub struct ValidateArgs {
     /// The module registry (TOML).
     #[arg(long)]
     pub config: PathBuf,
+    /// Where `run` would write CDI spec files (shown for resources whose strategy uses CDI).
+    #[arg(long, default_value = crate::cdi::DEFAULT_DIR)]
+    pub cdi_dir: PathBuf,
 }
 
 pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
@@ -74,8 +77,21 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
                 if spec.allocate_ahead { "yes" } else { "no" },
                 describe_sharing(rule)
             );
+            let kind = match describe_cdi(spec.device_list_strategy, &name, &args.cdi_dir) {
+                Ok(kind) => kind,
+                Err(e) => {
+                    failures += 1;
+                    println!("    error: {e}");
+                    None
+                }
+            };
             match DeviceBackend::enumerate(&shared, &info.name).await {
-                Ok(devices) => print_devices(&devices),
+                Ok(devices) => {
+                    print_devices(&devices);
+                    if let Some(kind) = kind {
+                        print_cdi_spec(&shared, &info.name, &kind, &devices).await;
+                    }
+                }
                 Err(e) => {
                     failures += 1;
                     println!("    error: enumerate failed, so `run` would serve no devices: {e}");
@@ -116,6 +132,71 @@ fn print_devices(devices: &[Device]) {
             format!(" NUMA {}", nodes.join(","))
         };
         println!("    {} {health}{numa}", d.id);
+    }
+}
+
+/// The device-list strategy, and where the CDI spec would go: its kind, or why the resource
+/// cannot have one.
+fn describe_cdi(
+    strategy: crate::cdi::DeviceListStrategy,
+    resource: &str,
+    dir: &std::path::Path,
+) -> Result<Option<String>, String> {
+    if !strategy.uses_cdi() {
+        println!("    device list: {strategy} (no CDI spec)");
+        return Ok(None);
+    }
+    let kind = crate::cdi::spec::kind_of(resource)
+        .map_err(|e| format!("cannot have a CDI spec for {resource}: {e}"))?;
+    println!(
+        "    device list: {strategy}; CDI spec {} (kind {kind}, annotation {})",
+        crate::cdi::spec_path(dir, &kind).display(),
+        crate::cdi::annotation_key(resource)
+    );
+    Ok(Some(kind))
+}
+
+/// The CDI spec `run` would write: the module asked for each healthy physical device alone, as
+/// the preparer does.
+async fn print_cdi_spec(
+    backend: &impl DeviceBackend,
+    resource: &str,
+    kind: &str,
+    devices: &[Device],
+) {
+    let mut answers = BTreeMap::new();
+    let mut failed = Vec::new();
+    for d in devices.iter().filter(|d| d.health == Health::Healthy) {
+        let id = crate::kubelet::sharing::physical_id(&d.id);
+        if answers.contains_key(id) {
+            continue;
+        }
+        match backend.allocate(resource, vec![d.id.clone()]).await {
+            Ok(edits) => {
+                answers.insert(
+                    id.to_owned(),
+                    crate::kubelet::plugin_server::edits_to_wire(edits),
+                );
+            }
+            Err(e) => failed.push(format!("{id}: {e}")),
+        }
+    }
+    match crate::cdi::build(kind, &answers) {
+        Some((spec, view)) => println!(
+            "    CDI spec: cdiVersion {}, {} of {} devices named{}",
+            spec.version,
+            view.len(),
+            answers.len(),
+            if spec.container_edits.is_empty() {
+                ""
+            } else {
+                ", with edits common to all"
+            }
+        ),
+        None => println!("    CDI spec: no device to name yet (none written)"),
+    }
+    for f in failed {
+        println!("    warning: Allocate for {f} failed, so it is not in the spec");
     }
 }
 

@@ -223,7 +223,7 @@ pub fn to_wire(devices: &[Device]) -> api::ListAndWatchResponse {
     }
 }
 
-pub(super) fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
+pub fn edits_to_wire(e: ContainerEdits) -> api::ContainerAllocateResponse {
     api::ContainerAllocateResponse {
         envs: e.envs.into_iter().collect::<HashMap<_, _>>(),
         mounts: e
