@@ -1,8 +1,8 @@
 //! Write a devicelet device module in Rust: implement one trait, invoke one macro.
 //!
 //! devicelet owns everything that is the same for every kind of device (kubelet sockets,
-//! registration, health diffing, bookkeeping, sharing, NUMA-aware preferred allocation; CDI spec
-//! files are planned, not there yet). A module only answers the
+//! registration, health diffing, bookkeeping, sharing, NUMA-aware preferred allocation, CDI spec
+//! files built from the module's `allocate` answer for each device). A module only answers the
 //! vendor-specific questions: which devices exist, are they healthy, what does a container need
 //! to use them, and optionally what to check before a container starts and which devices to
 //! prefer. This crate hides the WebAssembly component plumbing of the `devicelet:plugin` WIT
@@ -388,7 +388,10 @@ impl ContainerEdits {
         self
     }
 
-    /// Names a fully qualified CDI device (`vendor.com/class=name`) for the runtime to inject.
+    /// Names a fully qualified CDI device (`vendor.com/class=name`) for the runtime to inject:
+    /// for a module whose devices already have CDI specs (written by the vendor's own tooling).
+    /// The host passes these on as they are, whatever the registry's `device-list-strategy`;
+    /// it writes specs for the other edits itself when that strategy asks for CDI.
     pub fn cdi(mut self, name: impl Into<String>) -> Self {
         self.cdi_devices.push(name.into());
         self

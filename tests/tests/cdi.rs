@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use container_device_interface as cdi_crate;
+use devicelet::agent::Agent;
+use devicelet::agent::status::CdiStatus;
 use devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse;
 use devicelet_simulator::Allocation;
 use devicelet_tests::{Node, WAIT, eventually, eventually_some, generic_dev, misbehaving};
@@ -27,24 +29,55 @@ fn cdi_dir(node: &Node) -> PathBuf {
     node.dir.path().join("cdi")
 }
 
-async fn start(node: &Node, registry: &str) -> devicelet::agent::Agent {
+async fn start(node: &Node, registry: &str) -> Agent {
     let dir = cdi_dir(node);
     node.start_agent_with(registry, move |o| o.cdi_dir = dir)
         .await
 }
 
-/// The spec file for `kind` once it names `devices` devices, as JSON.
-async fn spec_with(node: &Node, kind: &str, devices: usize) -> serde_json::Value {
-    let path = cdi_dir(node).join(format!("devicelet_{}.json", kind.replace('/', "_")));
-    eventually_some(
-        &format!("{} with {devices} devices", path.display()),
+fn spec_path(node: &Node, resource: &str) -> PathBuf {
+    cdi_dir(node).join(format!("devicelet_{}.json", resource.replace('/', "_")))
+}
+
+/// The spec file of `resource` once the agent says it names `devices` devices (Allocate names
+/// devices from then on), as JSON.
+async fn spec_with(
+    node: &Node,
+    agent: &Agent,
+    resource: &str,
+    devices: usize,
+) -> serde_json::Value {
+    eventually(
+        &format!("the CDI spec of {resource} with {devices} devices"),
         || {
-            let text = std::fs::read(&path).ok()?;
-            let spec: serde_json::Value = serde_json::from_slice(&text).ok()?;
-            (spec["devices"].as_array()?.len() == devices).then_some(spec)
+            agent
+                .status()
+                .resources
+                .iter()
+                .find(|r| r.name == resource)
+                .and_then(|r| r.cdi.as_ref())
+                .is_some_and(|c| c.devices == devices)
         },
     )
-    .await
+    .await;
+    let text = std::fs::read(spec_path(node, resource)).expect("the spec file");
+    let spec: serde_json::Value = serde_json::from_slice(&text).expect("JSON");
+    assert_eq!(
+        spec["devices"].as_array().map(Vec::len),
+        Some(devices),
+        "{spec}"
+    );
+    spec
+}
+
+fn cdi_status(agent: &Agent, resource: &str) -> CdiStatus {
+    agent
+        .status()
+        .resources
+        .into_iter()
+        .find(|r| r.name == resource)
+        .and_then(|r| r.cdi)
+        .expect("CDI status")
 }
 
 /// What a container gets: env, device nodes (container path, host path, permissions), mounts
@@ -126,10 +159,10 @@ fn resolve(dir: &Path, names: &[String]) -> Container {
             .unwrap_or_else(|| panic!("{name} is in no spec"))
             .clone();
         let mut spec = device.get_spec();
-        if specs_applied.insert(spec.get_path()) {
-            if let Some(edits) = spec.edits() {
-                container.apply(&edits.container_edits);
-            }
+        if specs_applied.insert(spec.get_path())
+            && let Some(edits) = spec.edits()
+        {
+            container.apply(&edits.container_edits);
         }
         container.apply(&device.edits().container_edits);
     }
@@ -170,11 +203,11 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
     node.add_char("/dev/fuse", 10, 229);
     let strategy = r#"["devices", "cdi-cri", "cdi-annotations"]"#;
     let agent = start(&node, &generic_dev_with(strategy, SERIAL_AND_FUSE)).await;
-    let serial = spec_with(&node, "devicelet.io/serial", 2).await;
-    assert_eq!(serial["kind"], "devicelet.io/serial");
+    let serial = spec_with(&node, &agent, "devicelet.io/serial", 2).await;
+    assert_eq!(serial["kind"], "devicelet.devicelet.io/serial");
     assert_eq!(serial["cdiVersion"], "0.3.0");
     // Both fuse IDs share their one node; lifting it would leave them empty, which CDI refuses.
-    let fuse = spec_with(&node, "devicelet.io/fuse", 2).await;
+    let fuse = spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
     assert!(fuse.get("containerEdits").is_none(), "{fuse}");
     assert_eq!(
         fuse["devices"][1]["containerEdits"]["deviceNodes"][0]["path"],
@@ -196,7 +229,7 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
         let expected: Vec<String> = a
             .device_ids
             .iter()
-            .map(|id| format!("{resource}={id}"))
+            .map(|id| format!("devicelet.{resource}={id}"))
             .collect();
         assert_eq!(names, expected, "cdi_devices");
         let key = format!("cdi.k8s.io/devicelet_{}", resource.replace('/', "_"));
@@ -217,21 +250,56 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
             "the runtime's CDI devices give the container what the module answered"
         );
     }
-    let status = agent.status();
-    let serial = status
-        .resources
-        .iter()
-        .find(|r| r.name == "devicelet.io/serial")
-        .expect("serial");
-    let cdi = serial.cdi.as_ref().expect("CDI status");
+    let cdi = cdi_status(&agent, "devicelet.io/serial");
     assert_eq!((cdi.devices, cdi.named, cdi.unnamed), (2, 2, 0), "{cdi:?}");
-
     agent.shutdown().await;
-    let left: Vec<_> = std::fs::read_dir(cdi_dir(&node))
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert!(left.is_empty(), "the specs go with the agent: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn specs_outlive_an_agent_stop_and_go_with_their_resource() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", SERIAL_AND_FUSE)).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
+    agent.shutdown().await;
+    // The kubelet restarts containers from the answers it checkpointed, CDI names included,
+    // without asking again: the names must still resolve while no agent runs.
+    assert!(spec_path(&node, "devicelet.io/serial").exists());
+    assert!(spec_path(&node, "devicelet.io/fuse").exists());
+
+    // The next agent no longer serves serial: its spec is stale and goes at start.
+    let fuse_only = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", fuse_only)).await;
+    assert!(!spec_path(&node, "devicelet.io/serial").exists());
+    assert!(spec_path(&node, "devicelet.io/fuse").exists());
+    spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_cdi_dir_is_reported_and_allocate_lists_the_devices_instead() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    // A regular file where the directory should be.
+    std::fs::write(cdi_dir(&node), "not a directory").unwrap();
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    let error = eventually_some("the write error in status", || {
+        cdi_status(&agent, "devicelet.io/serial").error
+    })
+    .await;
+    assert!(error.contains("cannot write"), "{error}");
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert!(a.response.cdi_devices.is_empty());
+    assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
+    assert_eq!(cdi_status(&agent, "devicelet.io/serial").unnamed, 1);
+    agent.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,8 +317,8 @@ async fn cdi_alone_names_the_devices_instead_of_listing_them() {
     )
     .replace("name = \"generic-dev\"", "name = \"generic-dev-2\"");
     let agent = start(&node, &format!("{cri}\n{annotations}")).await;
-    spec_with(&node, "devicelet.io/serial", 1).await;
-    spec_with(&node, "devicelet.io/fuse", 1).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    spec_with(&node, &agent, "devicelet.io/fuse", 1).await;
 
     let serial = node
         .kubelet
@@ -260,7 +328,7 @@ async fn cdi_alone_names_the_devices_instead_of_listing_them() {
     assert_eq!(Container::listed(&serial.response), Container::default());
     assert!(serial.response.annotations.is_empty());
     let names = cdi_names(&serial);
-    assert_eq!(names, ["devicelet.io/serial=ttyUSB0"]);
+    assert_eq!(names, ["devicelet.devicelet.io/serial=ttyUSB0"]);
     let container = resolve(&cdi_dir(&node), &names);
     assert_eq!(
         container.nodes,
@@ -277,8 +345,11 @@ async fn cdi_alone_names_the_devices_instead_of_listing_them() {
         &fuse.response.annotations.clone().into_iter().collect(),
     )
     .expect("a CDI annotation");
-    assert_eq!(names, ["devicelet.io/fuse=fuse"]);
-    assert_eq!(resolve(&cdi_dir(&node), &names).nodes.len(), 1);
+    assert_eq!(names, ["devicelet.devicelet.io/fuse=fuse"]);
+    assert_eq!(
+        resolve(&cdi_dir(&node), &names).nodes,
+        BTreeSet::from([("/dev/fuse".into(), "/dev/fuse".into(), "rw".into())])
+    );
     agent.shutdown().await;
 }
 
@@ -292,7 +363,7 @@ async fn an_answer_for_several_devices_that_is_not_the_sum_of_theirs_is_given_as
         "allocate-ahead = true\ndevice-list-strategy = \"cdi-cri\"\n",
     );
     let agent = start(&node, &registry).await;
-    let spec = spec_with(&node, "devicelet.io/gpu", 2).await;
+    let spec = spec_with(&node, &agent, "devicelet.io/gpu", 2).await;
     assert_eq!(
         spec["devices"][0]["containerEdits"]["env"][0],
         "MISBEHAVING_DEVICES=dev-0"
@@ -319,8 +390,7 @@ async fn an_answer_for_several_devices_that_is_not_the_sum_of_theirs_is_given_as
         .expect("two");
     assert!(two.response.cdi_devices.is_empty(), "not named: {two:?}");
     assert_eq!(two.response.envs["MISBEHAVING_DEVICES"], "dev-0,dev-1");
-    let status = agent.status();
-    let cdi = status.resources[0].cdi.as_ref().expect("CDI status");
+    let cdi = cdi_status(&agent, "devicelet.io/gpu");
     assert_eq!((cdi.named, cdi.unnamed), (1, 1), "{cdi:?}");
     agent.shutdown().await;
 }
@@ -336,7 +406,7 @@ async fn a_shared_resource_names_its_physical_devices() {
         )
     );
     let agent = start(&node, &registry).await;
-    let spec = spec_with(&node, "devicelet.io/gpu.shared", 2).await;
+    let spec = spec_with(&node, &agent, "devicelet.io/gpu.shared", 2).await;
     let names: Vec<&str> = spec["devices"]
         .as_array()
         .unwrap()
@@ -359,7 +429,7 @@ async fn a_shared_resource_names_its_physical_devices() {
     let physical = a.device_ids[0].split("::").next().unwrap().to_owned();
     assert_eq!(
         cdi_names(&a),
-        [format!("devicelet.io/gpu.shared={physical}")]
+        [format!("devicelet.devicelet.io/gpu.shared={physical}")]
     );
     let container = resolve(&cdi_dir(&node), &cdi_names(&a));
     assert_eq!(container.envs["MISBEHAVING_DEVICES"], physical);
@@ -373,10 +443,10 @@ async fn the_spec_follows_the_devices_and_goes_when_cdi_is_turned_off() {
     node.add_char("/dev/ttyUSB1", 188, 1);
     let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
     let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
-    spec_with(&node, "devicelet.io/serial", 2).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 2).await;
 
     node.tree.remove("/dev/ttyUSB1").expect("unplug");
-    let spec = spec_with(&node, "devicelet.io/serial", 1).await;
+    let spec = spec_with(&node, &agent, "devicelet.io/serial", 1).await;
     assert_eq!(spec["devices"][0]["name"], "ttyUSB0");
     check_versions(&cdi_dir(&node));
 
@@ -397,4 +467,68 @@ async fn the_spec_follows_the_devices_and_goes_when_cdi_is_turned_off() {
     assert!(a.response.cdi_devices.is_empty());
     assert_eq!(a.response.devices.len(), 1);
     agent.shutdown().await;
+}
+
+/// Edits every device shares, lifted to the top, and mounts: what the reference modules do not
+/// answer, checked through the CDI crate all the same.
+#[test]
+fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
+    use devicelet::kubelet::api::deviceplugin::{DeviceSpec, Mount};
+    let answer = |n: u32| ContainerAllocateResponse {
+        envs: HashMap::from([
+            ("DRIVER".to_string(), "x".to_string()),
+            (format!("GPU_{n}"), n.to_string()),
+        ]),
+        mounts: vec![
+            Mount {
+                container_path: "/usr/lib/vendor".into(),
+                host_path: "/opt/vendor/lib".into(),
+                read_only: true,
+            },
+            Mount {
+                container_path: format!("/var/gpu{n}"),
+                host_path: format!("/run/gpu{n}"),
+                read_only: false,
+            },
+        ],
+        devices: vec![
+            DeviceSpec {
+                container_path: "/dev/ctl".into(),
+                host_path: "/dev/ctl".into(),
+                permissions: "rw".into(),
+            },
+            DeviceSpec {
+                container_path: format!("/dev/gpu{n}"),
+                host_path: format!("/dev/card{n}"),
+                permissions: "rwm".into(),
+            },
+        ],
+        ..Default::default()
+    };
+    let answers: BTreeMap<String, std::sync::Arc<ContainerAllocateResponse>> = (0..2)
+        .map(|n| (format!("gpu{n}"), std::sync::Arc::new(answer(n))))
+        .collect();
+    let kind = "devicelet.a.com/gpu";
+    let (spec, _) = devicelet::cdi::build(kind, &answers).expect("a spec");
+    assert!(!spec.container_edits.is_empty(), "something lifted");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("devicelet_a.com_gpu.json"),
+        serde_json::to_vec_pretty(&spec).unwrap(),
+    )
+    .unwrap();
+    check_versions(dir.path());
+    for n in 0..2 {
+        assert_eq!(
+            resolve(dir.path(), &[format!("{kind}=gpu{n}")]),
+            Container::listed(&answer(n))
+        );
+    }
+    let both = resolve(
+        dir.path(),
+        &[format!("{kind}=gpu0"), format!("{kind}=gpu1")],
+    );
+    assert_eq!(both.nodes.len(), 3, "the shared node once: {both:?}");
+    assert_eq!(both.mounts.len(), 3, "{both:?}");
+    assert_eq!(both.envs.len(), 3, "{both:?}");
 }

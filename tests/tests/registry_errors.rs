@@ -280,7 +280,7 @@ async fn validate_shows_the_device_list_strategy_and_the_cdi_spec_run_would_writ
     assert!(
         text.contains(
             "device list: devices, cdi-cri; CDI spec /var/run/cdi/devicelet_devicelet.io_serial.json \
-             (kind devicelet.io/serial, annotation cdi.k8s.io/devicelet_devicelet.io_serial)"
+             (kind devicelet.devicelet.io/serial, annotation cdi.k8s.io/devicelet_devicelet.io_serial)"
         ),
         "{text}"
     );

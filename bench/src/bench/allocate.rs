@@ -123,6 +123,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     drop((ours, bare));
     agent.shutdown().await;
     rows.extend(sharing_on_against_off(s, &node).await?);
+    rows.extend(cdi_on_against_off(s, &node).await?);
 
     // As `devicelet run` serves: with a state directory, so the ledger is checkpointed to disk
     // (here the disk the scratch directory is on).
@@ -171,17 +172,113 @@ async fn sharing_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec
         ),
     ))?;
     let agent = node.start_agent(&registry, None).await?;
-    let (plain, shared) = (resource("fuse"), resource("fuse.shared"));
-    node.wait_served(&plain).await?;
-    node.wait_served(&shared).await?;
-    let one = |id: &str| AllocateRequest {
+    let [off, on] = on_against_off(
+        s,
+        node,
+        [
+            ("fuse-0", resource("fuse")),
+            ("fuse-0::1", resource("fuse.shared")),
+        ],
+    )
+    .await?;
+    agent.shutdown().await;
+    Ok(on_off_rows(
+        format!(
+            "1. Allocate of one replica, generic-dev shared 4 ways (`fuse.shared`), ledger in \
+             memory ({} calls, alternating batches of {BATCH} with the same module unshared)",
+            on.len()
+        ),
+        "1. Allocate with sharing on ÷ off (p50, p99)",
+        &on,
+        &off,
+    ))
+}
+
+/// Allocate of one device from generic-dev served twice by one agent, once answering with
+/// device specs and once naming the device by CDI (`device-list-strategy = "cdi-cri"`), in
+/// alternating batches.
+async fn cdi_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row>> {
+    let cdi = node::generic_dev(
+        &s.module_dir,
+        "generic-dev-cdi",
+        "fusecdi",
+        "/dev/fuse",
+        10,
+        "5s",
+    )
+    .replace(
+        "[module.grants]",
+        "device-list-strategy = \"cdi-cri\"\n\n[module.grants]",
+    );
+    let registry = node.registry(&format!(
+        "{}\n{cdi}",
+        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse", 10, "5s"),
+    ))?;
+    let agent = node.start_agent(&registry, None).await?;
+    let named = resource("fusecdi");
+    let deadline = Instant::now() + WAIT;
+    while agent
+        .status()
+        .resources
+        .iter()
+        .find(|r| r.name == named)
+        .and_then(|r| r.cdi.as_ref())
+        .is_none_or(|c| c.devices < 10)
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the CDI spec of {named} was not written"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let [off, on] = on_against_off(
+        s,
+        node,
+        [("fuse-0", resource("fuse")), ("fuse-0", named.clone())],
+    )
+    .await?;
+    let status = agent.status();
+    let counts = status
+        .resources
+        .iter()
+        .find(|r| r.name == named)
+        .and_then(|r| r.cdi.clone())
+        .context("CDI status")?;
+    anyhow::ensure!(
+        counts.unnamed == 0 && counts.named as usize >= on.len(),
+        "not every Allocate was named by CDI: {counts:?}"
+    );
+    agent.shutdown().await;
+    Ok(on_off_rows(
+        format!(
+            "1. Allocate of one device named by CDI (`cdi-cri`, spec written), ledger in memory \
+             ({} calls, alternating batches of {BATCH} with the same module listing device specs)",
+            on.len()
+        ),
+        "1. Allocate with CDI on ÷ off (p50, p99)",
+        &on,
+        &off,
+    ))
+}
+
+/// One single-device Allocate per side (`(device, resource)`), warmed up, then measured in
+/// alternating batches; the samples of each side.
+async fn on_against_off(
+    s: &Settings,
+    node: &Node,
+    sides: [(&str, String); 2],
+) -> anyhow::Result<[Samples; 2]> {
+    for (_, name) in &sides {
+        node.wait_served(name).await?;
+    }
+    let request = |id: &str| AllocateRequest {
         container_requests: vec![ContainerAllocateRequest {
             devices_ids: vec![id.into()],
         }],
     };
-    let sides = [(one("fuse-0"), plain), (one("fuse-0::1"), shared)];
+    let requests = sides.each_ref().map(|(id, _)| request(id));
     let mut clients = Vec::new();
-    for (request, name) in &sides {
+    for (request, (_, name)) in requests.iter().zip(&sides) {
         let mut client = node.client(name).await?;
         measure(&mut client, request, s.n(WARMUP), &mut Vec::new()).await?;
         clients.push(client);
@@ -192,31 +289,25 @@ async fn sharing_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec
     while times[0].len() < calls {
         let k = BATCH.min(calls - times[0].len());
         for side in [batch % 2, 1 - batch % 2] {
-            measure(&mut clients[side], &sides[side].0, k, &mut times[side]).await?;
+            measure(&mut clients[side], &requests[side], k, &mut times[side]).await?;
         }
         batch += 1;
     }
-    drop(clients);
-    agent.shutdown().await;
-    let [off, on] = times.map(Samples::new);
+    Ok(times.map(Samples::new))
+}
+
+fn on_off_rows(on_label: String, ratio_label: &str, on: &Samples, off: &Samples) -> Vec<Row> {
     let (p50, p99) = (
         stats::div(on.p50(), off.p50()),
         stats::div(on.p99(), off.p99()),
     );
-    Ok(vec![
+    vec![
+        Row::info(on_label, on.summary(true)),
         Row::info(
-            format!(
-                "1. Allocate of one replica, generic-dev shared 4 ways (`fuse.shared`), ledger in \
-                 memory ({} calls, alternating batches of {BATCH} with the same module unshared)",
-                on.len()
-            ),
-            on.summary(true),
-        ),
-        Row::info(
-            "1. Allocate with sharing on ÷ off (p50, p99)",
+            ratio_label,
             format!("{} / {}", stats::ratio(p50), stats::ratio(p99)),
         ),
-    ])
+    ]
 }
 
 /// As on a node: `devicelet run` (ledger on disk), a trivial plugin answering from memory, and

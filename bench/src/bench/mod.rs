@@ -94,7 +94,10 @@ pub fn method() -> Vec<String> {
          socket; the two are measured in alternating batches of 500. The sharing rows serve \
          generic-dev twice from one agent, plain and with `[module.sharing] replicas = 4, rename \
          = true` (`fuse.shared`), and alternate batches of 500 Allocates of one device \
-         (`fuse-0`) and one replica (`fuse-0::1`). The ledger-on-disk row \
+         (`fuse-0`) and one replica (`fuse-0::1`). The CDI rows likewise serve generic-dev twice, \
+         listing device specs and with `device-list-strategy = \"cdi-cri\"` (its spec written \
+         to a scratch CDI directory before measuring; every measured answer is checked to have \
+         been named by CDI). The ledger-on-disk row \
          restarts the agent with a state directory on the disk the scratch directory is on, as \
          `devicelet run` always has one. Context switches are summed over \
          /proc/self/task/*/status around each side's batches. The across-processes rows take \

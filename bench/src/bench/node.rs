@@ -85,6 +85,7 @@ impl Node {
         let mut options = AgentOptions::new(registry, self.plugin_dir());
         options.hot_reload = false;
         options.state_dir = state_dir;
+        options.cdi_dir = self.dir.path().join("cdi");
         let agent = Agent::start(options).await?;
         if let Some(e) = agent.load_errors().first() {
             anyhow::bail!("{e}");

@@ -197,10 +197,12 @@ impl Shared {
         }
     }
 
-    async fn stop_module(&self, name: &str) {
+    /// Stops a module's resources; `retire` when it left the registry (not when the agent
+    /// stops), so their CDI specs go too.
+    async fn stop_module(&self, name: &str, retire: bool) {
         let running = self.lock_modules().remove(name);
         if let Some(running) = running {
-            running.stop().await;
+            running.stop(retire).await;
         }
     }
 }
@@ -259,6 +261,23 @@ impl Agent {
         let errors = shared.start_modules(&options.registry, &names).await;
         shared.set_load_errors(errors);
         shared.first_snapshots().await;
+        if options
+            .registry
+            .modules
+            .iter()
+            .any(|m| m.device_list_strategy.uses_cdi())
+        {
+            // Specs of resources that went away while no agent ran; the served ones stay until
+            // their writers replace them.
+            let keep: Vec<PathBuf> = shared
+                .resources()
+                .into_iter()
+                .filter_map(|r| r.cdi.map(|c| c.path))
+                .collect();
+            let dir = options.cdi_dir.clone();
+            let _ =
+                tokio::task::spawn_blocking(move || crate::cdi::remove_stale(&dir, &keep)).await;
+        }
 
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -371,7 +390,7 @@ impl Agent {
         while self.tasks.join_next().await.is_some() {}
         let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();
         for name in names {
-            self.shared.stop_module(&name).await;
+            self.shared.stop_module(&name, false).await;
         }
         let ledger = self.shared.ledger.clone();
         match tokio::task::spawn_blocking(move || ledger.flush()).await {

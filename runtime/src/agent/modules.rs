@@ -32,13 +32,22 @@ impl RunningModule {
         self.slot.current()
     }
 
-    pub async fn stop(self) {
-        stop_resources(self.resources, &self.slot).await;
+    /// Stops serving its resources; `retire`: for good (the module left the registry), so
+    /// their CDI specs go too.
+    pub async fn stop(self, retire: bool) {
+        stop_resources(self.resources, &self.slot, retire).await;
     }
 }
 
-async fn stop_resources(resources: Vec<RunningResource>, slot: &Swappable<ModuleHandle>) {
+async fn stop_resources(
+    resources: Vec<RunningResource>,
+    slot: &Swappable<ModuleHandle>,
+    retire: bool,
+) {
     for r in &resources {
+        if retire {
+            r.retire();
+        }
         r.signal_stop();
     }
     for r in resources {
@@ -172,7 +181,7 @@ pub async fn upgrade(
                 .any(|(name, info)| *name == r.served.name && r.same_declaration(info))
     });
     // Gone ones stop while the old version still answers their last calls.
-    stop_resources(gone, &slot).await;
+    stop_resources(gone, &slot, true).await;
     let previous = slot.replace(handle);
     for r in &kept {
         if let Some((_, info)) = planned.iter().find(|(name, _)| *name == r.served.name) {

@@ -201,7 +201,7 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
     };
     for name in &removed {
         tracing::info!(module = name, "removed from the registry; stopping");
-        shared.stop_module(name).await;
+        shared.stop_module(name, true).await;
     }
     let errors = shared.start_modules(new, &to_start).await;
     tracing::info!(

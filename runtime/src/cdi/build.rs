@@ -2,6 +2,7 @@
 //! lifted to the top, the rest per device; and the [`View`] Allocate checks its answers against.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use super::spec::{self, Spec, SpecDevice};
 use crate::kubelet::api::deviceplugin as api;
@@ -126,7 +127,7 @@ pub struct View {
     kind: String,
     common: Edits,
     /// By physical device ID: its own edits, and the answer they came from.
-    devices: HashMap<String, (Edits, api::ContainerAllocateResponse)>,
+    devices: HashMap<String, (Edits, Arc<api::ContainerAllocateResponse>)>,
 }
 
 impl View {
@@ -145,15 +146,19 @@ impl View {
     /// Whether a runtime applying the spec's devices `ids` (physical, each once) gives a
     /// container exactly what `answer` (the module's answer for those devices) does.
     pub fn covers(&self, ids: &[&str], answer: &api::ContainerAllocateResponse) -> bool {
+        if ids.is_empty() {
+            // Nothing to name (the kubelet never asks for nothing; an empty annotation would not
+            // parse).
+            return false;
+        }
         if let [id] = ids {
             // The usual case, answered from the answer the spec was built from.
-            if let Some((_, source)) = self.devices.get(*id) {
-                if source.envs == answer.envs
-                    && source.mounts == answer.mounts
-                    && source.devices == answer.devices
-                {
-                    return true;
-                }
+            if let Some((_, source)) = self.devices.get(*id)
+                && source.envs == answer.envs
+                && source.mounts == answer.mounts
+                && source.devices == answer.devices
+            {
+                return true;
             }
         }
         let mut applied = self.common.clone();
@@ -181,9 +186,9 @@ impl View {
 /// device is left.
 pub fn build(
     kind: &str,
-    answers: &BTreeMap<String, api::ContainerAllocateResponse>,
+    answers: &BTreeMap<String, Arc<api::ContainerAllocateResponse>>,
 ) -> Option<(Spec, View)> {
-    let edits: Vec<(&String, Edits, &api::ContainerAllocateResponse)> = answers
+    let edits: Vec<(&String, Edits, &Arc<api::ContainerAllocateResponse>)> = answers
         .iter()
         .filter(|(id, _)| spec::is_device_name(id))
         .map(|(id, answer)| (id, Edits::of(answer), answer))
@@ -254,17 +259,18 @@ mod tests {
         }
     }
 
-    fn answers() -> BTreeMap<String, api::ContainerAllocateResponse> {
+    fn answers() -> BTreeMap<String, Arc<api::ContainerAllocateResponse>> {
         [
             (
-                "gpu0".to_string(),
+                "gpu0",
                 answer("/dev/gpu0", &[("VISIBLE", "0"), ("DRIVER", "x")]),
             ),
             (
-                "gpu1".to_string(),
+                "gpu1",
                 answer("/dev/gpu1", &[("VISIBLE", "1"), ("DRIVER", "x")]),
             ),
         ]
+        .map(|(id, a)| (id.to_string(), Arc::new(a)))
         .into()
     }
 
@@ -308,7 +314,7 @@ mod tests {
     fn several_devices_are_covered_when_the_answer_is_the_sum_of_theirs() {
         let mut plain = answers();
         for a in plain.values_mut() {
-            a.envs.remove("VISIBLE");
+            Arc::make_mut(a).envs.remove("VISIBLE");
         }
         let (_, view) = build("a.com/gpu", &plain).unwrap();
         let mut both = answer("/dev/gpu0", &[("DRIVER", "x")]);
@@ -319,8 +325,8 @@ mod tests {
     #[test]
     fn nothing_is_lifted_that_would_leave_a_device_with_no_edits() {
         let same: BTreeMap<_, _> = [
-            ("fuse-0".to_string(), answer("/dev/fuse", &[])),
-            ("fuse-1".to_string(), answer("/dev/fuse", &[])),
+            ("fuse-0".to_string(), Arc::new(answer("/dev/fuse", &[]))),
+            ("fuse-1".to_string(), Arc::new(answer("/dev/fuse", &[]))),
         ]
         .into();
         let (spec, view) = build("a.com/fuse", &same).unwrap();
@@ -329,7 +335,7 @@ mod tests {
         let mut both = answer("/dev/fuse", &[]);
         both.devices.extend(answer("/dev/fuse", &[]).devices);
         assert!(view.covers(&["fuse-0", "fuse-1"], &both));
-        let empty: BTreeMap<_, _> = [("x".to_string(), Default::default())].into();
+        let empty: BTreeMap<_, _> = [("x".to_string(), Arc::default())].into();
         assert!(
             build("a.com/x", &empty).is_none(),
             "an empty device is left out"
@@ -338,7 +344,7 @@ mod tests {
 
     #[test]
     fn ids_that_are_not_cdi_names_are_left_out() {
-        let odd: BTreeMap<_, _> = [("a/b".to_string(), answer("/dev/x", &[]))].into();
+        let odd: BTreeMap<_, _> = [("a/b".to_string(), Arc::new(answer("/dev/x", &[])))].into();
         assert!(build("a.com/gpu", &odd).is_none());
     }
 }

@@ -92,15 +92,20 @@ pub fn required_version(kind: &str, devices: &[SpecDevice], common: &Edits) -> &
     }
 }
 
-/// The CDI kind (`vendor/class`) for a served resource name, or why it cannot be one: CDI is
-/// stricter than Kubernetes (a vendor and a class start with a letter).
+/// The CDI kind for a served resource `vendor/class`: `devicelet.vendor/class`, or why it cannot
+/// be one (CDI is stricter than Kubernetes: a class starts with a letter).
+///
+/// Ours, not the resource name itself: a vendor's own tooling may write specs of kind
+/// `vendor/class` for the same devices (nvidia-ctk writes `nvidia.com/gpu=<uuid>`), and two
+/// specs naming one device make runtimes drop both, or shadow one.
 pub fn kind_of(resource: &str) -> Result<String, String> {
     let Some((vendor, class)) = resource.split_once('/') else {
         return Err(format!("{resource:?} has no vendor domain"));
     };
-    check_vendor_or_class("vendor", vendor)?;
+    let vendor = format!("devicelet.{vendor}");
+    check_vendor_or_class("vendor", &vendor)?;
     check_vendor_or_class("class", class)?;
-    Ok(resource.to_owned())
+    Ok(format!("{vendor}/{class}"))
 }
 
 /// A vendor or class name: ASCII letters, digits, `_`, `-`, `.`; a letter first, a letter or
@@ -174,8 +179,8 @@ mod tests {
     #[test]
     fn kinds_follow_the_cdi_grammar() {
         assert_eq!(
-            kind_of("devicelet.io/fuse").as_deref(),
-            Ok("devicelet.io/fuse")
+            kind_of("nvidia.com/gpu").as_deref(),
+            Ok("devicelet.nvidia.com/gpu")
         );
         assert!(kind_of("devicelet.io/gpu.shared").is_ok());
         let e = kind_of("devicelet.io/1gpu").unwrap_err();

@@ -150,7 +150,7 @@ fn describe_cdi(
         .map_err(|e| format!("cannot have a CDI spec for {resource}: {e}"))?;
     println!(
         "    device list: {strategy}; CDI spec {} (kind {kind}, annotation {})",
-        crate::cdi::spec_path(dir, &kind).display(),
+        crate::cdi::spec_path(dir, resource).display(),
         crate::cdi::annotation_key(resource)
     );
     Ok(Some(kind))
@@ -175,7 +175,7 @@ async fn print_cdi_spec(
             Ok(edits) => {
                 answers.insert(
                     id.to_owned(),
-                    crate::kubelet::plugin_server::edits_to_wire(edits),
+                    std::sync::Arc::new(crate::kubelet::plugin_server::edits_to_wire(edits)),
                 );
             }
             Err(e) => failed.push(format!("{id}: {e}")),

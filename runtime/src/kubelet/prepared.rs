@@ -59,7 +59,8 @@ struct Entry {
 }
 
 enum Kept {
-    Answer(api::ContainerAllocateResponse),
+    /// Shared with the CDI spec writer, which takes every answer each round.
+    Answer(Arc<api::ContainerAllocateResponse>),
     /// The module answered with an error: not asked again until the device or the module
     /// changes.
     Failed,
@@ -95,14 +96,17 @@ impl Prepared {
         device: &Device,
         generation: u64,
     ) -> Option<api::ContainerAllocateResponse> {
-        let answers = self.lock();
-        let entry = answers.by_id.get(&device.id)?;
-        match &entry.kept {
-            Kept::Answer(a) if entry.generation == generation && entry.device == *device => {
-                Some(a.clone())
+        let answer = {
+            let answers = self.lock();
+            let entry = answers.by_id.get(&device.id)?;
+            match &entry.kept {
+                Kept::Answer(a) if entry.generation == generation && entry.device == *device => {
+                    a.clone()
+                }
+                _ => return None,
             }
-            _ => None,
-        }
+        };
+        Some((*answer).clone())
     }
 
     /// Every answer that holds for `snapshot` as it is now, from the backend of `generation`, by
@@ -111,7 +115,7 @@ impl Prepared {
         &self,
         snapshot: &[Device],
         generation: u64,
-    ) -> HashMap<String, api::ContainerAllocateResponse> {
+    ) -> HashMap<String, Arc<api::ContainerAllocateResponse>> {
         let answers = self.lock();
         answers
             .by_id
@@ -219,7 +223,7 @@ impl Prepared {
                 let bytes = cost(&answer);
                 let total = answers.bytes.saturating_add(bytes);
                 match backend.keep_answers(resource, total) {
-                    Ok(()) => (Kept::Answer(answer), bytes),
+                    Ok(()) => (Kept::Answer(Arc::new(answer)), bytes),
                     Err(why) => {
                         tracing::debug!(resource, "not keeping more Allocate answers: {why}");
                         (Kept::OverBudget, 0)

@@ -63,6 +63,8 @@ pub struct RunningResource {
     /// Whether its devices are advertised as replicas.
     shared: bool,
     stop: watch::Sender<bool>,
+    /// Tells the CDI spec writer the resource goes away for good.
+    retired: Arc<std::sync::atomic::AtomicBool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -89,6 +91,13 @@ impl RunningResource {
             *now = next;
             changed
         });
+    }
+
+    /// Marks the resource as going away for good (dropped from the registry, served
+    /// differently), rather than the agent stopping: its CDI spec is removed when it stops.
+    pub fn retire(&self) {
+        self.retired
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Tells its tasks to end, without waiting: stopping many resources at once then takes as
@@ -277,9 +286,10 @@ pub fn serve<B: DeviceBackend>(
         )));
     }
 
+    let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let cdi = kind.map(|kind| {
         let (view_tx, view) = watch::channel(None);
-        let path = cdi::spec_path(at.cdi_dir, &kind);
+        let path = cdi::spec_path(at.cdi_dir, &name);
         let written = Arc::new(Written::default());
         tasks.push(tokio::spawn(
             SpecWriter {
@@ -291,6 +301,7 @@ pub fn serve<B: DeviceBackend>(
                 prepared: prepared.clone(),
                 view: view_tx,
                 written: written.clone(),
+                retired: retired.clone(),
                 stop: stop.clone(),
             }
             .run(),
@@ -359,6 +370,7 @@ pub fn serve<B: DeviceBackend>(
         policy: spec.allocation_policy,
         shared,
         stop: stop_tx,
+        retired,
         tasks,
     })
 }

@@ -50,6 +50,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     let mut options = AgentOptions::new(registry, plugin_dir.clone());
     options.hot_reload = false;
+    options.cdi_dir = work.path().join("cdi");
     let agent = Agent::start(options).await?;
     if let Some(e) = agent.load_errors().first() {
         anyhow::bail!("{e}");
@@ -66,6 +67,18 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             state.capacity,
             state.allocatable,
             devices(&state.devices)
+        );
+    }
+
+    for served in agent.resources() {
+        let Some(cdi) = &served.cdi else { continue };
+        let mut view = cdi.naming.view.clone();
+        let view = tokio::time::timeout(WAIT, view.wait_for(|v| v.is_some())).await??;
+        let devices = view.as_ref().map_or(0, |v| v.len());
+        println!(
+            "CDI spec for {}: {} ({devices} devices)",
+            served.name,
+            cdi.path.display()
         );
     }
 
