@@ -157,7 +157,14 @@ mod tests {
                     device("gpu-1::1", false),
                 ],
                 shared: true,
-                cdi: None,
+                cdi: Some(crate::agent::status::CdiStatus {
+                    strategy: "cdi-cri".into(),
+                    spec: "/var/run/cdi/devicelet_ex.com_gpu.shared.json".into(),
+                    devices: 2,
+                    named: 5,
+                    unnamed: 1,
+                    error: Some("cannot write it: read-only file system".into()),
+                }),
             }],
             load_errors: Vec::new(),
             reload_error: None,
@@ -167,5 +174,13 @@ mod tests {
         assert!(text.contains("  gpu-0: 2 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("  gpu-1: 0 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("4 with an Allocate answer ready"), "{text}");
+        assert!(
+            text.contains(
+                "  CDI (cdi-cri): /var/run/cdi/devicelet_ex.com_gpu.shared.json with 2 devices; 5 \
+                 containers named by CDI, 1 given the module's answer itself\n  CDI spec not \
+                 written: cannot write it: read-only file system\n"
+            ),
+            "{text}"
+        );
     }
 }
