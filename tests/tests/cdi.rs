@@ -291,6 +291,10 @@ async fn an_unwritable_cdi_dir_is_reported_and_allocate_lists_the_devices_instea
     })
     .await;
     assert!(error.contains("cannot write"), "{error}");
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served all the same");
     let a = node
         .kubelet
         .allocate("devicelet.io/serial", 1)
