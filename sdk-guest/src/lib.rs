@@ -276,6 +276,55 @@ pub fn default_preferred(
     chosen
 }
 
+/// A NUMA-aware choice, for a module with a policy of its own to build on (without
+/// `preferred`, the host already answers NUMA-aware for every module): `must_include` first,
+/// then devices on the NUMA nodes those are on, then the node with the fewest free devices
+/// that still holds the rest (keeping bigger nodes whole for bigger requests), then the
+/// fullest nodes. `numa_of` says each device's node (None: no affinity, grouped as a node of
+/// its own). Obeys every host rule, like [`default_preferred`].
+pub fn numa_preferred(
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+    numa_of: impl Fn(&str) -> Option<i64>,
+) -> Vec<String> {
+    let mut chosen: Vec<String> = Vec::new();
+    for id in must_include.iter().filter(|id| available.contains(id)) {
+        if chosen.len() < size && !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    }
+    let mut by_node: std::collections::BTreeMap<Option<i64>, Vec<&String>> = Default::default();
+    for id in available {
+        if !chosen.contains(id) && !by_node.values().any(|ids| ids.contains(&id)) {
+            by_node.entry(numa_of(id)).or_default().push(id);
+        }
+    }
+    let home: Vec<Option<i64>> = chosen.iter().map(|id| numa_of(id)).collect();
+    let need = size.saturating_sub(chosen.len());
+    let mut order: Vec<(Option<i64>, Vec<&String>)> = by_node.into_iter().collect();
+    // Home nodes first; then the smallest node that holds everything needed; then the largest.
+    order.sort_by_key(|(node, ids)| {
+        let fits = ids.len() >= need;
+        (
+            !home.contains(node),
+            !fits,
+            if fits {
+                ids.len()
+            } else {
+                usize::MAX - ids.len()
+            },
+        )
+    });
+    for id in order.into_iter().flat_map(|(_, ids)| ids) {
+        if chosen.len() >= size {
+            break;
+        }
+        chosen.push(id.clone());
+    }
+    chosen
+}
+
 impl Device {
     /// A healthy device with no NUMA affinity and no attributes.
     pub fn healthy(id: impl Into<String>) -> Self {
@@ -431,7 +480,10 @@ pub mod log {
 
     /// Sends one line at the given level; the host decides whether it is shown.
     pub fn log(level: Level, message: &str) {
+        #[cfg(target_arch = "wasm32")]
         crate::bindings::devicelet::plugin::log::log(level, message);
+        #[cfg(not(target_arch = "wasm32"))]
+        crate::testing::log(level, message);
     }
 
     /// Logs at trace level.
@@ -497,7 +549,27 @@ macro_rules! error {
 /// component import the `sysfs` interface, which then needs a sysfs grant in the registry.
 pub mod sysfs {
     use crate::FsError;
-    use crate::bindings::devicelet::plugin::sysfs as host;
+
+    /// The agent's `sysfs` interface in a component; the test kit's fake host elsewhere.
+    mod host {
+        #[cfg(target_arch = "wasm32")]
+        pub use crate::bindings::devicelet::plugin::sysfs::{list, read, read_link};
+
+        #[cfg(not(target_arch = "wasm32"))]
+        pub fn read(path: &str) -> Result<Vec<u8>, crate::FsError> {
+            crate::testing::current(|h| h.sysfs_read(path))
+        }
+
+        #[cfg(not(target_arch = "wasm32"))]
+        pub fn list(path: &str) -> Result<Vec<String>, crate::FsError> {
+            crate::testing::current(|h| h.sysfs_list(path))
+        }
+
+        #[cfg(not(target_arch = "wasm32"))]
+        pub fn read_link(path: &str) -> Result<String, crate::FsError> {
+            crate::testing::current(|h| h.sysfs_read_link(path))
+        }
+    }
 
     /// The file's raw contents (capped in size by the host).
     pub fn read(path: &str) -> Result<Vec<u8>, FsError> {
@@ -555,8 +627,23 @@ pub mod sysfs {
 /// Using any function here makes the component import the `devnodes` interface, which then
 /// needs a /dev grant in the registry.
 pub mod devnodes {
-    use crate::bindings::devicelet::plugin::devnodes as host;
     use crate::{FsError, NodeInfo};
+
+    /// The agent's `devnodes` interface in a component; the test kit's fake host elsewhere.
+    mod host {
+        #[cfg(target_arch = "wasm32")]
+        pub use crate::bindings::devicelet::plugin::devnodes::{glob, stat};
+
+        #[cfg(not(target_arch = "wasm32"))]
+        pub fn glob(pattern: &str) -> Result<Vec<String>, crate::FsError> {
+            crate::testing::current(|h| h.dev_glob(pattern))
+        }
+
+        #[cfg(not(target_arch = "wasm32"))]
+        pub fn stat(path: &str) -> Result<crate::NodeInfo, crate::FsError> {
+            crate::testing::current(|h| h.dev_stat(path))
+        }
+    }
 
     /// Granted paths matching the pattern (`*`, `?`, `[...]`), sorted. A pattern that matches
     /// nothing gives an empty list, not an error.
@@ -691,17 +778,31 @@ pub mod __private {
 /// ```ignore
 /// devicelet_sdk::export_plugin!(MyPlugin);
 /// ```
+///
+/// It exports only when building the component (`wasm32`). On the host target it only checks
+/// that the type implements [`Plugin`], so `cargo test` in the module's crate links and runs
+/// its tests against [`testing::FakeHost`].
 #[macro_export]
 macro_rules! export_plugin {
     ($plugin:ty) => {
+        #[cfg(target_arch = "wasm32")]
         const _: () = {
             type __DeviceletPluginExport = $crate::__private::Adapter<$plugin>;
             $crate::__export_device_plugin_impl!(
                 __DeviceletPluginExport with_types_in $crate::bindings
             );
         };
+        #[cfg(not(target_arch = "wasm32"))]
+        const _: fn() = || {
+            fn implements_plugin<P: $crate::Plugin>() {}
+            implements_plugin::<$plugin>();
+        };
     };
 }
+
+pub mod pci;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
 
 #[cfg(test)]
 mod tests {
@@ -726,6 +827,30 @@ mod tests {
         let got = default_preferred(&ids(&["a", "b", "a"]), &ids(&["x", "b", "b"]), 3);
         assert_eq!(got, ids(&["b", "a"]));
         assert!(default_preferred(&ids(&["a"]), &[], 0).is_empty());
+    }
+
+    #[test]
+    fn numa_preferred_keeps_a_request_on_one_node() {
+        let devices = ids(&["a0", "a1", "b0", "b1", "b2", "c0"]);
+        let node = |id: &str| match id.as_bytes()[0] {
+            b'a' => Some(0),
+            b'b' => Some(1),
+            _ => None,
+        };
+        // Two fit node 0 (the smaller node that holds them) whole.
+        assert_eq!(numa_preferred(&devices, &[], 2, node), ids(&["a0", "a1"]));
+        // Three only fit node 1.
+        assert_eq!(
+            numa_preferred(&devices, &[], 3, node),
+            ids(&["b0", "b1", "b2"])
+        );
+        // A must-include on node 1 draws the rest there.
+        assert_eq!(
+            numa_preferred(&devices, &ids(&["b2"]), 2, node),
+            ids(&["b2", "b0"])
+        );
+        let got = numa_preferred(&devices, &ids(&["x"]), 10, node);
+        assert_eq!(got.len(), 6, "never an ID not offered: {got:?}");
     }
 
     #[test]

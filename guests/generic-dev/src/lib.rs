@@ -679,3 +679,57 @@ mod tests {
         assert_eq!(got, ids(&["a-0", "b-0", "c-0", "a-1"]));
     }
 }
+
+/// The module end to end on the host, against the SDK's fake node.
+#[cfg(test)]
+mod kit_tests {
+    use super::GenericDev;
+    use devicelet_sdk::testing::{FakeHost, Harness};
+
+    const CONFIG: &str = r#"{"groups": [
+        {"name": "fuse", "paths": ["/dev/fuse"], "count": 2},
+        {"name": "serial", "paths": ["/dev/ttyUSB*"], "permissions": "rwm", "prestart-check": true}
+    ]}"#;
+
+    fn node() -> FakeHost {
+        FakeHost::new()
+            .grant_dev("/dev/fuse")
+            .grant_dev("/dev/ttyUSB*")
+            .char_device("/dev/fuse", 10, 229)
+            .char_device("/dev/ttyUSB0", 188, 0)
+            .char_device("/dev/ttyUSB1", 188, 1)
+            // Not a device node: never served.
+            .file("/dev/ttyUSB9", "")
+    }
+
+    #[test]
+    fn each_granted_node_is_a_device_with_its_numbers() {
+        let mut module = Harness::<GenericDev>::init(node(), CONFIG).unwrap();
+        let names: Vec<&str> = module.resources().iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["fuse", "serial"]);
+        let fuse = module.enumerate("fuse").unwrap();
+        let ids: Vec<&str> = fuse.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["fuse-0", "fuse-1"]);
+        assert!(
+            fuse[0]
+                .attributes
+                .contains(&("dev".into(), "10:229".into()))
+        );
+        let serial = module.enumerate("serial").unwrap();
+        let ids: Vec<&str> = serial.iter().map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["ttyUSB0", "ttyUSB1"]);
+    }
+
+    #[test]
+    fn a_fresh_instance_allocates_and_prestart_notices_an_unplugged_node() {
+        let enumerating = Harness::<GenericDev>::init(node(), CONFIG).unwrap();
+        let mut kubelet = enumerating.another(CONFIG).unwrap();
+        let edits = kubelet.allocate("serial", &["ttyUSB1"]).unwrap();
+        assert_eq!(edits.devices.len(), 1);
+        assert_eq!(edits.devices[0].host_path, "/dev/ttyUSB1");
+        assert_eq!(edits.devices[0].permissions, "rwm");
+        kubelet.prestart("serial", &["ttyUSB1"]).unwrap();
+        kubelet.host().remove("/dev/ttyUSB1");
+        assert!(kubelet.prestart("serial", &["ttyUSB1"]).is_err());
+    }
+}

@@ -1,0 +1,772 @@
+//! Running a module's logic on the host: `cargo test` in a module crate, against a fake node.
+//!
+//! On the host target (anything but `wasm32`) the SDK's [`crate::sysfs`], [`crate::devnodes`]
+//! and [`crate::log`] functions talk to the [`FakeHost`] installed on the calling thread instead
+//! of the agent. A [`Harness`] installs it around each call into your [`Plugin`], so a test
+//! reads like what the agent does:
+//!
+//! ```
+//! use devicelet_sdk::testing::{FakeHost, Harness};
+//! # use devicelet_sdk::{ContainerEdits, Device, Plugin, PluginError, ResourceInfo, devnodes};
+//! # struct Fuse;
+//! # impl Plugin for Fuse {
+//! #     fn init(_: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+//! #         Ok((Fuse, vec![ResourceInfo::new("fuse")]))
+//! #     }
+//! #     fn enumerate(&mut self, _: &str) -> Result<Vec<Device>, PluginError> {
+//! #         Ok(devnodes::glob("/dev/fuse")?.into_iter().map(|_| Device::healthy("fuse")).collect())
+//! #     }
+//! #     fn allocate(&mut self, _: &str, _: &[String]) -> Result<ContainerEdits, PluginError> {
+//! #         Ok(ContainerEdits::default().device("/dev/fuse", "/dev/fuse", "rw"))
+//! #     }
+//! # }
+//! let host = FakeHost::new().grant_dev("/dev/fuse").char_device("/dev/fuse", 10, 229);
+//! let mut module = Harness::<Fuse>::init(host, "{}").unwrap();
+//! assert_eq!(module.enumerate("fuse").unwrap().len(), 1);
+//! module.host().remove("/dev/fuse");
+//! assert!(module.enumerate("fuse").unwrap().is_empty());
+//! ```
+//!
+//! The fake host applies the agent's rules: a path is readable only when it or a directory above
+//! it matches a grant (`grant_sysfs`, `grant_dev`, glob patterns as in the registry); symlinks
+//! are followed while they stay inside `/sys` (or `/dev`), so a grant on
+//! `/sys/bus/pci/devices/*` covers what those links point to; listing a directory shows only
+//! the entries a grant covers or leads to; `/dev` globs refuse `**`, `.` and `..`. A path outside
+//! the grants gives [`FsError::Denied`], as on a node. The harness also checks the answers the
+//! way the agent does before the kubelet sees them (IDs unique and non-empty, device nodes under
+//! the `/dev` grants and present), so a test fails where the agent would refuse.
+//!
+//! The node is described in memory ([`FakeHost::file`], [`FakeHost::symlink`],
+//! [`FakeHost::char_device`]) or read from a fixture directory ([`FakeHost::from_fixture`]):
+//! `sys/` holds files and symlinks as on a node (git keeps both), and `dev.list` lists the
+//! device nodes, one per line, `c <major>:<minor> /dev/<path>` (`b` for block devices; `#`
+//! starts a comment), since a repository cannot hold device nodes. `devicelet try --fixture`
+//! reads the same layout.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::rc::Rc;
+
+use glob::{MatchOptions, Pattern};
+
+use crate::ResourceInfo;
+use crate::{ContainerEdits, Device, FsError, Level, NodeInfo, NodeKind, Plugin, PluginError};
+
+/// Grants match as the agent matches them: `*` never crosses a `/`.
+const GRANT: MatchOptions = MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: false,
+};
+
+/// `/dev` globs as the agent walks them: `*` matches no leading dot.
+const WALK: MatchOptions = MatchOptions {
+    case_sensitive: true,
+    require_literal_separator: true,
+    require_literal_leading_dot: true,
+};
+
+/// Largest sysfs read, as the agent's.
+const MAX_READ: usize = 64 * 1024;
+/// Most symlinks followed in one path, as Linux's.
+const MAX_LINKS: usize = 40;
+
+#[derive(Debug, Clone)]
+enum Entry {
+    File(Vec<u8>),
+    Link(String),
+    Node(NodeInfo),
+    Dir,
+}
+
+/// A fake node for module tests: its `/sys` and `/dev`, the module's grants, and what the module
+/// logged. Change it between calls (a device unplugged, a file rewritten) through a shared
+/// reference: [`Harness::host`].
+#[derive(Debug, Default)]
+pub struct FakeHost {
+    tree: RefCell<BTreeMap<String, Entry>>,
+    sysfs: Vec<Pattern>,
+    dev: Vec<Pattern>,
+    logs: RefCell<Vec<(Level, String)>>,
+}
+
+impl FakeHost {
+    /// An empty node with nothing granted.
+    pub fn new() -> FakeHost {
+        FakeHost::default()
+    }
+
+    /// Grants read access to sysfs paths matching `pattern` and everything below them, as the
+    /// registry's `sysfs = [...]` does. Panics on an invalid pattern (a test's own mistake).
+    pub fn grant_sysfs(mut self, pattern: &str) -> FakeHost {
+        assert!(pattern.starts_with("/sys/"), "{pattern} is not under /sys/");
+        self.sysfs
+            .push(Pattern::new(pattern).expect("a valid glob pattern"));
+        self
+    }
+
+    /// Grants the device nodes matching `pattern`, as the registry's `dev = [...]` does.
+    pub fn grant_dev(mut self, pattern: &str) -> FakeHost {
+        assert!(pattern.starts_with("/dev/"), "{pattern} is not under /dev/");
+        self.dev
+            .push(Pattern::new(pattern).expect("a valid glob pattern"));
+        self
+    }
+
+    /// A file with these contents (its directories are implied).
+    pub fn file(self, path: &str, contents: impl AsRef<[u8]>) -> FakeHost {
+        self.set_file(path, contents);
+        self
+    }
+
+    /// A symbolic link whose target is stored as given (sysfs uses relative ones:
+    /// `../../../devices/pci0000:00/0000:03:00.0`).
+    pub fn symlink(self, path: &str, target: &str) -> FakeHost {
+        self.insert(path, Entry::Link(target.to_owned()));
+        self
+    }
+
+    /// An empty directory (directories holding something are implied).
+    pub fn dir(self, path: &str) -> FakeHost {
+        self.insert(path, Entry::Dir);
+        self
+    }
+
+    /// A character device node, mode 0666.
+    pub fn char_device(self, path: &str, major: u32, minor: u32) -> FakeHost {
+        self.add_node(path, NodeKind::Character, major, minor);
+        self
+    }
+
+    /// A block device node, mode 0660.
+    pub fn block_device(self, path: &str, major: u32, minor: u32) -> FakeHost {
+        self.add_node(path, NodeKind::Block, major, minor);
+        self
+    }
+
+    /// Reads a fixture directory: `sys/` (files and symlinks) and `dev.list` (see the module
+    /// docs). Device nodes made with `mknod` under `dev/` are read too.
+    pub fn from_fixture(dir: impl AsRef<Path>) -> std::io::Result<FakeHost> {
+        let dir = dir.as_ref();
+        let host = FakeHost::new();
+        for area in ["sys", "dev"] {
+            let root = dir.join(area);
+            if root.is_dir() {
+                host.read_tree(&root, &format!("/{area}"))?;
+            }
+        }
+        let list = dir.join("dev.list");
+        if list.exists() {
+            let text = std::fs::read_to_string(&list)?;
+            for node in parse_dev_list(&text)
+                .map_err(|e| std::io::Error::other(format!("{}: {e}", list.display())))?
+            {
+                host.add_node(&node.path, node.kind, node.major, node.minor);
+            }
+        }
+        Ok(host)
+    }
+
+    /// Replaces (or creates) a file.
+    pub fn set_file(&self, path: &str, contents: impl AsRef<[u8]>) {
+        self.insert(path, Entry::File(contents.as_ref().to_vec()));
+    }
+
+    /// Adds a device node.
+    pub fn add_node(&self, path: &str, kind: NodeKind, major: u32, minor: u32) {
+        let mode = if kind == NodeKind::Block {
+            0o660
+        } else {
+            0o666
+        };
+        self.insert(
+            path,
+            Entry::Node(NodeInfo {
+                kind,
+                major,
+                minor,
+                mode,
+            }),
+        );
+    }
+
+    /// Removes a path and everything below it: a device unplugged, a PCI device gone.
+    pub fn remove(&self, path: &str) {
+        let prefix = format!("{}/", path.trim_end_matches('/'));
+        self.tree
+            .borrow_mut()
+            .retain(|p, _| p != path && !p.starts_with(&prefix));
+    }
+
+    /// What the module logged so far, oldest first.
+    pub fn logs(&self) -> Vec<(Level, String)> {
+        self.logs.borrow().clone()
+    }
+
+    fn insert(&self, path: &str, entry: Entry) {
+        assert!(is_normal(path), "{path} is not an absolute, normal path");
+        self.tree.borrow_mut().insert(path.to_owned(), entry);
+    }
+
+    fn read_tree(&self, dir: &Path, logical: &str) -> std::io::Result<()> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            let at = format!("{logical}/{name}");
+            let meta = std::fs::symlink_metadata(&path)?;
+            let kind = meta.file_type();
+            if kind.is_symlink() {
+                let target = std::fs::read_link(&path)?;
+                self.insert(&at, Entry::Link(target.to_string_lossy().into_owned()));
+            } else if kind.is_dir() {
+                self.insert(&at, Entry::Dir);
+                self.read_tree(&path, &at)?;
+            } else if kind.is_char_device() || kind.is_block_device() {
+                let rdev = meta.rdev();
+                let major = ((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff);
+                let minor = (rdev & 0xff) | ((rdev >> 12) & !0xff);
+                let node = if kind.is_block_device() {
+                    NodeKind::Block
+                } else {
+                    NodeKind::Character
+                };
+                self.add_node(&at, node, major as u32, minor as u32);
+            } else {
+                self.insert(&at, Entry::File(std::fs::read(&path)?));
+            }
+        }
+        Ok(())
+    }
+
+    fn entry(&self, path: &str) -> Option<Entry> {
+        let tree = self.tree.borrow();
+        if let Some(e) = tree.get(path) {
+            return Some(e.clone());
+        }
+        let prefix = format!("{path}/");
+        tree.range(prefix.clone()..)
+            .next()
+            .filter(|(p, _)| p.starts_with(&prefix))
+            .map(|_| Entry::Dir)
+    }
+
+    /// Follows symlinks in `path` while they stay inside `area` (`/sys` or `/dev`); with
+    /// `follow_last` false, the last component is left as it is.
+    fn resolve(&self, area: &str, path: &str, follow_last: bool) -> Result<String, FsError> {
+        let mut pending: Vec<String> = path
+            .trim_start_matches('/')
+            .split('/')
+            .rev()
+            .map(str::to_owned)
+            .collect();
+        let mut at: Vec<String> = Vec::new();
+        let mut links = 0;
+        while let Some(component) = pending.pop() {
+            match component.as_str() {
+                "" | "." => continue,
+                ".." => {
+                    at.pop();
+                    continue;
+                }
+                _ => {}
+            }
+            at.push(component);
+            let here = format!("/{}", at.join("/"));
+            if !here.starts_with(area) && !area.starts_with(&here) {
+                return Err(FsError::Denied("the path resolves outside its tree".into()));
+            }
+            let last = pending.is_empty();
+            if let Some(Entry::Link(target)) = self.entry(&here)
+                && (follow_last || !last)
+            {
+                links += 1;
+                if links > MAX_LINKS || target.starts_with('/') {
+                    return Err(FsError::Denied("the path resolves outside its tree".into()));
+                }
+                at.pop();
+                pending.extend(target.split('/').rev().map(str::to_owned));
+            }
+        }
+        let resolved = format!("/{}", at.join("/"));
+        if resolved != area && !resolved.starts_with(&format!("{area}/")) {
+            return Err(FsError::Denied("the path resolves outside its tree".into()));
+        }
+        Ok(resolved)
+    }
+
+    fn check(&self, grants: &[Pattern], path: &str, listing: bool) -> Result<(), FsError> {
+        if !is_normal(path) {
+            return Err(FsError::Denied(format!(
+                "{path} is not an absolute, normalised path"
+            )));
+        }
+        if !(granted(grants, path) || listing && leads_to_grant(grants, path)) {
+            return Err(FsError::Denied(format!(
+                "{path} is outside the module's grants"
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn sysfs_read(&self, path: &str) -> Result<Vec<u8>, FsError> {
+        self.check(&self.sysfs, path, false)?;
+        let real = self.resolve("/sys", path, true)?;
+        match self.entry(&real) {
+            Some(Entry::File(bytes)) => Ok(bytes.into_iter().take(MAX_READ).collect()),
+            Some(_) => Err(FsError::Io(format!("{path} is not a regular file"))),
+            None => Err(FsError::NotFound),
+        }
+    }
+
+    pub(crate) fn sysfs_list(&self, path: &str) -> Result<Vec<String>, FsError> {
+        self.check(&self.sysfs, path, true)?;
+        let real = self.resolve("/sys", path, true)?;
+        match self.entry(&real) {
+            Some(Entry::Dir) => {}
+            Some(_) => return Err(FsError::Io(format!("{path} is not a directory"))),
+            None => return Err(FsError::NotFound),
+        }
+        let base = path.trim_end_matches('/');
+        let names: BTreeSet<String> = self.children(&real);
+        Ok(names
+            .into_iter()
+            .filter(|name| {
+                let child = format!("{base}/{name}");
+                granted(&self.sysfs, &child) || leads_to_grant(&self.sysfs, &child)
+            })
+            .collect())
+    }
+
+    pub(crate) fn sysfs_read_link(&self, path: &str) -> Result<String, FsError> {
+        self.check(&self.sysfs, path, false)?;
+        let real = self.resolve("/sys", path, false)?;
+        match self.entry(&real) {
+            Some(Entry::Link(target)) => Ok(target),
+            Some(_) => Err(FsError::Io(format!("{path} is not a symbolic link"))),
+            None => Err(FsError::NotFound),
+        }
+    }
+
+    pub(crate) fn dev_glob(&self, pattern: &str) -> Result<Vec<String>, FsError> {
+        let Some(rest) = pattern.strip_prefix("/dev/") else {
+            return Err(FsError::Denied(format!(
+                "{pattern} is not a pattern under /dev/"
+            )));
+        };
+        let components: Vec<&str> = rest.split('/').collect();
+        if components
+            .iter()
+            .any(|c| c.is_empty() || *c == "." || *c == ".." || c.contains("**"))
+        {
+            return Err(FsError::Denied(format!(
+                "{pattern} must be normal, without `.`, `..`, empty components or `**`"
+            )));
+        }
+        let mut found = vec!["/dev".to_owned()];
+        for component in components {
+            let mut next = Vec::new();
+            for at in &found {
+                if !component.contains(['*', '?', '[']) {
+                    let path = format!("{at}/{component}");
+                    if self.entry(&path).is_some() {
+                        next.push(path);
+                    }
+                    continue;
+                }
+                let Ok(real) = self.resolve("/dev", at, true) else {
+                    continue;
+                };
+                let matcher = Pattern::new(component).map_err(|e| FsError::Io(e.to_string()))?;
+                for name in self.children(&real) {
+                    if matcher.matches_with(&name, WALK) {
+                        next.push(format!("{at}/{name}"));
+                    }
+                }
+            }
+            found = next;
+        }
+        found.retain(|path| {
+            granted(&self.dev, path)
+                && match self.resolve("/dev", path, true) {
+                    Ok(_) => true,
+                    Err(FsError::NotFound) => true,
+                    Err(_) => false,
+                }
+        });
+        found.sort();
+        Ok(found)
+    }
+
+    pub(crate) fn dev_stat(&self, path: &str) -> Result<NodeInfo, FsError> {
+        self.check(&self.dev, path, false)?;
+        let real = self.resolve("/dev", path, true)?;
+        match self.entry(&real) {
+            Some(Entry::Node(info)) => Ok(info),
+            Some(_) => Ok(NodeInfo {
+                kind: NodeKind::Other,
+                major: 0,
+                minor: 0,
+                mode: 0o644,
+            }),
+            None => Err(FsError::NotFound),
+        }
+    }
+
+    pub(crate) fn log(&self, level: Level, message: &str) {
+        self.logs.borrow_mut().push((level, message.to_owned()));
+    }
+
+    fn children(&self, dir: &str) -> BTreeSet<String> {
+        let prefix = format!("{dir}/");
+        self.tree
+            .borrow()
+            .range(prefix.clone()..)
+            .take_while(|(p, _)| p.starts_with(&prefix))
+            .filter_map(|(p, _)| p[prefix.len()..].split('/').next().map(str::to_owned))
+            .collect()
+    }
+}
+
+/// One line of a fixture's `dev.list`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DevListEntry {
+    /// Where the node is, e.g. `/dev/dri/renderD128`.
+    pub path: String,
+    /// Character or block.
+    pub kind: NodeKind,
+    /// The device number's major part.
+    pub major: u32,
+    /// The device number's minor part.
+    pub minor: u32,
+}
+
+/// Parses a fixture's `dev.list`: `c <major>:<minor> /dev/<path>` or `b ...` per line, `#`
+/// comments and blank lines ignored. The error names the line.
+pub fn parse_dev_list(text: &str) -> Result<Vec<DevListEntry>, String> {
+    let mut nodes = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let bad = || {
+            format!(
+                "line {}: expected `c <major>:<minor> /dev/<path>` (or `b`), got {line:?}",
+                n + 1
+            )
+        };
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let [kind, numbers, path] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let kind = match *kind {
+            "c" => NodeKind::Character,
+            "b" => NodeKind::Block,
+            _ => return Err(bad()),
+        };
+        let (major, minor) = numbers.split_once(':').ok_or_else(bad)?;
+        let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) else {
+            return Err(bad());
+        };
+        if !path.starts_with("/dev/") || !is_normal(path) {
+            return Err(bad());
+        }
+        nodes.push(DevListEntry {
+            path: (*path).to_owned(),
+            kind,
+            major,
+            minor,
+        });
+    }
+    Ok(nodes)
+}
+
+fn is_normal(path: &str) -> bool {
+    path.strip_prefix('/').is_some_and(|rest| {
+        rest.split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+    })
+}
+
+fn granted(grants: &[Pattern], path: &str) -> bool {
+    Path::new(path).ancestors().any(|p| {
+        p.to_str()
+            .is_some_and(|p| grants.iter().any(|g| g.matches_with(p, GRANT)))
+    })
+}
+
+fn leads_to_grant(grants: &[Pattern], dir: &str) -> bool {
+    let dir = dir.trim_end_matches('/');
+    grants.iter().any(|g| {
+        g.as_str()
+            .strip_prefix(dir)
+            .is_some_and(|rest| rest.starts_with('/'))
+    })
+}
+
+thread_local! {
+    static HOST: RefCell<Option<Rc<FakeHost>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with `host` as the host of the SDK's calls on this thread: for testing a function
+/// of your own (a scan, a parser) outside a [`Harness`].
+pub fn with_host<T>(host: &Rc<FakeHost>, f: impl FnOnce() -> T) -> T {
+    let previous = HOST.with(|h| h.borrow_mut().replace(host.clone()));
+    struct Restore(Option<Rc<FakeHost>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            HOST.with(|h| *h.borrow_mut() = previous);
+        }
+    }
+    let _restore = Restore(previous);
+    f()
+}
+
+/// The SDK's calls on the host target land here.
+pub(crate) fn current<T>(f: impl FnOnce(&FakeHost) -> Result<T, FsError>) -> Result<T, FsError> {
+    let host = HOST.with(|h| h.borrow().clone());
+    match host {
+        Some(host) => f(&host),
+        None => Err(FsError::Denied(
+            "no host: on the host target, call the module through devicelet_sdk::testing::Harness \
+             (or testing::with_host)"
+                .into(),
+        )),
+    }
+}
+
+/// Logs land in the installed host, or on stderr without one.
+pub(crate) fn log(level: Level, message: &str) {
+    let host = HOST.with(|h| h.borrow().clone());
+    match host {
+        Some(host) => host.log(level, message),
+        None => eprintln!("[{level:?}] {message}"),
+    }
+}
+
+/// One instance of a module, driven as the agent drives it, against a [`FakeHost`].
+pub struct Harness<P> {
+    host: Rc<FakeHost>,
+    plugin: P,
+    resources: Vec<ResourceInfo>,
+}
+
+impl<P: Plugin> Harness<P> {
+    /// Calls the module's `init` with `config` (the registry's `[module.config]` table as JSON,
+    /// which is what the agent hands over).
+    pub fn init(host: FakeHost, config: &str) -> Result<Harness<P>, PluginError> {
+        let host = Rc::new(host);
+        let (plugin, resources) = with_host(&host, || P::init(config))?;
+        Ok(Harness {
+            host,
+            plugin,
+            resources,
+        })
+    }
+
+    /// A second instance of the same module on the same node: the agent runs one for
+    /// `enumerate` and another for the kubelet's calls, and `allocate` must work on one that
+    /// never enumerated.
+    pub fn another(&self, config: &str) -> Result<Harness<P>, PluginError> {
+        let (plugin, resources) = with_host(&self.host, || P::init(config))?;
+        Ok(Harness {
+            host: self.host.clone(),
+            plugin,
+            resources,
+        })
+    }
+
+    /// The node, to change between calls.
+    pub fn host(&self) -> &FakeHost {
+        &self.host
+    }
+
+    /// The resources `init` declared.
+    pub fn resources(&self) -> &[ResourceInfo] {
+        &self.resources
+    }
+
+    /// `enumerate`, with its answer checked as the agent checks it.
+    pub fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+        let devices = with_host(&self.host, || self.plugin.enumerate(resource))?;
+        let mut seen = BTreeSet::new();
+        for d in &devices {
+            if d.id.is_empty() || !seen.insert(d.id.clone()) {
+                return Err(PluginError::Failed(format!(
+                    "the agent would refuse this answer: device ID {:?} is empty or listed twice",
+                    d.id
+                )));
+            }
+        }
+        Ok(devices)
+    }
+
+    /// `allocate`, with its answer checked as the agent checks it: every device node under the
+    /// `/dev` grants and present.
+    pub fn allocate(
+        &mut self,
+        resource: &str,
+        ids: &[&str],
+    ) -> Result<ContainerEdits, PluginError> {
+        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        let edits = with_host(&self.host, || self.plugin.allocate(resource, &ids))?;
+        for node in &edits.devices {
+            self.host.dev_stat(&node.host_path).map_err(|e| {
+                PluginError::Failed(format!(
+                    "the agent would refuse this answer: device node {}: {e}",
+                    node.host_path
+                ))
+            })?;
+        }
+        Ok(edits)
+    }
+
+    /// `prestart`.
+    pub fn prestart(&mut self, resource: &str, ids: &[&str]) -> Result<(), PluginError> {
+        let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        with_host(&self.host, || self.plugin.prestart(resource, &ids))
+    }
+
+    /// `preferred`, with its answer checked as the agent checks it: at most `size` IDs, each
+    /// offered, none twice, every `must_include` there.
+    pub fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[&str],
+        must_include: &[&str],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError> {
+        let available: Vec<String> = available.iter().map(|s| s.to_string()).collect();
+        let must: Vec<String> = must_include.iter().map(|s| s.to_string()).collect();
+        let chosen = with_host(&self.host, || {
+            self.plugin.preferred(resource, &available, &must, size)
+        })?;
+        let unique: BTreeSet<&String> = chosen.iter().collect();
+        if chosen.len() > size
+            || unique.len() != chosen.len()
+            || chosen.iter().any(|id| !available.contains(id))
+            || must
+                .iter()
+                .any(|id| available.contains(id) && !chosen.contains(id))
+        {
+            return Err(PluginError::Failed(format!(
+                "the agent would refuse this answer: {chosen:?} (from {available:?}, must include \
+                 {must:?}, size {size})"
+            )));
+        }
+        Ok(chosen)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{devnodes, sysfs};
+
+    fn pci_node() -> Rc<FakeHost> {
+        Rc::new(
+            FakeHost::new()
+                .grant_sysfs("/sys/bus/pci/devices/*")
+                .grant_dev("/dev/dri/renderD*")
+                .file("/sys/devices/pci0000:00/0000:03:00.0/vendor", "0x1002\n")
+                .file("/sys/devices/pci0000:00/0000:03:00.0/numa_node", "1\n")
+                .file("/sys/devices/system/cpu/online", "0-63\n")
+                .symlink(
+                    "/sys/bus/pci/devices/0000:03:00.0",
+                    "../../../devices/pci0000:00/0000:03:00.0",
+                )
+                .char_device("/dev/dri/renderD128", 226, 128)
+                .char_device("/dev/dri/card0", 226, 0),
+        )
+    }
+
+    #[test]
+    fn a_sysfs_grant_covers_what_its_links_point_to_and_nothing_else() {
+        let host = pci_node();
+        with_host(&host, || {
+            assert_eq!(
+                sysfs::read_to_string("/sys/bus/pci/devices/0000:03:00.0/vendor").unwrap(),
+                "0x1002"
+            );
+            assert_eq!(
+                sysfs::read_i64("/sys/bus/pci/devices/0000:03:00.0/numa_node").unwrap(),
+                1
+            );
+            assert_eq!(
+                sysfs::list("/sys/bus/pci/devices").unwrap(),
+                ["0000:03:00.0"]
+            );
+            assert_eq!(
+                sysfs::read_link("/sys/bus/pci/devices/0000:03:00.0").unwrap(),
+                "../../../devices/pci0000:00/0000:03:00.0"
+            );
+            // The link's target is not granted by its own path.
+            assert!(matches!(
+                sysfs::read("/sys/devices/pci0000:00/0000:03:00.0/vendor"),
+                Err(FsError::Denied(_))
+            ));
+            assert!(matches!(
+                sysfs::read("/sys/devices/system/cpu/online"),
+                Err(FsError::Denied(_))
+            ));
+            assert!(matches!(
+                sysfs::read("/sys/bus/pci/devices/0000:03:00.0/../../../x"),
+                Err(FsError::Denied(_))
+            ));
+            assert_eq!(
+                sysfs::read("/sys/bus/pci/devices/0000:09:00.0/vendor"),
+                Err(FsError::NotFound)
+            );
+        });
+    }
+
+    #[test]
+    fn dev_globs_see_only_granted_nodes() {
+        let host = pci_node();
+        with_host(&host, || {
+            assert_eq!(
+                devnodes::glob("/dev/dri/*").unwrap(),
+                ["/dev/dri/renderD128"]
+            );
+            let info = devnodes::stat("/dev/dri/renderD128").unwrap();
+            assert_eq!(
+                (info.kind, info.major, info.minor),
+                (NodeKind::Character, 226, 128)
+            );
+            assert!(matches!(
+                devnodes::stat("/dev/dri/card0"),
+                Err(FsError::Denied(_))
+            ));
+            assert!(matches!(devnodes::glob("/dev/**"), Err(FsError::Denied(_))));
+        });
+        host.remove("/dev/dri/renderD128");
+        with_host(&host, || {
+            assert!(devnodes::glob("/dev/dri/*").unwrap().is_empty())
+        });
+    }
+
+    #[test]
+    fn without_a_host_calls_are_refused_not_aborted() {
+        let e = sysfs::read("/sys/x").unwrap_err();
+        assert!(
+            matches!(e, FsError::Denied(ref why) if why.contains("Harness")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn dev_lists_parse_and_name_the_bad_line() {
+        let nodes =
+            parse_dev_list("# GPUs\nc 226:128 /dev/dri/renderD128\n\nb 8:0 /dev/sda # disk\n")
+                .unwrap();
+        assert_eq!(nodes.len(), 2);
+        assert_eq!(nodes[1].kind, NodeKind::Block);
+        let e = parse_dev_list("c 226:128 /dev/ok\nc 226 /dev/bad\n").unwrap_err();
+        assert!(e.starts_with("line 2:"), "{e}");
+        assert!(parse_dev_list("c 1:2 /etc/passwd").is_err());
+    }
+}
