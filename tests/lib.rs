@@ -64,6 +64,8 @@ pub fn module_dir() -> &'static Path {
                 "misbehaving",
                 "-p",
                 "hostile",
+                "-p",
+                "amd-gpu",
             ])
             .status()
             .expect("running cargo to build the guest modules");

@@ -73,6 +73,84 @@ impl FixtureTree {
         Ok(())
     }
 
+    /// Makes this tree the node a fixture directory describes: `sys/` copied (files and
+    /// symlinks as they are), and exactly the device nodes its `dev.list` lists (one per line,
+    /// `c <major>:<minor> /dev/<path>`, `b` for block; `#` comments), since a repository cannot
+    /// hold device nodes. Run again after the fixture changed, it brings the tree in line:
+    /// `sys/` is swapped for a fresh copy in one rename, and only the device nodes that changed
+    /// are made or removed, so a module reading meanwhile sees no node vanish for nothing.
+    pub fn load(&self, fixture: &Path) -> io::Result<()> {
+        let list = fixture.join("dev.list");
+        let wanted = match std::fs::read_to_string(&list) {
+            Ok(text) => parse_dev_list(&text).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: {e}", list.display()),
+                )
+            })?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        let fresh = self.root.join(".sys.new");
+        let _ = std::fs::remove_dir_all(&fresh);
+        std::fs::create_dir(&fresh)?;
+        let from = fixture.join("sys");
+        if from.is_dir() {
+            copy_tree(&from, &fresh)?;
+        }
+        let sys = self.root.join("sys");
+        let old = self.root.join(".sys.old");
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(&sys, &old)?;
+        std::fs::rename(&fresh, &sys)?;
+        std::fs::remove_dir_all(&old)?;
+
+        let mut present = Vec::new();
+        self.device_nodes(&self.root.join("dev"), "/dev", &mut present)?;
+        for (path, kind, rdev) in &present {
+            let listed = wanted.iter().any(|n| {
+                n.path == *path && n.kind == *kind && libc::makedev(n.major, n.minor) == *rdev
+            });
+            if !listed {
+                std::fs::remove_file(self.path(path))?;
+            }
+        }
+        for node in wanted {
+            let rdev = libc::makedev(node.major, node.minor);
+            if !present
+                .iter()
+                .any(|(path, kind, at)| *path == node.path && *kind == node.kind && *at == rdev)
+            {
+                self.add_node(&node.path, node.kind, node.major, node.minor)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The device nodes under `dir` (logical path `at`), with their kind and number.
+    fn device_nodes(
+        &self,
+        dir: &Path,
+        at: &str,
+        found: &mut Vec<(String, NodeType, libc::dev_t)>,
+    ) -> io::Result<()> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let path = format!("{at}/{}", entry.file_name().to_string_lossy());
+            let meta = std::fs::symlink_metadata(entry.path())?;
+            let kind = meta.file_type();
+            if kind.is_dir() {
+                self.device_nodes(&entry.path(), &path, found)?;
+            } else if kind.is_char_device() {
+                found.push((path, NodeType::Char, meta.rdev() as libc::dev_t));
+            } else if kind.is_block_device() {
+                found.push((path, NodeType::Block, meta.rdev() as libc::dev_t));
+            }
+        }
+        Ok(())
+    }
+
     pub fn remove(&self, node_path: &str) -> io::Result<()> {
         std::fs::remove_file(self.path(node_path))
     }
@@ -84,5 +162,120 @@ impl FixtureTree {
             std::fs::create_dir_all(parent)?;
         }
         std::fs::write(path, contents)
+    }
+}
+
+/// One line of a fixture's `dev.list`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedNode {
+    pub path: String,
+    pub kind: NodeType,
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// Parses a fixture's `dev.list`; the error names the line. (The SDK's test kit reads the same
+/// format on the guest side of the seam, where this crate is not available.)
+pub fn parse_dev_list(text: &str) -> Result<Vec<ListedNode>, String> {
+    let mut nodes = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let bad = || {
+            format!(
+                "line {}: expected `c <major>:<minor> /dev/<path>` (or `b`), got {line:?}",
+                n + 1
+            )
+        };
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let [kind, numbers, path] = parts.as_slice() else {
+            return Err(bad());
+        };
+        let kind = match *kind {
+            "c" => NodeType::Char,
+            "b" => NodeType::Block,
+            _ => return Err(bad()),
+        };
+        let Some((Ok(major), Ok(minor))) = numbers
+            .split_once(':')
+            .map(|(major, minor)| (major.parse(), minor.parse()))
+        else {
+            return Err(bad());
+        };
+        let normal = path.strip_prefix("/dev/").is_some_and(|rest| {
+            rest.split('/')
+                .all(|c| !c.is_empty() && c != "." && c != "..")
+        });
+        if !normal {
+            return Err(bad());
+        }
+        nodes.push(ListedNode {
+            path: (*path).to_owned(),
+            kind,
+            major,
+            minor,
+        });
+    }
+    Ok(nodes)
+}
+
+/// Copies files, directories and symlinks (as links) from `from` into `to`.
+fn copy_tree(from: &Path, to: &Path) -> io::Result<()> {
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        let kind = entry.file_type()?;
+        if kind.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(entry.path())?, &target)?;
+        } else if kind.is_dir() {
+            std::fs::create_dir(&target)?;
+            copy_tree(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fixture_directory_becomes_a_node_tree() {
+        let fixture = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(fixture.path().join("sys/devices/x")).unwrap();
+        std::fs::write(fixture.path().join("sys/devices/x/vendor"), "0x1002\n").unwrap();
+        std::fs::create_dir_all(fixture.path().join("sys/bus")).unwrap();
+        std::os::unix::fs::symlink("../devices/x", fixture.path().join("sys/bus/x")).unwrap();
+        std::fs::write(
+            fixture.path().join("dev.list"),
+            "c 1:3 /dev/null-ish # like /dev/null\n",
+        )
+        .unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let tree = FixtureTree::new(root.path()).unwrap();
+        tree.load(fixture.path()).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(root.path().join("sys/bus/x/vendor")).unwrap(),
+            "0x1002\n"
+        );
+        use std::os::unix::fs::FileTypeExt;
+        let meta = std::fs::metadata(root.path().join("dev/null-ish")).unwrap();
+        assert!(meta.file_type().is_char_device());
+        // Reloaded after the fixture changed: a node no longer listed is gone.
+        std::fs::write(fixture.path().join("dev.list"), "").unwrap();
+        tree.load(fixture.path()).unwrap();
+        assert!(!root.path().join("dev/null-ish").exists());
+    }
+
+    #[test]
+    fn a_bad_dev_list_line_is_named() {
+        let e = parse_dev_list("c 1:3 /dev/ok\nx 1:3 /dev/bad\n").unwrap_err();
+        assert!(e.starts_with("line 2:"), "{e}");
+        assert!(parse_dev_list("c 1:3 /etc/shadow").is_err());
+        assert!(parse_dev_list("c 1 /dev/x").is_err());
     }
 }

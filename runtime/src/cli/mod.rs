@@ -4,6 +4,7 @@ mod demo;
 mod run;
 pub mod simulate;
 mod status;
+mod try_module;
 mod validate;
 
 use clap::{Parser, Subcommand};
@@ -59,6 +60,9 @@ pub enum Command {
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
     Demo(demo::DemoArgs),
+    /// One module against a fixture node and the simulator: registration, snapshots, an
+    /// allocation, then the fixture watched for changes.
+    Try(try_module::TryArgs),
 }
 
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
@@ -68,6 +72,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => status::run(args).await,
         Command::Simulate(args) => simulate::run(args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Try(args) => try_module::run(args).await,
     }
 }
 

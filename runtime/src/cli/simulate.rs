@@ -184,7 +184,10 @@ async fn next_restart(restarts: Option<&mut tokio::time::Interval>) {
 }
 
 /// A line (or block) for an event; snapshots show what changed since the last one.
-fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) -> Option<String> {
+pub(super) fn describe(
+    event: &SimEvent,
+    last_devices: &mut BTreeMap<String, Vec<Device>>,
+) -> Option<String> {
     Some(match event {
         SimEvent::Registered {
             resource,
@@ -274,7 +277,7 @@ fn numa(device: &Device) -> String {
 }
 
 /// The full answer for one container, as a container runtime would apply it.
-fn format_allocation(allocation: &Allocation) -> String {
+pub(super) fn format_allocation(allocation: &Allocation) -> String {
     let response = &allocation.response;
     let mut text = format!(
         "allocation {} of {} to pod {}/{} container {}: {}",

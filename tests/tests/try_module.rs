@@ -1,0 +1,113 @@
+//! `devicelet try`, as a vendor runs it: the AMD module over one of its fixtures.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use devicelet_tests::{WAIT, devicelet_bin, module_dir, workspace_root};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{ChildStdout, Command};
+
+const CONFIG: &str = r#"resource-domain = "amd.com"
+
+[module.grants]
+sysfs = ["/sys/bus/pci/devices/*"]
+dev = ["/dev/kfd", "/dev/dri/*"]
+"#;
+
+fn command(fixture: &std::path::Path, config: &std::path::Path) -> Command {
+    let mut cmd = Command::new(devicelet_bin());
+    cmd.arg("try")
+        .arg("--module")
+        .arg(module_dir().join("amd_gpu.wasm"))
+        .arg("--fixture")
+        .arg(fixture)
+        .arg("--config")
+        .arg(config)
+        .arg("--log")
+        .arg("warn")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Reads lines until one contains `needle`; every line read so far, on failure too.
+async fn until(lines: &mut Lines<BufReader<ChildStdout>>, needle: &str, seen: &mut String) {
+    let found = tokio::time::timeout(WAIT, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            seen.push_str(&line);
+            seen.push('\n');
+            if line.contains(needle) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(found == Ok(true), "no line with {needle:?} in:\n{seen}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_shows_registration_snapshots_and_an_allocation_then_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("amd.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let fixture = workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
+    let out = command(&fixture, &config)
+        .arg("--allocate")
+        .arg("2")
+        .arg("--once")
+        .output()
+        .await
+        .expect("running devicelet try");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("registered amd.com/gpu"), "{text}");
+    assert!(text.contains("+ 0000:03:00.0 Healthy"), "{text}");
+    assert!(text.contains("+ 0000:23:00.0 Healthy"), "{text}");
+    assert!(
+        text.contains("of amd.com/gpu to pod") && text.contains("0000:03:00.0, 0000:23:00.0"),
+        "{text}"
+    );
+    assert!(text.contains("/dev/kfd"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_follows_edits_of_the_fixture_until_interrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("amd.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    // A copy to edit.
+    let fixture = dir.path().join("node");
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(workspace_root().join("guests/amd-gpu/fixtures/2-gpus"))
+        .arg(&fixture)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut child = command(&fixture, &config)
+        .spawn()
+        .expect("spawning devicelet try");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = String::new();
+    until(&mut lines, "watching", &mut seen).await;
+
+    // The second GPU's render node is unplugged.
+    let list = fixture.join("dev.list");
+    let text = std::fs::read_to_string(&list).unwrap();
+    std::fs::write(&list, text.replace("c 226:129 /dev/dri/renderD129\n", "")).unwrap();
+    until(&mut lines, "~ 0000:23:00.0 Healthy -> Unhealthy", &mut seen).await;
+
+    let pid = child.id().expect("running") as i32;
+    // SAFETY: signalling a child we spawned and still own.
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("stops on Ctrl-C")
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{seen}");
+}
