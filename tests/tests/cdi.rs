@@ -40,7 +40,7 @@ fn spec_path(node: &Node, resource: &str) -> PathBuf {
 }
 
 /// The spec file of `resource` once the agent says it names `devices` devices (Allocate names
-/// devices from then on), as JSON.
+/// devices from then on) and the kubelet has the resource, as JSON.
 async fn spec_with(
     node: &Node,
     agent: &Agent,
@@ -60,6 +60,11 @@ async fn spec_with(
         },
     )
     .await;
+    // The spec can be written before the kubelet has the resource.
+    node.kubelet
+        .wait_until(resource, WAIT, |r| r.allocatable > 0)
+        .await
+        .expect("the resource is served");
     let text = std::fs::read(spec_path(node, resource)).expect("the spec file");
     let spec: serde_json::Value = serde_json::from_slice(&text).expect("JSON");
     assert_eq!(
@@ -458,11 +463,13 @@ async fn the_spec_follows_the_devices_and_goes_when_cdi_is_turned_off() {
     node.registry(&generic_dev_with("\"devices\"", serial));
     let spec = cdi_dir(&node).join("devicelet_devicelet.io_serial.json");
     eventually("the spec is removed", || !spec.exists()).await;
-    let a = node
-        .kubelet
-        .wait_until("devicelet.io/serial", WAIT, |r| r.allocatable == 1)
-        .await;
-    assert!(a.is_ok(), "still served");
+    // Served anew: registered a second time, on a fresh stream.
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| {
+            r.registrations >= 2 && r.streaming && r.allocatable == 1
+        })
+        .await
+        .expect("served again");
     let a = node
         .kubelet
         .allocate("devicelet.io/serial", 1)
