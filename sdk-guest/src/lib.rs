@@ -115,7 +115,7 @@ pub mod bindings {
     #![allow(missing_docs)]
     wit_bindgen::generate!({
         world: "device-plugin",
-        path: "../wit/v0.1",
+        path: "wit",
         pub_export_macro: true,
         export_macro_name: "__export_device_plugin",
         default_bindings_module: "devicelet_sdk::bindings",
