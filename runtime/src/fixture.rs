@@ -228,7 +228,18 @@ fn copy_tree(from: &Path, to: &Path) -> io::Result<()> {
         let target = to.join(entry.file_name());
         let kind = entry.file_type()?;
         if kind.is_symlink() {
-            std::os::unix::fs::symlink(std::fs::read_link(entry.path())?, &target)?;
+            let link = std::fs::read_link(entry.path())?;
+            if link.is_absolute() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: fixture links must be relative, as sysfs's are (an absolute one \
+                         points outside the node, and the agent refuses to follow it)",
+                        entry.path().display()
+                    ),
+                ));
+            }
+            std::os::unix::fs::symlink(link, &target)?;
         } else if kind.is_dir() {
             std::fs::create_dir(&target)?;
             copy_tree(&entry.path(), &target)?;
@@ -269,6 +280,21 @@ mod tests {
         std::fs::write(fixture.path().join("dev.list"), "").unwrap();
         tree.load(fixture.path()).unwrap();
         assert!(!root.path().join("dev/null-ish").exists());
+    }
+
+    #[test]
+    fn an_absolute_link_in_a_fixture_is_refused_by_name() {
+        let fixture = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(fixture.path().join("sys/bus")).unwrap();
+        std::os::unix::fs::symlink("/sys/devices/x", fixture.path().join("sys/bus/x")).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let tree = FixtureTree::new(root.path()).unwrap();
+        let e = tree.load(fixture.path()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("sys/bus/x: fixture links must be relative"),
+            "{e}"
+        );
     }
 
     #[test]

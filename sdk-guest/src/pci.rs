@@ -72,14 +72,23 @@ impl PciDevice {
         sysfs::read(&format!("{}/vendor", self.path())).is_ok()
     }
 
+    /// The device nodes its driver made in one class: the entries of `<device>/<class>/` in
+    /// sysfs, as paths under `dev_dir`. `nodes("accel", "/dev/accel")` gives
+    /// `["/dev/accel/accel0"]` for a compute accelerator; sorted, empty when there are none.
+    pub fn nodes(&self, class: &str, dev_dir: &str) -> Vec<String> {
+        sysfs::list(&format!("{}/{class}", self.path()))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|name| format!("{dev_dir}/{name}"))
+            .collect()
+    }
+
     /// The DRM nodes its driver made, as `/dev/dri/...` paths (`card0`, `renderD128`), sorted;
     /// empty when it has none (no driver bound, or not a GPU).
     pub fn drm_nodes(&self) -> Vec<String> {
-        sysfs::list(&format!("{}/drm", self.path()))
-            .unwrap_or_default()
+        self.nodes("drm", "/dev/dri")
             .into_iter()
-            .filter(|name| name.starts_with("card") || name.starts_with("renderD"))
-            .map(|name| format!("/dev/dri/{name}"))
+            .filter(|n| n.starts_with("/dev/dri/card") || n.starts_with("/dev/dri/renderD"))
             .collect()
     }
 

@@ -220,6 +220,13 @@ impl FakeHost {
             let kind = meta.file_type();
             if kind.is_symlink() {
                 let target = std::fs::read_link(&path)?;
+                if target.is_absolute() {
+                    return Err(std::io::Error::other(format!(
+                        "{}: fixture links must be relative, as sysfs's are (an absolute one \
+                         would point outside the node, and the agent refuses to follow it)",
+                        path.display()
+                    )));
+                }
                 self.insert(&at, Entry::Link(target.to_string_lossy().into_owned()));
             } else if kind.is_dir() {
                 self.insert(&at, Entry::Dir);
@@ -298,6 +305,17 @@ impl FakeHost {
     }
 
     fn check(&self, grants: &[Pattern], path: &str, listing: bool) -> Result<(), FsError> {
+        if grants.is_empty() {
+            let area = if path.starts_with("/dev") {
+                "dev"
+            } else {
+                "sysfs"
+            };
+            return Err(FsError::Denied(format!(
+                "no {area} grant at all: the agent would not even load a module that uses \
+                 {area} without one (grant_{area}, or [module.grants] {area} = [...])"
+            )));
+        }
         if !is_normal(path) {
             return Err(FsError::Denied(format!(
                 "{path} is not an absolute, normalised path"
@@ -351,6 +369,9 @@ impl FakeHost {
     }
 
     pub(crate) fn dev_glob(&self, pattern: &str) -> Result<Vec<String>, FsError> {
+        if self.dev.is_empty() {
+            return self.check(&self.dev, "/dev", false).map(|()| Vec::new());
+        }
         let Some(rest) = pattern.strip_prefix("/dev/") else {
             return Err(FsError::Denied(format!(
                 "{pattern} is not a pattern under /dev/"
@@ -747,6 +768,28 @@ mod tests {
         with_host(&host, || {
             assert!(devnodes::glob("/dev/dri/*").unwrap().is_empty())
         });
+    }
+
+    #[test]
+    fn a_module_without_any_grant_of_a_kind_is_told_the_agent_would_not_load_it() {
+        let host = Rc::new(FakeHost::new().grant_dev("/dev/fuse"));
+        with_host(&host, || {
+            let e = sysfs::read("/sys/bus/pci/devices").unwrap_err();
+            assert!(
+                matches!(e, FsError::Denied(ref why) if why.contains("no sysfs grant at all")),
+                "{e:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn fixture_links_must_be_relative() {
+        let dir = std::env::temp_dir().join(format!("devicelet-kit-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sys/bus")).unwrap();
+        std::os::unix::fs::symlink("/sys/devices/x", dir.join("sys/bus/x")).unwrap();
+        let e = FakeHost::from_fixture(&dir).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(e.to_string().contains("must be relative"), "{e}");
     }
 
     #[test]

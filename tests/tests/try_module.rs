@@ -76,6 +76,42 @@ async fn try_shows_registration_snapshots_and_an_allocation_then_stops() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_says_what_is_wrong_and_where() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
+    let run = |config: &str, allocate: &str| {
+        let path = dir.path().join("amd.toml");
+        std::fs::write(&path, config).unwrap();
+        let mut cmd = command(&fixture, &path);
+        cmd.args(["--allocate", allocate, "--once"]);
+        async move {
+            let out = cmd.output().await.expect("running devicelet try");
+            assert!(!out.status.success());
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        }
+    };
+    let e = run(CONFIG, "3").await;
+    assert!(
+        e.contains("amd.com/gpu: 2 allocatable, fewer than --allocate 3"),
+        "{e}"
+    );
+    let e = run(&format!("name = \"mine\"\n{CONFIG}"), "1").await;
+    assert!(
+        e.contains("`name` is set by `try` itself") && e.contains("amd-gpu"),
+        "{e}"
+    );
+    // The module refuses its config: the error names the line of the operator's file.
+    let e = run(
+        &format!("{CONFIG}\n[module.config]\nresourse = \"x\"\n"),
+        "1",
+    )
+    .await;
+    let line = CONFIG.lines().count() + 2;
+    assert!(e.contains(&format!("amd.toml:{line})")), "{e}");
+    assert!(e.contains("unknown field `resourse`"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn try_follows_edits_of_the_fixture_until_interrupted() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("amd.toml");
@@ -95,6 +131,21 @@ async fn try_follows_edits_of_the_fixture_until_interrupted() {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut seen = String::new();
     until(&mut lines, "watching", &mut seen).await;
+
+    // `devicelet status` reaches the agent `try` runs.
+    let state_dir = seen
+        .lines()
+        .find_map(|l| l.split("--state-dir ").nth(1))
+        .and_then(|rest| rest.split('`').next())
+        .expect("the status hint")
+        .to_owned();
+    let status = Command::new(devicelet_bin())
+        .args(["status", "--state-dir", &state_dir])
+        .output()
+        .await
+        .expect("devicelet status");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("amd.com/gpu (module amd-gpu"), "{text}");
 
     // The second GPU's render node is unplugged.
     let list = fixture.join("dev.list");

@@ -1,7 +1,7 @@
 //! The module's logic against its fixture nodes, through the SDK's test kit.
 
 use devicelet_sdk::testing::{FakeHost, Harness};
-use devicelet_sdk::{FsError, Health, NodeKind, PluginError};
+use devicelet_sdk::{Health, NodeKind};
 
 use super::AmdGpu;
 
@@ -105,14 +105,22 @@ fn a_gpu_that_falls_off_the_bus_stays_listed_unhealthy() {
 #[test]
 fn without_grants_the_module_reads_nothing() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/1-gpu");
-    let host = FakeHost::from_fixture(&dir).unwrap();
-    let mut gpus = Harness::<AmdGpu>::init(host, "{}").unwrap();
+    let bare = FakeHost::from_fixture(&dir).unwrap();
+    let mut gpus = Harness::<AmdGpu>::init(bare, "{}").unwrap();
     let e = gpus.enumerate("gpu").unwrap_err();
+    assert!(e.to_string().contains("no sysfs grant at all"), "{e}");
+    // Granted one device that is not there: listing shows only what is granted, so the GPU
+    // that is there stays out of reach.
+    let narrow = FakeHost::from_fixture(&dir)
+        .unwrap()
+        .grant_sysfs("/sys/bus/pci/devices/0000:99:00.0");
+    let mut gpus = Harness::<AmdGpu>::init(narrow, "{}").unwrap();
+    assert!(gpus.enumerate("gpu").unwrap().is_empty());
+    let mut pci = Harness::<AmdGpu>::init(node("1-gpu"), "{}").unwrap();
     assert_eq!(
-        e,
-        PluginError::from(FsError::Denied(
-            "/sys/bus/pci/devices is outside the module's grants".into()
-        ))
+        pci.enumerate("gpu").unwrap().len(),
+        1,
+        "granted, it is there"
     );
 }
 

@@ -250,13 +250,24 @@ fn device_changes(before: &[Device], after: &[Device]) -> Vec<String> {
     for (id, device) in &after {
         match before.get(id) {
             None => lines.push(format!("+ {id} {}{}", device.health, numa(device))),
-            Some(old) if old.health != device.health || old.topology != device.topology => lines
-                .push(format!(
-                    "~ {id} {} -> {}{}",
-                    old.health,
-                    device.health,
+            Some(old) if old.health != device.health || old.topology != device.topology => {
+                let topology = if old.topology == device.topology {
                     numa(device)
-                )),
+                } else {
+                    let shown = |d: &Device| match numa(d) {
+                        n if n.is_empty() => "none".to_owned(),
+                        n => n
+                            .trim_start_matches(" (NUMA ")
+                            .trim_end_matches(')')
+                            .to_owned(),
+                    };
+                    format!(" (NUMA {} -> {})", shown(old), shown(device))
+                };
+                lines.push(format!(
+                    "~ {id} {} -> {}{topology}",
+                    old.health, device.health
+                ))
+            }
             Some(_) => {}
         }
     }
@@ -382,7 +393,8 @@ fn section(text: &mut String, title: &str, lines: Vec<String>) {
 mod tests {
     use super::*;
     use crate::kubelet::api::deviceplugin::{
-        CdiDevice, ContainerAllocateResponse, DeviceSpec, HEALTHY, Mount, UNHEALTHY,
+        CdiDevice, ContainerAllocateResponse, DeviceSpec, HEALTHY, Mount, NumaNode, TopologyInfo,
+        UNHEALTHY,
     };
     use devicelet_simulator::PodRef;
 
@@ -422,6 +434,14 @@ mod tests {
             ["~ b Healthy -> Unhealthy", "+ c Healthy", "- a"]
         );
         assert!(device_changes(&after, &after).is_empty());
+        let mut moved = dev("b", UNHEALTHY);
+        moved.topology = Some(TopologyInfo {
+            nodes: vec![NumaNode { id: 1 }],
+        });
+        assert_eq!(
+            device_changes(&[moved.clone()], &[dev("b", UNHEALTHY)]),
+            ["~ b Unhealthy -> Unhealthy (NUMA 1 -> none)"]
+        );
     }
 
     #[test]

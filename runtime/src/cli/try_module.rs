@@ -1,5 +1,7 @@
 //! `devicelet try`: one module against a fixture node, the agent and the kubelet simulator in
-//! one process, for a vendor trying a module before shipping it.
+//! one process, for a vendor trying a module before shipping it. Everything it writes (the node
+//! tree, sockets, the ledger and status socket, CDI specs) goes to a scratch directory removed
+//! at the end; the fixture itself is only read.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,18 +19,23 @@ use devicelet_simulator::{SimEvent, Simulator};
 /// Granted when `--config` grants nothing itself: all of the fixture.
 const DEFAULT_GRANTS: &str = "[module.grants]\nsysfs = [\"/sys/bus\", \"/sys/class\", \"/sys/devices\"]\ndev = [\"/dev/*\", \"/dev/*/*\"]\n";
 
+/// Keys `try` sets itself: the module is the file given, named after it.
+const OWN_KEYS: [&str; 2] = ["name", "path"];
+
 #[derive(clap::Args, Debug)]
 pub struct TryArgs {
-    /// The module to try (a `.wasm` component).
+    /// The module to try (a `.wasm` component); it is named after its file (`my_gpu.wasm`:
+    /// `my-gpu`).
     #[arg(long)]
     pub module: PathBuf,
-    /// A fixture node: `sys/` (files and symlinks as on a node) and `dev.list` (device nodes, one
-    /// per line: `c <major>:<minor> /dev/<path>`). Edits to it while running reach the module.
+    /// A fixture node: `sys/` (files and relative symlinks, as on a node) and `dev.list` (device
+    /// nodes, one per line: `c <major>:<minor> /dev/<path>`). It is only read: edits to it while
+    /// `try` runs reach the module.
     #[arg(long)]
     pub fixture: PathBuf,
     /// The module's registry keys, as under `[[module]]` in a registry (`resource-domain`,
-    /// `[module.grants]`, `[module.sharing]`, `[module.config]`...). Without `[module.grants]`,
-    /// the whole fixture is granted.
+    /// `[module.grants]`, `[module.sharing]`, `[module.config]`...), without `name` and `path`.
+    /// Without grants, the whole fixture is granted.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// How many devices one container asks for, from each resource.
@@ -39,35 +46,97 @@ pub struct TryArgs {
     pub once: bool,
 }
 
-/// The registry `try` runs: the fixture as host root, the module under a name made from its
-/// file name, then the operator's keys.
-fn registry_text(root: &Path, module: &Path, config: &str) -> String {
+/// What the operator's `--config` sets itself (read as TOML first, so a syntax error names
+/// their file, line and column).
+struct Given {
+    grants: bool,
+    health_interval: bool,
+    /// A key `try` sets itself, if the operator set it too.
+    own: Option<&'static str>,
+}
+
+fn given(config: &str) -> Result<Given, toml::de::Error> {
+    let table: toml::Table = toml::from_str(config)?;
+    let in_module = |key: &str| {
+        table.contains_key(key)
+            || table
+                .get("module")
+                .and_then(|m| m.as_table())
+                .is_some_and(|m| m.contains_key(key))
+    };
+    Ok(Given {
+        grants: in_module("grants"),
+        health_interval: table.contains_key("health-interval"),
+        own: OWN_KEYS.into_iter().find(|k| table.contains_key(*k)),
+    })
+}
+
+/// The module's name in the registry `try` makes: its file name, as a module name.
+fn module_name(module: &Path) -> String {
     let stem = module
         .file_stem()
         .map(|s| s.to_string_lossy().to_lowercase())
         .unwrap_or_default();
-    let mut name: String = stem
+    let name: String = stem
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
         .collect();
-    name = name.trim_matches('-').to_owned();
-    if name.is_empty() || !name.starts_with(|c: char| c.is_ascii_lowercase()) {
-        name = format!("module-{name}").trim_end_matches('-').to_owned();
+    let name = name.trim_matches('-');
+    if name.starts_with(|c: char| c.is_ascii_lowercase()) {
+        name.to_owned()
+    } else {
+        format!("module-{name}").trim_end_matches('-').to_owned()
     }
+}
+
+/// The registry `try` runs: the fixture as host root, the module, then the operator's keys
+/// verbatim, so their lines keep their numbers after a header of [`header_lines`] lines.
+fn registry_text(root: &Path, module: &Path, config: &str, given: &Given) -> String {
     let mut text = format!(
-        "host-root = {:?}\n\n[[module]]\nname = {name:?}\npath = {:?}\n",
+        "host-root = {:?}\n[[module]]\nname = {:?}\npath = {:?}\n",
         root.display().to_string(),
+        module_name(module),
         module.display().to_string()
     );
-    if !config.contains("health-interval") {
+    if !given.health_interval {
         text.push_str("health-interval = \"1s\"\n");
     }
     text.push_str(config);
-    if !config.contains("[module.grants]") {
+    if !given.grants {
         text.push('\n');
         text.push_str(DEFAULT_GRANTS);
     }
     text
+}
+
+/// How many lines come before the operator's own in [`registry_text`].
+fn header_lines(given: &Given) -> usize {
+    4 + usize::from(!given.health_interval)
+}
+
+/// Rewrites `registry:<line>` in a message as `config:<line - header>`, so an error points into
+/// the operator's file rather than the scratch registry (which is gone by the time they read it).
+fn relocate(message: &str, registry: &Path, config: Option<&Path>, header: usize) -> String {
+    let Some(config) = config else {
+        return message.to_owned();
+    };
+    let marker = format!("{}:", registry.display());
+    let mut out = String::new();
+    let mut rest = message;
+    while let Some(at) = rest.find(&marker) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + marker.len()..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        match after[..digits].parse::<usize>() {
+            Ok(line) if line > header => {
+                out.push_str(&format!("{}:{}", config.display(), line - header));
+            }
+            _ => out.push_str(&format!("{marker}{}", &after[..digits])),
+        }
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 pub async fn run(args: TryArgs) -> anyhow::Result<()> {
@@ -82,18 +151,36 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
         }
         None => String::new(),
     };
+    let config_path = args.config.as_deref();
+    let keys = given(&config).with_context(|| match config_path {
+        Some(path) => format!("{} is not valid TOML", path.display()),
+        None => "the module config is not valid TOML".into(),
+    })?;
+    if let (Some(key), Some(path)) = (keys.own, config_path) {
+        bail!(
+            "{}: `{key}` is set by `try` itself (the module is the file given, named after it: \
+             {}); leave `name` and `path` out",
+            path.display(),
+            module_name(&module)
+        );
+    }
     let work = tempfile::tempdir().context("creating a scratch directory")?;
     let tree = FixtureTree::new(&work.path().join("node"))?;
     tree.load(&fixture)
         .with_context(|| format!("loading the fixture {}", fixture.display()))?;
     let registry_file = work.path().join("registry.toml");
-    std::fs::write(&registry_file, registry_text(tree.root(), &module, &config))?;
-    let registry = Registry::load(&registry_file).with_context(|| match &args.config {
-        Some(path) => format!(
-            "the registry `try` made from {} (its lines follow a 5-line header)",
-            path.display()
-        ),
-        None => "the registry `try` made".into(),
+    std::fs::write(
+        &registry_file,
+        registry_text(tree.root(), &module, &config, &keys),
+    )?;
+    let header = header_lines(&keys);
+    let registry = Registry::load(&registry_file).map_err(|e| {
+        anyhow::anyhow!(relocate(
+            &e.to_string(),
+            &registry_file,
+            config_path,
+            header
+        ))
     })?;
 
     let plugin_dir = work.path().join("device-plugins");
@@ -102,22 +189,30 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     let mut options = AgentOptions::new(registry, plugin_dir);
     options.hot_reload = false;
     options.cdi_dir = work.path().join("cdi");
+    let state_dir = work.path().join("state");
+    options.state_dir = Some(state_dir.clone());
+    options.pod_resources = Some(kubelet.pod_resources_socket().to_owned());
     println!(
-        "trying {} on the fixture {} (scratch: {})",
+        "trying {} (as module `{}`) on the fixture {}",
         module.display(),
-        fixture.display(),
-        work.path().display()
+        module_name(&module),
+        fixture.display()
+    );
+    println!(
+        "meanwhile, `devicelet status --state-dir {}` shows what the agent serves",
+        state_dir.display()
     );
     let agent = Agent::start(options).await?;
     if let Some(e) = agent.load_errors().first() {
         agent.shutdown().await;
-        bail!("{e}");
+        bail!("{}", relocate(e, &registry_file, config_path, header));
     }
     let mut waiting: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
     if waiting.is_empty() {
         agent.shutdown().await;
         bail!("the module serves no resource");
     }
+    let mut too_few: Vec<String> = Vec::new();
 
     let (changed_tx, mut changed) = tokio::sync::mpsc::channel::<()>(1);
     let _watch = if args.once {
@@ -128,6 +223,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     let stop = super::stop_signal();
     tokio::pin!(stop);
     let mut last_devices = BTreeMap::new();
+    let mut failed = None;
     loop {
         let event = tokio::select! {
             result = &mut stop => { result?; break; }
@@ -154,40 +250,69 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
         if let Some(text) = describe(&event, &mut last_devices) {
             println!("{text}");
         }
-        if let SimEvent::Snapshot {
+        let SimEvent::Snapshot {
             resource,
             allocatable,
             ..
         } = &event
-            && waiting.contains(resource)
-            && *allocatable >= args.allocate
-        {
-            waiting.retain(|r| r != resource);
-            match kubelet.allocate(resource, args.allocate).await {
-                Ok(allocation) => println!("{}", format_allocation(&allocation)),
-                Err(e) => println!("allocation of {} {resource} failed: {e}", args.allocate),
-            }
-            if args.once && waiting.is_empty() {
+        else {
+            continue;
+        };
+        if !waiting.contains(resource) {
+            continue;
+        }
+        if *allocatable < args.allocate {
+            let why = format!(
+                "{resource}: {allocatable} allocatable, fewer than --allocate {}",
+                args.allocate
+            );
+            if args.once {
+                failed = Some(why);
                 break;
             }
-            if waiting.is_empty() {
-                println!("watching {} for changes; Ctrl-C to stop", fixture.display());
+            if !too_few.contains(resource) {
+                println!("{why}; waiting for more (edit the fixture)");
+                too_few.push(resource.clone());
             }
+            continue;
+        }
+        waiting.retain(|r| r != resource);
+        match kubelet.allocate(resource, args.allocate).await {
+            Ok(allocation) => println!("{}", format_allocation(&allocation)),
+            Err(e) => println!("allocation of {} {resource} failed: {e}", args.allocate),
+        }
+        if waiting.is_empty() {
+            if args.once {
+                break;
+            }
+            println!(
+                "watching {} for changes (edits stay in the fixture); Ctrl-C to stop",
+                fixture.display()
+            );
         }
     }
     agent.shutdown().await;
     kubelet.shutdown().await;
-    Ok(())
+    match failed {
+        Some(why) => bail!("{why}"),
+        None => Ok(()),
+    }
 }
 
-/// Wakes `changed` whenever something under the fixture changes (inotify).
+/// Wakes `changed` whenever something under the fixture is created, written, renamed or removed
+/// (inotify); reads, `try`'s own included, are not changes.
 fn watch_fixture(
     fixture: &Path,
     changed: tokio::sync::mpsc::Sender<()>,
 ) -> anyhow::Result<notify::RecommendedWatcher> {
-    use notify::Watcher;
+    use notify::{EventKind, Watcher};
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        if let Ok(event) = event
+            && matches!(
+                event.kind,
+                EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_)
+            )
+        {
             let _ = changed.try_send(());
         }
     })?;
@@ -199,17 +324,51 @@ fn watch_fixture(
 
 #[cfg(test)]
 mod tests {
-    use super::registry_text;
+    use super::{given, header_lines, module_name, registry_text, relocate};
     use std::path::Path;
+
+    fn text(module: &str, config: &str) -> String {
+        let keys = given(config).unwrap();
+        registry_text(Path::new("/tmp/n"), Path::new(module), config, &keys)
+    }
 
     #[test]
     fn the_registry_names_the_module_after_its_file_and_grants_the_fixture_by_default() {
-        let text = registry_text(Path::new("/tmp/n"), Path::new("/m/amd_gpu.wasm"), "");
-        assert!(text.contains("name = \"amd-gpu\""), "{text}");
-        assert!(text.contains("[module.grants]"), "{text}");
-        let own = "[module.grants]\nsysfs = [\"/sys/bus/pci/devices/*\"]\n";
-        let text = registry_text(Path::new("/tmp/n"), Path::new("/m/9x.wasm"), own);
-        assert!(text.contains("name = \"module-9x\""), "{text}");
-        assert_eq!(text.matches("[module.grants]").count(), 1, "{text}");
+        let plain = text("/m/amd_gpu.wasm", "");
+        assert!(plain.contains("name = \"amd-gpu\""), "{plain}");
+        assert!(plain.contains("[module.grants]"), "{plain}");
+        let own =
+            "health-interval = \"5s\"\n[module.grants]\nsysfs = [\"/sys/bus/pci/devices/*\"]\n";
+        let mine = text("/m/9x.wasm", own);
+        assert_eq!(module_name(Path::new("/m/9x.wasm")), "module-9x");
+        assert_eq!(mine.matches("[module.grants]").count(), 1, "{mine}");
+        assert_eq!(mine.matches("health-interval").count(), 1, "{mine}");
+        let inline = text("/m/a.wasm", "grants = { dev = [\"/dev/x\"] }\n");
+        assert!(!inline.contains("[module.grants]"), "{inline}");
+        assert!(given("[module.grants\n").is_err());
+        assert_eq!(given("name = \"x\"\n").unwrap().own, Some("name"));
+    }
+
+    #[test]
+    fn errors_point_into_the_operators_file() {
+        let config = "resource-domain = \"a.com\"\n[module.config]\nresourse = 1\n";
+        let keys = given(config).unwrap();
+        let registry = text("/m/a.wasm", config);
+        let header = header_lines(&keys);
+        // The operator's line 2 is the registry's line header + 2.
+        assert_eq!(registry.lines().nth(header + 1), Some("[module.config]"));
+        let message = format!(
+            "module `a` refused its [module.config] (/tmp/s/registry.toml:{}): unknown field",
+            header + 2
+        );
+        assert_eq!(
+            relocate(
+                &message,
+                Path::new("/tmp/s/registry.toml"),
+                Some(Path::new("a.toml")),
+                header
+            ),
+            "module `a` refused its [module.config] (a.toml:2): unknown field"
+        );
     }
 }
