@@ -131,17 +131,11 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
             }
             event = events.recv() => event,
         };
-        let event = match event {
-            Ok(event) => event,
-            Err(RecvError::Lagged(missed)) => {
-                println!("(output fell behind: {missed} events not shown)");
-                continue;
-            }
-            Err(RecvError::Closed) => break,
+        let event = match show(event, &mut last_devices) {
+            Shown::Event(event) => event,
+            Shown::Skip => continue,
+            Shown::Closed => break,
         };
-        if let Some(text) = describe(&event, &mut last_devices) {
-            println!("{text}");
-        }
         if let SimEvent::Snapshot {
             resource,
             allocatable,
@@ -173,6 +167,34 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What became of one received event.
+pub(super) enum Shown {
+    Event(SimEvent),
+    /// Nothing to act on (output fell behind).
+    Skip,
+    Closed,
+}
+
+/// Prints an event the way `simulate` and `try` show them (snapshots as what changed).
+pub(super) fn show(
+    event: Result<SimEvent, RecvError>,
+    last_devices: &mut BTreeMap<String, Vec<Device>>,
+) -> Shown {
+    match event {
+        Ok(event) => {
+            if let Some(text) = describe(&event, last_devices) {
+                println!("{text}");
+            }
+            Shown::Event(event)
+        }
+        Err(RecvError::Lagged(missed)) => {
+            println!("(output fell behind: {missed} events not shown)");
+            Shown::Skip
+        }
+        Err(RecvError::Closed) => Shown::Closed,
+    }
+}
+
 /// The next `--restart-every` tick; never without the option.
 async fn next_restart(restarts: Option<&mut tokio::time::Interval>) {
     match restarts {
@@ -184,10 +206,7 @@ async fn next_restart(restarts: Option<&mut tokio::time::Interval>) {
 }
 
 /// A line (or block) for an event; snapshots show what changed since the last one.
-pub(super) fn describe(
-    event: &SimEvent,
-    last_devices: &mut BTreeMap<String, Vec<Device>>,
-) -> Option<String> {
+fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) -> Option<String> {
     Some(match event {
         SimEvent::Registered {
             resource,

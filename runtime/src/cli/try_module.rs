@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tokio::sync::broadcast::error::RecvError;
 
-use super::simulate::{describe, format_allocation};
+use super::simulate::{Shown, format_allocation, show};
 use crate::agent::{Agent, AgentOptions};
 use crate::config::Registry;
 use crate::fixture::FixtureTree;
@@ -239,17 +238,11 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
             }
             event = events.recv() => event,
         };
-        let event = match event {
-            Ok(event) => event,
-            Err(RecvError::Lagged(missed)) => {
-                println!("(output fell behind: {missed} events not shown)");
-                continue;
-            }
-            Err(RecvError::Closed) => break,
+        let event = match show(event, &mut last_devices) {
+            Shown::Event(event) => event,
+            Shown::Skip => continue,
+            Shown::Closed => break,
         };
-        if let Some(text) = describe(&event, &mut last_devices) {
-            println!("{text}");
-        }
         let SimEvent::Snapshot {
             resource,
             allocatable,
