@@ -79,7 +79,10 @@ pub fn devicelet_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let status = cargo()
-            .args(["build", "--quiet", "-p", "devicelet", "--bin", "devicelet"])
+            // Not `-p devicelet`: over the default members, features resolve as for `cargo
+            // test` (no member has dev-dependencies), so this reuses that build's dependencies
+            // instead of compiling wasmtime and the rest a second time.
+            .args(["build", "--quiet", "--bin", "devicelet"])
             .status()
             .expect("running cargo to build devicelet");
         assert!(status.success(), "building devicelet failed");
