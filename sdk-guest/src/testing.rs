@@ -306,15 +306,11 @@ impl FakeHost {
 
     fn check(&self, grants: &[Pattern], path: &str, listing: bool) -> Result<(), FsError> {
         if grants.is_empty() {
-            let area = if path.starts_with("/dev") {
+            return Err(no_grant(if path.starts_with("/dev") {
                 "dev"
             } else {
                 "sysfs"
-            };
-            return Err(FsError::Denied(format!(
-                "no {area} grant at all: the agent would not even load a module that uses \
-                 {area} without one (grant_{area}, or [module.grants] {area} = [...])"
-            )));
+            }));
         }
         if !is_normal(path) {
             return Err(FsError::Denied(format!(
@@ -370,7 +366,7 @@ impl FakeHost {
 
     pub(crate) fn dev_glob(&self, pattern: &str) -> Result<Vec<String>, FsError> {
         if self.dev.is_empty() {
-            return self.check(&self.dev, "/dev", false).map(|()| Vec::new());
+            return Err(no_grant("dev"));
         }
         let Some(rest) = pattern.strip_prefix("/dev/") else {
             return Err(FsError::Denied(format!(
@@ -503,6 +499,14 @@ pub fn parse_dev_list(text: &str) -> Result<Vec<DevListEntry>, String> {
         });
     }
     Ok(nodes)
+}
+
+/// A module using sysfs or /dev without any grant of that kind: the agent would not load it.
+fn no_grant(area: &str) -> FsError {
+    FsError::Denied(format!(
+        "no {area} grant at all: the agent would not even load a module that uses {area} \
+         without one (grant_{area}, or [module.grants] {area} = [...])"
+    ))
 }
 
 fn is_normal(path: &str) -> bool {

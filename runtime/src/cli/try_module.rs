@@ -89,8 +89,8 @@ fn module_name(module: &Path) -> String {
 }
 
 /// The registry `try` runs: the fixture as host root, the module, then the operator's keys
-/// verbatim, so their lines keep their numbers after a header of [`header_lines`] lines.
-fn registry_text(root: &Path, module: &Path, config: &str, given: &Given) -> String {
+/// verbatim, so their lines keep their numbers after the header; with how many lines that is.
+fn registry_text(root: &Path, module: &Path, config: &str, given: &Given) -> (String, usize) {
     let mut text = format!(
         "host-root = {:?}\n[[module]]\nname = {:?}\npath = {:?}\n",
         root.display().to_string(),
@@ -100,17 +100,13 @@ fn registry_text(root: &Path, module: &Path, config: &str, given: &Given) -> Str
     if !given.health_interval {
         text.push_str("health-interval = \"1s\"\n");
     }
+    let header = text.lines().count();
     text.push_str(config);
     if !given.grants {
         text.push('\n');
         text.push_str(DEFAULT_GRANTS);
     }
-    text
-}
-
-/// How many lines come before the operator's own in [`registry_text`].
-fn header_lines(given: &Given) -> usize {
-    4 + usize::from(!given.health_interval)
+    (text, header)
 }
 
 /// Rewrites `registry:<line>` in a message as `config:<line - header>`, so an error points into
@@ -168,11 +164,8 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     tree.load(&fixture)
         .with_context(|| format!("loading the fixture {}", fixture.display()))?;
     let registry_file = work.path().join("registry.toml");
-    std::fs::write(
-        &registry_file,
-        registry_text(tree.root(), &module, &config, &keys),
-    )?;
-    let header = header_lines(&keys);
+    let (text, header) = registry_text(tree.root(), &module, &config, &keys);
+    std::fs::write(&registry_file, text)?;
     let registry = Registry::load(&registry_file).map_err(|e| {
         anyhow::anyhow!(relocate(
             &e.to_string(),
@@ -317,12 +310,17 @@ fn watch_fixture(
 
 #[cfg(test)]
 mod tests {
-    use super::{given, header_lines, module_name, registry_text, relocate};
+    use super::{given, module_name, registry_text, relocate};
     use std::path::Path;
 
-    fn text(module: &str, config: &str) -> String {
+    /// The registry and its header's length.
+    fn made(module: &str, config: &str) -> (String, usize) {
         let keys = given(config).unwrap();
         registry_text(Path::new("/tmp/n"), Path::new(module), config, &keys)
+    }
+
+    fn text(module: &str, config: &str) -> String {
+        made(module, config).0
     }
 
     #[test]
@@ -345,9 +343,7 @@ mod tests {
     #[test]
     fn errors_point_into_the_operators_file() {
         let config = "resource-domain = \"a.com\"\n[module.config]\nresourse = 1\n";
-        let keys = given(config).unwrap();
-        let registry = text("/m/a.wasm", config);
-        let header = header_lines(&keys);
+        let (registry, header) = made("/m/a.wasm", config);
         // The operator's line 2 is the registry's line header + 2.
         assert_eq!(registry.lines().nth(header + 1), Some("[module.config]"));
         let message = format!(

@@ -277,6 +277,23 @@ mod tests {
         ids.iter().map(|s| s.to_string()).collect()
     }
 
+    /// [`choose`] with every device of the snapshot offered and none held.
+    fn offered_all(
+        snapshot: &[Device],
+        must_include: &[String],
+        size: usize,
+        spread: Spread,
+    ) -> Vec<String> {
+        choose(
+            snapshot,
+            &ids(snapshot),
+            must_include,
+            size,
+            spread,
+            &Usage::default(),
+        )
+    }
+
     fn nodes_of(snapshot: &[Device], chosen: &[String]) -> HashSet<i64> {
         chosen
             .iter()
@@ -293,14 +310,7 @@ mod tests {
     fn a_request_that_fits_one_node_stays_on_one_node() {
         let snapshot = node(2, 4);
         for spread in [Spread::Packed, Spread::Distributed] {
-            let chosen = choose(
-                &snapshot,
-                &ids(&snapshot),
-                &[],
-                3,
-                spread,
-                &Usage::default(),
-            );
+            let chosen = offered_all(&snapshot, &[], 3, spread);
             assert_eq!(chosen.len(), 3);
             assert_eq!(
                 nodes_of(&snapshot, &chosen).len(),
@@ -349,14 +359,7 @@ mod tests {
     #[test]
     fn must_include_comes_first_and_pulls_the_rest_to_its_node() {
         let snapshot = node(2, 4);
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &strings(&["n1-3"]),
-            3,
-            Spread::Packed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &strings(&["n1-3"]), 3, Spread::Packed);
         assert_eq!(chosen[0], "n1-3");
         assert_eq!(nodes_of(&snapshot, &chosen), HashSet::from([1]));
         assert_eq!(
@@ -369,14 +372,7 @@ mod tests {
     #[test]
     fn a_request_larger_than_a_node_takes_the_fewest_nodes() {
         let snapshot = node(4, 2);
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &[],
-            4,
-            Spread::Distributed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &[], 4, Spread::Distributed);
         assert_eq!(chosen.len(), 4);
         assert_eq!(nodes_of(&snapshot, &chosen).len(), 2, "{chosen:?}");
     }
@@ -385,38 +381,17 @@ mod tests {
     fn an_unhealthy_device_is_skipped_and_never_fails_the_answer() {
         let mut snapshot = node(1, 3);
         snapshot[0].health = Health::Unhealthy;
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &[],
-            2,
-            Spread::Packed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &[], 2, Spread::Packed);
         assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
         // Asked for more than the healthy ones: as many as there are, no error.
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &[],
-            3,
-            Spread::Packed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &[], 3, Spread::Packed);
         assert_eq!(chosen, strings(&["n0-1", "n0-2"]));
     }
 
     #[test]
     fn distributed_alternates_between_the_nodes_it_needs() {
         let snapshot = node(2, 2);
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &[],
-            4,
-            Spread::Distributed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &[], 4, Spread::Distributed);
         let first_two = nodes_of(&snapshot, &chosen[..2]);
         assert_eq!(first_two.len(), 2, "one from each node first: {chosen:?}");
     }
@@ -481,14 +456,7 @@ mod tests {
     fn past_twelve_nodes_a_request_still_stays_on_one_node() {
         let snapshot = node(16, 2);
         for spread in [Spread::Packed, Spread::Distributed] {
-            let chosen = choose(
-                &snapshot,
-                &ids(&snapshot),
-                &[],
-                2,
-                spread,
-                &Usage::default(),
-            );
+            let chosen = offered_all(&snapshot, &[], 2, spread);
             assert_eq!(
                 nodes_of(&snapshot, &chosen).len(),
                 1,
@@ -500,14 +468,7 @@ mod tests {
     #[test]
     fn a_size_beyond_what_is_offered_gets_what_there_is() {
         let snapshot = node(1, 2);
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &[],
-            1 << 40,
-            Spread::Packed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &[], 1 << 40, Spread::Packed);
         assert_eq!(chosen.len(), 2);
     }
 
@@ -518,14 +479,7 @@ mod tests {
             device("b", &[0], Health::Healthy),
             device("c", &[1], Health::Healthy),
         ];
-        let chosen = choose(
-            &snapshot,
-            &ids(&snapshot),
-            &strings(&["b"]),
-            2,
-            Spread::Packed,
-            &Usage::default(),
-        );
+        let chosen = offered_all(&snapshot, &strings(&["b"]), 2, Spread::Packed);
         assert_eq!(chosen, strings(&["b", "a"]), "stays on node 0");
     }
 }
