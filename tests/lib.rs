@@ -66,6 +66,8 @@ pub fn module_dir() -> &'static Path {
                 "hostile",
                 "-p",
                 "amd-gpu",
+                "-p",
+                "nvidia-gpu",
             ])
             .status()
             .expect("running cargo to build the guest modules");
@@ -88,6 +90,52 @@ pub fn devicelet_bin() -> &'static Path {
         assert!(status.success(), "building devicelet failed");
         target_dir().join("debug/devicelet")
     })
+}
+
+/// The fake NVML library (`tests/fake-nvml`), built on first use: the agent dlopens it in place of
+/// `libnvidia-ml.so.1`. Use a [`FakeGpus`] copy per test: each copy reads the fixture beside it.
+pub fn fake_nvml_lib() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let status = cargo()
+            .args(["build", "--quiet", "-p", "fake-nvml"])
+            .status()
+            .expect("running cargo to build the fake NVML");
+        assert!(status.success(), "building the fake NVML failed");
+        target_dir().join("debug/libfake_nvml.so")
+    })
+}
+
+/// One test's NVML: a copy of the fake library in a directory of its own, with its fixture
+/// (`nvml.json`) and control file (`nvml.control`) beside it. A copy is loaded apart from every
+/// other (the dynamic loader goes by file), so tests running at once in one process each see
+/// their own GPUs.
+pub struct FakeGpus {
+    pub library: PathBuf,
+    control: PathBuf,
+}
+
+impl FakeGpus {
+    pub fn new(dir: &Path, fixture: &serde_json::Value) -> FakeGpus {
+        let dir = dir.join("nvml");
+        std::fs::create_dir_all(&dir).expect("creating the NVML directory");
+        let library = dir.join("libnvidia-ml.so.1");
+        std::fs::copy(fake_nvml_lib(), &library).expect("copying the fake NVML");
+        std::fs::write(dir.join("nvml.json"), fixture.to_string()).expect("writing the fixture");
+        let control = dir.join("nvml.control");
+        std::fs::write(&control, "").expect("creating the control file");
+        FakeGpus { library, control }
+    }
+
+    /// Appends a control line (`xid 3 79`, `lost 3`, `hang`, ...; see `tests/fake-nvml`).
+    pub fn inject(&self, line: &str) {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.control)
+            .expect("opening the control file");
+        writeln!(file, "{line}").expect("writing the control file");
+    }
 }
 
 /// A fixture node: its `/` tree, its kubelet (the simulator) and a scratch directory.

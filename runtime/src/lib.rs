@@ -13,5 +13,6 @@ pub mod files;
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;
+pub mod nvml;
 pub mod policy;
 pub mod sandbox;

@@ -32,7 +32,7 @@
 //! # Capabilities
 //!
 //! The registry grants each module the host interfaces it may use: `log` always, [`sysfs`] and
-//! [`devnodes`] only with matching grants. A component that imports an interface the registry
+//! [`devnodes`] only with matching grants, [`nvml`] only with `libraries = ["nvml"]`. A component that imports an interface the registry
 //! did not grant fails to load, so the SDK never touches an import on its own: calling a
 //! function of [`sysfs`] or [`devnodes`] anywhere in your code is what makes your component
 //! import that interface, and not calling it keeps the import out.
@@ -122,7 +122,7 @@ pub mod bindings {
         runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
         additional_derives: [PartialEq, Eq],
         additional_type_attributes: {
-            "devicelet:plugin/types@0.1.0/container-edits": [#[derive(Default)]],
+            "devicelet:plugin/types@0.1.1/container-edits": [#[derive(Default)]],
         },
     });
 }
@@ -800,6 +800,7 @@ macro_rules! export_plugin {
     };
 }
 
+pub mod nvml;
 pub mod pci;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;

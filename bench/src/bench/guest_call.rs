@@ -30,7 +30,15 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let ids = vec!["fuse-0".to_owned()];
 
-    let handle = start_module(&engine, None, spec, &registry.host_root, None).await?;
+    let handle = start_module(
+        &engine,
+        None,
+        spec,
+        &registry.host_root,
+        &Default::default(),
+        None,
+    )
+    .await?;
     let mut through_cell = Vec::new();
     for i in 0..s.n(WARMUP) + s.n(CALLS) {
         let started = Instant::now();
@@ -130,7 +138,7 @@ async fn bare_calls(
     registry: &Registry,
     ids: &[String],
 ) -> anyhow::Result<Samples> {
-    let loaded = load(engine, None, spec, &registry.host_root)?;
+    let loaded = load(engine, None, spec, &registry.host_root, &Default::default())?;
     let mut instance = instantiate(&loaded, &spec.config.to_string())
         .await
         .map_err(|e| anyhow::anyhow!("instantiating: {e:?}"))?;

@@ -22,6 +22,7 @@ use wasmtime::Engine;
 
 use crate::config::{ModuleSpec, Registry};
 use crate::ledger::Ledger;
+use crate::nvml::Libraries;
 use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
 
@@ -49,6 +50,8 @@ pub struct AgentOptions {
     pub cache_dir: Option<PathBuf>,
     /// Where CDI spec files are written, for resources whose strategy uses CDI.
     pub cdi_dir: PathBuf,
+    /// Where vendor libraries (NVML) are loaded from, for modules granted them.
+    pub libraries: Libraries,
 }
 
 impl AgentOptions {
@@ -63,6 +66,7 @@ impl AgentOptions {
             hot_reload: true,
             cache_dir: None,
             cdi_dir: PathBuf::from(crate::cdi::DEFAULT_DIR),
+            libraries: Libraries::default(),
         }
     }
 }
@@ -74,6 +78,7 @@ pub(crate) struct Shared {
     instance: String,
     plugin_dir: PathBuf,
     cdi_dir: PathBuf,
+    libraries: Libraries,
     ledger: Ledger,
     kubelet_events: watch::Receiver<u64>,
     modules: Mutex<BTreeMap<String, modules::RunningModule>>,
@@ -156,19 +161,25 @@ impl Shared {
             .lock_modules()
             .get(&spec.name)
             .and_then(|m| m.handle().home());
-        let handle =
-            match modules::start_module(&self.engine, self.cache.clone(), spec, host_root, home)
-                .await
-            {
-                Ok(handle) => handle,
-                Err(e) => {
-                    return vec![if self.lock_modules().contains_key(&spec.name) {
-                        format!("{e}; the running version keeps serving")
-                    } else {
-                        e.to_string()
-                    }];
-                }
-            };
+        let handle = match modules::start_module(
+            &self.engine,
+            self.cache.clone(),
+            spec,
+            host_root,
+            &self.libraries,
+            home,
+        )
+        .await
+        {
+            Ok(handle) => handle,
+            Err(e) => {
+                return vec![if self.lock_modules().contains_key(&spec.name) {
+                    format!("{e}; the running version keeps serving")
+                } else {
+                    e.to_string()
+                }];
+            }
+        };
         // Claiming resource names and serving them is quick (the first enumeration runs in each
         // resource's own task) and done one module at a time, so two modules can never both
         // claim a name. An upgrade swaps the new version in behind the running resources.
@@ -244,6 +255,7 @@ impl Agent {
             instance,
             plugin_dir: options.plugin_dir.clone(),
             cdi_dir: options.cdi_dir.clone(),
+            libraries: options.libraries.clone(),
             ledger,
             kubelet_events: kubelet_watch.events.clone(),
             modules: Mutex::new(BTreeMap::new()),

@@ -12,6 +12,7 @@ use crate::device::ResourceInfo;
 use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::kubelet::sharing::Shared;
+use crate::nvml::Libraries;
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::home::Home;
 use crate::sandbox::loader::load;
@@ -24,6 +25,8 @@ pub struct RunningModule {
     pub resources: Vec<RunningResource>,
     /// Pokes the resources' device watchers when nodes under the /dev grants change.
     _dev_watch: Option<notify::RecommendedWatcher>,
+    /// Pokes them when NVML reports a critical event, for a module granted NVML.
+    _nvml_events: Option<crate::nvml::Subscription>,
 }
 
 impl RunningModule {
@@ -62,16 +65,19 @@ pub async fn start_module(
     cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
+    libraries: &Libraries,
     home: Option<Arc<Home>>,
 ) -> Result<ModuleHandle, LoadError> {
     let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
-    let loaded =
-        tokio::task::spawn_blocking(move || load(&engine, cache.as_deref(), &spec_owned, &root))
-            .await
-            .map_err(|e| LoadError::Invalid {
-                module: spec.name.clone(),
-                message: format!("loader panicked: {e}"),
-            })??;
+    let libraries = libraries.clone();
+    let loaded = tokio::task::spawn_blocking(move || {
+        load(&engine, cache.as_deref(), &spec_owned, &root, &libraries)
+    })
+    .await
+    .map_err(|e| LoadError::Invalid {
+        module: spec.name.clone(),
+        message: format!("loader panicked: {e}"),
+    })??;
     ModuleHandle::start_at(loaded, home).await
 }
 
@@ -245,12 +251,17 @@ fn running(
     slot: Swappable<ModuleHandle>,
     resources: Vec<RunningResource>,
 ) -> RunningModule {
-    let pokes = resources.iter().map(|r| r.poke.clone()).collect();
+    let pokes: Vec<_> = resources.iter().map(|r| r.poke.clone()).collect();
+    let nvml_events = slot
+        .current()
+        .nvml()
+        .map(|nvml| nvml.subscribe(pokes.clone()));
     let dev_watch = super::dev_watch::watch(host_root, &spec.grants, pokes);
     RunningModule {
         spec: spec.clone(),
         slot,
         resources,
         _dev_watch: dev_watch,
+        _nvml_events: nvml_events,
     }
 }

@@ -48,6 +48,24 @@ pub fn init_logging(filter: &str, format: LogFormat) {
     }
 }
 
+/// Where vendor libraries are loaded from, for modules the registry grants them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LibraryArgs {
+    /// NVIDIA's NVML library: a path, or a file name the dynamic loader searches for. Opened only
+    /// when a module is granted `libraries = ["nvml"]`; when it is missing, such modules see
+    /// "no NVML on this node" and every other module runs as usual.
+    #[arg(long, default_value = crate::nvml::DEFAULT_LIBRARY)]
+    pub nvml_library: std::path::PathBuf,
+}
+
+impl LibraryArgs {
+    pub fn libraries(&self) -> crate::nvml::Libraries {
+        crate::nvml::Libraries {
+            nvml: self.nvml_library.clone(),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve every resource of the registry's modules to the kubelet.

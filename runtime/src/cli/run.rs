@@ -35,6 +35,8 @@ pub struct RunArgs {
     /// Ignore edits of the registry and module files until restarted.
     #[arg(long)]
     pub no_hot_reload: bool,
+    #[command(flatten)]
+    pub libraries: super::LibraryArgs,
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -50,6 +52,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.reconcile_grace = args.reconcile_interval * 2;
     options.hot_reload = !args.no_hot_reload;
     options.cdi_dir = args.cdi_dir;
+    options.libraries = args.libraries.libraries();
     let agent = Agent::start(options).await.context("starting the agent")?;
     for r in agent.resources() {
         tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");

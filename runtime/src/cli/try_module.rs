@@ -43,6 +43,8 @@ pub struct TryArgs {
     /// Stop after the allocations instead of watching the fixture until Ctrl-C.
     #[arg(long)]
     pub once: bool,
+    #[command(flatten)]
+    pub libraries: super::LibraryArgs,
 }
 
 /// What the operator's `--config` sets itself (read as TOML first, so a syntax error names
@@ -181,6 +183,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     let mut options = AgentOptions::new(registry, plugin_dir);
     options.hot_reload = false;
     options.cdi_dir = work.path().join("cdi");
+    options.libraries = args.libraries.libraries();
     let state_dir = work.path().join("state");
     options.state_dir = Some(state_dir.clone());
     options.pod_resources = Some(kubelet.pod_resources_socket().to_owned());

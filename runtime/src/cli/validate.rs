@@ -18,6 +18,8 @@ pub struct ValidateArgs {
     /// Where `run` would write CDI spec files (shown for resources whose strategy uses CDI).
     #[arg(long, default_value = crate::cdi::DEFAULT_DIR)]
     pub cdi_dir: PathBuf,
+    #[command(flatten)]
+    pub libraries: super::LibraryArgs,
 }
 
 pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
@@ -27,15 +29,17 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     // Resource name -> the module that declared it first here; `run` serves a name two modules
     // declare from only one of them, so a second declaration is a problem either way.
     let mut taken = BTreeMap::new();
+    let libraries = args.libraries.libraries();
     for spec in &registry.modules {
-        let module = match start_module(&engine, None, spec, &registry.host_root, None).await {
-            Ok(module) => module,
-            Err(e) => {
-                failures += 1;
-                println!("error: {e}");
-                continue;
-            }
-        };
+        let module =
+            match start_module(&engine, None, spec, &registry.host_root, &libraries, None).await {
+                Ok(module) => module,
+                Err(e) => {
+                    failures += 1;
+                    println!("error: {e}");
+                    continue;
+                }
+            };
         println!("module `{}` ({}): loaded", spec.name, spec.path.display());
         let interface = module.interface();
         let host: Vec<&str> = interface
@@ -59,6 +63,11 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             "  may use vendor libraries: {}",
             list_or_nothing(&libraries)
         );
+        let mounts: Vec<_> = spec.grants.mounts.iter().map(|p| p.as_str()).collect();
+        println!("  may mount host directories: {}", list_or_nothing(&mounts));
+        if let Some(nvml) = module.nvml() {
+            println!("  {}", describe_nvml(nvml));
+        }
         let (planned, errors) = plan(spec, module.resources(), &taken);
         for e in errors {
             failures += 1;
@@ -131,7 +140,17 @@ fn print_devices(devices: &[Device]) {
             let nodes: Vec<String> = d.numa_nodes.iter().map(i64::to_string).collect();
             format!(" NUMA {}", nodes.join(","))
         };
-        println!("    {} {health}{numa}", d.id);
+        let attributes = if d.attributes.is_empty() {
+            String::new()
+        } else {
+            let pairs: Vec<String> = d
+                .attributes
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            format!(" {{{}}}", pairs.join(", "))
+        };
+        println!("    {} {health}{numa}{attributes}", d.id);
     }
 }
 
@@ -197,6 +216,17 @@ async fn print_cdi_spec(
     }
     for f in failed {
         println!("    warning: Allocate for {f} failed, so it is not in the spec");
+    }
+}
+
+/// One line on NVML as the module will find it, naming the library it was loaded from.
+pub fn describe_nvml(nvml: &crate::nvml::NvmlNode) -> String {
+    match nvml.availability() {
+        crate::nvml::Availability::Ready { driver, gpus } => format!(
+            "NVML: driver {driver}, {gpus} GPU(s), from {}",
+            nvml.library().display()
+        ),
+        crate::nvml::Availability::Unavailable(why) => format!("NVML: unavailable: {why}"),
     }
 }
 

@@ -14,14 +14,21 @@ pub struct Grants {
     pub sysfs: Vec<Pattern>,
     /// Patterns under `/dev/`, for device nodes handed to containers.
     pub dev: Vec<Pattern>,
+    /// Host directories the module may hand to containers as mounts (an MPS pipe directory),
+    /// without reading them itself. Not under /proc, /sys or /dev: those have grants of their
+    /// own.
+    pub mounts: Vec<Pattern>,
     /// Vendor libraries (such as NVML) whose typed host interface the module may import, by
     /// name; only names in [`VENDOR_LIBRARIES`] are accepted.
     pub libraries: Vec<String>,
 }
 
-/// The vendor libraries this devicelet can expose to modules through typed host interfaces.
-/// None yet: NVML is the first planned. A registry naming another library is refused.
-pub const VENDOR_LIBRARIES: &[&str] = &[];
+/// NVIDIA's management library, behind the `nvml` host interface.
+pub const NVML: &str = "nvml";
+
+/// The vendor libraries this devicelet can expose to modules through typed host interfaces. A
+/// registry naming another library is refused.
+pub const VENDOR_LIBRARIES: &[&str] = &[NVML];
 
 /// `*`, `?` and `[...]` never match `/`: a grant of `/sys/class/tty/*` must not reach
 /// `/sys/class/tty/ttyS0/device/driver/...`. Only `**` crosses directories, and only when the
@@ -48,9 +55,17 @@ impl Grants {
         allows(&self.dev, path)
     }
 
+    /// Whether the vendor library `name` is granted.
+    pub fn has_library(&self, name: &str) -> bool {
+        self.libraries.iter().any(|l| l == name)
+    }
+
     /// Whether nothing at all is granted.
     pub fn is_empty(&self) -> bool {
-        self.sysfs.is_empty() && self.dev.is_empty()
+        self.sysfs.is_empty()
+            && self.dev.is_empty()
+            && self.mounts.is_empty()
+            && self.libraries.is_empty()
     }
 }
 
@@ -61,7 +76,7 @@ fn allows(patterns: &[Pattern], path: &str) -> bool {
             .any(|pattern| pattern.matches_with(path, MATCH))
 }
 
-const KEYS: &[&str] = &["sysfs", "dev", "libraries"];
+const KEYS: &[&str] = &["sysfs", "dev", "mounts", "libraries"];
 
 /// Reads a `[module.grants]` table.
 pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
@@ -71,6 +86,7 @@ pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
         match entry.name {
             "sysfs" => grants.sysfs = patterns(&entry.node, "/sys/")?,
             "dev" => grants.dev = patterns(&entry.node, "/dev/")?,
+            "mounts" => grants.mounts = mount_patterns(&entry.node)?,
             "libraries" => grants.libraries = libraries(&entry.node)?,
             _ => return Err(entry.unknown(KEYS)),
         }
@@ -95,6 +111,30 @@ fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
             }
         })
         .collect()
+}
+
+/// Directories for `mounts`: absolute, and outside the trees that have grants of their own (or
+/// that no container should get from a device module).
+fn mount_patterns(node: &Node<'_>) -> Result<Vec<Pattern>, RegistryError> {
+    let items = patterns(node, "/")?;
+    for (pattern, item) in items.iter().zip(node.array("")?.iter()) {
+        let text = pattern.as_str();
+        let top = text
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .unwrap_or_default();
+        if text == "/" || matches!(top, "proc" | "sys" | "dev") || top.contains(['*', '?', '[']) {
+            return Err(item.error_in_str(
+                0,
+                format!(
+                    "mount grant {text:?} must name a directory below a fixed top-level one, \
+                     not /, /proc, /sys or /dev (use the sysfs and dev grants for those)"
+                ),
+            ));
+        }
+    }
+    Ok(items)
 }
 
 fn patterns(node: &Node<'_>, prefix: &str) -> Result<Vec<Pattern>, RegistryError> {
@@ -163,6 +203,7 @@ mod tests {
         Grants {
             sysfs: compile(sysfs, "/sys/"),
             dev: compile(dev, "/dev/"),
+            mounts: Vec::new(),
             libraries: Vec::new(),
         }
     }

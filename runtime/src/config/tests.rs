@@ -803,12 +803,31 @@ fn health_deadline_defaults_to_the_call_deadline_and_can_differ() {
 
 #[test]
 fn unknown_vendor_libraries_are_refused_by_name() {
-    let text = format!("{MINIMAL}[module.grants]\nlibraries = [\"nvml\"]\n");
+    let text = format!("{MINIMAL}[module.grants]\nlibraries = [\"nvml\", \"cuda\"]\n");
     let message = assert_invalid(
         &text,
         5,
-        Some("module[0].grants.libraries[0]"),
-        "unknown vendor library \"nvml\"",
+        Some("module[0].grants.libraries[1]"),
+        "unknown vendor library \"cuda\"",
     );
-    assert!(message.contains("provides none yet"), "{message}");
+    assert!(message.contains("known: nvml"), "{message}");
+    let text = format!("{MINIMAL}[module.grants]\nlibraries = [\"nvml\"]\n");
+    let registry = Registry::parse(&text, Path::new("/etc/devicelet/registry.toml")).unwrap();
+    assert!(registry.modules[0].grants.has_library("nvml"));
+}
+
+#[test]
+fn mount_grants_name_directories_outside_the_device_trees() {
+    let text = format!("{MINIMAL}[module.grants]\nmounts = [\"/run/nvidia/mps\"]\n");
+    let registry = Registry::parse(&text, Path::new("/etc/devicelet/registry.toml")).unwrap();
+    assert_eq!(
+        registry.modules[0].grants.mounts[0].as_str(),
+        "/run/nvidia/mps"
+    );
+    for bad in ["/", "/proc/driver", "/sys/class", "/dev/shm", "/*/x"] {
+        let text = format!("{MINIMAL}[module.grants]\nmounts = [\"{bad}\"]\n");
+        assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "mount grant");
+    }
+    let text = format!("{MINIMAL}[module.grants]\nmounts = [\"run/x\"]\n");
+    assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "not under /");
 }

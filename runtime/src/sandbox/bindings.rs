@@ -20,10 +20,10 @@ use crate::device::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginErr
 
 /// The interfaces a v0.1 module may import, each linked only when granted. A module built
 /// against any `0.1.x` matches them: a minor version only adds, and wasmtime's linker resolves
-/// `@0.1.x` imports to the host's `@0.1.0` definitions by semver compatibility.
+/// `@0.1.x` imports to the host's `@0.1.1` definitions by semver compatibility.
 pub mod imports {
     /// The export every module must have.
-    pub const PLUGIN: &str = "devicelet:plugin/plugin@0.1.0";
+    pub const PLUGIN: &str = "devicelet:plugin/plugin@0.1.1";
     /// The interface versions this host implements: `0.1.x`.
     pub const COMPATIBLE: &str = "0.1.";
 
@@ -33,6 +33,8 @@ pub mod imports {
         Types,
         Sysfs,
         Devnodes,
+        /// Added in 0.1.1.
+        Nvml,
     }
 
     /// Which of our interfaces `import` names: None when it is not a `devicelet:plugin`
@@ -49,6 +51,7 @@ pub mod imports {
             "types" => Ok(Interface::Types),
             "sysfs" => Ok(Interface::Sysfs),
             "devnodes" => Ok(Interface::Devnodes),
+            "nvml" => Ok(Interface::Nvml),
             _ => Err(()),
         })
     }
@@ -66,7 +69,11 @@ pub mod imports {
             );
             assert_eq!(ours("devicelet:plugin/sysfs@0.2.0"), Some(Err(())));
             assert_eq!(ours("devicelet:plugin/sysfs@1.0.0"), Some(Err(())));
-            assert_eq!(ours("devicelet:plugin/nvml@0.1.0"), Some(Err(())));
+            assert_eq!(
+                ours("devicelet:plugin/nvml@0.1.1"),
+                Some(Ok(Interface::Nvml))
+            );
+            assert_eq!(ours("devicelet:plugin/gpio@0.1.1"), Some(Err(())));
             assert_eq!(ours("wasi:io/streams@0.2.0"), None);
         }
     }

@@ -15,6 +15,7 @@ use super::error::LoadError;
 use super::host::HostState;
 use crate::config::{Grants, ModuleSpec};
 use crate::digest::sha256_hex;
+use crate::nvml::{Libraries, NvmlNode};
 
 /// A compiled, linked module, ready to be instantiated any number of times (once at start, again
 /// after each crash).
@@ -27,6 +28,8 @@ pub struct LoadedModule {
     pub(crate) pre: DevicePluginPre<HostState>,
     /// The log allowance all its instances share.
     pub(crate) output: Arc<crate::sandbox::host::OutputBudget>,
+    /// NVML as this node has it, for a module granted `nvml`.
+    pub(crate) nvml: Option<Arc<NvmlNode>>,
     /// sha256 of the `.wasm` file, lowercase hex: tells a hot reload whether the file changed.
     pub digest: String,
     pub interface: ModuleInterface,
@@ -34,12 +37,14 @@ pub struct LoadedModule {
 
 /// Compiling is CPU-bound (hundreds of milliseconds): call this from a blocking thread. With a
 /// `cache`, a module compiled before (by this host, with the same engine settings) is loaded
-/// precompiled instead; the registry's digest is checked before either.
+/// precompiled instead; the registry's digest is checked before either. A module granted NVML
+/// opens it from `libraries` here (once per process), which may take seconds on a sick node.
 pub fn load(
     engine: &Engine,
     cache: Option<&CompileCache>,
     spec: &ModuleSpec,
     host_root: &std::path::Path,
+    libraries: &Libraries,
 ) -> Result<LoadedModule, LoadError> {
     let module = spec.name.clone();
     let bytes =
@@ -89,6 +94,10 @@ pub fn load(
             module: module.clone(),
             message: format!("{e:#}"),
         })?;
+    let nvml = spec
+        .grants
+        .has_library(crate::config::NVML)
+        .then(|| crate::nvml::open(&libraries.nvml));
     let pre = DevicePluginPre::new(pre).map_err(|e| LoadError::NotAPlugin {
         module: module.clone(),
         message: format!("{e:#}"),
@@ -100,6 +109,7 @@ pub fn load(
         grants: Arc::new(spec.grants.clone()),
         pre,
         output: Arc::default(),
+        nvml,
         digest,
         interface,
     })
@@ -151,6 +161,7 @@ fn check_imports(
             Some(Ok(imports::Interface::Log | imports::Interface::Types)) => true,
             Some(Ok(imports::Interface::Sysfs)) => !spec.grants.sysfs.is_empty(),
             Some(Ok(imports::Interface::Devnodes)) => !spec.grants.dev.is_empty(),
+            Some(Ok(imports::Interface::Nvml)) => spec.grants.has_library(crate::config::NVML),
             None if name.starts_with("wasi:") => true,
             Some(Err(())) | None => {
                 return Err(LoadError::UnknownImport {
@@ -182,6 +193,9 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
     }
     if !grants.dev.is_empty() {
         plugin::devnodes::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+    }
+    if grants.has_library(crate::config::NVML) {
+        plugin::nvml::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
     }
     Ok(linker)
 }

@@ -105,6 +105,7 @@ pub struct ModuleHandle {
     fate: Arc<Fate>,
     budget: Arc<Budget>,
     output: Arc<super::host::OutputBudget>,
+    nvml: Option<Arc<crate::nvml::NvmlNode>>,
 }
 
 impl ModuleHandle {
@@ -212,6 +213,7 @@ impl ModuleHandle {
             fate,
             budget,
             output: module.output.clone(),
+            nvml: module.nvml.clone(),
         })
     }
 
@@ -222,6 +224,11 @@ impl ModuleHandle {
     /// sha256 of the module file this instance was compiled from.
     pub fn digest(&self) -> &str {
         &self.digest
+    }
+
+    /// NVML as the module sees it, when granted: its events wake the module's health checks.
+    pub fn nvml(&self) -> Option<&Arc<crate::nvml::NvmlNode>> {
+        self.nvml.as_ref()
     }
 
     /// The WIT version and imports of the module's component.
@@ -533,6 +540,7 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
         module.grants.clone(),
         limits,
         module.output.clone(),
+        module.nvml.clone(),
     );
     let mut store = Store::new(module.pre.engine(), state);
     store.limiter(|s| &mut s.limits);

@@ -229,7 +229,8 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
     }
     for m in &edits.mounts {
         let in_sysfs = granted(&grants.sysfs, &m.host_path);
-        let inside = granted(&grants.dev, &m.host_path) || in_sysfs;
+        let inside =
+            granted(&grants.dev, &m.host_path) || in_sysfs || granted(&grants.mounts, &m.host_path);
         if !is_normal_absolute(&m.host_path) || !inside {
             return Err(format!(
                 "mount of {:?} is not under the module's grants",
@@ -318,7 +319,10 @@ pub fn resolve_edits(
                 truncate(&m.host_path)
             )
         })?;
-        if !(granted(&grants.dev, &real) || granted(&grants.sysfs, &real)) {
+        if !(granted(&grants.dev, &real)
+            || granted(&grants.sysfs, &real)
+            || granted(&grants.mounts, &real))
+        {
             return Err(format!(
                 "mount of {:?} resolves to {:?}, which is not under the module's grants",
                 truncate(&m.host_path),
@@ -350,6 +354,7 @@ mod tests {
                 glob::Pattern::new("/dev/fuse").unwrap(),
                 glob::Pattern::new("/dev/ttyUSB*").unwrap(),
             ],
+            mounts: vec![glob::Pattern::new("/run/nvidia/mps").unwrap()],
             libraries: Vec::new(),
         }
     }
@@ -435,6 +440,11 @@ mod tests {
         let mut read_only = mount("/sys/class/net");
         read_only.mounts[0].read_only = true;
         assert!(edits(&read_only, &grants()).is_ok());
+        // A mount grant may be mounted writable (an MPS pipe directory), and covers what is below.
+        assert!(edits(&mount("/run/nvidia/mps"), &grants()).is_ok());
+        assert!(edits(&mount("/run/nvidia/mps/pipe"), &grants()).is_ok());
+        assert!(edits(&mount("/run/nvidia"), &grants()).is_err());
+        assert!(edits(&mount("/run/nvidia/mps/../../secrets"), &grants()).is_err());
     }
 
     #[test]

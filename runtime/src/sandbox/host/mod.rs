@@ -3,6 +3,7 @@
 
 mod devnodes;
 mod log;
+mod nvml;
 mod output;
 pub mod paths;
 mod state;

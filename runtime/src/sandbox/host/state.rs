@@ -18,6 +18,8 @@ pub struct HostState {
     pub(crate) host_root: Arc<PathBuf>,
     pub(crate) grants: Arc<Grants>,
     pub(crate) limits: StoreLimits,
+    /// NVML, for a module granted it.
+    pub(crate) nvml: Option<Arc<crate::nvml::NvmlNode>>,
     /// The `log` interface shares the stdout/stderr allowance.
     pub(super) log_gate: super::output::ModuleOutput,
     wasi: WasiCtx,
@@ -33,6 +35,7 @@ impl HostState {
         grants: Arc<Grants>,
         limits: StoreLimits,
         output: Arc<super::output::OutputBudget>,
+        nvml: Option<Arc<crate::nvml::NvmlNode>>,
     ) -> Self {
         let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone(), output);
         let log_gate = stdout.clone();
@@ -47,6 +50,7 @@ impl HostState {
             host_root,
             grants,
             limits,
+            nvml,
             log_gate,
             wasi: wasi.build(),
             table: {

@@ -43,6 +43,9 @@
 //! starts a comment), since a repository cannot hold device nodes. `devicelet try --fixture`
 //! reads the same layout.
 
+mod nvml;
+pub use nvml::FakeNvml;
+
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -89,6 +92,7 @@ pub struct FakeHost {
     sysfs: Vec<Pattern>,
     dev: Vec<Pattern>,
     logs: RefCell<Vec<(Level, String)>>,
+    nvml: RefCell<Option<FakeNvml>>,
 }
 
 impl FakeHost {
@@ -104,6 +108,30 @@ impl FakeHost {
         self.sysfs
             .push(Pattern::new(pattern).expect("a valid glob pattern"));
         self
+    }
+
+    /// Grants NVML (as the registry's `libraries = ["nvml"]` does), answering as `nvml`
+    /// describes. Without it, every [`crate::nvml`] query fails with `Unavailable`, as in a
+    /// module the agent would refuse to link.
+    pub fn grant_nvml(self, nvml: FakeNvml) -> FakeHost {
+        *self.nvml.borrow_mut() = Some(nvml);
+        self
+    }
+
+    /// A critical NVML event on the GPU with this UUID, received now: the next
+    /// [`crate::nvml::events`] read returns it.
+    pub fn nvml_event(&self, gpu_uuid: &str, kind: crate::nvml::EventKind) {
+        if let Some(nvml) = self.nvml.borrow_mut().as_mut() {
+            nvml.push_event(gpu_uuid, kind);
+        }
+    }
+
+    /// Makes every query on the GPU with this index fail with `GpuLost` (it fell off the bus),
+    /// or answer again.
+    pub fn set_gpu_lost(&self, index: u32, lost: bool) {
+        if let Some(nvml) = self.nvml.borrow_mut().as_mut() {
+            nvml.set_lost(index, lost);
+        }
     }
 
     /// Grants the device nodes matching `pattern`, as the registry's `dev = [...]` does.
@@ -560,6 +588,28 @@ pub(crate) fn current<T>(f: impl FnOnce(&FakeHost) -> Result<T, FsError>) -> Res
             "no host: on the host target, call the module through devicelet_sdk::testing::Harness \
              (or testing::with_host)"
                 .into(),
+        )),
+    }
+}
+
+/// The SDK's NVML calls on the host target land here.
+pub(crate) fn current_nvml<T>(
+    f: impl FnOnce(&FakeNvml) -> Result<T, crate::nvml::NvmlError>,
+) -> Result<T, crate::nvml::NvmlError> {
+    use crate::nvml::NvmlError;
+    let host = HOST.with(|h| h.borrow().clone());
+    let Some(host) = host else {
+        return Err(NvmlError::Unavailable(
+            "no host: on the host target, call the module through devicelet_sdk::testing::Harness \
+             (or testing::with_host)"
+                .into(),
+        ));
+    };
+    let nvml = host.nvml.borrow();
+    match nvml.as_ref() {
+        Some(nvml) => f(nvml),
+        None => Err(NvmlError::Unavailable(
+            "nvml is not granted: FakeHost::grant_nvml".into(),
         )),
     }
 }

@@ -1,0 +1,387 @@
+//! devicelet's NVIDIA GPU module: the GPUs of a node as NVIDIA's device plugin serves them,
+//! read through NVML (the agent's `nvml` interface), with health that recovers.
+//!
+//! - **Devices.** Each GPU by UUID (or by index), with its NUMA node, name, memory and PCI
+//!   address. With `mig-strategy = "single"` a GPU in MIG mode is served as its MIG devices under
+//!   the same resource; with `"mixed"` each MIG profile is a resource of its own (`mig-1g.10gb`).
+//! - **Allocate.** `NVIDIA_VISIBLE_DEVICES` (the default) or CDI names for the specs NVIDIA's
+//!   container toolkit generates (`nvidia.com/gpu=<id>`), the device nodes (`/dev/nvidia<minor>`,
+//!   `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`, and the `nvidia-caps` nodes of a MIG device),
+//!   and with MPS the pipe directory, mounted.
+//! - **Health.** XID errors and double-bit ECC events make a GPU Unhealthy at once (the agent
+//!   wakes `enumerate` when one arrives), except the XIDs in `ignored-xids` (application errors
+//!   by default). Unlike NVIDIA's plugin, a GPU is Healthy again once NVML answers for it and no
+//!   critical event arrived for `quiet-period`. A GPU NVML reports lost (XID 79, fallen off the
+//!   bus) stays listed as Unhealthy, under the ID it had.
+//! - **Preferred allocation.** GPUs joined by the most NVLinks, then the nearest on PCIe.
+//!   Time-slicing is the agent's sharing (`[module.sharing]`), which calls this with physical IDs.
+//!
+//! Registry entry:
+//!
+//! ```toml
+//! [[module]]
+//! name = "nvidia-gpu"
+//! path = "nvidia_gpu.wasm"
+//! resource-domain = "nvidia.com"
+//!
+//! [module.grants]
+//! dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
+//! libraries = ["nvml"]
+//! mounts = ["/run/nvidia/mps"]          # only with mps-pipe-directory
+//!
+//! [module.config]
+//! resource = "gpu"                      # the default
+//! device-id-strategy = "uuid"           # or "index"
+//! visible-devices = "envvar"            # or "cdi"
+//! cdi-kind = "nvidia.com/gpu"           # names for visible-devices = "cdi"
+//! mig-strategy = "none"                 # or "single", "mixed"
+//! ignored-xids = [13, 31, 43, 45, 68, 109]
+//! quiet-period = "5m"                   # Healthy again after this long without a critical event
+//! mps-pipe-directory = "/run/nvidia/mps"  # optional: containers share GPUs through MPS
+//! ```
+
+mod config;
+mod preferred;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use devicelet_sdk::nvml::{self, EventKind, Gpu, MigDevice, NvmlError};
+use devicelet_sdk::{
+    ContainerEdits, Device, Health, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
+};
+
+use config::{Config, MigStrategy, Visible};
+
+const CONTROL_NODES: [(&str, bool); 3] = [
+    ("/dev/nvidiactl", true),
+    ("/dev/nvidia-uvm", false),
+    ("/dev/nvidia-uvm-tools", false),
+];
+
+/// One schedulable unit: a whole GPU, or one MIG device of it.
+#[derive(Debug, Clone)]
+struct Unit {
+    id: String,
+    resource: String,
+    gpu: Gpu,
+    mig: Option<MigDevice>,
+    /// NVML could not answer for its GPU (lost); listed from what was seen before.
+    lost: bool,
+}
+
+impl Unit {
+    fn uuid(&self) -> &str {
+        self.mig.as_ref().map_or(&self.gpu.uuid, |m| &m.uuid)
+    }
+}
+
+pub struct NvidiaGpu {
+    config: Config,
+    quiet: Duration,
+    resources: Vec<String>,
+    /// The last answer NVML gave for each GPU index, and its MIG devices: a GPU that is lost
+    /// later is still listed, as Unhealthy, under the same IDs.
+    seen: BTreeMap<u32, (Gpu, Vec<MigDevice>)>,
+    /// Where the next event read starts.
+    cursor: u64,
+    /// When each GPU (by UUID) last had a critical event.
+    critical: HashMap<String, Instant>,
+    /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred`.
+    links: Option<preferred::Scores>,
+}
+
+fn failed(what: &str, e: NvmlError) -> PluginError {
+    match e {
+        NvmlError::Unavailable(why) => PluginError::Failed(format!("no NVML on this node: {why}")),
+        other => PluginError::Failed(format!("{what}: {other:?}")),
+    }
+}
+
+impl NvidiaGpu {
+    /// Every unit NVML shows now, in index order; lost GPUs from what was seen before.
+    fn scan(&mut self) -> Result<Vec<Unit>, PluginError> {
+        let count = nvml::device_count().map_err(|e| failed("counting GPUs", e))?;
+        let mut units = Vec::new();
+        let indexes: BTreeSet<u32> = (0..count).chain(self.seen.keys().copied()).collect();
+        for index in indexes {
+            let (gpu, migs, lost) = match nvml::device(index) {
+                Ok(gpu) => {
+                    let migs = if gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None {
+                        nvml::mig_devices(index).map_err(|e| failed("listing MIG devices", e))?
+                    } else {
+                        Vec::new()
+                    };
+                    self.seen.insert(index, (gpu.clone(), migs.clone()));
+                    (gpu, migs, false)
+                }
+                Err(e) => match self.seen.get(&index) {
+                    Some((gpu, migs)) => {
+                        devicelet_sdk::warn!("GPU {} ({}): {e:?}", index, gpu.uuid);
+                        (gpu.clone(), migs.clone(), true)
+                    }
+                    // Never answered, so there is nothing to name it by.
+                    None => continue,
+                },
+            };
+            let mig_mode = gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None;
+            if !mig_mode {
+                units.push(Unit {
+                    id: self.config.id(&gpu, None, 0),
+                    resource: self.config.resource.clone(),
+                    gpu,
+                    mig: None,
+                    lost,
+                });
+                continue;
+            }
+            for (slot, mig) in migs.into_iter().enumerate() {
+                let resource = match self.config.mig_strategy {
+                    MigStrategy::Mixed => format!("mig-{}", mig.profile),
+                    _ => self.config.resource.clone(),
+                };
+                units.push(Unit {
+                    id: self.config.id(&gpu, Some(&mig), slot),
+                    resource,
+                    gpu: gpu.clone(),
+                    mig: Some(mig),
+                    lost,
+                });
+            }
+        }
+        Ok(units)
+    }
+
+    /// Reads the events since the last read and notes the critical ones.
+    fn read_events(&mut self) {
+        let batch = nvml::events(self.cursor);
+        self.cursor = batch.next;
+        let now = Instant::now();
+        if batch.missed > 0 {
+            devicelet_sdk::warn!("missed {} NVML events: every GPU is suspect", batch.missed);
+            for (gpu, _) in self.seen.values() {
+                self.critical.insert(gpu.uuid.clone(), now);
+            }
+        }
+        for event in batch.events {
+            if let EventKind::Xid(code) = event.kind
+                && self.config.ignored_xids.contains(&code)
+            {
+                devicelet_sdk::info!("GPU {}: XID {code} ignored", event.gpu_uuid);
+                continue;
+            }
+            devicelet_sdk::warn!("GPU {}: critical event {:?}", event.gpu_uuid, event.kind);
+            let at = now
+                .checked_sub(Duration::from_millis(event.age_ms))
+                .unwrap_or(now);
+            let last = self.critical.entry(event.gpu_uuid).or_insert(at);
+            *last = (*last).max(at);
+        }
+    }
+
+    fn health(&mut self, unit: &Unit) -> Health {
+        if unit.lost {
+            self.critical.insert(unit.gpu.uuid.clone(), Instant::now());
+            return Health::Unhealthy;
+        }
+        match self.critical.get(&unit.gpu.uuid) {
+            Some(at) if at.elapsed() < self.quiet => Health::Unhealthy,
+            _ => Health::Healthy,
+        }
+    }
+
+    fn units_of(&mut self, resource: &str) -> Result<Vec<Unit>, PluginError> {
+        if !self.resources.iter().any(|r| r == resource) {
+            return Err(PluginError::UnknownResource(resource.into()));
+        }
+        Ok(self
+            .scan()?
+            .into_iter()
+            .filter(|u| u.resource == resource)
+            .collect())
+    }
+}
+
+impl Plugin for NvidiaGpu {
+    fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+        let config = Config::parse(config)?;
+        let quiet = config.quiet_period()?;
+        let mut module = NvidiaGpu {
+            config,
+            quiet,
+            resources: Vec::new(),
+            seen: BTreeMap::new(),
+            cursor: 0,
+            critical: HashMap::new(),
+            links: None,
+        };
+        let units = module.scan()?;
+        let mut resources = vec![module.config.resource.clone()];
+        let profiles: BTreeSet<&str> = units
+            .iter()
+            .filter_map(|u| u.mig.as_ref().map(|m| m.profile.as_str()))
+            .collect();
+        match module.config.mig_strategy {
+            MigStrategy::Single if profiles.len() > 1 => {
+                return Err(PluginError::Failed(format!(
+                    "mig-strategy \"single\" needs every MIG device to have one profile; this node \
+                     has {}: use \"mixed\"",
+                    profiles.into_iter().collect::<Vec<_>>().join(", ")
+                )));
+            }
+            MigStrategy::Mixed => resources.extend(profiles.iter().map(|p| format!("mig-{p}"))),
+            _ => {}
+        }
+        module.resources = resources.clone();
+        devicelet_sdk::info!(
+            "serving {} GPU unit(s) as {}",
+            units.len(),
+            resources.join(", ")
+        );
+        // NVLink-aware choice for whole GPUs; MIG devices are left to the agent's NUMA policy.
+        let whole_gpus = module.config.mig_strategy != MigStrategy::Single || profiles.is_empty();
+        let infos = resources
+            .into_iter()
+            .map(|name| {
+                let preferred = whole_gpus && name == module.config.resource;
+                ResourceInfo::new(name).with_preferred_allocation(preferred)
+            })
+            .collect();
+        Ok((module, infos))
+    }
+
+    fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+        self.read_events();
+        let units = self.units_of(resource)?;
+        Ok(units
+            .iter()
+            .map(|unit| {
+                let mut device = Device::new(unit.id.clone(), self.health(unit))
+                    .attribute("uuid", unit.uuid())
+                    .attribute("index", unit.gpu.index.to_string())
+                    .attribute("name", unit.gpu.name.clone())
+                    .attribute("pci-address", short_bus_id(&unit.gpu.pci_bus_id));
+                match &unit.mig {
+                    None => {
+                        device = device
+                            .attribute("memory-mib", (unit.gpu.memory_bytes >> 20).to_string())
+                            .attribute("mig-enabled", unit.gpu.mig_enabled.to_string());
+                    }
+                    Some(mig) => {
+                        device = device
+                            .attribute("memory-mib", (mig.memory_bytes >> 20).to_string())
+                            .attribute("profile", mig.profile.clone())
+                            .attribute("parent", unit.gpu.uuid.clone());
+                    }
+                }
+                if let Some(node) = unit.gpu.numa_node {
+                    device = device.numa_node(node);
+                }
+                device
+            })
+            .collect())
+    }
+
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+        let units = self.units_of(resource)?;
+        let mut chosen = Vec::new();
+        for id in ids {
+            let unit = units
+                .iter()
+                .find(|u| &u.id == id)
+                .ok_or_else(|| PluginError::UnknownDevice(id.clone()))?;
+            if unit.lost {
+                return Err(PluginError::Failed(format!("GPU {id} is lost")));
+            }
+            chosen.push(unit);
+        }
+        let mut edits = ContainerEdits::default();
+        match self.config.visible {
+            Visible::Envvar => {
+                edits = edits.env("NVIDIA_VISIBLE_DEVICES", ids.join(","));
+                edits = device_nodes(edits, &chosen)?;
+            }
+            Visible::Cdi => {
+                for id in ids {
+                    edits = edits.cdi(format!("{}={id}", self.config.cdi_kind));
+                }
+            }
+        }
+        if let Some(dir) = &self.config.mps_pipe_directory {
+            edits = edits
+                .env("CUDA_MPS_PIPE_DIRECTORY", dir.clone())
+                .mount(dir, dir, false);
+        }
+        Ok(edits)
+    }
+
+    fn preferred(
+        &mut self,
+        resource: &str,
+        available: &[String],
+        must_include: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, PluginError> {
+        let units = self.units_of(resource)?;
+        let index_of: HashMap<&str, u32> =
+            units.iter().map(|u| (u.id.as_str(), u.gpu.index)).collect();
+        if self.links.is_none() {
+            let indexes: Vec<u32> = self.seen.keys().copied().collect();
+            self.links = Some(preferred::Scores::read(&indexes));
+        }
+        let scores = self
+            .links
+            .as_ref()
+            .map_or_else(Default::default, Clone::clone);
+        Ok(preferred::choose(
+            available,
+            must_include,
+            size,
+            |a, b| match (index_of.get(a), index_of.get(b)) {
+                (Some(&a), Some(&b)) => scores.between(a, b),
+                _ => 0,
+            },
+        ))
+    }
+}
+
+/// The device nodes a container needs for these units: the control nodes, each GPU's own, and a
+/// MIG device's capability nodes.
+fn device_nodes(mut edits: ContainerEdits, units: &[&Unit]) -> Result<ContainerEdits, PluginError> {
+    for (path, required) in CONTROL_NODES {
+        match devnodes::stat(path) {
+            Ok(_) => edits = edits.device(path, path, "rw"),
+            Err(e) if required => {
+                return Err(PluginError::Failed(format!("{path}: {e:?}")));
+            }
+            Err(_) => {}
+        }
+    }
+    let mut paths = BTreeSet::new();
+    for unit in units {
+        paths.insert(format!("/dev/nvidia{}", unit.gpu.minor));
+        for minor in unit.mig.iter().flat_map(|m| &m.caps_minors) {
+            paths.insert(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
+        }
+    }
+    for path in paths {
+        edits = edits.device(&path, &path, "rw");
+    }
+    Ok(edits)
+}
+
+/// NVML's `00000000:07:00.0` as sysfs names it, `0000:07:00.0`, lowercase.
+fn short_bus_id(bus_id: &str) -> String {
+    let id = bus_id.to_ascii_lowercase();
+    match id.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => id,
+    }
+}
+
+export_plugin!(NvidiaGpu);
+
+#[cfg(test)]
+mod tests;

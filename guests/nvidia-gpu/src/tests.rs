@@ -1,0 +1,261 @@
+//! The module against the SDK's fake node: NVML as the test describes it.
+
+use std::time::Duration;
+
+use devicelet_sdk::Health;
+use devicelet_sdk::nvml::{EventKind, Gpu, Link, MigDevice, TopologyLevel};
+use devicelet_sdk::testing::{FakeHost, FakeNvml, Harness};
+
+use super::NvidiaGpu;
+
+fn uuid(i: u32) -> String {
+    format!("GPU-00000000-0000-0000-0000-00000000000{i}")
+}
+
+fn gpu(i: u32) -> Gpu {
+    Gpu {
+        index: i,
+        uuid: uuid(i),
+        name: "NVIDIA A100-SXM4-80GB".into(),
+        minor: i,
+        pci_bus_id: format!("00000000:{:02X}:00.0", 7 + i),
+        memory_bytes: 81920 << 20,
+        numa_node: Some(i64::from(i / 4)),
+        cpu_affinity: Vec::new(),
+        mig_enabled: false,
+    }
+}
+
+fn mig(gi: u32, profile: &str, caps: [u32; 2]) -> MigDevice {
+    MigDevice {
+        uuid: format!("MIG-0000000{gi}-aaaa-bbbb-cccc-000000000000"),
+        gpu_instance_id: gi,
+        compute_instance_id: 0,
+        profile: profile.into(),
+        memory_bytes: 9856 << 20,
+        caps_minors: caps.to_vec(),
+    }
+}
+
+/// Eight GPUs on two NUMA nodes, NVLinked in two islands of four.
+fn eight() -> FakeNvml {
+    let mut nvml = FakeNvml::new();
+    for i in 0..8 {
+        nvml = nvml.with_gpu(gpu(i));
+    }
+    for a in 0..8 {
+        for b in a + 1..8 {
+            let (level, nvlinks) = if a / 4 == b / 4 {
+                (TopologyLevel::Node, 12)
+            } else {
+                (TopologyLevel::System, 0)
+            };
+            nvml = nvml.with_link(a, b, Link { level, nvlinks });
+        }
+    }
+    nvml
+}
+
+fn node(nvml: FakeNvml) -> FakeHost {
+    let mut host = FakeHost::new()
+        .grant_dev("/dev/nvidia*")
+        .grant_dev("/dev/nvidia-caps/*")
+        .grant_nvml(nvml)
+        .char_device("/dev/nvidiactl", 195, 255)
+        .char_device("/dev/nvidia-uvm", 510, 0)
+        .char_device("/dev/nvidia-caps/nvidia-cap12", 511, 12)
+        .char_device("/dev/nvidia-caps/nvidia-cap13", 511, 13);
+    for i in 0..8 {
+        host = host.char_device(&format!("/dev/nvidia{i}"), 195, i);
+    }
+    host
+}
+
+fn health(gpus: &mut Harness<NvidiaGpu>) -> Vec<Health> {
+    gpus.enumerate("gpu")
+        .unwrap()
+        .into_iter()
+        .map(|d| d.health)
+        .collect()
+}
+
+#[test]
+fn eight_gpus_by_uuid_with_numa_and_nvml_facts() {
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), "{}").unwrap();
+    let devices = gpus.enumerate("gpu").unwrap();
+    assert_eq!(devices.len(), 8);
+    assert_eq!(devices[5].id, uuid(5));
+    assert_eq!(devices[5].numa_nodes, vec![1]);
+    let attr = |k: &str| {
+        devices[5]
+            .attributes
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(attr("memory-mib").as_deref(), Some("81920"));
+    assert_eq!(attr("pci-address").as_deref(), Some("0000:0c:00.0"));
+    assert!(devices.iter().all(|d| d.health == Health::Healthy));
+}
+
+#[test]
+fn a_container_gets_visible_devices_and_its_nodes() {
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), "{}").unwrap();
+    let (a, b) = (uuid(1), uuid(2));
+    let edits = gpus.allocate("gpu", &[&a, &b]).unwrap();
+    assert_eq!(
+        edits.envs,
+        vec![("NVIDIA_VISIBLE_DEVICES".into(), format!("{a},{b}"))]
+    );
+    let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
+    // nvidia-uvm-tools is absent on this node, so it is left out rather than refused.
+    assert_eq!(
+        nodes,
+        [
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia1",
+            "/dev/nvidia2"
+        ]
+    );
+    let mut by_index =
+        Harness::<NvidiaGpu>::init(node(eight()), r#"{"device-id-strategy": "index"}"#).unwrap();
+    assert_eq!(by_index.enumerate("gpu").unwrap()[3].id, "3");
+    let mut cdi =
+        Harness::<NvidiaGpu>::init(node(eight()), r#"{"visible-devices": "cdi"}"#).unwrap();
+    let edits = cdi.allocate("gpu", &[&a]).unwrap();
+    assert_eq!(edits.cdi_devices, vec![format!("nvidia.com/gpu={a}")]);
+    assert!(edits.envs.is_empty() && edits.devices.is_empty());
+}
+
+#[test]
+fn critical_events_make_one_gpu_unhealthy_and_ignored_xids_do_not() {
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), r#"{"quiet-period": "1h"}"#).unwrap();
+    gpus.host().nvml_event(&uuid(2), EventKind::Xid(13));
+    assert!(health(&mut gpus).iter().all(|h| *h == Health::Healthy));
+    gpus.host().nvml_event(&uuid(2), EventKind::Xid(48));
+    gpus.host().nvml_event(&uuid(6), EventKind::DoubleBitEcc);
+    let now = health(&mut gpus);
+    let sick: Vec<usize> = (0..8).filter(|&i| now[i] == Health::Unhealthy).collect();
+    assert_eq!(sick, vec![2, 6]);
+    // A fresh instance (after a crash) rebuilds the same health from the agent's buffer.
+    let mut fresh = gpus.another(r#"{"quiet-period": "1h"}"#).unwrap();
+    assert_eq!(health(&mut fresh), now);
+}
+
+#[test]
+fn a_gpu_off_the_bus_stays_listed_unhealthy_and_recovers_after_the_quiet_period() {
+    let mut gpus =
+        Harness::<NvidiaGpu>::init(node(eight()), r#"{"quiet-period": "50ms"}"#).unwrap();
+    assert_eq!(health(&mut gpus)[3], Health::Healthy);
+    gpus.host().nvml_event(&uuid(3), EventKind::Xid(79));
+    gpus.host().set_gpu_lost(3, true);
+    let devices = gpus.enumerate("gpu").unwrap();
+    assert_eq!(devices.len(), 8);
+    assert_eq!(
+        (devices[3].id.clone(), devices[3].health),
+        (uuid(3), Health::Unhealthy)
+    );
+    assert!(gpus.allocate("gpu", &[&uuid(3)]).is_err());
+    assert!(gpus.allocate("gpu", &[&uuid(4)]).is_ok());
+    gpus.host().set_gpu_lost(3, false);
+    // Answering again is not enough: the quiet period runs from the last critical sign.
+    assert_eq!(health(&mut gpus)[3], Health::Unhealthy);
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(health(&mut gpus)[3], Health::Healthy);
+}
+
+fn mig_node(second_profile: &str) -> FakeHost {
+    let mut a = gpu(0);
+    a.mig_enabled = true;
+    let nvml = FakeNvml::new()
+        .with_gpu(a)
+        .with_gpu(gpu(1))
+        .with_mig_device(0, mig(1, "1g.10gb", [12, 13]))
+        .with_mig_device(0, mig(2, second_profile, [14, 15]));
+    node(nvml)
+}
+
+#[test]
+fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
+    let mut gpus =
+        Harness::<NvidiaGpu>::init(mig_node("1g.10gb"), r#"{"mig-strategy": "single"}"#).unwrap();
+    let ids: Vec<String> = gpus
+        .enumerate("gpu")
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert!(ids[0].starts_with("MIG-00000001"), "{ids:?}");
+    assert_eq!(ids[2], uuid(1));
+    let edits = gpus.allocate("gpu", &[&ids[0]]).unwrap();
+    let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert!(nodes.contains(&"/dev/nvidia0"), "{nodes:?}");
+    assert!(
+        nodes.contains(&"/dev/nvidia-caps/nvidia-cap12"),
+        "{nodes:?}"
+    );
+    assert!(
+        nodes.contains(&"/dev/nvidia-caps/nvidia-cap13"),
+        "{nodes:?}"
+    );
+    let e = Harness::<NvidiaGpu>::init(mig_node("2g.20gb"), r#"{"mig-strategy": "single"}"#)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("use \"mixed\""), "{e}");
+}
+
+#[test]
+fn mig_mixed_serves_one_resource_per_profile() {
+    let gpus =
+        Harness::<NvidiaGpu>::init(mig_node("2g.20gb"), r#"{"mig-strategy": "mixed"}"#).unwrap();
+    let names: Vec<&str> = gpus.resources().iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["gpu", "mig-1g.10gb", "mig-2g.20gb"]);
+    let mut gpus = gpus;
+    assert_eq!(gpus.enumerate("gpu").unwrap().len(), 1);
+    assert_eq!(gpus.enumerate("mig-2g.20gb").unwrap().len(), 1);
+}
+
+#[test]
+fn mps_hands_over_the_pipe_directory() {
+    let config = r#"{"mps-pipe-directory": "/run/nvidia/mps"}"#;
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), config).unwrap();
+    let edits = gpus.allocate("gpu", &[&uuid(0)]).unwrap();
+    assert!(
+        edits
+            .envs
+            .contains(&("CUDA_MPS_PIPE_DIRECTORY".into(), "/run/nvidia/mps".into()))
+    );
+    assert_eq!(edits.mounts[0].host_path, "/run/nvidia/mps");
+    assert!(!edits.mounts[0].read_only);
+}
+
+#[test]
+fn preferred_keeps_a_request_on_one_nvlink_island() {
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), "{}").unwrap();
+    let all: Vec<String> = (0..8).map(uuid).collect();
+    let offered: Vec<&str> = all.iter().map(String::as_str).collect();
+    let chosen = gpus.preferred("gpu", &offered, &[&all[6]], 4).unwrap();
+    let mut expected: Vec<String> = (4..8).map(uuid).collect();
+    let mut got = chosen.clone();
+    expected.sort();
+    got.sort();
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn bad_config_and_missing_nvml_are_clear() {
+    let e = Harness::<NvidiaGpu>::init(node(eight()), r#"{"mig-strategy": "some"}"#)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("invalid config"), "{e}");
+    let e = Harness::<NvidiaGpu>::init(node(eight()), r#"{"quiet-period": "soon"}"#)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("quiet-period"), "{e}");
+    let e = Harness::<NvidiaGpu>::init(FakeHost::new(), "{}")
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("no NVML on this node"), "{e}");
+}

@@ -1,0 +1,246 @@
+//! The node's NVML event thread and the buffer modules read from.
+//!
+//! One thread per opened library waits on an NVML event set registered for every GPU's critical
+//! events (XID errors, double-bit ECC). Each event is appended to a bounded log with a sequence
+//! number, and every subscribed module's device watchers are poked, so a health check runs at
+//! once instead of at the next interval. Modules read the log through the `nvml` interface
+//! without blocking: the wait on NVML happens here, never in a module's call.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::error::NvmlError as Nv;
+use nvml_wrapper::struct_wrappers::event::EventData;
+use tokio::sync::Notify;
+
+/// Events kept for modules to read; older ones are dropped and counted as missed.
+pub const CAPACITY: usize = 4096;
+/// How long one wait on the event set lasts before the thread looks again.
+const WAIT_MS: u32 = 1000;
+/// Pause before setting the event set up again after NVML failed it.
+const RETRY: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Xid(u64),
+    DoubleBitEcc,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub seq: u64,
+    pub gpu_uuid: String,
+    pub kind: EventKind,
+    pub age: Duration,
+}
+
+/// What a read of the log returns: see the WIT `events` record.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Events {
+    pub events: Vec<Event>,
+    pub next: u64,
+    pub missed: u64,
+}
+
+struct Logged {
+    seq: u64,
+    gpu_uuid: Arc<str>,
+    kind: EventKind,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Log {
+    entries: VecDeque<Logged>,
+    last: u64,
+}
+
+type Pokes = Vec<Arc<Notify>>;
+
+#[derive(Default)]
+pub struct EventLog {
+    log: Mutex<Log>,
+    subscribers: Mutex<Vec<Weak<Pokes>>>,
+    watched: AtomicU32,
+}
+
+/// Keeps a module's watchers poked on every event; dropping it unsubscribes.
+pub struct Subscription {
+    _pokes: Arc<Pokes>,
+}
+
+impl EventLog {
+    pub fn watched(&self) -> u32 {
+        self.watched.load(Ordering::Relaxed)
+    }
+
+    pub fn since(&self, after: u64) -> Events {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        let oldest = log.entries.front().map_or(log.last + 1, |e| e.seq);
+        let now = Instant::now();
+        Events {
+            events: log
+                .entries
+                .iter()
+                .filter(|e| e.seq > after)
+                .map(|e| Event {
+                    seq: e.seq,
+                    gpu_uuid: e.gpu_uuid.to_string(),
+                    kind: e.kind,
+                    age: now.saturating_duration_since(e.at),
+                })
+                .collect(),
+            next: log.last,
+            missed: oldest.saturating_sub(after.saturating_add(1)),
+        }
+    }
+
+    pub fn subscribe(&self, pokes: Pokes) -> Subscription {
+        let pokes = Arc::new(pokes);
+        let mut subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        subscribers.retain(|s| s.strong_count() > 0);
+        subscribers.push(Arc::downgrade(&pokes));
+        Subscription { _pokes: pokes }
+    }
+
+    pub(super) fn push(&self, gpu_uuid: Arc<str>, kind: EventKind) {
+        {
+            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            log.last += 1;
+            let seq = log.last;
+            if log.entries.len() == CAPACITY {
+                log.entries.pop_front();
+            }
+            log.entries.push_back(Logged {
+                seq,
+                gpu_uuid,
+                kind,
+                at: Instant::now(),
+            });
+        }
+        let subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        for pokes in subscribers.iter().filter_map(Weak::upgrade) {
+            for poke in pokes.iter() {
+                poke.notify_one();
+            }
+        }
+    }
+}
+
+/// Starts the event thread for `nvml`. It runs for the life of the process, as the library does.
+pub(super) fn start(nvml: &'static Nvml, log: Arc<EventLog>) {
+    let spawned = std::thread::Builder::new()
+        .name("nvml-events".into())
+        .spawn(move || {
+            loop {
+                if let Err(e) = watch(nvml, &log) {
+                    tracing::warn!("NVML events: {e}; setting the event set up again in 5s");
+                }
+                log.watched.store(0, Ordering::Relaxed);
+                std::thread::sleep(RETRY);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start the NVML event thread: {e}; health relies on the interval");
+    }
+}
+
+fn critical() -> EventTypes {
+    EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR
+}
+
+/// Registers every GPU that supports critical events, then waits for events until NVML fails.
+fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<(), Nv> {
+    let mut set = nvml.create_event_set()?;
+    // The handle each event names, with its GPU's UUID read now: a GPU that fell off the bus can
+    // no longer be asked for it.
+    let mut gpus = Vec::new();
+    for index in 0..nvml.device_count()? {
+        let device = nvml.device_by_index(index)?;
+        let types = device.supported_event_types()? & critical();
+        if types.is_empty() {
+            tracing::info!(
+                index,
+                "GPU reports no critical events; its health relies on the interval"
+            );
+            continue;
+        }
+        let uuid: Arc<str> = device.uuid()?.into();
+        set = device.register_events(types, set).map_err(|e| e.error)?;
+        // SAFETY: the handle is only compared with the handles events carry, never called.
+        gpus.push((unsafe { device.handle() } as usize, uuid));
+    }
+    log.watched.store(gpus.len() as u32, Ordering::Relaxed);
+    tracing::debug!(gpus = gpus.len(), "NVML event thread watching");
+    loop {
+        match set.wait(WAIT_MS) {
+            Ok(data) => record(log, &gpus, data),
+            Err(Nv::Timeout) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn record(log: &EventLog, gpus: &[(usize, Arc<str>)], data: EventData<'_>) {
+    // SAFETY: as above, compared only.
+    let handle = unsafe { data.device.handle() } as usize;
+    let Some((_, uuid)) = gpus.iter().find(|(h, _)| *h == handle) else {
+        return;
+    };
+    let kind = if data.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+        EventKind::DoubleBitEcc
+    } else {
+        match data.event_data {
+            Some(nvml_wrapper::enums::event::XidError::Value(code)) => EventKind::Xid(code),
+            _ => EventKind::Xid(0),
+        }
+    };
+    tracing::warn!(gpu = &**uuid, ?kind, "NVML critical event");
+    log.push(uuid.clone(), kind);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_are_bounded_and_say_what_was_missed() {
+        let log = EventLog::default();
+        assert_eq!(log.since(0), Events::default());
+        for _ in 0..CAPACITY + 10 {
+            log.push("GPU-a".into(), EventKind::Xid(79));
+        }
+        let all = log.since(0);
+        assert_eq!(all.events.len(), CAPACITY);
+        assert_eq!(all.missed, 10);
+        assert_eq!(all.next, (CAPACITY + 10) as u64);
+        assert_eq!(all.events[0].seq, 11);
+        let caught_up = log.since(all.next);
+        assert!(caught_up.events.is_empty());
+        assert_eq!((caught_up.next, caught_up.missed), (all.next, 0));
+    }
+
+    #[test]
+    fn subscribers_are_poked_until_they_drop() {
+        let log = EventLog::default();
+        let poke = Arc::new(Notify::new());
+        let subscription = log.subscribe(vec![poke.clone()]);
+        log.push("GPU-a".into(), EventKind::DoubleBitEcc);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), poke.notified())
+                .await
+                .expect("poked");
+        });
+        drop(subscription);
+        log.push("GPU-a".into(), EventKind::DoubleBitEcc);
+        assert!(log.subscribers.lock().unwrap()[0].upgrade().is_none());
+    }
+}

@@ -1,0 +1,116 @@
+//! `devicelet:plugin/nvml`: typed NVML queries for modules granted `libraries = ["nvml"]`.
+//!
+//! Each function calls NVML right here, on the module's cell thread, so the module's deadline
+//! bounds it and a GPU that hangs NVML strands only this module's cell. The conversions between
+//! [`crate::nvml`]'s types and the WIT ones live here and nowhere else.
+
+use super::HostState;
+use crate::nvml::{self, NvmlError as E};
+use crate::sandbox::bindings::v0_1::devicelet::plugin::nvml::{
+    Event, EventBatch, EventKind, Gpu, Host, Link, MigDevice, NvmlError, TopologyLevel,
+};
+
+/// Most events one read returns; the log itself holds at most this many.
+const MAX_EVENTS: usize = nvml::events::CAPACITY;
+
+fn error(e: E) -> NvmlError {
+    match e {
+        E::Unavailable(why) => NvmlError::Unavailable(why),
+        E::GpuLost => NvmlError::GpuLost,
+        E::NotFound => NvmlError::NotFound,
+        E::NotSupported => NvmlError::NotSupported,
+        E::Failed(why) => NvmlError::Failed(why),
+    }
+}
+
+impl HostState {
+    fn nvml(&self) -> Result<&nvml::NvmlNode, NvmlError> {
+        // Only linked when granted, and a granted module always has a node; this is the belt.
+        self.nvml
+            .as_deref()
+            .ok_or_else(|| NvmlError::Unavailable("nvml is not granted to this module".into()))
+    }
+}
+
+impl Host for HostState {
+    fn device_count(&mut self) -> Result<u32, NvmlError> {
+        self.nvml()?.device_count().map_err(error)
+    }
+
+    fn device(&mut self, index: u32) -> Result<Gpu, NvmlError> {
+        let g = self.nvml()?.gpu(index).map_err(error)?;
+        Ok(Gpu {
+            index: g.index,
+            uuid: g.uuid,
+            name: g.name,
+            minor: g.minor,
+            pci_bus_id: g.pci_bus_id,
+            memory_bytes: g.memory_bytes,
+            numa_node: g.numa_node,
+            cpu_affinity: g.cpu_affinity,
+            mig_enabled: g.mig_enabled,
+        })
+    }
+
+    fn mig_devices(&mut self, index: u32) -> Result<Vec<MigDevice>, NvmlError> {
+        let root = self.host_root.clone();
+        Ok(self
+            .nvml()?
+            .mig_devices(index, &root)
+            .map_err(error)?
+            .into_iter()
+            .map(|m| MigDevice {
+                uuid: m.uuid,
+                gpu_instance_id: m.gpu_instance_id,
+                compute_instance_id: m.compute_instance_id,
+                profile: m.profile,
+                memory_bytes: m.memory_bytes,
+                caps_minors: m.caps_minors,
+            })
+            .collect())
+    }
+
+    fn topology(&mut self, a: u32, b: u32) -> Result<Link, NvmlError> {
+        let link = self.nvml()?.topology(a, b).map_err(error)?;
+        Ok(Link {
+            level: match link.level {
+                nvml::TopologyLevel::Internal => TopologyLevel::Internal,
+                nvml::TopologyLevel::Single => TopologyLevel::Single,
+                nvml::TopologyLevel::Multiple => TopologyLevel::Multiple,
+                nvml::TopologyLevel::HostBridge => TopologyLevel::HostBridge,
+                nvml::TopologyLevel::Node => TopologyLevel::Node,
+                nvml::TopologyLevel::System => TopologyLevel::System,
+            },
+            nvlinks: link.nvlinks,
+        })
+    }
+
+    fn events(&mut self, after: u64) -> EventBatch {
+        let Ok(node) = self.nvml() else {
+            return EventBatch {
+                events: Vec::new(),
+                next: after,
+                missed: 0,
+            };
+        };
+        let read = node.events(after);
+        EventBatch {
+            events: read
+                .events
+                .into_iter()
+                .take(MAX_EVENTS)
+                .map(|e| Event {
+                    seq: e.seq,
+                    gpu_uuid: e.gpu_uuid,
+                    kind: match e.kind {
+                        nvml::EventKind::Xid(code) => EventKind::Xid(code),
+                        nvml::EventKind::DoubleBitEcc => EventKind::DoubleBitEcc,
+                    },
+                    age_ms: u64::try_from(e.age.as_millis()).unwrap_or(u64::MAX),
+                })
+                .collect(),
+            next: read.next,
+            missed: read.missed,
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! The NVIDIA GPU reference module with the real agent and the kubelet simulator, over the fake
+//! NVML library (`tests/fake-nvml`) loaded through the same dlopen path as the real one.
+
+use std::collections::BTreeSet;
+
+use devicelet::kubelet::api::deviceplugin::Device;
+use devicelet_tests::{FakeGpus, Node, WAIT, eventually, generic_dev};
+use serde_json::{Value, json};
+
+fn uuid(i: u32) -> String {
+    format!("GPU-6c4a5f2e-0000-4000-8000-00000000000{i}")
+}
+
+fn gpu(i: u32) -> Value {
+    // Two NVLink islands of four, one per NUMA node.
+    let island: Vec<String> = (0..8)
+        .filter(|&j| j != i && j / 4 == i / 4)
+        .flat_map(|j| [bus_id(j), bus_id(j), bus_id(j)])
+        .collect();
+    json!({
+        "uuid": uuid(i),
+        "name": "NVIDIA A100-SXM4-80GB",
+        "minor": i,
+        "pci-bus-id": bus_id(i),
+        "memory-mib": 81920,
+        "numa-node": i / 4,
+        "nvlinks": island,
+    })
+}
+
+fn bus_id(i: u32) -> String {
+    format!("00000000:{:02X}:00.0", 0x07 + i * 0x10)
+}
+
+fn eight_gpus() -> Value {
+    json!({ "driver-version": "550.54.15", "gpus": (0..8).map(gpu).collect::<Vec<_>>() })
+}
+
+/// A node with these GPUs: their device nodes in /dev and NVML answering from `fixture`.
+async fn gpu_node(fixture: &Value) -> (Node, FakeGpus) {
+    let node = Node::new().await;
+    node.add_char("/dev/nvidiactl", 195, 255);
+    node.add_char("/dev/nvidia-uvm", 510, 0);
+    node.add_char("/dev/nvidia-uvm-tools", 510, 1);
+    for i in 0..8 {
+        node.add_char(&format!("/dev/nvidia{i}"), 195, i);
+    }
+    let gpus = FakeGpus::new(node.dir.path(), fixture);
+    (node, gpus)
+}
+
+fn registry(health_interval: &str, config: &str, extra: &str) -> String {
+    format!(
+        r#"[[module]]
+name = "nvidia-gpu"
+path = "@MODULES@/nvidia_gpu.wasm"
+resource-domain = "nvidia.com"
+health-interval = "{health_interval}"
+{extra}
+[module.grants]
+dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
+libraries = ["nvml"]
+mounts = ["/run/nvidia/mps"]
+
+[module.config]
+{config}
+"#
+    )
+}
+
+async fn start(node: &Node, gpus: &FakeGpus, modules: &str) -> devicelet::agent::Agent {
+    let library = gpus.library.clone();
+    let agent = node
+        .start_agent_with(modules, |o| o.libraries.nvml = library)
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    agent
+}
+
+/// Waits until the eight GPUs are served and the NVML event thread has registered them all: an
+/// event injected earlier would reach no event set, as with real NVML.
+async fn watching_eight(node: &Node, gpus: &FakeGpus) {
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("eight GPUs");
+    let nvml = devicelet::nvml::open(&gpus.library);
+    eventually("the event thread watches every GPU", || {
+        nvml.watched_gpus() == 8
+    })
+    .await;
+}
+
+fn numa(d: &Device) -> Vec<i64> {
+    d.topology
+        .iter()
+        .flat_map(|t| t.nodes.iter().map(|n| n.id))
+        .collect()
+}
+
+fn health_of(devices: &[Device], id: &str) -> String {
+    devices
+        .iter()
+        .find(|d| d.id == id)
+        .map(|d| d.health.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_gpus_on_two_numa_nodes_register_by_uuid_and_allocate_with_envs_and_nodes() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let _agent = start(&node, &gpus, &registry("1h", "", "")).await;
+    let gpu = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("eight GPUs");
+    for d in &gpu.devices {
+        let i: u32 = d.id.chars().last().and_then(|c| c.to_digit(10)).unwrap();
+        assert_eq!(d.id, uuid(i));
+        assert_eq!(numa(d), vec![i64::from(i / 4)], "{}", d.id);
+    }
+    assert!(gpu.options.get_preferred_allocation_available);
+
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 2)
+        .await
+        .expect("two GPUs");
+    // The module's NVLink-aware choice keeps the pair on one island.
+    let islands: BTreeSet<u32> = a
+        .device_ids
+        .iter()
+        .map(|id| id.chars().last().and_then(|c| c.to_digit(10)).unwrap() / 4)
+        .collect();
+    assert_eq!(islands.len(), 1, "{:?}", a.device_ids);
+    assert_eq!(
+        a.response.envs.get("NVIDIA_VISIBLE_DEVICES"),
+        Some(&a.device_ids.join(","))
+    );
+    let nodes: Vec<&str> = a
+        .response
+        .devices
+        .iter()
+        .map(|d| d.host_path.as_str())
+        .collect();
+    assert_eq!(
+        &nodes[..3],
+        ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    );
+    assert_eq!(nodes.len(), 5, "{nodes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn critical_events_make_one_gpu_unhealthy_at_once_while_the_others_keep_allocating() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    // The health interval is an hour: only the NVML event can wake the health check.
+    let agent = start(&node, &gpus, &registry("1h", "quiet-period = \"1h\"", "")).await;
+    watching_eight(&node, &gpus).await;
+
+    // An application error (XID 13) is ignored by default; XID 48 (double-bit ECC) is not.
+    gpus.inject("xid 2 13");
+    gpus.inject("xid 2 48");
+    let after = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 7)
+        .await
+        .expect("GPU 2 unhealthy");
+    assert_eq!(health_of(&after.devices, &uuid(2)), "Unhealthy");
+
+    // XID 79: GPU 5 fell off the bus; NVML no longer answers for it.
+    gpus.inject("xid 5 79");
+    gpus.inject("lost 5");
+    let after = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 6)
+        .await
+        .expect("GPU 5 unhealthy");
+    assert_eq!(after.devices.len(), 8, "a lost GPU stays listed");
+    assert_eq!(health_of(&after.devices, &uuid(5)), "Unhealthy");
+    for _ in 0..6 {
+        let a = node
+            .kubelet
+            .allocate("nvidia.com/gpu", 1)
+            .await
+            .expect("the healthy GPUs still allocate");
+        assert!(!a.device_ids.contains(&uuid(5)) && !a.device_ids.contains(&uuid(2)));
+    }
+    let module = devicelet_tests::module_status(&agent, "nvidia-gpu");
+    assert_eq!(module.stats.traps + module.stats.deadlines, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_recovers_after_the_quiet_period_once_nvml_answers_again() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("100ms", "quiet-period = \"500ms\"", ""),
+    )
+    .await;
+    watching_eight(&node, &gpus).await;
+    gpus.inject("xid 3 79");
+    gpus.inject("lost 3");
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 7)
+        .await
+        .expect("GPU 3 unhealthy");
+    gpus.inject("found 3");
+    let back = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("GPU 3 healthy again");
+    assert_eq!(health_of(&back.devices, &uuid(3)), "Healthy");
+}
+
+fn mig_gpu(i: u32, profiles: &[(u32, u32, u64)]) -> Value {
+    let mut g = gpu(i);
+    let devices: Vec<Value> = profiles
+        .iter()
+        .map(|&(gi, slices, mib)| {
+            json!({
+                "uuid": format!("MIG-0000000{gi}-1111-4000-8000-00000000000{i}"),
+                "gi": gi, "ci": 0, "gi-slices": slices, "ci-slices": slices, "memory-mib": mib,
+            })
+        })
+        .collect();
+    g["mig"] = json!({ "enabled": true, "devices": devices });
+    g
+}
+
+async fn mig_node(second: (u32, u32, u64)) -> (Node, FakeGpus) {
+    let fixture = json!({
+        "driver-version": "550.54.15",
+        "gpus": [mig_gpu(0, &[(1, 1, 9856), second]), gpu(1)],
+    });
+    let (node, gpus) = gpu_node(&fixture).await;
+    node.tree
+        .write_file(
+            "/proc/driver/nvidia-caps/mig-minors",
+            "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\n\
+             gpu0/gi2/access 21\ngpu0/gi2/ci0/access 22\n",
+        )
+        .expect("mig-minors");
+    for minor in [12, 13, 21, 22] {
+        node.add_char(&format!("/dev/nvidia-caps/nvidia-cap{minor}"), 511, minor);
+    }
+    (node, gpus)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
+    let (node, gpus) = mig_node((2, 1, 9856)).await;
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("1h", "mig-strategy = \"single\"", ""),
+    )
+    .await;
+    let gpu = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 3)
+        .await
+        .expect("two MIG devices and one whole GPU");
+    let migs = gpu
+        .devices
+        .iter()
+        .filter(|d| d.id.starts_with("MIG-"))
+        .count();
+    assert_eq!(migs, 2, "{:?}", gpu.devices);
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 3)
+        .await
+        .expect("both MIG devices and the whole GPU");
+    let visible = a
+        .response
+        .envs
+        .get("NVIDIA_VISIBLE_DEVICES")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        visible
+            .split(',')
+            .filter(|id| id.starts_with("MIG-"))
+            .count(),
+        2,
+        "{visible}"
+    );
+    let nodes: BTreeSet<&str> = a
+        .response
+        .devices
+        .iter()
+        .map(|d| d.host_path.as_str())
+        .collect();
+    for minor in [12, 13, 21, 22] {
+        let cap = format!("/dev/nvidia-caps/nvidia-cap{minor}");
+        assert!(nodes.contains(cap.as_str()), "{cap} in {nodes:?}");
+    }
+    assert!(
+        nodes.contains("/dev/nvidia0") && nodes.contains("/dev/nvidia1"),
+        "{nodes:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_mixed_serves_a_resource_per_profile() {
+    let (node, gpus) = mig_node((2, 2, 19968)).await;
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("1h", "mig-strategy = \"mixed\"", ""),
+    )
+    .await;
+    for (resource, count) in [
+        ("nvidia.com/gpu", 1),
+        ("nvidia.com/mig-1g.10gb", 1),
+        ("nvidia.com/mig-2g.20gb", 1),
+    ] {
+        node.kubelet
+            .wait_until(resource, WAIT, |r| r.allocatable == count)
+            .await
+            .unwrap_or_else(|e| panic!("{resource}: {e}"));
+    }
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/mig-2g.20gb", 1)
+        .await
+        .expect("the 2g.20gb device");
+    assert!(
+        a.device_ids[0].starts_with("MIG-00000002"),
+        "{:?}",
+        a.device_ids
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_slicing_with_mps_shares_each_gpu_and_hands_over_the_pipe_directory() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    std::fs::create_dir_all(node.tree.path("/run/nvidia/mps")).expect("the MPS directory");
+    let sharing = "[module.sharing]\nreplicas = 4\nrename = true\n";
+    let config = "mps-pipe-directory = \"/run/nvidia/mps\"";
+    let _agent = start(&node, &gpus, &registry("1h", config, sharing)).await;
+    let shared = node
+        .kubelet
+        .wait_until("nvidia.com/gpu.shared", WAIT, |r| r.allocatable == 32)
+        .await
+        .expect("four replicas of eight GPUs");
+    assert!(
+        shared.devices.iter().all(|d| d.id.contains("::")),
+        "{:?}",
+        shared.devices[0].id
+    );
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/gpu.shared", 1)
+        .await
+        .expect("one replica");
+    assert_eq!(
+        a.response
+            .envs
+            .get("CUDA_MPS_PIPE_DIRECTORY")
+            .map(String::as_str),
+        Some("/run/nvidia/mps")
+    );
+    let visible = a
+        .response
+        .envs
+        .get("NVIDIA_VISIBLE_DEVICES")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        visible.starts_with("GPU-"),
+        "the module sees physical IDs: {visible}"
+    );
+    assert_eq!(a.response.mounts[0].host_path, "/run/nvidia/mps");
+    assert!(!a.response.mounts[0].read_only);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdi_names_for_the_nvidia_toolkit() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let config = "visible-devices = \"cdi\"\ndevice-id-strategy = \"index\"";
+    let _agent = start(&node, &gpus, &registry("1h", config, "")).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("eight GPUs");
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 1)
+        .await
+        .expect("one GPU");
+    let names: Vec<&str> = a
+        .response
+        .cdi_devices
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect();
+    assert_eq!(names, [format!("nvidia.com/gpu={}", a.device_ids[0])]);
+    assert!(a.response.envs.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nvml_call_that_hangs_cuts_off_only_the_nvidia_module() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!(
+        "{}\n{}",
+        registry(
+            "100ms",
+            "",
+            "health-deadline = \"200ms\"\ncall-deadline = \"200ms\"\n"
+        ),
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 4 }]"#)
+    );
+    let agent = start(&node, &gpus, &modules).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("eight GPUs");
+    gpus.inject("hang");
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 0)
+        .await
+        .expect("the GPUs unhealthy while NVML hangs");
+    for _ in 0..3 {
+        node.kubelet
+            .allocate("devicelet.io/fuse", 1)
+            .await
+            .expect("the other module keeps allocating");
+    }
+    let stuck = devicelet_tests::module_status(&agent, "nvidia-gpu");
+    assert!(stuck.stats.deadlines > 0, "{:?}", stuck.stats);
+    gpus.inject("unhang");
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("the GPUs back once NVML answers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_nvml_the_module_says_so_and_the_others_serve() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!(
+        "{}\n{}",
+        registry("1h", "", ""),
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 1 }]"#)
+    );
+    let missing = node.dir.path().join("no-driver/libnvidia-ml.so.1");
+    let agent = node
+        .start_agent_with(&modules, |o| o.libraries.nvml = missing.clone())
+        .await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("the other module serves");
+    let errors = agent.load_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("nvidia-gpu"), "{}", errors[0]);
+    assert!(errors[0].contains("no NVML on this node"), "{}", errors[0]);
+    assert!(
+        errors[0].contains("no-driver/libnvidia-ml.so.1"),
+        "{}",
+        errors[0]
+    );
+}
