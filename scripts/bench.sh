@@ -7,9 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
-cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving
-cargo build --release -p devicelet -p devicelet-bench
+cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu
+cargo build --release -p devicelet -p devicelet-bench -p fake-nvml
 target="${CARGO_TARGET_DIR:-target}"
 export DEVICELET_BENCH_SCRIPT="./scripts/bench.sh${*:+ $*}"
 "$target/release/devicelet-bench" --devicelet "$target/release/devicelet" \
-  --module-dir "$target/wasm32-wasip2/release" --out BENCHMARKS.md "$@"
+  --module-dir "$target/wasm32-wasip2/release" --fake-nvml "$target/release/libfake_nvml.so" \
+  --out BENCHMARKS.md "$@"

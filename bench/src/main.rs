@@ -33,12 +33,15 @@ pub struct BenchArgs {
     #[arg(long, default_value = "target/release/devicelet")]
     pub devicelet: PathBuf,
     /// Only these benchmarks (comma-separated): allocate, preferred, startup, restart, health,
-    /// memory, guest-call, isolation.
+    /// memory, guest-call, isolation, nvidia.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// A tenth of the samples: a smoke run, figures not comparable.
     #[arg(long)]
     pub quick: bool,
+    /// The fake NVML library for the NVIDIA benchmark (`cargo build --release -p fake-nvml`).
+    #[arg(long)]
+    pub fake_nvml: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -68,13 +71,18 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         module_dir: std::path::absolute(&args.module_dir)?,
         devicelet: std::path::absolute(&args.devicelet)?,
         quick: args.quick,
+        fake_nvml: args
+            .fake_nvml
+            .as_deref()
+            .map(std::path::absolute)
+            .transpose()?,
     };
     anyhow::ensure!(
         settings.devicelet.is_file(),
         "{} is missing: build devicelet first (scripts/bench.sh does)",
         settings.devicelet.display()
     );
-    for wasm in ["generic_dev.wasm", "misbehaving.wasm"] {
+    for wasm in ["generic_dev.wasm", "misbehaving.wasm", "nvidia_gpu.wasm"] {
         let path = settings.module_dir.join(wasm);
         anyhow::ensure!(
             path.is_file(),

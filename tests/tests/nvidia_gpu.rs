@@ -60,7 +60,7 @@ health-interval = "{health_interval}"
 [module.grants]
 dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
 libraries = ["nvml"]
-mounts = ["/run/nvidia/mps"]
+mounts = ["/run/nvidia/mps", "/run/nvidia/mps-shm"]
 
 [module.config]
 {config}
@@ -230,11 +230,13 @@ fn mig_gpu(i: u32, profiles: &[(u32, u32, u64)]) -> Value {
     g
 }
 
-async fn mig_node(second: (u32, u32, u64)) -> (Node, FakeGpus) {
-    let fixture = json!({
-        "driver-version": "550.54.15",
-        "gpus": [mig_gpu(0, &[(1, 1, 9856), second]), gpu(1)],
-    });
+/// GPU 0 in MIG mode with a 1g.10gb device and `second`; with `whole`, GPU 1 not in MIG mode.
+async fn mig_node(second: (u32, u32, u64), whole: bool) -> (Node, FakeGpus) {
+    let mut gpus = vec![mig_gpu(0, &[(1, 1, 9856), second])];
+    if whole {
+        gpus.push(gpu(1));
+    }
+    let fixture = json!({ "driver-version": "550.54.15", "gpus": gpus });
     let (node, gpus) = gpu_node(&fixture).await;
     node.tree
         .write_file(
@@ -251,7 +253,7 @@ async fn mig_node(second: (u32, u32, u64)) -> (Node, FakeGpus) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
-    let (node, gpus) = mig_node((2, 1, 9856)).await;
+    let (node, gpus) = mig_node((2, 1, 9856), false).await;
     let _agent = start(
         &node,
         &gpus,
@@ -260,9 +262,9 @@ async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
     .await;
     let gpu = node
         .kubelet
-        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 3)
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 2)
         .await
-        .expect("two MIG devices and one whole GPU");
+        .expect("two MIG devices");
     let migs = gpu
         .devices
         .iter()
@@ -271,9 +273,9 @@ async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
     assert_eq!(migs, 2, "{:?}", gpu.devices);
     let a = node
         .kubelet
-        .allocate("nvidia.com/gpu", 3)
+        .allocate("nvidia.com/gpu", 2)
         .await
-        .expect("both MIG devices and the whole GPU");
+        .expect("both MIG devices");
     let visible = a
         .response
         .envs
@@ -298,15 +300,12 @@ async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
         let cap = format!("/dev/nvidia-caps/nvidia-cap{minor}");
         assert!(nodes.contains(cap.as_str()), "{cap} in {nodes:?}");
     }
-    assert!(
-        nodes.contains("/dev/nvidia0") && nodes.contains("/dev/nvidia1"),
-        "{nodes:?}"
-    );
+    assert!(nodes.contains("/dev/nvidia0"), "{nodes:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_mixed_serves_a_resource_per_profile() {
-    let (node, gpus) = mig_node((2, 2, 19968)).await;
+    let (node, gpus) = mig_node((2, 2, 19968), true).await;
     let _agent = start(
         &node,
         &gpus,
@@ -338,9 +337,12 @@ async fn mig_mixed_serves_a_resource_per_profile() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn time_slicing_with_mps_shares_each_gpu_and_hands_over_the_pipe_directory() {
     let (node, gpus) = gpu_node(&eight_gpus()).await;
-    std::fs::create_dir_all(node.tree.path("/run/nvidia/mps")).expect("the MPS directory");
+    for dir in ["/run/nvidia/mps", "/run/nvidia/mps-shm"] {
+        std::fs::create_dir_all(node.tree.path(dir)).expect("the MPS directories");
+    }
     let sharing = "[module.sharing]\nreplicas = 4\nrename = true\n";
-    let config = "mps-pipe-directory = \"/run/nvidia/mps\"";
+    let config =
+        "mps-pipe-directory = \"/run/nvidia/mps\"\nmps-shm-directory = \"/run/nvidia/mps-shm\"";
     let _agent = start(&node, &gpus, &registry("1h", config, sharing)).await;
     let shared = node
         .kubelet
@@ -376,6 +378,11 @@ async fn time_slicing_with_mps_shares_each_gpu_and_hands_over_the_pipe_directory
     );
     assert_eq!(a.response.mounts[0].host_path, "/run/nvidia/mps");
     assert!(!a.response.mounts[0].read_only);
+    let shm = &a.response.mounts[1];
+    assert_eq!(
+        (shm.host_path.as_str(), shm.container_path.as_str()),
+        ("/run/nvidia/mps-shm", "/dev/shm")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,8 +38,8 @@ async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
     assert!(ok, "{text}");
     assert!(text.contains("resource devicelet.io/fuse"), "{text}");
     assert!(text.contains("may use device nodes: /dev/*"), "{text}");
-    assert!(text.contains("implements devicelet:plugin@0.1.0"), "{text}");
-    assert!(text.contains("devicelet:plugin/devnodes@0.1.0"), "{text}");
+    assert!(text.contains("implements devicelet:plugin@0.1.1"), "{text}");
+    assert!(text.contains("devicelet:plugin/devnodes@0.1.1"), "{text}");
     assert!(
         !text.contains("devicelet:plugin/sysfs"),
         "generic-dev does not read sysfs: {text}"
@@ -53,7 +53,10 @@ async fn validate_calls_enumerate_and_prints_the_devices_each_resource_would_adv
     let (ok, text) = validate(&node, &generic_dev(GOOD));
     assert!(ok, "{text}");
     assert!(text.contains("1 devices, 1 healthy"), "{text}");
-    assert!(text.contains("\n    fuse Healthy\n"), "{text}");
+    assert!(
+        text.contains("\n    fuse Healthy {path=/dev/fuse, dev=10:229}\n"),
+        "{text}"
+    );
 
     // Granted the wrong paths: still valid (another node may have the hardware), but said.
     let wrong = r#"groups = [{ name = "fuse", paths = ["/dev/fuse-missing"] }]"#;

@@ -14,6 +14,7 @@ mod health;
 mod isolation;
 mod memory;
 mod node;
+mod nvidia;
 mod preferred;
 mod process;
 pub mod remote;
@@ -35,6 +36,8 @@ pub struct Settings {
     pub devicelet: PathBuf,
     /// A tenth of the samples everywhere (a smoke run; figures not comparable).
     pub quick: bool,
+    /// The fake NVML library (`tests/fake-nvml`), for the NVIDIA benchmark.
+    pub fake_nvml: Option<PathBuf>,
 }
 
 impl Settings {
@@ -54,7 +57,7 @@ impl Settings {
 }
 
 /// The benchmarks, by the names `--only` takes, in table order.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "allocate",
     "preferred",
     "startup",
@@ -63,6 +66,7 @@ pub const NAMES: [&str; 8] = [
     "memory",
     "guest-call",
     "isolation",
+    "nvidia",
 ];
 
 /// Runs the benchmark called `name` (one of [`NAMES`]).
@@ -76,6 +80,7 @@ pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
         "memory" => memory::run(s).await,
         "guest-call" => guest_call::run(s).await,
         "isolation" => isolation::run(s).await,
+        "nvidia" => nvidia::run(s).await,
         other => anyhow::bail!("no benchmark called {other:?}; there are {NAMES:?}"),
     }
 }
@@ -156,6 +161,15 @@ pub fn method() -> Vec<String> {
          first with the switch absent, then 300 ms after it is written. Spinning cells burn CPU \
          (the harder case: a cell blocked in a host call burns none), so what the ratio shows is \
          CPU contention on this 2-core machine.",
+        "9: the agent in the bench process with the nvidia-gpu module, NVML being a copy of the \
+         fake library (`tests/fake-nvml`, release) dlopened as the real one is, 8 GPUs on 2 NUMA \
+         nodes in two NVLink islands of four; health-interval 1h and quiet-period 150 ms. The \
+         event row writes `xid <gpu> 79` to the fake's control file (which the fake's event wait \
+         polls every 5 ms, so up to 5 ms of each figure is the fake's own) and stops the clock when \
+         the simulated kubelet's snapshot shows 7 allocatable; the GPU then recovers (an ignored \
+         XID 13 after the quiet period wakes the check) before the next sample. The preferred row \
+         is tonic's client on the resource's socket, all 8 GPUs available, one must-include, size \
+         4, after 200 warm-up calls; each answer is checked to be one island.",
     ]
     .into_iter()
     .map(str::to_owned)

@@ -51,6 +51,7 @@ pub struct Config {
     #[serde(default = "default_quiet")]
     quiet_period: String,
     pub mps_pipe_directory: Option<String>,
+    pub mps_shm_directory: Option<String>,
 }
 
 fn default_resource() -> String {
@@ -94,12 +95,17 @@ impl Config {
                 config.cdi_kind
             )));
         }
-        if let Some(dir) = &config.mps_pipe_directory
-            && !dir.starts_with('/')
-        {
-            return Err(PluginError::InvalidConfig(format!(
-                "mps-pipe-directory {dir:?} is not an absolute path"
-            )));
+        for (key, dir) in [
+            ("mps-pipe-directory", &config.mps_pipe_directory),
+            ("mps-shm-directory", &config.mps_shm_directory),
+        ] {
+            if let Some(dir) = dir
+                && !dir.starts_with('/')
+            {
+                return Err(PluginError::InvalidConfig(format!(
+                    "{key} {dir:?} is not an absolute path"
+                )));
+            }
         }
         Ok(config)
     }
@@ -113,14 +119,14 @@ impl Config {
         })
     }
 
-    /// A unit's device ID: its UUID, or `<gpu index>` / `<gpu index>:<MIG slot>` as NVIDIA's
+    /// A unit's device ID: its UUID, or `<gpu index>` / `<gpu index>:<MIG index>` as NVIDIA's
     /// plugin and toolkit write indexes.
-    pub fn id(&self, gpu: &Gpu, mig: Option<&MigDevice>, slot: usize) -> String {
+    pub fn id(&self, gpu: &Gpu, mig: Option<&MigDevice>) -> String {
         match (self.device_id_strategy, mig) {
             (IdStrategy::Uuid, None) => gpu.uuid.clone(),
             (IdStrategy::Uuid, Some(mig)) => mig.uuid.clone(),
             (IdStrategy::Index, None) => gpu.index.to_string(),
-            (IdStrategy::Index, Some(_)) => format!("{}:{slot}", gpu.index),
+            (IdStrategy::Index, Some(mig)) => format!("{}:{}", gpu.index, mig.index),
         }
     }
 }

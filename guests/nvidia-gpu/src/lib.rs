@@ -38,6 +38,7 @@
 //! ignored-xids = [13, 31, 43, 45, 68, 109]
 //! quiet-period = "5m"                   # Healthy again after this long without a critical event
 //! mps-pipe-directory = "/run/nvidia/mps"  # optional: containers share GPUs through MPS
+//! mps-shm-directory = "/run/nvidia/mps/shm"  # optional: the MPS daemon's /dev/shm
 //! ```
 
 mod config;
@@ -85,7 +86,9 @@ pub struct NvidiaGpu {
     seen: BTreeMap<u32, (Gpu, Vec<MigDevice>)>,
     /// Where the next event read starts.
     cursor: u64,
-    /// When each GPU (by UUID) last had a critical event.
+    /// Until when each GPU (by UUID) counts as sick: its last critical event plus the quiet
+    /// period. Kept as an end, computed from the event's age, because an instance's clock starts
+    /// when the instance does and cannot express times before it.
     critical: HashMap<String, Instant>,
     /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred`.
     links: Option<preferred::Scores>,
@@ -107,13 +110,24 @@ impl NvidiaGpu {
         for index in indexes {
             let (gpu, migs, lost) = match nvml::device(index) {
                 Ok(gpu) => {
-                    let migs = if gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None {
-                        nvml::mig_devices(index).map_err(|e| failed("listing MIG devices", e))?
+                    let listed = if gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None
+                    {
+                        nvml::mig_devices(index)
                     } else {
-                        Vec::new()
+                        Ok(Vec::new())
                     };
-                    self.seen.insert(index, (gpu.clone(), migs.clone()));
-                    (gpu, migs, false)
+                    match listed {
+                        Ok(migs) => {
+                            self.seen.insert(index, (gpu.clone(), migs.clone()));
+                            (gpu, migs, false)
+                        }
+                        // A GPU whose MIG devices cannot be listed is sick, not the node.
+                        Err(e) => {
+                            devicelet_sdk::warn!("GPU {index} ({}): MIG devices: {e:?}", gpu.uuid);
+                            let migs = self.seen.get(&index).map(|(_, m)| m.clone());
+                            (gpu, migs.unwrap_or_default(), true)
+                        }
+                    }
                 }
                 Err(e) => match self.seen.get(&index) {
                     Some((gpu, migs)) => {
@@ -127,7 +141,7 @@ impl NvidiaGpu {
             let mig_mode = gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None;
             if !mig_mode {
                 units.push(Unit {
-                    id: self.config.id(&gpu, None, 0),
+                    id: self.config.id(&gpu, None),
                     resource: self.config.resource.clone(),
                     gpu,
                     mig: None,
@@ -135,13 +149,13 @@ impl NvidiaGpu {
                 });
                 continue;
             }
-            for (slot, mig) in migs.into_iter().enumerate() {
+            for mig in migs {
                 let resource = match self.config.mig_strategy {
                     MigStrategy::Mixed => format!("mig-{}", mig.profile),
                     _ => self.config.resource.clone(),
                 };
                 units.push(Unit {
-                    id: self.config.id(&gpu, Some(&mig), slot),
+                    id: self.config.id(&gpu, Some(&mig)),
                     resource,
                     gpu: gpu.clone(),
                     mig: Some(mig),
@@ -155,12 +169,17 @@ impl NvidiaGpu {
     /// Reads the events since the last read and notes the critical ones.
     fn read_events(&mut self) {
         let batch = nvml::events(self.cursor);
+        let first = self.cursor == 0;
         self.cursor = batch.next;
         let now = Instant::now();
-        if batch.missed > 0 {
+        // A fresh instance reads the whole buffer: what it missed before the oldest event still
+        // held matters only if that event is itself within the quiet period.
+        let recent = |age_ms: u64| Duration::from_millis(age_ms) < self.quiet;
+        let relevant = !first || batch.events.first().is_some_and(|e| recent(e.age_ms));
+        if batch.missed > 0 && relevant {
             devicelet_sdk::warn!("missed {} NVML events: every GPU is suspect", batch.missed);
             for (gpu, _) in self.seen.values() {
-                self.critical.insert(gpu.uuid.clone(), now);
+                self.critical.insert(gpu.uuid.clone(), now + self.quiet);
             }
         }
         for event in batch.events {
@@ -171,21 +190,23 @@ impl NvidiaGpu {
                 continue;
             }
             devicelet_sdk::warn!("GPU {}: critical event {:?}", event.gpu_uuid, event.kind);
-            let at = now
-                .checked_sub(Duration::from_millis(event.age_ms))
-                .unwrap_or(now);
-            let last = self.critical.entry(event.gpu_uuid).or_insert(at);
-            *last = (*last).max(at);
+            let until = now
+                + self
+                    .quiet
+                    .saturating_sub(Duration::from_millis(event.age_ms));
+            let last = self.critical.entry(event.gpu_uuid).or_insert(until);
+            *last = (*last).max(until);
         }
     }
 
     fn health(&mut self, unit: &Unit) -> Health {
         if unit.lost {
-            self.critical.insert(unit.gpu.uuid.clone(), Instant::now());
+            self.critical
+                .insert(unit.gpu.uuid.clone(), Instant::now() + self.quiet);
             return Health::Unhealthy;
         }
         match self.critical.get(&unit.gpu.uuid) {
-            Some(at) if at.elapsed() < self.quiet => Health::Unhealthy,
+            Some(until) if Instant::now() < *until => Health::Unhealthy,
             _ => Health::Healthy,
         }
     }
@@ -221,7 +242,14 @@ impl Plugin for NvidiaGpu {
             .iter()
             .filter_map(|u| u.mig.as_ref().map(|m| m.profile.as_str()))
             .collect();
+        let whole = units.iter().filter(|u| u.mig.is_none()).count();
         match module.config.mig_strategy {
+            MigStrategy::Single if !profiles.is_empty() && whole > 0 => {
+                return Err(PluginError::Failed(format!(
+                    "mig-strategy \"single\" needs every GPU in MIG mode, as NVIDIA's plugin \
+                     does; {whole} GPU(s) here are not: use \"mixed\""
+                )));
+            }
             MigStrategy::Single if profiles.len() > 1 => {
                 return Err(PluginError::Failed(format!(
                     "mig-strategy \"single\" needs every MIG device to have one profile; this node \
@@ -311,6 +339,10 @@ impl Plugin for NvidiaGpu {
             edits = edits
                 .env("CUDA_MPS_PIPE_DIRECTORY", dir.clone())
                 .mount(dir, dir, false);
+        }
+        if let Some(shm) = &self.config.mps_shm_directory {
+            // The MPS daemon's shared memory, where its clients expect it.
+            edits = edits.mount(shm, "/dev/shm", false);
         }
         Ok(edits)
     }

@@ -28,6 +28,7 @@ fn gpu(i: u32) -> Gpu {
 
 fn mig(gi: u32, profile: &str, caps: [u32; 2]) -> MigDevice {
     MigDevice {
+        index: gi - 1,
         uuid: format!("MIG-0000000{gi}-aaaa-bbbb-cccc-000000000000"),
         gpu_instance_id: gi,
         compute_instance_id: 0,
@@ -165,30 +166,43 @@ fn a_gpu_off_the_bus_stays_listed_unhealthy_and_recovers_after_the_quiet_period(
     assert_eq!(health(&mut gpus)[3], Health::Healthy);
 }
 
-fn mig_node(second_profile: &str) -> FakeHost {
+/// GPU 0 in MIG mode with two MIG devices; with `whole`, GPU 1 beside it, not in MIG mode.
+fn mig_node(second_profile: &str, whole: bool) -> FakeHost {
     let mut a = gpu(0);
     a.mig_enabled = true;
-    let nvml = FakeNvml::new()
+    let mut nvml = FakeNvml::new()
         .with_gpu(a)
-        .with_gpu(gpu(1))
         .with_mig_device(0, mig(1, "1g.10gb", [12, 13]))
         .with_mig_device(0, mig(2, second_profile, [14, 15]));
+    if whole {
+        nvml = nvml.with_gpu(gpu(1));
+    }
     node(nvml)
 }
 
 #[test]
 fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
     let mut gpus =
-        Harness::<NvidiaGpu>::init(mig_node("1g.10gb"), r#"{"mig-strategy": "single"}"#).unwrap();
+        Harness::<NvidiaGpu>::init(mig_node("1g.10gb", false), r#"{"mig-strategy": "single"}"#)
+            .unwrap();
     let ids: Vec<String> = gpus
         .enumerate("gpu")
         .unwrap()
         .into_iter()
         .map(|d| d.id)
         .collect();
-    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert_eq!(ids.len(), 2, "{ids:?}");
     assert!(ids[0].starts_with("MIG-00000001"), "{ids:?}");
-    assert_eq!(ids[2], uuid(1));
+    let mut by_index = gpus
+        .another(r#"{"mig-strategy": "single", "device-id-strategy": "index"}"#)
+        .unwrap();
+    let ids_by_index: Vec<String> = by_index
+        .enumerate("gpu")
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    assert_eq!(ids_by_index, ["0:0", "0:1"]);
     let edits = gpus.allocate("gpu", &[&ids[0]]).unwrap();
     let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
     assert!(nodes.contains(&"/dev/nvidia0"), "{nodes:?}");
@@ -200,7 +214,11 @@ fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
         nodes.contains(&"/dev/nvidia-caps/nvidia-cap13"),
         "{nodes:?}"
     );
-    let e = Harness::<NvidiaGpu>::init(mig_node("2g.20gb"), r#"{"mig-strategy": "single"}"#)
+    let e = Harness::<NvidiaGpu>::init(mig_node("1g.10gb", true), r#"{"mig-strategy": "single"}"#)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("every GPU in MIG mode"), "{e}");
+    let e = Harness::<NvidiaGpu>::init(mig_node("2g.20gb", false), r#"{"mig-strategy": "single"}"#)
         .err()
         .unwrap();
     assert!(e.to_string().contains("use \"mixed\""), "{e}");
@@ -209,7 +227,8 @@ fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
 #[test]
 fn mig_mixed_serves_one_resource_per_profile() {
     let gpus =
-        Harness::<NvidiaGpu>::init(mig_node("2g.20gb"), r#"{"mig-strategy": "mixed"}"#).unwrap();
+        Harness::<NvidiaGpu>::init(mig_node("2g.20gb", true), r#"{"mig-strategy": "mixed"}"#)
+            .unwrap();
     let names: Vec<&str> = gpus.resources().iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["gpu", "mig-1g.10gb", "mig-2g.20gb"]);
     let mut gpus = gpus;
@@ -219,7 +238,8 @@ fn mig_mixed_serves_one_resource_per_profile() {
 
 #[test]
 fn mps_hands_over_the_pipe_directory() {
-    let config = r#"{"mps-pipe-directory": "/run/nvidia/mps"}"#;
+    let config =
+        r#"{"mps-pipe-directory": "/run/nvidia/mps", "mps-shm-directory": "/run/nvidia/mps/shm"}"#;
     let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), config).unwrap();
     let edits = gpus.allocate("gpu", &[&uuid(0)]).unwrap();
     assert!(
@@ -229,6 +249,13 @@ fn mps_hands_over_the_pipe_directory() {
     );
     assert_eq!(edits.mounts[0].host_path, "/run/nvidia/mps");
     assert!(!edits.mounts[0].read_only);
+    assert_eq!(
+        (
+            edits.mounts[1].host_path.as_str(),
+            edits.mounts[1].container_path.as_str()
+        ),
+        ("/run/nvidia/mps/shm", "/dev/shm")
+    );
 }
 
 #[test]

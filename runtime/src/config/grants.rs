@@ -113,23 +113,40 @@ fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
         .collect()
 }
 
+/// Host trees no device module may hand to a container: the kernel's, the node's credentials and
+/// configuration, and the kubelet's and devicelet's own state.
+const FORBIDDEN_MOUNTS: &[&str] = &[
+    "/proc",
+    "/sys",
+    "/dev",
+    "/etc",
+    "/root",
+    "/boot",
+    "/var/lib/kubelet",
+    "/var/lib/devicelet",
+    "/run/containerd",
+    "/var/run/containerd",
+];
+
 /// Directories for `mounts`: absolute, and outside the trees that have grants of their own (or
 /// that no container should get from a device module).
 fn mount_patterns(node: &Node<'_>) -> Result<Vec<Pattern>, RegistryError> {
     let items = patterns(node, "/")?;
     for (pattern, item) in items.iter().zip(node.array("")?.iter()) {
         let text = pattern.as_str();
-        let top = text
-            .trim_start_matches('/')
-            .split('/')
-            .next()
-            .unwrap_or_default();
-        if text == "/" || matches!(top, "proc" | "sys" | "dev") || top.contains(['*', '?', '[']) {
+        let parts: Vec<&str> = text.trim_start_matches('/').split('/').collect();
+        let fixed = parts.len() >= 2 && !parts[..2].iter().any(|p| p.contains(['*', '?', '[']));
+        let forbidden = FORBIDDEN_MOUNTS
+            .iter()
+            .any(|f| text == *f || text.starts_with(&format!("{f}/")));
+        if !fixed || forbidden {
             return Err(item.error_in_str(
                 0,
                 format!(
-                    "mount grant {text:?} must name a directory below a fixed top-level one, \
-                     not /, /proc, /sys or /dev (use the sysfs and dev grants for those)"
+                    "mount grant {text:?} must name a directory at least two levels deep (no glob \
+                     in those two), and not under {} (use the sysfs and dev grants for /sys and \
+                     /dev)",
+                    FORBIDDEN_MOUNTS.join(", ")
                 ),
             ));
         }

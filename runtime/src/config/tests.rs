@@ -824,10 +824,25 @@ fn mount_grants_name_directories_outside_the_device_trees() {
         registry.modules[0].grants.mounts[0].as_str(),
         "/run/nvidia/mps"
     );
-    for bad in ["/", "/proc/driver", "/sys/class", "/dev/shm", "/*/x"] {
+    for bad in [
+        "/run",
+        "/proc/driver",
+        "/sys/class",
+        "/dev/shm",
+        "/*/x",
+        "/etc/nvidia",
+        "/var/lib/kubelet/pods",
+    ] {
         let text = format!("{MINIMAL}[module.grants]\nmounts = [\"{bad}\"]\n");
         assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "mount grant");
     }
+    let text = format!("{MINIMAL}[module.grants]\nmounts = [\"/\"]\n");
+    assert_invalid(
+        &text,
+        5,
+        Some("module[0].grants.mounts[0]"),
+        "not a normalised",
+    );
     let text = format!("{MINIMAL}[module.grants]\nmounts = [\"run/x\"]\n");
     assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "not under /");
 }

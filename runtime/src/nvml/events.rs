@@ -57,6 +57,9 @@ struct Logged {
 struct Log {
     entries: VecDeque<Logged>,
     last: u64,
+    /// Sequence numbers at which the event thread stopped watching (NVML failed its wait or its
+    /// set-up): events may have been lost there. Bounded like the entries.
+    gaps: VecDeque<u64>,
 }
 
 type Pokes = Vec<Arc<Notify>>;
@@ -95,7 +98,8 @@ impl EventLog {
                 })
                 .collect(),
             next: log.last,
-            missed: oldest.saturating_sub(after.saturating_add(1)),
+            missed: oldest.saturating_sub(after.saturating_add(1))
+                + log.gaps.iter().filter(|&&g| g > after).count() as u64,
         }
     }
 
@@ -105,6 +109,29 @@ impl EventLog {
         subscribers.retain(|s| s.strong_count() > 0);
         subscribers.push(Arc::downgrade(&pokes));
         Subscription { _pokes: pokes }
+    }
+
+    /// Notes that events may have been lost now, and wakes the modules to notice.
+    pub(super) fn gap(&self) {
+        {
+            let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+            log.last += 1;
+            let seq = log.last;
+            if log.gaps.len() == CAPACITY {
+                log.gaps.pop_front();
+            }
+            log.gaps.push_back(seq);
+        }
+        self.poke();
+    }
+
+    fn poke(&self) {
+        let subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        for pokes in subscribers.iter().filter_map(Weak::upgrade) {
+            for poke in pokes.iter() {
+                poke.notify_one();
+            }
+        }
     }
 
     pub(super) fn push(&self, gpu_uuid: Arc<str>, kind: EventKind) {
@@ -122,12 +149,7 @@ impl EventLog {
                 at: Instant::now(),
             });
         }
-        let subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
-        for pokes in subscribers.iter().filter_map(Weak::upgrade) {
-            for poke in pokes.iter() {
-                poke.notify_one();
-            }
-        }
+        self.poke();
     }
 }
 
@@ -140,7 +162,9 @@ pub(super) fn start(nvml: &'static Nvml, log: Arc<EventLog>) {
                 if let Err(e) = watch(nvml, &log) {
                     tracing::warn!("NVML events: {e}; setting the event set up again in 5s");
                 }
+                // Events may have been lost meanwhile: modules count a gap as missed events.
                 log.watched.store(0, Ordering::Relaxed);
+                log.gap();
                 std::thread::sleep(RETRY);
             }
         });
@@ -154,31 +178,58 @@ fn critical() -> EventTypes {
 }
 
 /// Registers every GPU that supports critical events, then waits for events until NVML fails.
+/// A GPU that cannot be registered (lost, no event support) is skipped, never the others.
 fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<(), Nv> {
-    let mut set = nvml.create_event_set()?;
     // The handle each event names, with its GPU's UUID read now: a GPU that fell off the bus can
     // no longer be asked for it.
-    let mut gpus = Vec::new();
+    let mut gpus: Vec<(nvml_wrapper::Device<'static>, EventTypes, usize, Arc<str>)> = Vec::new();
     for index in 0..nvml.device_count()? {
-        let device = nvml.device_by_index(index)?;
-        let types = device.supported_event_types()? & critical();
-        if types.is_empty() {
-            tracing::info!(
-                index,
-                "GPU reports no critical events; its health relies on the interval"
-            );
-            continue;
+        let found = nvml.device_by_index(index).and_then(|device| {
+            let types = device.supported_event_types()? & critical();
+            let uuid: Arc<str> = device.uuid()?.into();
+            Ok((device, types, uuid))
+        });
+        match found {
+            Ok((_, types, _)) if types.is_empty() => {
+                tracing::info!(
+                    index,
+                    "GPU reports no critical events; its health relies on the interval"
+                );
+            }
+            // SAFETY: the handle is only compared with the handles events carry, never called.
+            Ok((device, types, uuid)) => {
+                let handle = unsafe { device.handle() } as usize;
+                gpus.push((device, types, handle, uuid));
+            }
+            Err(e) => tracing::warn!(index, "NVML events: not watching GPU {index}: {e}"),
         }
-        let uuid: Arc<str> = device.uuid()?.into();
-        set = device.register_events(types, set).map_err(|e| e.error)?;
-        // SAFETY: the handle is only compared with the handles events carry, never called.
-        gpus.push((unsafe { device.handle() } as usize, uuid));
     }
-    log.watched.store(gpus.len() as u32, Ordering::Relaxed);
-    tracing::debug!(gpus = gpus.len(), "NVML event thread watching");
+    let mut set = nvml.create_event_set()?;
+    let mut watched: Vec<(usize, Arc<str>)> = Vec::new();
+    for (device, types, handle, uuid) in &gpus {
+        match device.register_events(*types, set) {
+            Ok(registered) => {
+                set = registered;
+                watched.push((*handle, uuid.clone()));
+            }
+            Err(e) => {
+                // NVML frees the set on failure: start a new one with the GPUs registered so far.
+                tracing::warn!(gpu = &**uuid, "NVML events: cannot register: {}", e.error);
+                let mut fresh = nvml.create_event_set()?;
+                for (d, t, h, _) in &gpus {
+                    if watched.iter().any(|(w, _)| w == h) {
+                        fresh = d.register_events(*t, fresh).map_err(|e| e.error)?;
+                    }
+                }
+                set = fresh;
+            }
+        }
+    }
+    log.watched.store(watched.len() as u32, Ordering::Relaxed);
+    tracing::debug!(gpus = watched.len(), "NVML event thread watching");
     loop {
         match set.wait(WAIT_MS) {
-            Ok(data) => record(log, &gpus, data),
+            Ok(data) => record(log, &watched, data),
             Err(Nv::Timeout) => {}
             Err(e) => return Err(e),
         }
@@ -196,7 +247,8 @@ fn record(log: &EventLog, gpus: &[(usize, Arc<str>)], data: EventData<'_>) {
     } else {
         match data.event_data {
             Some(nvml_wrapper::enums::event::XidError::Value(code)) => EventKind::Xid(code),
-            _ => EventKind::Xid(0),
+            // NVML's own code for an XID it could not read.
+            _ => EventKind::Xid(999),
         }
     };
     tracing::warn!(gpu = &**uuid, ?kind, "NVML critical event");
@@ -222,6 +274,10 @@ mod tests {
         let caught_up = log.since(all.next);
         assert!(caught_up.events.is_empty());
         assert_eq!((caught_up.next, caught_up.missed), (all.next, 0));
+        log.gap();
+        let after_gap = log.since(all.next);
+        assert_eq!((after_gap.next, after_gap.missed), (all.next + 1, 1));
+        assert_eq!(log.since(after_gap.next).missed, 0);
     }
 
     #[test]

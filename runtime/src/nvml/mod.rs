@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel as NvTopology;
@@ -33,6 +33,8 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// How long `nvmlInit` may take. A healthy driver answers in well under a second; one wedged by
 /// a sick GPU may never answer, and the agent must still serve every other module.
 const INIT_LIMIT: Duration = Duration::from_secs(10);
+/// How long a failed open is remembered before a module load tries again.
+const RETRY: Duration = Duration::from_secs(30);
 
 /// The vendor libraries the agent opens for modules, by where to find them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +107,7 @@ pub struct Gpu {
 /// One MIG device of a GPU in MIG mode.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigDevice {
+    pub index: u32,
     pub uuid: String,
     pub gpu_instance_id: u32,
     pub compute_instance_id: u32,
@@ -136,17 +139,24 @@ pub struct NvmlNode {
     nvml: Result<&'static Nvml, String>,
     availability: Availability,
     events: Arc<events::EventLog>,
+    /// When a failed open may be tried again; None when ready, or when init never returned.
+    retry_after: Option<Instant>,
 }
 
-/// Opens NVML from `library`, once per process and path; later calls return the same node.
-/// Blocks up to [`INIT_LIMIT`]: call it from a blocking thread.
+/// Opens NVML from `library`, once per process and path; later calls return the same node. A
+/// library that was missing or failed to initialise is tried again by a call [`RETRY`] later (a
+/// driver container may install it after the agent started); one whose init never returned is
+/// not, since that init still holds the library. Blocks up to [`INIT_LIMIT`]: call it from a
+/// blocking thread.
 pub fn open(library: &Path) -> Arc<NvmlNode> {
     static NODES: OnceLock<Mutex<HashMap<PathBuf, Arc<NvmlNode>>>> = OnceLock::new();
     let nodes = NODES.get_or_init(Default::default);
     // Held while initialising: a second module asking for the same library waits for the first
     // answer instead of starting a second init.
     let mut nodes = nodes.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(node) = nodes.get(library) {
+    if let Some(node) = nodes.get(library)
+        && node.retry_after.is_none_or(|at| Instant::now() < at)
+    {
         return node.clone();
     }
     let node = Arc::new(NvmlNode::init(library));
@@ -161,27 +171,43 @@ impl NvmlNode {
         let spawned = std::thread::Builder::new()
             .name("nvml-init".into())
             .spawn(move || {
-                let result = Nvml::builder().lib_path(path.as_os_str()).init();
+                let result = Nvml::builder()
+                    .lib_path(path.as_os_str())
+                    .init()
+                    .map(|nvml| {
+                        let driver = nvml.sys_driver_version().unwrap_or_default();
+                        let gpus = nvml.device_count().unwrap_or(0);
+                        (nvml, driver, gpus)
+                    });
                 // The receiver is gone when init overran its limit; nothing to tell then.
                 let _ = tx.send(result);
             });
-        let nvml = match spawned {
+        let mut retry_after = Some(Instant::now() + RETRY);
+        let opened = match spawned {
             Err(e) => Err(format!("cannot start the NVML init thread: {e}")),
             Ok(_) => match rx.recv_timeout(INIT_LIMIT) {
-                Ok(Ok(nvml)) => Ok(&*Box::leak(Box::new(nvml))),
+                Ok(Ok((nvml, driver, gpus))) => {
+                    retry_after = None;
+                    Ok((&*Box::leak(Box::new(nvml)), driver, gpus))
+                }
                 Ok(Err(e)) => Err(describe_init_error(library, e)),
-                Err(_) => Err(format!(
-                    "nvmlInit in {} did not return within {}s (the driver may be wedged)",
-                    library.display(),
-                    INIT_LIMIT.as_secs()
-                )),
+                Err(_) => Err({
+                    retry_after = None;
+                    format!(
+                        "nvmlInit in {} did not return within {}s (the driver may be wedged)",
+                        library.display(),
+                        INIT_LIMIT.as_secs()
+                    )
+                }),
             },
         };
         let events = Arc::new(events::EventLog::default());
-        let availability = match nvml {
-            Ok(nvml) => {
-                let driver = nvml.sys_driver_version().unwrap_or_default();
-                let gpus = nvml.device_count().unwrap_or(0);
+        let nvml = opened
+            .as_ref()
+            .map(|(nvml, _, _)| *nvml)
+            .map_err(Clone::clone);
+        let availability = match opened {
+            Ok((nvml, driver, gpus)) => {
                 events::start(nvml, events.clone());
                 tracing::info!(library = %library.display(), driver, gpus, "NVML ready");
                 Availability::Ready { driver, gpus }
@@ -196,6 +222,7 @@ impl NvmlNode {
             nvml,
             availability,
             events,
+            retry_after,
         }
     }
 
@@ -267,6 +294,7 @@ impl NvmlNode {
             let ci = instance_id(nvml, &mig, Instance::Compute)?;
             let attributes = mig.attributes()?;
             found.push(MigDevice {
+                index: slot,
                 uuid: mig.uuid()?,
                 gpu_instance_id: gi,
                 compute_instance_id: ci,

@@ -3,7 +3,7 @@
 
 /// The name of a MIG device's profile. The memory part is not the device's memory in GiB
 /// (a `1g.10gb` slice of an 80 GB A100 has 9856 MiB): NVIDIA rounds the device's share of its
-/// GPU's memory up to eighths, then scales the GPU's size in GB by it.
+/// GPU's memory up to eighths, then scales the GPU's size in GB by it and rounds to the nearest.
 pub fn name(gi_slices: u32, ci_slices: u32, memory_mib: u64, parent_bytes: u64) -> String {
     let gb = memory_gb(memory_mib, parent_bytes);
     if ci_slices != 0 && ci_slices < gi_slices {
@@ -19,9 +19,9 @@ fn memory_gb(memory_mib: u64, parent_bytes: u64) -> u64 {
         return memory_mib.div_ceil(1024);
     }
     let parent_gb = parent_mib.div_ceil(1024);
-    // ceil(8 * share) / 8 * parent_gb, rounded up, in integers.
+    // round(ceil(8 * share) / 8 * parent_gb), in integers, as NVIDIA's go-nvlib computes it.
     let eighths = (memory_mib * 8).div_ceil(parent_mib);
-    (eighths * parent_gb).div_ceil(8)
+    (eighths * parent_gb + 4) / 8
 }
 
 #[cfg(test)]
@@ -39,6 +39,14 @@ mod tests {
         assert_eq!(name(7, 7, 80896, A100_80GB), "7g.80gb");
         assert_eq!(name(1, 1, 4864, A100_40GB), "1g.5gb");
         assert_eq!(name(7, 7, 40192, A100_40GB), "7g.40gb");
+    }
+
+    #[test]
+    fn a_share_of_an_odd_sized_gpu_rounds_to_the_nearest_gb() {
+        // An H200 (141 GB): a quarter is 35.25 GB, which NVIDIA names 35.
+        const H200: u64 = 143_771 << 20;
+        assert_eq!(name(2, 2, 33_280, H200), "2g.35gb");
+        assert_eq!(name(1, 1, 16_896, H200), "1g.18gb");
     }
 
     #[test]

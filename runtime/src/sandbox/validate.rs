@@ -10,7 +10,7 @@ use std::path::Path;
 
 use cap_std::fs::FileTypeExt;
 
-use super::host::paths::{granted, real_path, real_path_and_metadata};
+use super::host::paths::{granted, granted_exactly, real_path, real_path_and_metadata};
 use crate::config::Grants;
 use crate::device::{ContainerEdits, Device};
 
@@ -245,6 +245,7 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
                 truncate(&m.host_path)
             ));
         }
+        writable_mount(m, grants, &m.host_path)?;
         if !is_normal_absolute(&m.container_path) {
             return Err(format!(
                 "mount target {:?} is not absolute and normal",
@@ -329,9 +330,24 @@ pub fn resolve_edits(
                 truncate(&real)
             ));
         }
+        writable_mount(m, grants, &real)?;
         m.host_path = real;
     }
     Ok(())
+}
+
+/// A writable mount reached only through a `mounts` grant must be a granted directory itself: a
+/// container writing below it could otherwise swap a subdirectory for a symlink between this
+/// check and the runtime's bind mount.
+fn writable_mount(m: &crate::device::Mount, grants: &Grants, path: &str) -> Result<(), Violation> {
+    let other = granted(&grants.dev, path) || granted(&grants.sysfs, path);
+    if m.read_only || other || granted_exactly(&grants.mounts, path) {
+        return Ok(());
+    }
+    Err(format!(
+        "writable mount of {:?} must be a directory the mounts grant names, not a path below it",
+        truncate(path)
+    ))
 }
 
 /// Long hostile strings are cut in messages so an error cannot carry the payload.
@@ -442,7 +458,10 @@ mod tests {
         assert!(edits(&read_only, &grants()).is_ok());
         // A mount grant may be mounted writable (an MPS pipe directory), and covers what is below.
         assert!(edits(&mount("/run/nvidia/mps"), &grants()).is_ok());
-        assert!(edits(&mount("/run/nvidia/mps/pipe"), &grants()).is_ok());
+        assert!(edits(&mount("/run/nvidia/mps/pipe"), &grants()).is_err());
+        let mut below = mount("/run/nvidia/mps/pipe");
+        below.mounts[0].read_only = true;
+        assert!(edits(&below, &grants()).is_ok());
         assert!(edits(&mount("/run/nvidia"), &grants()).is_err());
         assert!(edits(&mount("/run/nvidia/mps/../../secrets"), &grants()).is_err());
     }

@@ -60,6 +60,7 @@ impl Host for HostState {
             .map_err(error)?
             .into_iter()
             .map(|m| MigDevice {
+                index: m.index,
                 uuid: m.uuid,
                 gpu_instance_id: m.gpu_instance_id,
                 compute_instance_id: m.compute_instance_id,

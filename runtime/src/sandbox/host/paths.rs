@@ -34,6 +34,11 @@ pub fn granted(grants: &[Pattern], path: &str) -> bool {
     })
 }
 
+/// Whether `path` itself (not only an ancestor) matches one of `grants`.
+pub fn granted_exactly(grants: &[Pattern], path: &str) -> bool {
+    grants.iter().any(|g| g.matches_with(path, MATCH))
+}
+
 /// Whether some grant lies strictly below `dir`, so listing it may reveal granted entries.
 pub fn leads_to_grant(grants: &[Pattern], dir: &str) -> bool {
     let dir = dir.trim_end_matches('/');

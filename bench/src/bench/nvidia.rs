@@ -1,0 +1,210 @@
+//! Benchmark 9: the NVIDIA module over the fake NVML library (`tests/fake-nvml`, loaded through
+//! the agent's real dlopen path): a critical NVML event → the new snapshot at the kubelet, and
+//! GetPreferredAllocation on 8 GPUs in two NVLink islands answered by the module.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::Settings;
+use super::node::{Node, WAIT};
+use super::report::Row;
+use super::stats::{Samples, duration};
+use devicelet::agent::{Agent, AgentOptions};
+use devicelet::config::Registry;
+use devicelet::kubelet::api::deviceplugin::{
+    ContainerPreferredAllocationRequest, PreferredAllocationRequest,
+};
+use devicelet_simulator::SimConfig;
+
+const RESOURCE: &str = "nvidia.com/gpu";
+/// How long an event keeps a GPU Unhealthy; the bench waits it out between samples.
+const QUIET: Duration = Duration::from_millis(150);
+const EVENTS: usize = 40;
+const EVENT_TARGET: Duration = Duration::from_millis(50);
+
+fn fixture() -> String {
+    let bus = |i: u32| format!("00000000:{:02X}:00.0", 0x07 + i * 0x10);
+    let gpus: Vec<String> = (0..8u32)
+        .map(|i| {
+            let links: Vec<String> = (0..8)
+                .filter(|&j| j != i && j / 4 == i / 4)
+                .map(|j| format!("{:?}", bus(j)))
+                .collect();
+            format!(
+                r#"{{"uuid": "GPU-6c4a5f2e-0000-4000-8000-00000000000{i}", "name": "NVIDIA A100-SXM4-80GB",
+                "minor": {i}, "pci-bus-id": {:?}, "memory-mib": 81920, "numa-node": {},
+                "nvlinks": [{}]}}"#,
+                bus(i),
+                i / 4,
+                links.join(", ")
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"driver-version": "550.54.15", "gpus": [{}]}}"#,
+        gpus.join(", ")
+    )
+}
+
+struct Gpus {
+    library: PathBuf,
+    control: PathBuf,
+}
+
+impl Gpus {
+    fn new(dir: &Path, fake: &Path) -> anyhow::Result<Gpus> {
+        let dir = dir.join("nvml");
+        std::fs::create_dir_all(&dir)?;
+        let library = dir.join("libnvidia-ml.so.1");
+        std::fs::copy(fake, &library).with_context(|| format!("copying {}", fake.display()))?;
+        std::fs::write(dir.join("nvml.json"), fixture())?;
+        let control = dir.join("nvml.control");
+        std::fs::write(&control, "")?;
+        Ok(Gpus { library, control })
+    }
+
+    fn inject(&self, line: &str) -> anyhow::Result<()> {
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.control)?;
+        writeln!(file, "{line}")?;
+        Ok(())
+    }
+}
+
+pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
+    let fake = s
+        .fake_nvml
+        .as_deref()
+        .context("the nvidia benchmark needs --fake-nvml (scripts/bench.sh builds it)")?;
+    let node = Node::start(SimConfig::default()).await?;
+    node.add_char("/dev/nvidiactl", 195, 255)?;
+    for i in 0..8 {
+        node.add_char(&format!("/dev/nvidia{i}"), 195, i)?;
+    }
+    let gpus = Gpus::new(node.dir.path(), fake)?;
+    let registry = node.registry(&format!(
+        r#"[[module]]
+name = "nvidia-gpu"
+path = "{}"
+resource-domain = "nvidia.com"
+health-interval = "1h"
+
+[module.grants]
+dev = ["/dev/nvidia*"]
+libraries = ["nvml"]
+
+[module.config]
+quiet-period = "{}ms"
+"#,
+        s.module_dir.join("nvidia_gpu.wasm").display(),
+        QUIET.as_millis()
+    ))?;
+    let mut options = AgentOptions::new(Registry::load(&registry)?, node.plugin_dir());
+    options.hot_reload = false;
+    options.cdi_dir = node.dir.path().join("cdi");
+    options.libraries.nvml = gpus.library.clone();
+    let agent = Agent::start(options).await?;
+    if let Some(e) = agent.load_errors().first() {
+        anyhow::bail!("{e}");
+    }
+    node.sim
+        .wait_until(RESOURCE, WAIT, |r| r.allocatable == 8)
+        .await?;
+    let nvml = devicelet::nvml::open(&gpus.library);
+    let began = Instant::now();
+    while nvml.watched_gpus() < 8 {
+        anyhow::ensure!(
+            began.elapsed() < WAIT,
+            "the NVML event thread never watched 8 GPUs"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rows = vec![
+        event_to_snapshot(s, &node, &gpus).await?,
+        preferred(s, &node).await?,
+    ];
+    agent.shutdown().await;
+    Ok(rows)
+}
+
+/// An XID 79 on one GPU until the kubelet sees it Unhealthy. With a one-hour health interval
+/// only the event can wake the check. Between samples the GPU recovers: after the quiet period
+/// an ignored XID (13) wakes the check again.
+async fn event_to_snapshot(s: &Settings, node: &Node, gpus: &Gpus) -> anyhow::Result<Row> {
+    let mut samples = Vec::new();
+    for i in 0..s.n(EVENTS) {
+        let gpu = i % 8;
+        let started = Instant::now();
+        gpus.inject(&format!("xid {gpu} 79"))?;
+        node.sim
+            .wait_until(RESOURCE, WAIT, |r| r.allocatable == 7)
+            .await?;
+        samples.push(started.elapsed());
+        tokio::time::sleep(QUIET).await;
+        gpus.inject(&format!("xid {gpu} 13"))?;
+        node.sim
+            .wait_until(RESOURCE, WAIT, |r| r.allocatable == 8)
+            .await?;
+    }
+    let samples = Samples::new(samples);
+    Ok(Row::judged(
+        format!(
+            "9. NVML critical event (XID 79, fake NVML) → GPU Unhealthy in the kubelet's snapshot, \
+             health-interval 1h ({} events)",
+            samples.len()
+        ),
+        samples.summary(false),
+        format!("p50 ≤ {}", duration(EVENT_TARGET)),
+        samples.p50() <= EVENT_TARGET,
+    ))
+}
+
+/// GetPreferredAllocation through the kubelet's client: 8 GPUs in two NVLink islands, 4 wanted.
+async fn preferred(s: &Settings, node: &Node) -> anyhow::Result<Row> {
+    let state = node
+        .sim
+        .resource(RESOURCE)
+        .context("the resource vanished")?;
+    let request = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: state.devices.iter().map(|d| d.id.clone()).collect(),
+            must_include_device_i_ds: vec![state.devices[5].id.clone()],
+            allocation_size: 4,
+        }],
+    };
+    let mut client = node.client(RESOURCE).await?;
+    let calls = s.n(5_000);
+    let mut samples = Vec::with_capacity(calls);
+    for i in 0..s.n(200) + calls {
+        let started = Instant::now();
+        let answer = client
+            .get_preferred_allocation(request.clone())
+            .await?
+            .into_inner();
+        let took = started.elapsed();
+        let chosen = &answer.container_responses[0].device_i_ds;
+        // The island of the must-include GPU (4-7): every chosen ID ends in 4..=7.
+        anyhow::ensure!(
+            chosen.len() == 4 && chosen.iter().all(|id| id.ends_with(['4', '5', '6', '7'])),
+            "not one NVLink island: {chosen:?}"
+        );
+        if i >= s.n(200) {
+            samples.push(took);
+        }
+    }
+    let samples = Samples::new(samples);
+    Ok(Row::judged(
+        format!(
+            "9. GetPreferredAllocation, the NVIDIA module's NVLink-aware choice, 8 GPUs in two \
+             islands, one must-include, size 4 ({} calls)",
+            samples.len()
+        ),
+        samples.summary(false),
+        "p99 ≤ 1 ms",
+        samples.p99() <= Duration::from_millis(1),
+    ))
+}
