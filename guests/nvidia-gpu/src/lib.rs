@@ -354,17 +354,24 @@ impl Plugin for NvidiaGpu {
         must_include: &[String],
         size: usize,
     ) -> Result<Vec<String>, PluginError> {
-        let units = self.units_of(resource)?;
-        let index_of: HashMap<&str, u32> =
-            units.iter().map(|u| (u.id.as_str(), u.gpu.index)).collect();
+        if !self.resources.iter().any(|r| r == resource) {
+            return Err(PluginError::UnknownResource(resource.into()));
+        }
+        // The kubelet's path: no NVML calls once this instance has seen the GPUs and their links.
+        if self.seen.is_empty() {
+            self.scan()?;
+        }
         if self.links.is_none() {
             let indexes: Vec<u32> = self.seen.keys().copied().collect();
             self.links = Some(preferred::Scores::read(&indexes));
         }
-        let scores = self
-            .links
-            .as_ref()
-            .map_or_else(Default::default, Clone::clone);
+        let index_of: HashMap<String, u32> = self
+            .seen
+            .values()
+            .map(|(gpu, _)| (self.config.id(gpu, None), gpu.index))
+            .collect();
+        let empty = preferred::Scores::default();
+        let scores = self.links.as_ref().unwrap_or(&empty);
         Ok(preferred::choose(
             available,
             must_include,
