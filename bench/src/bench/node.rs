@@ -81,11 +81,21 @@ impl Node {
         registry: &Path,
         state_dir: Option<PathBuf>,
     ) -> anyhow::Result<Agent> {
+        self.start_agent_with(registry, |o| o.state_dir = state_dir)
+            .await
+    }
+
+    /// [`start_agent`](Self::start_agent), after letting `adjust` change its options.
+    pub async fn start_agent_with(
+        &self,
+        registry: &Path,
+        adjust: impl FnOnce(&mut AgentOptions),
+    ) -> anyhow::Result<Agent> {
         let registry = Registry::load(registry)?;
         let mut options = AgentOptions::new(registry, self.plugin_dir());
         options.hot_reload = false;
-        options.state_dir = state_dir;
         options.cdi_dir = self.dir.path().join("cdi");
+        adjust(&mut options);
         let agent = Agent::start(options).await?;
         if let Some(e) = agent.load_errors().first() {
             anyhow::bail!("{e}");

@@ -12,8 +12,6 @@ use super::Settings;
 use super::node::{Node, WAIT};
 use super::report::Row;
 use super::stats::{Samples, duration};
-use devicelet::agent::{Agent, AgentOptions};
-use devicelet::config::Registry;
 use devicelet::kubelet::api::deviceplugin::{
     ContainerPreferredAllocationRequest, PreferredAllocationRequest,
 };
@@ -103,14 +101,10 @@ quiet-period = "{}ms"
         s.module_dir.join("nvidia_gpu.wasm").display(),
         QUIET.as_millis()
     ))?;
-    let mut options = AgentOptions::new(Registry::load(&registry)?, node.plugin_dir());
-    options.hot_reload = false;
-    options.cdi_dir = node.dir.path().join("cdi");
-    options.libraries.nvml = gpus.library.clone();
-    let agent = Agent::start(options).await?;
-    if let Some(e) = agent.load_errors().first() {
-        anyhow::bail!("{e}");
-    }
+    let library = gpus.library.clone();
+    let agent = node
+        .start_agent_with(&registry, |o| o.libraries.nvml = library)
+        .await?;
     node.sim
         .wait_until(RESOURCE, WAIT, |r| r.allocatable == 8)
         .await?;
