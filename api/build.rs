@@ -4,6 +4,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "../proto/deviceplugin/v1beta1/api.proto",
         "../proto/podresources/v1/api.proto",
+        "../proto/pluginregistration/v1/api.proto",
     ];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");

@@ -350,3 +350,155 @@ attack = "{attack}"
 {path}"#
     )
 }
+
+/// One sample of a Prometheus text exposition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// Parses a Prometheus/OpenMetrics text exposition strictly: every line is a comment (`# HELP`,
+/// `# TYPE`, `# UNIT`, `# EOF`) or `name{label="value",...} value`, every sample belongs to a
+/// family declared by a `# TYPE` line before it, and the text ends with `# EOF`. Panics naming
+/// the line otherwise. Hand-written (40 lines) rather than a crate: the parsers on crates.io
+/// bring regex and chrono for what is a line format.
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut families: Vec<String> = Vec::new();
+    let mut samples = Vec::new();
+    let mut ended = false;
+    for line in text.lines() {
+        assert!(!ended, "text after # EOF: {line:?}");
+        if line == "# EOF" {
+            ended = true;
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest
+                .split_once(' ')
+                .unwrap_or_else(|| panic!("bad TYPE: {line:?}"));
+            assert!(
+                [
+                    "counter",
+                    "gauge",
+                    "histogram",
+                    "info",
+                    "unknown",
+                    "summary",
+                    "stateset"
+                ]
+                .contains(&kind),
+                "unknown type in {line:?}"
+            );
+            families.push(name.to_owned());
+            continue;
+        }
+        if line.starts_with("# HELP ") || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("no value: {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => {
+                let body = rest
+                    .strip_suffix('}')
+                    .unwrap_or_else(|| panic!("unclosed labels: {line:?}"));
+                (name, parse_labels(body, line))
+            }
+            None => (series, Default::default()),
+        };
+        assert!(
+            name.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b':'),
+            "bad metric name in {line:?}"
+        );
+        assert!(
+            families.iter().any(|f| name == f
+                || ["_total", "_count", "_sum", "_bucket", "_info", "_created"]
+                    .iter()
+                    .any(|s| name.strip_suffix(s) == Some(f))),
+            "sample of an undeclared family: {line:?}"
+        );
+        samples.push(Sample {
+            name: name.to_owned(),
+            labels,
+            value,
+        });
+    }
+    assert!(ended, "the exposition does not end with # EOF");
+    samples
+}
+
+fn parse_labels(body: &str, line: &str) -> std::collections::BTreeMap<String, String> {
+    let mut labels = std::collections::BTreeMap::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        let (key, after) = rest
+            .split_once("=\"")
+            .unwrap_or_else(|| panic!("bad label in {line:?}"));
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next() {
+                Some((i, '"')) => break i,
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c)) => value.push(c),
+                    None => panic!("bad escape in {line:?}"),
+                },
+                Some((_, c)) => value.push(c),
+                None => panic!("unterminated label value in {line:?}"),
+            }
+        };
+        labels.insert(key.to_owned(), value);
+        rest = after[end + 1..]
+            .strip_prefix(',')
+            .unwrap_or(&after[end + 1..]);
+    }
+    labels
+}
+
+/// The value of the sample `name` whose labels include every pair of `labels`, if one is.
+pub fn metric(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples
+        .iter()
+        .find(|s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.value)
+}
+
+/// `GET path` over a fresh HTTP/1.1 connection: the status code and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connecting to the metrics endpoint");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.expect("request");
+    let mut response = Vec::new();
+    conn.read_to_end(&mut response).await.expect("response");
+    let response = String::from_utf8(response).expect("a UTF-8 response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status code");
+    (status, body.to_owned())
+}
+
+/// Scrapes `/metrics` and parses it.
+pub async fn scrape(addr: std::net::SocketAddr) -> Vec<Sample> {
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    parse_metrics(&body)
+}

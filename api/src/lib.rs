@@ -2,6 +2,7 @@
 //! so no `protoc` is needed), the Unix-socket transport the kubelet uses, and its resource-name
 //! rules: what the agent and the kubelet simulator both speak.
 
+pub mod authority;
 pub mod names;
 pub mod uds;
 
@@ -17,6 +18,19 @@ pub mod deviceplugin {
     pub const UNHEALTHY: &str = "Unhealthy";
     /// The kubelet's own registration socket, inside its device-plugin directory.
     pub const KUBELET_SOCKET: &str = "kubelet.sock";
+}
+
+/// The plugin watcher's registration API (`pluginregistration.Registration`), served on a socket
+/// in the kubelet's `plugins_registry` directory: the route that survives kubelet restarts by
+/// itself.
+pub mod pluginregistration {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("pluginregistration");
+
+    /// `PluginInfo.type` of a device plugin.
+    pub const DEVICE_PLUGIN: &str = "DevicePlugin";
+    /// The kubelet's default plugin-watcher directory.
+    pub const DEFAULT_DIR: &str = "/var/lib/kubelet/plugins_registry";
 }
 
 /// PodResources API (`v1.PodResourcesLister`).

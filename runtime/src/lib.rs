@@ -13,6 +13,7 @@ pub mod files;
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;
+pub mod metrics;
 pub mod nvml;
 pub mod policy;
 pub mod sandbox;

@@ -34,20 +34,40 @@ pub(super) type PluginClient = DevicePluginClient<Channel>;
 /// connection is made or `timeout` has passed, so a plugin that binds a moment after it
 /// registers still gets through, and one that never serves fails after `timeout`.
 pub(super) async fn dial(path: &Path, timeout: Duration) -> Result<PluginClient, String> {
+    connect_retrying(path, timeout, uds::connect)
+        .await
+        .map(DevicePluginClient::new)
+        .map_err(|last| {
+            format!(
+                "cannot connect to the device plugin at {} within {timeout:?}: {last}",
+                path.display()
+            )
+        })
+}
+
+/// Connects to `path` with `connect`, retrying (10 ms, doubling up to 500 ms) until it
+/// succeeds or `timeout` has passed; the error is the last failure.
+pub(super) async fn connect_retrying<'a, F, Fut, E>(
+    path: &'a Path,
+    timeout: Duration,
+    connect: F,
+) -> Result<Channel, String>
+where
+    F: Fn(&'a Path) -> Fut,
+    Fut: Future<Output = Result<Channel, E>>,
+    E: std::error::Error,
+{
     let deadline = Instant::now() + timeout;
     let mut backoff = Duration::from_millis(10);
     loop {
-        let last = match tokio::time::timeout_at(deadline, uds::connect(path)).await {
-            Ok(Ok(channel)) => return Ok(DevicePluginClient::new(channel)),
+        let last = match tokio::time::timeout_at(deadline, connect(path)).await {
+            Ok(Ok(channel)) => return Ok(channel),
             Ok(Err(e)) => error_chain(&e),
             Err(_) => "connection attempt timed out".to_owned(),
         };
         let now = Instant::now();
         if now >= deadline {
-            return Err(format!(
-                "cannot connect to the device plugin at {} within {timeout:?}: {last}",
-                path.display()
-            ));
+            return Err(last);
         }
         tokio::time::sleep(backoff.min(deadline - now)).await;
         backoff = (backoff * 2).min(Duration::from_millis(500));

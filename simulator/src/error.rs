@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::state::{PodRef, ResourceState};
+use super::watcher::RegistryAttempt;
 
 /// Why a [`Simulator`](super::Simulator) call failed.
 ///
@@ -157,6 +158,17 @@ pub enum SimError {
         /// What the simulated kubelet knew about the resource at the end (None: never
         /// registered).
         last: Option<Box<ResourceState>>,
+    },
+
+    /// [`Simulator::wait_registry`](super::Simulator::wait_registry) timed out.
+    #[error(
+        "timed out after {after:?} waiting for the plugin watcher; its attempts so far: {attempts:?}"
+    )]
+    RegistryTimeout {
+        /// How long the wait lasted.
+        after: Duration,
+        /// Every registration attempt of the plugin watcher at the end.
+        attempts: Vec<RegistryAttempt>,
     },
 }
 

@@ -3,9 +3,12 @@
 //! Every event is also logged with `tracing`; the broadcast channel lets the CLI (and tests that
 //! want a transcript) follow along without polling.
 
+use std::path::PathBuf;
+
 use devicelet_api::deviceplugin::{Device, DevicePluginOptions};
 
 use super::state::PodRef;
+use super::watcher::RegistryAttempt;
 
 /// Something the simulated kubelet did or saw, in the order it happened.
 #[derive(Debug, Clone, PartialEq)]
@@ -82,4 +85,19 @@ pub enum SimEvent {
     },
     /// `kubelet.sock` accepts connections again after a restart.
     Serving,
+    /// The plugin watcher tried to register a socket in `plugins_registry` (successfully or
+    /// not); also in [`Simulator::registry_attempts`](super::Simulator::registry_attempts).
+    RegistryAttempt {
+        /// What happened.
+        attempt: RegistryAttempt,
+    },
+    /// A socket the plugin watcher knew was removed from `plugins_registry` (or re-created);
+    /// if it had been registered, its resource was deregistered (a
+    /// [`SimEvent::StreamEnded`] precedes this event when a live client was disconnected).
+    RegistryRemoved {
+        /// The socket file.
+        socket: PathBuf,
+        /// The resource the device manager was asked to register for it, if it got that far.
+        resource: Option<String>,
+    },
 }

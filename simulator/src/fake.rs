@@ -1,6 +1,6 @@
 //! A scriptable in-test device plugin, served on a socket next to the simulated kubelet.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,14 +8,19 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use tokio_stream::Stream;
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::{Stream, StreamExt};
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
+use devicelet_api::authority::{LOCALHOST, Rewritten};
 use devicelet_api::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use devicelet_api::deviceplugin::registration_client::RegistrationClient;
 use devicelet_api::deviceplugin::*;
+use devicelet_api::pluginregistration::registration_server::{Registration, RegistrationServer};
+use devicelet_api::pluginregistration::{
+    DEVICE_PLUGIN, InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
 use devicelet_api::uds;
 
 /// How the fake answers `Allocate`.
@@ -55,6 +60,20 @@ pub struct Fake {
 }
 
 impl Fake {
+    pub fn new(options: DevicePluginOptions, devices: Vec<Device>) -> Arc<Fake> {
+        Arc::new(Fake {
+            options: Mutex::new(options),
+            options_error: Mutex::new(None),
+            preferred: Mutex::new(Ok(Vec::new())),
+            allocate: Mutex::new(AllocateMode::Normal),
+            prestart_error: Mutex::new(None),
+            calls: Mutex::new(Vec::new()),
+            cancelled_streams: AtomicUsize::new(0),
+            devices: watch::Sender::new(devices),
+            end_streams: watch::Sender::new(0),
+        })
+    }
+
     pub fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
     }
@@ -101,17 +120,7 @@ impl FakePlugin {
         options: DevicePluginOptions,
         devices: Vec<Device>,
     ) -> FakePlugin {
-        let fake = Arc::new(Fake {
-            options: Mutex::new(options),
-            options_error: Mutex::new(None),
-            preferred: Mutex::new(Ok(Vec::new())),
-            allocate: Mutex::new(AllocateMode::Normal),
-            prestart_error: Mutex::new(None),
-            calls: Mutex::new(Vec::new()),
-            cancelled_streams: AtomicUsize::new(0),
-            devices: watch::Sender::new(devices),
-            end_streams: watch::Sender::new(0),
-        });
+        let fake = Fake::new(options, devices);
         let listener = uds::bind(&dir.join(endpoint)).unwrap();
         let service = DevicePluginServer::new(Service(Arc::clone(&fake)));
         let server = tokio::spawn(async move {
@@ -292,5 +301,135 @@ impl DevicePlugin for Service {
             return Err(status);
         }
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+/// The plugin-watcher side of a fake plugin: `pluginregistration.Registration`, answering
+/// `GetInfo` with a scripted `PluginInfo` and keeping every `RegistrationStatus` it is told.
+pub struct Registrar {
+    pub info: Mutex<PluginInfo>,
+    pub get_info_calls: AtomicUsize,
+    /// Every `NotifyRegistrationStatus`, in order.
+    statuses: watch::Sender<Vec<RegistrationStatus>>,
+}
+
+impl Registrar {
+    pub fn statuses(&self) -> Vec<RegistrationStatus> {
+        self.statuses.borrow().clone()
+    }
+
+    /// Waits until `pred` holds for the statuses received (at most `timeout`).
+    pub async fn wait_statuses(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&[RegistrationStatus]) -> bool,
+    ) -> Vec<RegistrationStatus> {
+        let mut rx = self.statuses.subscribe();
+        let waited = tokio::time::timeout(timeout, rx.wait_for(|s| pred(s))).await;
+        match waited {
+            Ok(Ok(statuses)) => statuses.clone(),
+            _ => panic!(
+                "statuses not as expected after {timeout:?}: {:?}",
+                self.statuses()
+            ),
+        }
+    }
+}
+
+struct RegistrarService(Arc<Registrar>);
+
+#[tonic::async_trait]
+impl Registration for RegistrarService {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        self.0.get_info_calls.fetch_add(1, Ordering::SeqCst);
+        Ok(Response::new(self.0.info.lock().unwrap().clone()))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        self.0.statuses.send_modify(|s| s.push(status));
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// `PluginInfo` of a device plugin serving `resource`, `endpoint` "" (the registration socket).
+pub fn device_plugin_info(resource: &str) -> PluginInfo {
+    PluginInfo {
+        r#type: DEVICE_PLUGIN.to_owned(),
+        name: resource.to_owned(),
+        endpoint: String::new(),
+        supported_versions: vec![VERSION.to_owned()],
+    }
+}
+
+/// A fake plugin for the plugin-watcher route: `pluginregistration.Registration` and
+/// `v1beta1.DevicePlugin` on one socket, as a plugin whose `PluginInfo.endpoint` is empty
+/// serves them. Like the agent, it wraps every accepted connection in the server side of
+/// `devicelet_api::authority`, since the kubelet's watcher sends the socket path as
+/// `:authority`, which tonic's HTTP/2 server refuses; `rewrite: false` leaves that out.
+pub struct RegistryPlugin {
+    pub socket: PathBuf,
+    pub registrar: Arc<Registrar>,
+    pub fake: Arc<Fake>,
+    server: JoinHandle<()>,
+}
+
+impl RegistryPlugin {
+    pub fn serve(
+        socket: &Path,
+        info: PluginInfo,
+        options: DevicePluginOptions,
+        devices: Vec<Device>,
+    ) -> RegistryPlugin {
+        Self::serve_with(socket, info, options, devices, true)
+    }
+
+    pub fn serve_with(
+        socket: &Path,
+        info: PluginInfo,
+        options: DevicePluginOptions,
+        devices: Vec<Device>,
+        rewrite: bool,
+    ) -> RegistryPlugin {
+        let fake = Fake::new(options, devices);
+        let registrar = Arc::new(Registrar {
+            info: Mutex::new(info),
+            get_info_calls: AtomicUsize::new(0),
+            statuses: watch::Sender::new(Vec::new()),
+        });
+        if let Some(parent) = socket.parent() {
+            std::fs::create_dir_all(parent).unwrap();
+        }
+        let listener = uds::bind(socket).unwrap();
+        let router = Server::builder()
+            .add_service(RegistrationServer::new(RegistrarService(Arc::clone(
+                &registrar,
+            ))))
+            .add_service(DevicePluginServer::new(Service(Arc::clone(&fake))));
+        let server = tokio::spawn(async move {
+            let incoming = UnixListenerStream::new(listener);
+            if rewrite {
+                let incoming = incoming
+                    .map(|accepted| accepted.map(|stream| Rewritten::server(stream, LOCALHOST)));
+                router.serve_with_incoming(incoming).await.unwrap();
+            } else {
+                router.serve_with_incoming(incoming).await.unwrap();
+            }
+        });
+        RegistryPlugin {
+            socket: socket.to_owned(),
+            registrar,
+            fake,
+            server,
+        }
+    }
+}
+
+impl Drop for RegistryPlugin {
+    fn drop(&mut self) {
+        self.server.abort();
     }
 }

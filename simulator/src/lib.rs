@@ -24,14 +24,20 @@
 //!   kubelet's checkpoint);
 //! - [`Simulator::restart`] simulates a kubelet restart: sockets in the plugin directory deleted
 //!   (checkpoint kept), plugins forgotten, and a new `kubelet.sock` that exists
-//!   [`SimConfig::accept_delay`] before it accepts connections (§7).
+//!   [`SimConfig::accept_delay`] before it accepts connections (§7);
+//! - with [`SimConfig::plugins_registry`], the plugin watcher's route (§11): sockets appearing in
+//!   that directory are asked `GetInfo` (with the socket path as `:authority`, as the kubelet's
+//!   grpc-go client sends it), validated, registered with the device manager as after `Register`,
+//!   and told the outcome with `NotifyRegistrationStatus`; a removed socket deregisters its
+//!   plugin; a restart leaves the directory alone and finds the plugins there again by its
+//!   start-up scan ([`Simulator::registry_attempts`], [`SimEvent::RegistryAttempt`]).
 //!
 //! Where the kubelet waits forever (§6) the simulator gives up after
 //! [`SimConfig::stall_limit`] with [`SimError::Stalled`], so a test fails instead of hanging.
 //!
 //! Not simulated: topology-manager alignment, init-container device reuse, the 5-minute grace
 //! after which a resource whose stream ended disappears, CPU/memory/dynamic resources in the
-//! PodResources API, pods without devices, and the plugin-watcher registration route (§11).
+//! PodResources API, pods without devices, and the CSI and DRA handlers of the plugin watcher.
 
 mod allocate;
 mod endpoint;
@@ -41,12 +47,14 @@ mod podresources;
 mod registration;
 mod server;
 mod state;
+mod watcher;
 
 #[cfg(test)]
 mod fake;
 #[cfg(test)]
 mod tests;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -60,6 +68,7 @@ use devicelet_api::deviceplugin::KUBELET_SOCKET;
 pub use error::SimError;
 pub use events::SimEvent;
 pub use state::{Allocation, PodRef, ResourceState};
+pub use watcher::RegistryAttempt;
 
 use server::ServerHandle;
 use state::Registry;
@@ -83,6 +92,17 @@ pub struct SimConfig {
     /// Where to serve the PodResources API. None: `pod-resources/kubelet.sock` next to the
     /// plugin directory, as on a node (`/var/lib/kubelet/pod-resources/kubelet.sock`).
     pub pod_resources_socket: Option<PathBuf>,
+    /// Enables the plugin watcher's registration route (KUBELET.md §11) on this directory (on a
+    /// node `/var/lib/kubelet/plugins_registry`,
+    /// [`devicelet_api::pluginregistration::DEFAULT_DIR`]): created if missing, watched
+    /// recursively, scanned at start and after every restart, and never wiped. Keep it out of
+    /// the plugin directory, whose sockets a restart deletes.
+    /// None (the default): only `kubelet.sock` registers plugins.
+    pub plugins_registry: Option<PathBuf>,
+    /// The pause before the plugin watcher tries a socket again after a failure it retries
+    /// (dial, `GetInfo`, type, validation); it doubles with every failure up to 2m2s, as the
+    /// kubelet's reconciler backs off. Default 500 ms, the kubelet's first pause.
+    pub registry_retry: Duration,
 }
 
 impl Default for SimConfig {
@@ -93,6 +113,8 @@ impl Default for SimConfig {
             stall_limit: Duration::from_secs(30),
             accept_delay: Duration::from_millis(50),
             pod_resources_socket: None,
+            plugins_registry: None,
+            registry_retry: Duration::from_millis(500),
         }
     }
 }
@@ -145,6 +167,8 @@ struct Inner {
     server: Mutex<Option<ServerHandle>>,
     /// The PodResources server, which runs from start to shutdown, restarts included.
     pod_server: Mutex<Option<ServerHandle>>,
+    /// The plugin watcher, with [`SimConfig::plugins_registry`]; replaced at every restart.
+    watcher: Mutex<Option<watcher::PluginWatcher>>,
     /// The kubelet admits one pod at a time.
     admission: tokio::sync::Mutex<()>,
 }
@@ -186,7 +210,42 @@ impl Inner {
         if let Some(server) = self.take_pod_server() {
             server.abort();
         }
+        self.stop_watcher();
         self.lock().abort_streams();
+    }
+
+    /// Starts the plugin watcher if configured: it scans the directory, then follows it.
+    fn start_watcher(self: &Arc<Self>) -> Result<(), SimError> {
+        let Some(dir) = &self.config.plugins_registry else {
+            return Ok(());
+        };
+        let started = watcher::start(self, dir)?;
+        let previous = self
+            .watcher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(started);
+        if let Some(previous) = previous {
+            previous.abort();
+        }
+        Ok(())
+    }
+
+    /// Stops the plugin watcher and forgets what it found (a restarting kubelet's plugin
+    /// manager starts empty); registrations in flight are dropped. The clients it registered
+    /// stay until the caller drops them.
+    fn stop_watcher(&self) {
+        let watcher = self
+            .watcher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(watcher) = watcher {
+            watcher.abort();
+        }
+        let mut registry = self.lock();
+        registry.watch.epoch += 1;
+        registry.watch.plugins.clear();
     }
 
     fn take_pod_server(&self) -> Option<ServerHandle> {
@@ -262,6 +321,7 @@ impl Simulator {
             epoch: AtomicU64::new(0),
             server: Mutex::new(None),
             pod_server: Mutex::new(None),
+            watcher: Mutex::new(None),
             admission: tokio::sync::Mutex::new(()),
         });
         let pod_server = server::serve_pod_resources(&inner)?;
@@ -269,7 +329,7 @@ impl Simulator {
             .pod_server
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(pod_server);
-        if let Err(e) = server::serve(&inner, Duration::ZERO) {
+        if let Err(e) = server::serve(&inner, Duration::ZERO).and_then(|()| inner.start_watcher()) {
             inner.abort();
             return Err(e);
         }
@@ -366,6 +426,57 @@ impl Simulator {
         }
     }
 
+    /// The plugin watcher's directory ([`SimConfig::plugins_registry`]), if that route is on.
+    pub fn plugins_registry(&self) -> Option<&Path> {
+        self.inner.config.plugins_registry.as_deref()
+    }
+
+    /// Every registration attempt the plugin watcher made, in order, across restarts: which
+    /// socket, what `GetInfo` answered, the error if any (what `NotifyRegistrationStatus`
+    /// carried), whether the notification was delivered. Empty without
+    /// [`SimConfig::plugins_registry`].
+    pub fn registry_attempts(&self) -> Vec<RegistryAttempt> {
+        self.inner.lock().watch.attempts.clone()
+    }
+
+    /// The sockets the plugin watcher now knows in its directory, each with the resource name
+    /// it was registered (or is being registered) under once `GetInfo` passed validation.
+    pub fn registry_sockets(&self) -> BTreeMap<PathBuf, Option<String>> {
+        self.inner
+            .lock()
+            .watch
+            .plugins
+            .iter()
+            .map(|(path, watched)| (path.clone(), watched.name.clone()))
+            .collect()
+    }
+
+    /// Waits until `pred` holds for [`registry_attempts`](Self::registry_attempts), woken by
+    /// every change; on timeout the error lists the attempts made.
+    pub async fn wait_registry(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&[RegistryAttempt]) -> bool,
+    ) -> Result<Vec<RegistryAttempt>, SimError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut changes = self.inner.changed.subscribe();
+        loop {
+            let attempts = self.registry_attempts();
+            if pred(&attempts) {
+                return Ok(attempts);
+            }
+            if !matches!(
+                tokio::time::timeout_at(deadline, changes.changed()).await,
+                Ok(Ok(()))
+            ) {
+                return Err(SimError::RegistryTimeout {
+                    after: timeout,
+                    attempts: self.registry_attempts(),
+                });
+            }
+        }
+    }
+
     /// Simulates a kubelet restart (KUBELET.md §7): stops serving, drops every plugin client and
     /// stream, deletes every socket file in the plugin directory (keeping
     /// `kubelet_internal_checkpoint`, and files that are not sockets), and serves `kubelet.sock`
@@ -376,9 +487,15 @@ impl Simulator {
     /// Returns once the new `kubelet.sock` exists. It accepts connections only
     /// [`SimConfig::accept_delay`] later (then [`SimEvent::Serving`] is published); a plugin
     /// dialing before that gets `ECONNREFUSED` and must retry, as on a node.
+    ///
+    /// With [`SimConfig::plugins_registry`], the plugin watcher forgets what it found and starts
+    /// again: that directory is not touched, and its start-up scan registers the plugins serving
+    /// there again by itself, with no need for `kubelet.sock` (which may still refuse
+    /// connections then).
     pub async fn restart(&self) -> Result<(), SimError> {
         let inner = &self.inner;
         server::stop(inner).await;
+        inner.stop_watcher();
         inner.lock().forget_endpoints();
         self.restart_stopped().await
     }
@@ -397,7 +514,8 @@ impl Simulator {
             }));
         }
         info!("simulated kubelet restarted: {removed} sockets removed");
-        server::serve(inner, inner.config.accept_delay)
+        server::serve(inner, inner.config.accept_delay)?;
+        inner.start_watcher()
     }
 
     /// A restart whose directory changes happen in `order`, with `pause` between the two halves
@@ -416,6 +534,7 @@ impl Simulator {
             source,
         };
         server::stop(inner).await;
+        inner.stop_watcher();
         inner.lock().forget_endpoints();
         let removed = match order {
             RestartOrder::SocketsThenKubelet => return self.restart_stopped().await,
@@ -440,11 +559,13 @@ impl Simulator {
                 server::remove_sockets_but(&inner.dir, Some(KUBELET_SOCKET)).map_err(io)? + 1
             }
         };
-        let _registry = inner.lock();
-        inner.notify(Some(SimEvent::Restarted {
-            sockets_removed: removed,
-        }));
-        Ok(())
+        {
+            let _registry = inner.lock();
+            inner.notify(Some(SimEvent::Restarted {
+                sockets_removed: removed,
+            }));
+        }
+        inner.start_watcher()
     }
 
     /// Stops serving, stops every ListAndWatch consumer and removes `kubelet.sock` and the
@@ -452,6 +573,7 @@ impl Simulator {
     pub async fn shutdown(self) {
         let inner = &self.inner;
         server::stop(inner).await;
+        inner.stop_watcher();
         if let Some(pod_server) = inner.take_pod_server() {
             pod_server.stop().await;
         }

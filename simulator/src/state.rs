@@ -17,13 +17,17 @@ use devicelet_api::deviceplugin::{
 };
 
 use super::error::SimError;
+use super::watcher::WatchState;
 
 /// A snapshot of what the simulated kubelet knows about one resource.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourceState {
     /// The extended resource name, e.g. `devicelet.io/fuse`.
     pub name: String,
-    /// The socket file name the plugin registered (inside the plugin directory).
+    /// Where the kubelet reaches the plugin: the socket file name sent in `Register` (inside the
+    /// plugin directory), or, for a plugin registered through the plugin watcher
+    /// ([`SimConfig::plugins_registry`](super::SimConfig::plugins_registry)), the full path it
+    /// dialed (`PluginInfo.endpoint`, or the registration socket itself when that was empty).
     pub endpoint: String,
     /// The options the plugin answered to `GetDevicePluginOptions` — the ones the kubelet uses,
     /// whatever the `RegisterRequest` carried.
@@ -180,6 +184,8 @@ pub(super) struct AllocationRecord {
 pub(super) struct Registry {
     pub resources: BTreeMap<String, Resource>,
     pub allocations: BTreeMap<u64, AllocationRecord>,
+    /// The plugin watcher's view of `plugins_registry` (see `watcher.rs`).
+    pub watch: WatchState,
     next_allocation: u64,
     next_generation: u64,
 }
@@ -294,6 +300,26 @@ impl Registry {
             endpoint.stopped = true;
             endpoint.client = None;
         }
+        resource.recount();
+        true
+    }
+
+    /// The device manager's `DeRegisterPlugin`: the client now registered under `name`, whoever
+    /// registered it, is disconnected; allocatable drops to 0 at once, as when its stream ends.
+    /// False if no live client was registered under `name`.
+    pub fn disconnect(&mut self, name: &str) -> bool {
+        let Some(resource) = self.resources.get_mut(name) else {
+            return false;
+        };
+        let Some(endpoint) = resource.endpoint.as_mut().filter(|e| !e.stopped) else {
+            return false;
+        };
+        endpoint.stream.abort();
+        endpoint.stopped = true;
+        endpoint.client = None;
+        let healthy = std::mem::take(&mut resource.healthy);
+        resource.unhealthy.extend(healthy);
+        resource.state.streaming = false;
         resource.recount();
         true
     }

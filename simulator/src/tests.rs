@@ -1002,3 +1002,499 @@ mod pod_resources {
         assert_eq!(list(&mut pods).await.len(), 2);
     }
 }
+
+mod plugin_watcher {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::fake::{RegistryPlugin, device_plugin_info};
+    use devicelet_api::pluginregistration::{PluginInfo, RegistrationStatus};
+
+    /// A simulator with the plugin-watcher route on `<tmp>/plugins_registry`.
+    async fn simulator_with_registry(config: SimConfig) -> (TempDir, Simulator, PathBuf) {
+        let dir = TempDir::new().unwrap();
+        let registry = dir.path().join("plugins_registry");
+        let sim = Simulator::start_with(
+            &dir.path().join("device-plugins"),
+            SimConfig {
+                plugins_registry: Some(registry.clone()),
+                registry_retry: Duration::from_millis(50),
+                ..config
+            },
+        )
+        .await
+        .unwrap();
+        (dir, sim, registry)
+    }
+
+    fn registered_ok() -> RegistrationStatus {
+        RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        }
+    }
+
+    fn attempts_for(sim: &Simulator, socket: &Path) -> Vec<RegistryAttempt> {
+        sim.registry_attempts()
+            .into_iter()
+            .filter(|a| a.socket == socket)
+            .collect()
+    }
+
+    /// Waits for at least `count` attempts on `socket`. An attempt is recorded once its
+    /// `NotifyRegistrationStatus` call returned, so the plugin has received that status then.
+    async fn wait_attempts(sim: &Simulator, socket: &Path, count: usize) -> Vec<RegistryAttempt> {
+        sim.wait_registry(WAIT, |all| {
+            all.iter().filter(|a| a.socket == socket).count() >= count
+        })
+        .await
+        .unwrap();
+        attempts_for(sim, socket)
+    }
+
+    /// Waits until the fake's ListAndWatch stream was cancelled by the simulator.
+    async fn wait_cancelled(fake: &crate::fake::Fake, count: usize) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while fake.cancelled_streams.load(Ordering::SeqCst) < count {
+            assert!(std::time::Instant::now() < deadline, "stream not cancelled");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_registry_socket_serving_both_services_is_registered_and_told_so() {
+        let (_dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let socket = registry.join("fake.sock");
+        let plugin = RegistryPlugin::serve(
+            &socket,
+            device_plugin_info(RESOURCE),
+            options(false, true),
+            healthy(&["a", "b"]),
+        );
+
+        let state = sim
+            .wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        // An empty endpoint means the registration socket itself.
+        assert_eq!(state.endpoint, socket.to_str().unwrap());
+        assert_eq!(state.options, options(false, true));
+        assert_eq!((state.registrations, state.allocatable), (1, 2));
+        assert_eq!(
+            plugin.fake.calls()[..2],
+            [Call::Options, Call::ListAndWatch]
+        );
+        assert_eq!(
+            plugin
+                .registrar
+                .wait_statuses(WAIT, |s| !s.is_empty())
+                .await,
+            [registered_ok()]
+        );
+        let attempts = sim.wait_registry(WAIT, |a| !a.is_empty()).await.unwrap();
+        assert_eq!(
+            attempts,
+            [RegistryAttempt {
+                socket: socket.clone(),
+                info: Some(device_plugin_info(RESOURCE)),
+                error: None,
+                notified: Some(Ok(())),
+                retry: false,
+            }]
+        );
+        assert_eq!(
+            sim.registry_sockets(),
+            [(socket.clone(), Some(RESOURCE.to_owned()))].into()
+        );
+        // The device manager uses it like any registered plugin.
+        let allocation = sim.allocate(RESOURCE, 1).await.unwrap();
+        assert_eq!(allocation.device_ids, ["a"]);
+        assert_eq!(plugin.registrar.get_info_calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn plugin_info_the_kubelet_refuses_is_notified_with_the_reason_and_retried() {
+        let (_dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let info = |r#type: &str, name: &str, versions: &[&str]| PluginInfo {
+            r#type: r#type.to_owned(),
+            name: name.to_owned(),
+            endpoint: String::new(),
+            supported_versions: versions.iter().map(|v| (*v).to_owned()).collect(),
+        };
+        let cases = [
+            (
+                info("CSIPlugin", RESOURCE, &[VERSION]),
+                "no handler registered for plugin type: CSIPlugin",
+            ),
+            (
+                info("deviceplugin", RESOURCE, &[VERSION]),
+                "no handler registered for plugin type: deviceplugin",
+            ),
+            (
+                info("DevicePlugin", "fake", &[VERSION]),
+                "invalid name of device plugin socket: the ResourceName \"fake\" is invalid",
+            ),
+            (
+                info("DevicePlugin", "kubernetes.io/fake", &[VERSION]),
+                "the ResourceName \"kubernetes.io/fake\" is invalid",
+            ),
+            (
+                info("DevicePlugin", RESOURCE, &["v1alpha1"]),
+                "manager version, v1beta1, is not among plugin supported versions [\"v1alpha1\"]",
+            ),
+            (
+                info("DevicePlugin", RESOURCE, &[]),
+                "is not among plugin supported versions []",
+            ),
+        ];
+        let plugins: Vec<_> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, (info, _))| {
+                RegistryPlugin::serve(
+                    &registry.join(format!("bad-{i}.sock")),
+                    info.clone(),
+                    options(false, false),
+                    healthy(&["a"]),
+                )
+            })
+            .collect();
+        for (plugin, (_, why)) in plugins.iter().zip(&cases) {
+            // Retried: refused twice at least, and told so with the reason each time.
+            let attempts = wait_attempts(&sim, &plugin.socket, 2).await;
+            assert!(attempts.iter().all(|a| !a.registered() && a.retry));
+            assert!(attempts.iter().all(|a| a.notified == Some(Ok(()))));
+            let statuses = plugin.registrar.statuses();
+            assert!(statuses.len() >= attempts.len(), "{statuses:?}");
+            for status in &statuses {
+                assert!(!status.plugin_registered, "{status:?}");
+                assert!(status.error.contains(why), "{why}: {status:?}");
+                assert!(status.error.starts_with("RegisterPlugin error -- "));
+            }
+            assert_eq!(attempts[0].error.as_deref(), Some(&*statuses[0].error));
+            // Nothing reached the device manager.
+            assert_eq!(plugin.fake.calls(), vec![]);
+        }
+        assert_eq!(sim.resources(), vec![]);
+
+        // Fixed, the next retry registers it.
+        *plugins[4].registrar.info.lock().unwrap() = device_plugin_info(RESOURCE);
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        let statuses = plugins[4]
+            .registrar
+            .wait_statuses(WAIT, |s| s.last() == Some(&registered_ok()))
+            .await;
+        assert!(statuses.len() >= 3, "{statuses:?}");
+    }
+
+    #[tokio::test]
+    async fn an_endpoint_path_is_dialed_for_the_device_plugin_api() {
+        let (dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let endpoint_dir = dir.path().join("vendor");
+        std::fs::create_dir(&endpoint_dir).unwrap();
+        let device_plugin = FakePlugin::serve(
+            &endpoint_dir,
+            "dp.sock",
+            options(true, false),
+            healthy(&["x", "y", "z"]),
+        );
+        let endpoint = endpoint_dir.join("dp.sock");
+        let plugin = RegistryPlugin::serve(
+            &registry.join("reg.sock"),
+            PluginInfo {
+                endpoint: endpoint.to_str().unwrap().to_owned(),
+                ..device_plugin_info(RESOURCE)
+            },
+            options(false, false),
+            healthy(&["wrong"]),
+        );
+        let state = sim
+            .wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        assert_eq!(state.endpoint, endpoint.to_str().unwrap());
+        assert_eq!(state.options, options(true, false));
+        assert_eq!(state.capacity, 3);
+        plugin
+            .registrar
+            .wait_statuses(WAIT, |s| s == [registered_ok()])
+            .await;
+        assert_eq!(
+            device_plugin.fake.calls()[..2],
+            [Call::Options, Call::ListAndWatch]
+        );
+        // The registration socket's own DevicePlugin service is not used.
+        assert_eq!(plugin.fake.calls(), vec![]);
+    }
+
+    #[tokio::test]
+    async fn a_device_manager_failure_is_notified_and_not_retried() {
+        let (dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let failing = RegistryPlugin::serve(
+            &registry.join("failing.sock"),
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a"]),
+        );
+        *failing.fake.options_error.lock().unwrap() =
+            Some(Status::internal("module fake-gpu trapped"));
+        let attempts = wait_attempts(&sim, &failing.socket, 1).await;
+        let statuses = failing.registrar.statuses();
+        assert_eq!(statuses.len(), 1);
+        assert!(!statuses[0].plugin_registered);
+        assert!(
+            statuses[0].error.contains("plugin registration failed")
+                && statuses[0]
+                    .error
+                    .contains("failed to get device plugin options")
+                && statuses[0].error.contains("module fake-gpu trapped"),
+            "{statuses:?}"
+        );
+        assert_eq!(attempts.len(), 1);
+        assert!(!attempts[0].retry);
+        assert_eq!(attempts[0].error.as_ref(), Some(&statuses[0].error));
+        assert!(sim.resource(RESOURCE).is_none());
+
+        // An endpoint nothing serves, and a relative one.
+        for (name, endpoint, why) in [
+            (
+                "nobody.sock",
+                dir.path().join("nobody.sock").to_str().unwrap().to_owned(),
+                "cannot connect to the device plugin",
+            ),
+            (
+                "relative.sock",
+                "dp.sock".to_owned(),
+                "not an absolute path",
+            ),
+        ] {
+            let plugin = RegistryPlugin::serve(
+                &registry.join(name),
+                PluginInfo {
+                    endpoint,
+                    ..device_plugin_info(RESOURCE)
+                },
+                options(false, false),
+                healthy(&["a"]),
+            );
+            let attempts = wait_attempts(&sim, &plugin.socket, 1).await;
+            assert!(!attempts[0].retry);
+            let statuses = plugin.registrar.statuses();
+            assert!(!statuses[0].plugin_registered);
+            assert!(statuses[0].error.contains(why), "{statuses:?}");
+        }
+        assert!(sim.resource(RESOURCE).is_none());
+        assert_eq!(failing.registrar.get_info_calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn removing_the_socket_deregisters_the_plugin() {
+        let (_dir, sim, registry) = simulator_with_registry(test_config()).await;
+        // In a subdirectory made after the simulator started: watched recursively.
+        let socket = registry.join("vendor/fake.sock");
+        let plugin = RegistryPlugin::serve(
+            &socket,
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a", "b"]),
+        );
+        sim.wait_until(RESOURCE, WAIT, |r| r.allocatable == 2)
+            .await
+            .unwrap();
+        let mut events = sim.events();
+
+        std::fs::remove_file(&socket).unwrap();
+        let state = sim
+            .wait_until(RESOURCE, WAIT, |r| !r.streaming)
+            .await
+            .unwrap();
+        assert_eq!((state.capacity, state.allocatable), (2, 0));
+        wait_cancelled(&plugin.fake, 1).await;
+        assert!(matches!(
+            sim.allocate(RESOURCE, 1).await,
+            Err(SimError::Insufficient { available: 0, .. })
+        ));
+        assert!(sim.registry_sockets().is_empty());
+        let mut seen = Vec::new();
+        while let Ok(event) = events.try_recv() {
+            seen.push(event);
+        }
+        assert!(
+            matches!(&seen[..], [
+                SimEvent::StreamEnded { resource, reason },
+                SimEvent::RegistryRemoved { socket: removed, resource: Some(name) },
+            ] if resource == RESOURCE && reason.contains("removed") && *removed == socket
+                && name == RESOURCE),
+            "{seen:?}"
+        );
+
+        // Served again at the same path: registered again.
+        drop(plugin);
+        let plugin = RegistryPlugin::serve(
+            &socket,
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a", "b"]),
+        );
+        sim.wait_until(RESOURCE, WAIT, |r| {
+            r.registrations == 2 && r.allocatable == 2
+        })
+        .await
+        .unwrap();
+        plugin
+            .registrar
+            .wait_statuses(WAIT, |s| s == [registered_ok()])
+            .await;
+    }
+
+    #[tokio::test]
+    async fn removing_a_registry_socket_cuts_whichever_client_holds_its_name() {
+        // The kubelet's DeRegisterPlugin disconnects the client registered under the name now,
+        // even one that a later registration put there.
+        let (_dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let socket = registry.join("old.sock");
+        let _old = RegistryPlugin::serve(
+            &socket,
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a"]),
+        );
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        let new = FakePlugin::serve(
+            sim.plugin_dir(),
+            "new.sock",
+            options(false, false),
+            healthy(&["b"]),
+        );
+        new.register(sim.socket(), RESOURCE).await.unwrap();
+        sim.wait_until(RESOURCE, WAIT, |r| r.registrations == 2 && r.snapshots >= 1)
+            .await
+            .unwrap();
+
+        std::fs::remove_file(&socket).unwrap();
+        let state = sim
+            .wait_until(RESOURCE, WAIT, |r| !r.streaming)
+            .await
+            .unwrap();
+        assert_eq!(state.endpoint, "new.sock");
+        assert_eq!(state.allocatable, 0);
+        wait_cancelled(&new.fake, 1).await;
+    }
+
+    #[tokio::test]
+    async fn a_restarted_kubelet_finds_registry_plugins_again_by_itself() {
+        // kubelet.sock refuses connections for the whole test after the restart: the plugin
+        // watcher needs nothing from it.
+        let (_dir, sim, registry) = simulator_with_registry(SimConfig {
+            accept_delay: Duration::from_secs(600),
+            ..test_config()
+        })
+        .await;
+        let socket = registry.join("fake.sock");
+        // Serving before the simulator's watcher starts would be found by the start-up scan
+        // too; here the restart's scan is the one under test.
+        let plugin = RegistryPlugin::serve(
+            &socket,
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a", "b"]),
+        );
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        let held = sim.allocate(RESOURCE, 1).await.unwrap();
+
+        sim.restart().await.unwrap();
+        assert!(socket.exists(), "the restart wiped plugins_registry");
+        let state = sim
+            .wait_until(RESOURCE, WAIT, |r| r.registrations == 2 && r.snapshots >= 1)
+            .await
+            .unwrap();
+        assert_eq!((state.capacity, state.allocatable), (2, 2));
+        let refused = tokio::net::UnixStream::connect(sim.socket()).await;
+        assert_eq!(
+            refused.unwrap_err().kind(),
+            std::io::ErrorKind::ConnectionRefused
+        );
+        assert_eq!(plugin.registrar.get_info_calls.load(Ordering::SeqCst), 2);
+        plugin
+            .registrar
+            .wait_statuses(WAIT, |s| s == [registered_ok(), registered_ok()])
+            .await;
+        wait_cancelled(&plugin.fake, 1).await;
+        // The allocation survived; the other device is the one left.
+        assert_eq!(sim.allocate(RESOURCE, 1).await.unwrap().device_ids, ["b"]);
+        assert_eq!(held.device_ids, ["a"]);
+    }
+
+    #[tokio::test]
+    async fn plugins_already_in_the_registry_are_found_at_start() {
+        let dir = TempDir::new().unwrap();
+        let registry = dir.path().join("plugins_registry");
+        let plugin = RegistryPlugin::serve(
+            &registry.join("early.sock"),
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a"]),
+        );
+        // A hidden socket is ignored, as by the kubelet.
+        let hidden = RegistryPlugin::serve(
+            &registry.join(".hidden.sock"),
+            device_plugin_info("devicelet.io/hidden"),
+            options(false, false),
+            healthy(&["h"]),
+        );
+        let sim = Simulator::start_with(
+            &dir.path().join("device-plugins"),
+            SimConfig {
+                plugins_registry: Some(registry.clone()),
+                ..test_config()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(sim.plugins_registry(), Some(registry.as_path()));
+        sim.wait_until(RESOURCE, WAIT, |r| r.snapshots >= 1)
+            .await
+            .unwrap();
+        plugin
+            .registrar
+            .wait_statuses(WAIT, |s| s == [registered_ok()])
+            .await;
+        assert_eq!(hidden.registrar.get_info_calls.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            sim.registry_sockets(),
+            [(plugin.socket.clone(), Some(RESOURCE.to_owned()))].into()
+        );
+    }
+
+    #[tokio::test]
+    async fn the_socket_path_is_sent_as_authority() {
+        // A tonic server that does not rewrite `:authority` refuses the path the watcher sends,
+        // before any service sees the call: what an agent without the rewriter would get from a
+        // real kubelet.
+        let (_dir, sim, registry) = simulator_with_registry(test_config()).await;
+        let plugin = RegistryPlugin::serve_with(
+            &registry.join("plain.sock"),
+            device_plugin_info(RESOURCE),
+            options(false, false),
+            healthy(&["a"]),
+            false,
+        );
+        let attempts = sim.wait_registry(WAIT, |a| a.len() >= 2).await.unwrap();
+        for attempt in &attempts {
+            let error = attempt.error.as_deref().unwrap();
+            assert!(
+                error.contains("failed to get plugin info using RPC GetInfo"),
+                "{attempt:?}"
+            );
+            assert!(attempt.retry && attempt.info.is_none() && attempt.notified.is_none());
+        }
+        assert_eq!(plugin.registrar.get_info_calls.load(Ordering::SeqCst), 0);
+        assert!(sim.resource(RESOURCE).is_none());
+    }
+}

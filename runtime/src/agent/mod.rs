@@ -6,6 +6,7 @@
 
 mod dev_watch;
 mod modules;
+mod probes;
 mod reconcile;
 mod reload;
 pub mod status;
@@ -21,7 +22,9 @@ use tokio::task::JoinSet;
 use wasmtime::Engine;
 
 use crate::config::{ModuleSpec, Registry};
+use crate::kubelet::route::Route;
 use crate::ledger::Ledger;
+use crate::metrics::Metrics;
 use crate::nvml::Libraries;
 use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
@@ -52,6 +55,10 @@ pub struct AgentOptions {
     pub cdi_dir: PathBuf,
     /// Where vendor libraries (NVML) are loaded from, for modules granted them.
     pub libraries: Libraries,
+    /// How resources register with the kubelet.
+    pub registration: Route,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; None serves none.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl AgentOptions {
@@ -67,6 +74,8 @@ impl AgentOptions {
             cache_dir: None,
             cdi_dir: PathBuf::from(crate::cdi::DEFAULT_DIR),
             libraries: Libraries::default(),
+            registration: Route::default(),
+            metrics_addr: None,
         }
     }
 }
@@ -77,6 +86,7 @@ pub(crate) struct Shared {
     cache: Option<Arc<CompileCache>>,
     instance: String,
     plugin_dir: PathBuf,
+    route: Route,
     cdi_dir: PathBuf,
     libraries: Libraries,
     ledger: Ledger,
@@ -88,12 +98,17 @@ pub(crate) struct Shared {
     reload_error: Mutex<Option<String>>,
     /// How many times a change made the agent read the registry again.
     reloads: std::sync::atomic::AtomicU64,
+    metrics: Metrics,
+    /// The agent's own loops, by name: `/healthz` fails when one ended before shutdown.
+    loops: Mutex<Vec<(&'static str, tokio::task::AbortHandle)>>,
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
     fn serving(&self) -> resource::Serving<'_> {
         resource::Serving {
             plugin_dir: &self.plugin_dir,
+            route: &self.route,
             instance: &self.instance,
             kubelet_events: &self.kubelet_events,
             ledger: &self.ledger,
@@ -171,7 +186,10 @@ impl Shared {
         )
         .await
         {
-            Ok(handle) => handle,
+            Ok(handle) => {
+                handle.observe_calls(self.metrics.observer(&spec.name));
+                handle
+            }
             Err(e) => {
                 return vec![if self.lock_modules().contains_key(&spec.name) {
                     format!("{e}; the running version keeps serving")
@@ -199,6 +217,13 @@ impl Shared {
         errors
     }
 
+    fn watch_loop(&self, name: &'static str, task: tokio::task::AbortHandle) {
+        self.loops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((name, task));
+    }
+
     /// Waits until every served resource has its first snapshot (each is bounded by its
     /// module's health deadline, and they are taken in parallel).
     async fn first_snapshots(&self) {
@@ -224,6 +249,7 @@ pub struct Agent {
     stop: watch::Sender<bool>,
     tasks: JoinSet<()>,
     _kubelet_watch: dir_watch::KubeletWatch,
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl Agent {
@@ -232,12 +258,30 @@ impl Agent {
     pub async fn start(options: AgentOptions) -> anyhow::Result<Agent> {
         let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let instance = instance_id();
-        resource::check_socket_dir(&options.plugin_dir, &instance).map_err(anyhow::Error::msg)?;
-        std::fs::create_dir_all(&options.plugin_dir)
-            .with_context(|| format!("creating {}", options.plugin_dir.display()))?;
-        remove_stale_sockets(&options.plugin_dir, &instance);
-        let kubelet_watch = dir_watch::watch_plugin_dir(&options.plugin_dir)
-            .with_context(|| format!("watching {}", options.plugin_dir.display()))?;
+        // Bound first: a port in use is a configuration error worth stopping for, and the
+        // probes must answer while modules compile.
+        let metrics_listener = match options.metrics_addr {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("serving metrics on {addr}"))?,
+            ),
+            None => None,
+        };
+        let metrics_addr = match &metrics_listener {
+            Some(l) => Some(l.local_addr().context("the metrics address")?),
+            None => None,
+        };
+        let socket_dir = options.registration.socket_dir(&options.plugin_dir);
+        resource::check_socket_dir(socket_dir, &instance).map_err(anyhow::Error::msg)?;
+        for dir in [&options.plugin_dir, socket_dir] {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        remove_stale_sockets(socket_dir, &instance);
+        // Our sockets' directory: on the kubelet.sock route also where a restarted kubelet
+        // shows itself.
+        let kubelet_watch = dir_watch::watch_plugin_dir(socket_dir)
+            .with_context(|| format!("watching {}", socket_dir.display()))?;
         let ledger = match &options.state_dir {
             Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,
             None => Ledger::in_memory(),
@@ -254,6 +298,7 @@ impl Agent {
             cache,
             instance,
             plugin_dir: options.plugin_dir.clone(),
+            route: options.registration.clone(),
             cdi_dir: options.cdi_dir.clone(),
             libraries: options.libraries.clone(),
             ledger,
@@ -263,7 +308,21 @@ impl Agent {
             load_errors: Mutex::new(Vec::new()),
             reload_error: Mutex::new(None),
             reloads: Default::default(),
+            metrics: Metrics::default(),
+            loops: Mutex::new(Vec::new()),
+            stopping: Default::default(),
         });
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        if let Some(listener) = metrics_listener {
+            let endpoints = Arc::new(probes::AgentEndpoints(shared.clone()));
+            let serving = tasks.spawn(crate::metrics::http::serve(
+                listener,
+                endpoints,
+                stopped.clone(),
+            ));
+            shared.watch_loop("metrics", serving);
+        }
         let names: Vec<String> = options
             .registry
             .modules
@@ -291,45 +350,48 @@ impl Agent {
                 tokio::task::spawn_blocking(move || crate::cdi::remove_stale(&dir, &keep)).await;
         }
 
-        let (stop, stopped) = watch::channel(false);
-        let mut tasks = JoinSet::new();
         if options.hot_reload {
             let watcher = reload::RegistryWatch::new(&options.registry)
                 .context("watching the registry for edits")?;
-            tasks.spawn(reload::run(
+            let task = tasks.spawn(reload::run(
                 shared.clone(),
                 options.registry.clone(),
                 watcher,
                 stopped.clone(),
             ));
+            shared.watch_loop("registry reload", task);
         }
         if options.state_dir.is_some() {
-            tasks.spawn(shared.ledger.clone().run_writer(stopped.clone()));
+            let task = tasks.spawn(shared.ledger.clone().run_writer(stopped.clone()));
+            shared.watch_loop("ledger writer", task);
         }
         if let Some(socket) = options.pod_resources.clone() {
-            tasks.spawn(reconcile::run(
+            let task = tasks.spawn(reconcile::run(
                 shared.clone(),
                 socket,
                 options.reconcile_interval,
                 options.reconcile_grace,
                 stopped.clone(),
             ));
+            shared.watch_loop("reconcile", task);
         }
         if let Some(dir) = &options.state_dir {
             let listener = status::bind(dir)?;
             let socket = dir.join(status::STATUS_SOCKET);
-            tasks.spawn(status::serve(
+            let task = tasks.spawn(status::serve(
                 shared.clone(),
                 listener,
                 socket,
                 stopped.clone(),
             ));
+            shared.watch_loop("status", task);
         }
         Ok(Agent {
             shared,
             stop,
             tasks,
             _kubelet_watch: kubelet_watch,
+            metrics_addr,
         })
     }
 
@@ -396,8 +458,27 @@ impl Agent {
         status::collect(&self.shared)
     }
 
+    /// What `/readyz` answers: Ok once every loaded module serves and every resource is
+    /// registered with the kubelet.
+    pub fn ready(&self) -> Result<(), String> {
+        probes::ready(&self.shared)
+    }
+
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (the port chosen, for `:0`).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// What `/metrics` answers.
+    pub fn metrics(&self) -> String {
+        probes::metrics(&self.shared)
+    }
+
     /// Ends the ListAndWatch streams, stops serving, removes our sockets and flushes the ledger.
     pub async fn shutdown(mut self) {
+        self.shared
+            .stopping
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self.stop.send(true);
         while self.tasks.join_next().await.is_some() {}
         let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();

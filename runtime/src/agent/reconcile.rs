@@ -28,6 +28,7 @@ pub async fn run(
         let pods = match podresources::list_pods(&socket).await {
             Ok(pods) => pods,
             Err(e) => {
+                shared.metrics.reconciled(None);
                 if !complained {
                     tracing::warn!("cannot reconcile the ledger: {e}; will keep trying");
                     complained = true;
@@ -41,6 +42,7 @@ pub async fn run(
         let report = shared
             .ledger
             .reconcile(&pods, grace, &|r| ours.iter().any(|n| n == r));
+        shared.metrics.reconciled(Some(&report));
         tracing::debug!(%report, "ledger reconciled with PodResources");
     }
 }

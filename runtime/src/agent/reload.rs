@@ -139,6 +139,7 @@ pub async fn run(
         let (next, digests) = match loaded {
             Ok(pair) => pair,
             Err(e) => {
+                shared.metrics.reloaded(false);
                 let running = shared.lock_modules().len();
                 tracing::error!(
                     "registry edit refused: {e}; still serving the previous {running} module(s)"
@@ -155,6 +156,7 @@ pub async fn run(
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = None;
         apply(&shared, &current, &next, &digests).await;
+        shared.metrics.reloaded(true);
         watch.follow(&next);
         current = next;
     }

@@ -60,6 +60,14 @@ pub struct ResourceStatus {
     pub module: String,
     pub socket: PathBuf,
     pub registrations: u32,
+    /// Whether the kubelet holds its registration now.
+    #[serde(default)]
+    pub registered: bool,
+    /// Kubelet restarts it noticed, and registrations the kubelet refused or reported failed.
+    #[serde(default)]
+    pub kubelet_restarts: u64,
+    #[serde(default)]
+    pub registration_failures: u64,
     pub devices: Vec<DeviceStatus>,
     /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
     #[serde(default)]
@@ -135,6 +143,9 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 .collect();
             ResourceStatus {
                 registrations: *r.registrations.borrow(),
+                registered: r.registration.registered(),
+                kubelet_restarts: r.registration.kubelet_restarts(),
+                registration_failures: r.registration.failures(),
                 name: r.name,
                 module: r.module,
                 socket: r.socket,

@@ -6,6 +6,7 @@ use anyhow::Context;
 
 use crate::agent::{Agent, AgentOptions};
 use crate::config::Registry;
+use crate::kubelet::route::Route;
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -35,8 +36,26 @@ pub struct RunArgs {
     /// Ignore edits of the registry and module files until restarted.
     #[arg(long)]
     pub no_hot_reload: bool,
+    /// How resources register with the kubelet: `Register` on `kubelet.sock` in the kubelet
+    /// directory, or a socket per resource in the plugin watcher's directory, which the kubelet
+    /// finds by itself (after its own restarts too).
+    #[arg(long, value_enum, default_value_t = RegistrationRoute::KubeletSocket)]
+    pub registration: RegistrationRoute,
+    /// The kubelet plugin watcher's directory, for `--registration plugin-watcher`.
+    #[arg(long, default_value = crate::kubelet::api::pluginregistration::DEFAULT_DIR)]
+    pub plugins_registry_dir: PathBuf,
+    /// Serve Prometheus metrics on `/metrics` and the liveness and readiness probes on
+    /// `/healthz` and `/readyz` at this address (e.g. 0.0.0.0:9310). Off when not given.
+    #[arg(long)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegistrationRoute {
+    KubeletSocket,
+    PluginWatcher,
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -53,6 +72,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.hot_reload = !args.no_hot_reload;
     options.cdi_dir = args.cdi_dir;
     options.libraries = args.libraries.libraries();
+    options.registration = match args.registration {
+        RegistrationRoute::KubeletSocket => Route::KubeletSocket,
+        RegistrationRoute::PluginWatcher => Route::PluginWatcher(args.plugins_registry_dir),
+    };
+    options.metrics_addr = args.metrics_addr;
     let agent = Agent::start(options).await.context("starting the agent")?;
     for r in agent.resources() {
         tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");

@@ -39,6 +39,14 @@ pub struct SimulateArgs {
     /// earlier is refused), as on a node where a plugin can see the file a moment too early.
     #[arg(long, default_value = "50ms", value_parser = crate::config::parse_duration)]
     pub accept_delay: Duration,
+    /// Also accept plugins by the kubelet's plugin-watcher route (usually
+    /// `/var/lib/kubelet/plugins_registry`): every socket appearing in DIR (at any depth) is
+    /// asked `GetInfo` with its path as `:authority`, as the kubelet does; a `DevicePlugin` with
+    /// a valid resource name and `v1beta1` is registered (its `endpoint`, or this socket when
+    /// empty), and told the outcome with `NotifyRegistrationStatus`. Removing the socket
+    /// deregisters it. Restarts leave DIR alone and find its plugins again by themselves.
+    #[arg(long, value_name = "DIR")]
+    pub plugins_registry_dir: Option<PathBuf>,
 }
 
 /// One `--allocate RESOURCE=COUNT` request.
@@ -83,6 +91,7 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let config = SimConfig {
         accept_delay: args.accept_delay,
         pod_resources_socket: args.pod_resources_socket.clone(),
+        plugins_registry: args.plugins_registry_dir.clone(),
         ..SimConfig::default()
     };
     let sim = Simulator::start_with(&args.dir, config)
@@ -102,6 +111,12 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
         "PodResources API (v1.PodResourcesLister) on {}",
         sim.pod_resources_socket().display()
     );
+    if let Some(dir) = sim.plugins_registry() {
+        println!(
+            "plugin watcher watching {} for registration sockets",
+            dir.display()
+        );
+    }
     if let Some(every) = args.restart_every {
         println!("restarting the simulated kubelet every {every:?}");
     }
@@ -255,6 +270,30 @@ fn describe(event: &SimEvent, last_devices: &mut BTreeMap<String, Vec<Device>>) 
             )
         }
         SimEvent::Serving => "kubelet.sock accepts connections again".to_owned(),
+        SimEvent::RegistryAttempt { attempt } => {
+            let socket = attempt.socket.display();
+            match &attempt.error {
+                None => format!(
+                    "plugin watcher: registered {} from {socket}{}",
+                    attempt.resource().unwrap_or_default(),
+                    match &attempt.notified {
+                        Some(Err(e)) => format!(" (NotifyRegistrationStatus failed: {e})"),
+                        _ => String::new(),
+                    }
+                ),
+                Some(error) => format!(
+                    "plugin watcher: REFUSED {socket}: {error}{}",
+                    if attempt.retry { " (will retry)" } else { "" }
+                ),
+            }
+        }
+        SimEvent::RegistryRemoved { socket, resource } => match resource {
+            Some(resource) => format!(
+                "plugin watcher: {} removed; {resource} deregistered",
+                socket.display()
+            ),
+            None => format!("plugin watcher: {} removed", socket.display()),
+        },
         SimEvent::Allocated { .. } | SimEvent::Released { .. } => return None,
         // Events a newer simulator adds are not part of this transcript.
         _ => return None,

@@ -53,12 +53,17 @@ fn render(status: &Status) -> String {
         let prepared = r.devices.iter().filter(|d| d.prepared).count();
         out += &format!(
             "{} (module {}, socket {}, {} devices, {healthy} healthy, {prepared} with an Allocate \
-             answer ready, registered {} time(s))\n",
+             answer ready, registered {} time(s){})\n",
             r.name,
             r.module,
             r.socket.file_name().unwrap_or_default().to_string_lossy(),
             r.devices.len(),
-            r.registrations
+            r.registrations,
+            if r.registered {
+                ""
+            } else {
+                ", not registered now"
+            }
         );
         for d in &r.devices {
             let health = if d.healthy { "Healthy" } else { "Unhealthy" };
@@ -150,6 +155,9 @@ mod tests {
                 module: "gpus".into(),
                 socket: "devicelet-x.sock".into(),
                 registrations: 1,
+                registered: true,
+                kubelet_restarts: 0,
+                registration_failures: 0,
                 devices: vec![
                     device("gpu-0::0", true),
                     device("gpu-0::1", true),

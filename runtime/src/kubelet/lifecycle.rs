@@ -1,18 +1,27 @@
 //! One resource's life with the kubelet: serve, register, and do both again whenever the kubelet
-//! restarts (our socket vanished, or `kubelet.sock` is a new file), until told to stop.
+//! restarts (our socket vanished, or `kubelet.sock` is a new file), until told to stop. On the
+//! plugin-watcher route the kubelet comes to us instead: serve, and hear what it reports.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::api::authority::{LOCALHOST, Rewritten};
 use super::api::deviceplugin::{
     DevicePluginOptions, KUBELET_SOCKET, device_plugin_server::DevicePluginServer,
 };
+use super::api::pluginregistration::{RegistrationStatus, registration_server::RegistrationServer};
 use super::backend::DeviceBackend;
 use super::plugin_server::ResourcePlugin;
+use super::route::{RegistrationState, Route, WatcherRegistration};
 use super::{connections, registration, uds};
 
 /// What the lifecycle needs to serve and register one resource.
@@ -33,6 +42,8 @@ pub struct Lifecycle<B> {
     pub stop: watch::Receiver<bool>,
     /// Counts successful registrations, for status and tests.
     pub registrations: watch::Sender<u32>,
+    pub route: Route,
+    pub state: Arc<RegistrationState>,
 }
 
 /// `kubelet.sock` can exist a moment before it accepts, and a refused connection costs
@@ -53,6 +64,10 @@ const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
 /// After a move, how long the old server's connections get to close before we register on the
 /// new place anyway (a stuck thread never closes them).
 const MOVE_DRAIN: Duration = Duration::from_millis(500);
+
+/// Registration reports from the plugin watcher waiting to be read; the kubelet sends one per
+/// registration attempt, so a handful is plenty.
+const NOTICES: usize = 8;
 
 /// Why a registration is over.
 enum Over {
@@ -97,7 +112,7 @@ fn kubelet_identity(plugin_dir: &Path) -> Option<(u64, u64)> {
 
 impl<B: DeviceBackend> Lifecycle<B> {
     fn socket(&self) -> PathBuf {
-        self.plugin_dir.join(&self.endpoint)
+        self.route.socket_dir(&self.plugin_dir).join(&self.endpoint)
     }
 
     pub async fn run(mut self) {
@@ -115,8 +130,9 @@ impl<B: DeviceBackend> Lifecycle<B> {
             }
             let (server_stop, server_stopped) = watch::channel(false);
             let (open, connections) = watch::channel(0usize);
+            let (notify, mut notices) = mpsc::channel(NOTICES);
             let mut place = None;
-            if let Err(e) = self.start_server(server_stopped, open, &mut place) {
+            if let Err(e) = self.start_server(server_stopped, open, notify, &mut place) {
                 if bind_failures == 0 {
                     tracing::error!(resource = self.resource, "cannot serve: {e}; retrying");
                 }
@@ -127,41 +143,15 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 continue;
             }
             bind_failures = 0;
-            // Registers on this server until the kubelet restarts or we stop; options changed
-            // by an upgrade are registered again on the same socket.
-            let over = loop {
-                let registered_with = match self.register().await {
-                    Registration::Accepted(identity) => identity,
-                    Registration::SocketGone => {
-                        tracing::info!(
-                            resource = self.resource,
-                            "our socket vanished while registering; serving again"
-                        );
-                        break Over::KubeletRestarted;
-                    }
-                    Registration::Stopped => break Over::Stopped,
-                };
-                match self
-                    .wait_until_over(registered_with, &mut place, &mut stale)
+            let watched = matches!(self.route, Route::PluginWatcher(_));
+            let over = if watched {
+                self.via_plugin_watcher(&mut notices, &connections, &mut place)
                     .await
-                {
-                    reason @ (Over::OptionsChanged | Over::StaleClosed) => {
-                        if matches!(reason, Over::OptionsChanged) {
-                            tracing::info!(
-                                resource = self.resource,
-                                "the module's new version asks for other calls; registering again"
-                            );
-                        }
-                        // End this registration's streams and let the kubelet disconnect it
-                        // before it sees the next one.
-                        self.streams.send_modify(|n| *n += 1);
-                        if self.disconnected(connections.clone()).await {
-                            break Over::Stopped;
-                        }
-                    }
-                    over => break over,
-                }
+            } else {
+                self.via_kubelet_socket(&connections, &mut place, &mut stale)
+                    .await
             };
+            self.state.set_registered(false);
             let _ = server_stop.send(true);
             match over {
                 Over::Stopped => return,
@@ -178,12 +168,136 @@ impl<B: DeviceBackend> Lifecycle<B> {
                         stale = Some(connections);
                     }
                 }
-                Over::KubeletRestarted | Over::OptionsChanged | Over::StaleClosed => {
+                Over::OptionsChanged => tracing::info!(
+                    resource = self.resource,
+                    "the module's new version asks for other calls; serving on a new socket file for the plugin watcher"
+                ),
+                Over::KubeletRestarted | Over::StaleClosed if !watched => {
+                    self.state.kubelet_restarted();
                     tracing::info!(
                         resource = self.resource,
                         "kubelet restarted; serving and registering again"
                     )
                 }
+                Over::KubeletRestarted | Over::StaleClosed => {}
+            }
+        }
+    }
+
+    /// Registers on this server until the kubelet restarts or we stop; options changed by an
+    /// upgrade are registered again on the same socket.
+    async fn via_kubelet_socket(
+        &mut self,
+        connections: &watch::Receiver<usize>,
+        place: &mut Option<Place>,
+        stale: &mut Option<watch::Receiver<usize>>,
+    ) -> Over {
+        loop {
+            let registered_with = match self.register().await {
+                Registration::Accepted(identity) => identity,
+                Registration::SocketGone => {
+                    tracing::info!(
+                        resource = self.resource,
+                        "our socket vanished while registering; serving again"
+                    );
+                    return Over::KubeletRestarted;
+                }
+                Registration::Stopped => return Over::Stopped,
+            };
+            self.state.set_registered(true);
+            match self.wait_until_over(registered_with, place, stale).await {
+                reason @ (Over::OptionsChanged | Over::StaleClosed) => {
+                    if matches!(reason, Over::OptionsChanged) {
+                        tracing::info!(
+                            resource = self.resource,
+                            "the module's new version asks for other calls; registering again"
+                        );
+                    }
+                    // End this registration's streams and let the kubelet disconnect it
+                    // before it sees the next one.
+                    self.state.set_registered(false);
+                    self.streams.send_modify(|n| *n += 1);
+                    if self.disconnected(connections.clone()).await {
+                        return Over::Stopped;
+                    }
+                }
+                over => return over,
+            }
+        }
+    }
+
+    /// Serves the plugin watcher until our socket is gone, the options change or we stop,
+    /// recording what the kubelet reports. A kubelet restart needs nothing from us: the new
+    /// kubelet finds the socket again and reports a new registration.
+    async fn via_plugin_watcher(
+        &mut self,
+        notices: &mut mpsc::Receiver<RegistrationStatus>,
+        connections: &watch::Receiver<usize>,
+        place: &mut Option<Place>,
+    ) -> Over {
+        enum Event {
+            Notice(RegistrationStatus),
+            Check,
+            Stop,
+            Options,
+            Moved,
+        }
+        let mut listening = true;
+        loop {
+            let event = tokio::select! {
+                notice = notices.recv(), if listening => match notice {
+                    Some(notice) => Event::Notice(notice),
+                    None => {
+                        listening = false;
+                        Event::Check
+                    }
+                },
+                _ = kubelet_changed(&mut self.kubelet_events) => Event::Check,
+                _ = tokio::time::sleep(RECHECK) => Event::Check,
+                _ = self.stop.wait_for(|s| *s) => Event::Stop,
+                _ = options_changed(&mut self.options) => Event::Options,
+                () = place_lost(place) => Event::Moved,
+            };
+            match event {
+                Event::Notice(RegistrationStatus {
+                    plugin_registered: true,
+                    ..
+                }) => {
+                    self.state.set_registered(true);
+                    self.registrations.send_modify(|n| *n += 1);
+                    tracing::info!(
+                        resource = self.resource,
+                        socket = %self.socket().display(),
+                        "registered with the kubelet's plugin watcher"
+                    );
+                }
+                Event::Notice(RegistrationStatus { error, .. }) => {
+                    self.state.set_registered(false);
+                    self.state.failed();
+                    tracing::warn!(
+                        resource = self.resource,
+                        "the kubelet's plugin watcher could not register us: {error}; it retries by itself"
+                    );
+                }
+                Event::Check => {}
+                Event::Stop => return Over::Stopped,
+                Event::Options => {
+                    // The kubelet reads the options only when it registers us: end this
+                    // registration and serve on a new file, which the watcher registers anew.
+                    self.streams.send_modify(|n| *n += 1);
+                    if self.disconnected(connections.clone()).await {
+                        return Over::Stopped;
+                    }
+                    return Over::OptionsChanged;
+                }
+                Event::Moved => return Over::Moved,
+            }
+            if !self.socket().exists() {
+                tracing::info!(
+                    resource = self.resource,
+                    "our socket in the plugin watcher's directory vanished; serving again"
+                );
+                return Over::KubeletRestarted;
             }
         }
     }
@@ -211,9 +325,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
         &self,
         server_stopped: watch::Receiver<bool>,
         open: watch::Sender<usize>,
+        notices: mpsc::Sender<RegistrationStatus>,
         place: &mut Option<Place>,
     ) -> std::io::Result<()> {
-        std::fs::create_dir_all(&self.plugin_dir)?;
+        std::fs::create_dir_all(self.route.socket_dir(&self.plugin_dir))?;
         let listener = uds::bind(&self.socket())?;
         restrict_to_owner(&self.socket());
         let plugin = self.plugin.clone();
@@ -227,19 +342,38 @@ impl<B: DeviceBackend> Lifecycle<B> {
             lost: p.lost,
             _keep: p.keep_alive,
         });
+        let watcher = match &self.route {
+            Route::KubeletSocket => None,
+            Route::PluginWatcher(_) => Some(RegistrationServer::new(WatcherRegistration {
+                resource: self.resource.clone(),
+                endpoint: self.socket(),
+                notices,
+            })),
+        };
         runtime.spawn(async move {
-            let served = tonic::transport::Server::builder()
+            // The plugin watcher sends our socket's path as `:authority`, which the HTTP/2
+            // server would refuse: its connections have it rewritten first.
+            let rewrite = watcher.is_some();
+            let router = tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(plugin))
-                .serve_with_incoming_shutdown(
-                    connections::counted(UnixListenerStream::new(listener), open),
-                    async move {
-                        tokio::select! {
-                            _ = stop.wait_for(|s| *s) => {}
-                            _ = server_stopped.wait_for(|s| *s) => {}
-                        }
-                    },
-                )
-                .await;
+                .add_optional_service(watcher);
+            let incoming = connections::counted(UnixListenerStream::new(listener), open);
+            let shutdown = async move {
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => {}
+                    _ = server_stopped.wait_for(|s| *s) => {}
+                }
+            };
+            let served = if rewrite {
+                let incoming = incoming.map(|c| c.map(|c| Rewritten::server(c, LOCALHOST)));
+                router
+                    .serve_with_incoming_shutdown(incoming, shutdown)
+                    .await
+            } else {
+                router
+                    .serve_with_incoming_shutdown(incoming, shutdown)
+                    .await
+            };
             if let Err(e) = served {
                 tracing::error!(resource, "device-plugin server failed: {e}");
             }

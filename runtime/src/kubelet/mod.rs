@@ -22,5 +22,6 @@ pub mod plugin_server;
 pub mod prepared;
 pub mod registration;
 pub mod resource;
+pub mod route;
 pub mod sharing;
 pub mod watcher;

@@ -12,6 +12,7 @@ use super::lifecycle::Lifecycle;
 use super::names;
 use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
 use super::prepared::{self, Prepared};
+use super::route::{RegistrationState, Route};
 use super::watcher::{self, Signals};
 use crate::cdi::{self, DeviceListStrategy, Naming, SpecWriter, Written};
 use crate::config::ShareRule;
@@ -33,6 +34,8 @@ pub struct ServedResource {
     pub ready: watch::Receiver<bool>,
     /// How many times the kubelet accepted our registration (once per kubelet start).
     pub registrations: watch::Receiver<u32>,
+    /// Whether the kubelet holds the registration now, and the restarts and refusals seen.
+    pub registration: Arc<RegistrationState>,
     /// Allocate answers prepared ahead of time, per device.
     pub prepared: Prepared,
     /// Whether its devices are replicas (`<id>::<n>`) of shared physical devices.
@@ -98,6 +101,12 @@ impl RunningResource {
     pub fn retire(&self) {
         self.retired
             .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether one of its tasks (device watcher, lifecycle, spec writer...) ended, which only
+    /// stopping explains: anything else is a bug that leaves the resource unserved.
+    pub fn task_ended(&self) -> bool {
+        self.tasks.iter().any(|t| t.is_finished())
     }
 
     /// Tells its tasks to end, without waiting: stopping many resources at once then takes as
@@ -204,7 +213,9 @@ pub fn check_socket_dir(plugin_dir: &Path, instance: &str) -> Result<(), String>
 
 /// Where and as whom to serve.
 pub struct Serving<'a> {
+    /// The kubelet's device-plugin directory, where `kubelet.sock` is.
     pub plugin_dir: &'a Path,
+    pub route: &'a Route,
     /// Unique per agent process, so a rolling upgrade never has two agents on one socket file.
     pub instance: &'a str,
     pub kubelet_events: &'a watch::Receiver<u64>,
@@ -335,6 +346,7 @@ pub fn serve<B: DeviceBackend>(
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
+    let registration = Arc::new(RegistrationState::default());
     tasks.push(tokio::spawn(
         Lifecycle {
             plugin_dir: at.plugin_dir.to_owned(),
@@ -347,6 +359,8 @@ pub fn serve<B: DeviceBackend>(
             ready: ready.clone(),
             stop,
             registrations: registrations_tx,
+            route: at.route.clone(),
+            state: registration.clone(),
         }
         .run(),
     ));
@@ -354,11 +368,12 @@ pub fn serve<B: DeviceBackend>(
         served: ServedResource {
             name,
             module: spec.module.to_owned(),
-            socket: at.plugin_dir.join(endpoint),
+            socket: at.route.socket_dir(at.plugin_dir).join(endpoint),
             options,
             devices,
             ready,
             registrations,
+            registration,
             prepared,
             shared,
             cdi,

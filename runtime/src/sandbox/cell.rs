@@ -134,6 +134,8 @@ impl<S> Clone for Cell<S> {
 #[derive(Default)]
 pub struct Fate {
     abandoned: AtomicU32,
+    /// Instances made again in a cell after the previous one trapped or failed.
+    restarts: AtomicU64,
     failed: Mutex<Option<String>>,
 }
 
@@ -148,6 +150,10 @@ impl Fate {
 
     pub fn abandoned(&self) -> u32 {
         self.abandoned.load(Ordering::Relaxed)
+    }
+
+    pub fn restarts(&self) -> u64 {
+        self.restarts.load(Ordering::Relaxed)
     }
 }
 
@@ -210,7 +216,7 @@ impl<S: 'static> Lane<S> {
             &module,
             label,
             factory.clone(),
-            init_deadline,
+            (init_deadline, &fate),
             0,
             home.as_ref(),
         )?;
@@ -450,7 +456,7 @@ impl<S: 'static> Lane<S> {
             &inner.module,
             inner.label,
             inner.factory.clone(),
-            inner.init_deadline,
+            (inner.init_deadline, &inner.fate),
             state.generation,
             home.as_ref(),
         );
@@ -490,16 +496,17 @@ fn spawn_cell<S: 'static>(
     module: &Arc<str>,
     label: &'static str,
     factory: Factory<S>,
-    init_deadline: Duration,
+    (init_deadline, fate): (Duration, &Arc<Fate>),
     generation: u64,
     home: Option<&Arc<Home>>,
 ) -> std::io::Result<Cell<S>> {
     let (jobs, rx) = mpsc::channel(QUEUE);
+    let fate = fate.clone();
     let running = Arc::new(Running::default());
     if let Some(home) = home {
         let (name, marker) = (module.clone(), running.clone());
         let task = Box::new(move || -> LocalBoxFuture<'static, ()> {
-            Box::pin(serve(name, factory, init_deadline, rx, marker))
+            Box::pin(serve(name, factory, (init_deadline, fate), rx, marker))
         });
         if !home.spawn_local(task) {
             return Err(std::io::Error::other("the home thread is gone"));
@@ -519,7 +526,7 @@ fn spawn_cell<S: 'static>(
     std::thread::Builder::new()
         .name(format!("cell-{label}-{module}"))
         .spawn(move || {
-            runtime.block_on(serve(name, factory, init_deadline, rx, marker));
+            runtime.block_on(serve(name, factory, (init_deadline, fate), rx, marker));
         })?;
     Ok(Cell {
         jobs,
@@ -550,7 +557,7 @@ impl Backoff {
 async fn serve<S>(
     module: Arc<str>,
     factory: Factory<S>,
-    init_deadline: Duration,
+    (init_deadline, fate): (Duration, Arc<Fate>),
     mut jobs: mpsc::Receiver<Job<S>>,
     running: Arc<Running>,
 ) {
@@ -581,6 +588,7 @@ async fn serve<S>(
             match tokio::time::timeout(init_deadline, factory()).await {
                 Ok(Ok(made)) => {
                     if instantiated_before {
+                        fate.restarts.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(module = &*module, "module re-instantiated");
                     }
                     instantiated_before = true;

@@ -17,5 +17,5 @@ pub mod validate;
 pub use crate::device::{
     ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo,
 };
-pub use error::{CallError, LoadError};
-pub use module::{ModuleHandle, ModuleStats};
+pub use error::{CallError, CallKind, LoadError};
+pub use module::{CallObserver, ModuleHandle, ModuleStats, Outcome};

@@ -47,6 +47,9 @@ pub struct ModuleStats {
     /// Cells abandoned because a call was stuck in a host call past its deadline.
     #[serde(default)]
     pub abandoned_cells: u64,
+    /// Instances made again after the previous one in the same cell trapped or failed.
+    #[serde(default)]
+    pub restarts: u64,
     /// Log lines (stdout, stderr, `log`) dropped over the rate limit since it was loaded.
     #[serde(default)]
     pub log_lines_dropped: u64,
@@ -55,6 +58,49 @@ pub struct ModuleStats {
     #[serde(default)]
     pub allocate_calls: u64,
 }
+
+/// How a call into a module ended, as metrics count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    Ok,
+    /// The module reported an error itself.
+    Error,
+    Trap,
+    Deadline,
+    /// Its answer broke a rule and was refused.
+    Violation,
+    /// Refused without calling it: the module was down.
+    Unavailable,
+}
+
+impl Outcome {
+    pub fn of<T>(result: &Result<T, CallError>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Ok,
+            Err(CallError::Plugin { .. }) => Outcome::Error,
+            Err(CallError::Trap { .. }) => Outcome::Trap,
+            Err(CallError::Deadline { .. } | CallError::Overran { .. }) => Outcome::Deadline,
+            Err(CallError::InvalidOutput { .. }) => Outcome::Violation,
+            Err(CallError::Unavailable { .. }) => Outcome::Unavailable,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Trap => "trap",
+            Outcome::Deadline => "deadline",
+            Outcome::Violation => "violation",
+            Outcome::Unavailable => "unavailable",
+        }
+    }
+}
+
+/// Told of every call the host makes into a module, how it ended and how long it took (waiting
+/// for the cell included: that is what the kubelet waits). Set by the agent for its metrics;
+/// kept outside the sandbox so the sandbox knows nothing of Prometheus.
+pub type CallObserver = Arc<dyn Fn(CallKind, Outcome, Duration) + Send + Sync>;
 
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 const MAX_INSTANCES: usize = 64;
@@ -106,6 +152,7 @@ pub struct ModuleHandle {
     budget: Arc<Budget>,
     output: Arc<super::host::OutputBudget>,
     nvml: Option<Arc<crate::nvml::NvmlNode>>,
+    observer: Arc<std::sync::OnceLock<CallObserver>>,
 }
 
 impl ModuleHandle {
@@ -214,7 +261,25 @@ impl ModuleHandle {
             budget,
             output: module.output.clone(),
             nvml: module.nvml.clone(),
+            observer: Arc::default(),
         })
+    }
+
+    /// Has `observer` told of every call from now on; the first observer set stays.
+    pub fn observe_calls(&self, observer: CallObserver) {
+        let _ = self.observer.set(observer);
+    }
+
+    fn observed<T>(
+        &self,
+        kind: CallKind,
+        started: std::time::Instant,
+        result: Result<T, CallError>,
+    ) -> Result<T, CallError> {
+        if let Some(observe) = self.observer.get() {
+            observe(kind, Outcome::of(&result), started.elapsed());
+        }
+        result
     }
 
     pub fn name(&self) -> &str {
@@ -244,6 +309,12 @@ impl ModuleHandle {
     /// The resource's devices, checked and charged to the module's host-memory budget (the
     /// snapshot the host keeps is what it costs).
     pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
+        let started = std::time::Instant::now();
+        let result = self.enumerate_checked(resource).await;
+        self.observed(CallKind::Enumerate, started, result)
+    }
+
+    async fn enumerate_checked(&self, resource: &str) -> Result<Vec<Device>, CallError> {
         let owned = resource.to_owned();
         let (topology, root) = (self.topology.clone(), self.host_root.clone());
         let devices = self
@@ -301,44 +372,50 @@ impl ModuleHandle {
         ids: Vec<String>,
     ) -> Result<ContainerEdits, CallError> {
         self.stats.allocate_calls.fetch_add(1, Ordering::Relaxed);
+        let started = std::time::Instant::now();
         let resource = resource.to_owned();
         let (grants, root) = (self.grants.clone(), self.host_root.clone());
-        self.call(
-            &self.kubelet,
-            CallKind::Allocate,
-            self.deadline,
-            move |i| {
-                Box::pin(async move {
-                    let r = i.plugin.devicelet_plugin_plugin();
-                    r.call_allocate(&mut i.store, &resource, &ids).await
-                })
-            },
-            // Resolving device nodes and mount sources is file-system work: it runs in the cell.
-            move |edits| {
-                let mut edits = ContainerEdits::from(edits);
-                validate::edits(&edits, &grants)?;
-                validate::resolve_edits(&mut edits, &grants, &root)?;
-                Ok(edits)
-            },
-        )
-        .await
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Allocate,
+                self.deadline,
+                move |i| {
+                    Box::pin(async move {
+                        let r = i.plugin.devicelet_plugin_plugin();
+                        r.call_allocate(&mut i.store, &resource, &ids).await
+                    })
+                },
+                // Resolving device nodes and mount sources is file-system work: it runs in the cell.
+                move |edits| {
+                    let mut edits = ContainerEdits::from(edits);
+                    validate::edits(&edits, &grants)?;
+                    validate::resolve_edits(&mut edits, &grants, &root)?;
+                    Ok(edits)
+                },
+            )
+            .await;
+        self.observed(CallKind::Allocate, started, result)
     }
 
     pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
+        let started = std::time::Instant::now();
         let resource = resource.to_owned();
-        self.call(
-            &self.kubelet,
-            CallKind::Prestart,
-            self.deadline,
-            move |i| {
-                Box::pin(async move {
-                    let r = i.plugin.devicelet_plugin_plugin();
-                    r.call_prestart(&mut i.store, &resource, &ids).await
-                })
-            },
-            Ok,
-        )
-        .await
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Prestart,
+                self.deadline,
+                move |i| {
+                    Box::pin(async move {
+                        let r = i.plugin.devicelet_plugin_plugin();
+                        r.call_prestart(&mut i.store, &resource, &ids).await
+                    })
+                },
+                Ok,
+            )
+            .await;
+        self.observed(CallKind::Prestart, started, result)
     }
 
     pub async fn preferred(
@@ -348,23 +425,26 @@ impl ModuleHandle {
         must_include: Vec<String>,
         size: u32,
     ) -> Result<Vec<String>, CallError> {
+        let started = std::time::Instant::now();
         let resource = resource.to_owned();
         let offered = available.clone();
         let size_limit = usize::try_from(size).unwrap_or(usize::MAX);
-        self.call(
-            &self.kubelet,
-            CallKind::Preferred,
-            self.deadline,
-            move |i| {
-                Box::pin(async move {
-                    let r = i.plugin.devicelet_plugin_plugin();
-                    r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
-                        .await
-                })
-            },
-            move |chosen| validate::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
-        )
-        .await
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Preferred,
+                self.deadline,
+                move |i| {
+                    Box::pin(async move {
+                        let r = i.plugin.devicelet_plugin_plugin();
+                        r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
+                            .await
+                    })
+                },
+                move |chosen| validate::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
+            )
+            .await;
+        self.observed(CallKind::Preferred, started, result)
     }
 
     /// What went wrong with this module so far, for status and metrics.
@@ -377,6 +457,7 @@ impl ModuleHandle {
             errors: get(&self.stats.errors),
             unavailable: get(&self.stats.unavailable),
             abandoned_cells: u64::from(self.fate.abandoned()),
+            restarts: self.fate.restarts(),
             log_lines_dropped: self.output.dropped(),
             allocate_calls: get(&self.stats.allocate_calls),
         }

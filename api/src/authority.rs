@@ -1,0 +1,1128 @@
+//! Rewriting the HTTP/2 `:authority` of requests on a connection, so the kubelet's plugin watcher
+//! can talk to a tonic server.
+//!
+//! The plugin watcher dials `plugins_registry` sockets with grpc-go and no `WithAuthority`, so
+//! every request it sends carries the socket *path* as `:authority`
+//! (`/var/lib/kubelet/plugins_registry/x.sock`). The `h2` server under tonic parses `:authority`
+//! as a URI authority, finds a `/` in it and resets the stream (`PROTOCOL_ERROR`, "malformed
+//! authority") before any service sees the request, so a plain tonic server never answers the
+//! real kubelet. [`Rewritten::server`] sits between the accepted socket and tonic and replaces
+//! the value before `h2` parses it; [`connect`] does the opposite on the client side, so the
+//! kubelet simulator sends what the kubelet sends.
+//!
+//! Header blocks are HPACK-compressed against a dynamic table that spans the whole connection
+//! (the watcher's `GetInfo` and `NotifyRegistrationStatus` share one), so the rewriter keeps a
+//! decoder per connection and rewrites every header block; all other frames pass through
+//! byte for byte, as does everything the server sends.
+
+use std::collections::VecDeque;
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use fluke_hpack::Decoder;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::UnixStream;
+use tonic::transport::server::Connected;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// An authority `h2` accepts, and what [`crate::uds::connect`] sends.
+pub const LOCALHOST: &str = "localhost";
+
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const HEAD_LEN: usize = 9;
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+/// SETTINGS_MAX_FRAME_SIZE before the server says otherwise, and the least it may say: frames of
+/// this size are always accepted.
+const MAX_FRAME: usize = 16 * 1024;
+/// The most a header block may take, encoded and decoded: memory per connection stays bounded
+/// (gRPC requests carry a few hundred bytes of headers; hyper's server refuses header lists
+/// over 16 KiB anyway).
+const MAX_BLOCK: usize = 64 * 1024;
+/// The most a peer may grow the HPACK dynamic table we mirror to, for the same reason.
+const MAX_TABLE: usize = 64 * 1024;
+/// SETTINGS_HEADER_TABLE_SIZE before the server says otherwise.
+const DEFAULT_TABLE: usize = 4096;
+const READ_BUFFER: usize = 16 * 1024;
+
+/// A connection whose requests, in one direction, get their `:authority` replaced.
+///
+/// Built with [`Rewritten::server`] around an accepted stream (requests are read from it) or
+/// with [`Rewritten::client`] around a dialed one (requests are written to it). Bytes in the
+/// other direction pass untouched. A malformed or oversized request header block fails the
+/// read or write with [`io::ErrorKind::InvalidData`], which makes hyper close the connection.
+pub struct Rewritten<S> {
+    inner: S,
+    side: Side,
+    rewriter: Rewriter,
+    /// Rewritten bytes not yet handed on (to the reader, or written to `inner`).
+    out: Vec<u8>,
+    sent: usize,
+    /// Bytes read from `inner` before rewriting (server side only).
+    raw: Vec<u8>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Server,
+    Client,
+}
+
+impl<S> Rewritten<S> {
+    /// Wraps a stream accepted by an HTTP/2 server: requests read from it reach the server with
+    /// `:authority` = `authority` (a request without one stays without one).
+    ///
+    /// The replacement goes in as a literal that the server does not index, so the server's
+    /// HPACK table stays empty and cannot disagree with the client's.
+    ///
+    /// ```no_run
+    /// # async fn serve(listener: tokio::net::UnixListener, routes: tonic::service::Routes) {
+    /// use devicelet_api::authority::{LOCALHOST, Rewritten};
+    /// use tokio_stream::{StreamExt, wrappers::UnixListenerStream};
+    ///
+    /// let incoming = UnixListenerStream::new(listener)
+    ///     .map(|accepted| accepted.map(|stream| Rewritten::server(stream, LOCALHOST)));
+    /// tonic::transport::Server::builder()
+    ///     .add_routes(routes)
+    ///     .serve_with_incoming(incoming)
+    ///     .await
+    ///     .unwrap();
+    /// # }
+    /// ```
+    pub fn server(stream: S, authority: &str) -> Self {
+        Self::new(stream, Side::Server, authority, Encoding::Literal)
+    }
+
+    /// Wraps a stream dialed by an HTTP/2 client: requests written to it reach the server with
+    /// `:authority` = `authority`.
+    ///
+    /// Headers are re-encoded with incremental indexing, as grpc-go does, so a second request on
+    /// the connection refers to the first one's headers (its `:authority` included) through the
+    /// server's dynamic table. That table is assumed to keep its default size (4096), which
+    /// tonic and grpc-go servers do; a server that shrinks it would fail the connection.
+    pub fn client(stream: S, authority: &str) -> Self {
+        Self::new(
+            stream,
+            Side::Client,
+            authority,
+            Encoding::Indexed(Table::default()),
+        )
+    }
+
+    fn new(stream: S, side: Side, authority: &str, encoding: Encoding) -> Self {
+        Self {
+            inner: stream,
+            side,
+            rewriter: Rewriter::new(authority.as_bytes(), encoding),
+            out: Vec::new(),
+            sent: 0,
+            raw: match side {
+                Side::Server => vec![0; READ_BUFFER],
+                Side::Client => Vec::new(),
+            },
+        }
+    }
+
+    /// The wrapped stream.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+/// Dials a gRPC server on a Unix socket with every request's `:authority` set to `authority`;
+/// with the socket's path, the way the kubelet's plugin watcher (grpc-go) dials
+/// `plugins_registry` sockets.
+pub async fn connect(path: &Path, authority: &str) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_owned();
+    let authority: Arc<str> = authority.into();
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            let authority = authority.clone();
+            async move {
+                let stream = UnixStream::connect(path).await?;
+                Ok::<_, io::Error>(TokioIo::new(Rewritten::client(stream, &authority)))
+            }
+        }))
+        .await
+}
+
+impl<S: Connected> Connected for Rewritten<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Rewritten<S> {
+    /// Writes the rewritten bytes still held to `inner`; client side only, where `out` holds
+    /// what was written, not what is to be read.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.sent < self.out.len() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out[self.sent..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.sent += n;
+        }
+        self.out.clear();
+        self.sent = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewritten<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.side == Side::Client {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        }
+        loop {
+            if this.sent < this.out.len() {
+                let n = buf.remaining().min(this.out.len() - this.sent);
+                buf.put_slice(&this.out[this.sent..this.sent + n]);
+                this.sent += n;
+                if this.sent == this.out.len() {
+                    this.out.clear();
+                    this.sent = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            let mut raw = ReadBuf::new(&mut this.raw);
+            ready!(Pin::new(&mut this.inner).poll_read(cx, &mut raw))?;
+            if raw.filled().is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            this.rewriter.feed(raw.filled(), &mut this.out)?;
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewritten<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.side == Side::Server {
+            return Pin::new(&mut this.inner).poll_write(cx, buf);
+        }
+        ready!(this.poll_drain(cx))?;
+        this.rewriter.feed(buf, &mut this.out)?;
+        // The bytes are taken either way; a pending write finishes on the next write or flush.
+        if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
+            return Poll::Ready(Err(e));
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.side == Side::Server {
+            return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        }
+        let buf = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &**b);
+        Pin::new(this).poll_write(cx, buf)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.side == Side::Server && self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.side == Side::Client {
+            ready!(this.poll_drain(cx))?;
+        }
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.side == Side::Client {
+            ready!(this.poll_drain(cx))?;
+        }
+        Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+fn refused(why: &'static str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why)
+}
+
+/// The client-to-server byte stream of one connection, rewritten as it goes: a state machine
+/// fed with whatever the transport delivers, so frames may arrive split anywhere.
+struct Rewriter {
+    authority: Box<[u8]>,
+    decoder: Decoder<'static>,
+    encoding: Encoding,
+    state: State,
+    head: [u8; HEAD_LEN],
+    head_len: usize,
+    /// The payload of the HEADERS or CONTINUATION frame being read.
+    payload: Vec<u8>,
+    /// The header block being assembled, until END_HEADERS.
+    block: Option<Block>,
+}
+
+#[derive(Clone, Copy)]
+enum State {
+    Preface(usize),
+    Head,
+    /// Copying a frame's payload through; how much is left.
+    Copy(usize),
+    /// Reading a HEADERS or CONTINUATION payload; how much is left.
+    Collect {
+        left: usize,
+        kind: u8,
+        flags: u8,
+        stream: u32,
+    },
+    Refused,
+}
+
+struct Block {
+    stream: u32,
+    end_stream: bool,
+    fragment: Vec<u8>,
+}
+
+impl Rewriter {
+    fn new(authority: &[u8], encoding: Encoding) -> Self {
+        let mut decoder = Decoder::new();
+        decoder.set_max_allowed_table_size(MAX_TABLE);
+        Self {
+            authority: authority.into(),
+            decoder,
+            encoding,
+            state: State::Preface(0),
+            head: [0; HEAD_LEN],
+            head_len: 0,
+            payload: Vec::new(),
+            block: None,
+        }
+    }
+
+    /// Takes all of `input`, appending what is to be sent on to `out`.
+    fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        let fed = self.feed_inner(input, out);
+        if fed.is_err() {
+            self.state = State::Refused;
+        }
+        fed
+    }
+
+    fn feed_inner(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+        while !input.is_empty() {
+            match self.state {
+                State::Refused => return Err(refused("connection already refused")),
+                State::Preface(seen) => {
+                    let n = (PREFACE.len() - seen).min(input.len());
+                    if input[..n] != PREFACE[seen..seen + n] {
+                        return Err(refused("not an HTTP/2 connection preface"));
+                    }
+                    out.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    self.state = if seen + n == PREFACE.len() {
+                        State::Head
+                    } else {
+                        State::Preface(seen + n)
+                    };
+                }
+                State::Head => {
+                    let n = (HEAD_LEN - self.head_len).min(input.len());
+                    self.head[self.head_len..self.head_len + n].copy_from_slice(&input[..n]);
+                    self.head_len += n;
+                    input = &input[n..];
+                    if self.head_len == HEAD_LEN {
+                        self.head_len = 0;
+                        self.start_frame(out)?;
+                    }
+                }
+                State::Copy(left) => {
+                    let n = left.min(input.len());
+                    out.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    self.state = if n == left {
+                        State::Head
+                    } else {
+                        State::Copy(left - n)
+                    };
+                }
+                State::Collect {
+                    left,
+                    kind,
+                    flags,
+                    stream,
+                } => {
+                    let n = left.min(input.len());
+                    self.payload.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    if n == left {
+                        self.end_frame(kind, flags, stream, out)?;
+                    } else {
+                        self.state = State::Collect {
+                            left: left - n,
+                            kind,
+                            flags,
+                            stream,
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn start_frame(&mut self, out: &mut Vec<u8>) -> io::Result<()> {
+        let h = self.head;
+        let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+        let (kind, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        match (kind, &self.block) {
+            (HEADERS, None) => {}
+            (CONTINUATION, Some(block)) if block.stream == stream => {}
+            (CONTINUATION, _) => return Err(refused("CONTINUATION without its HEADERS")),
+            (_, Some(_)) => return Err(refused("frame inside a header block")),
+            (_, None) => {
+                out.extend_from_slice(&h);
+                self.state = if len == 0 {
+                    State::Head
+                } else {
+                    State::Copy(len)
+                };
+                return Ok(());
+            }
+        }
+        let held = self.block.as_ref().map_or(0, |b| b.fragment.len());
+        if held + len > MAX_BLOCK {
+            return Err(refused("request header block over 64 KiB"));
+        }
+        self.payload.clear();
+        if len == 0 {
+            self.end_frame(kind, flags, stream, out)
+        } else {
+            self.state = State::Collect {
+                left: len,
+                kind,
+                flags,
+                stream,
+            };
+            Ok(())
+        }
+    }
+
+    fn end_frame(&mut self, kind: u8, flags: u8, stream: u32, out: &mut Vec<u8>) -> io::Result<()> {
+        self.state = State::Head;
+        if kind == HEADERS {
+            let mut p = &self.payload[..];
+            let mut pad = 0;
+            if flags & PADDED != 0 {
+                let (&n, rest) = p
+                    .split_first()
+                    .ok_or_else(|| refused("HEADERS too short"))?;
+                pad = usize::from(n);
+                p = rest;
+            }
+            if flags & PRIORITY != 0 {
+                p = p.get(5..).ok_or_else(|| refused("HEADERS too short"))?;
+            }
+            let end = p
+                .len()
+                .checked_sub(pad)
+                .ok_or_else(|| refused("HEADERS padding too long"))?;
+            self.block = Some(Block {
+                stream,
+                end_stream: flags & END_STREAM != 0,
+                fragment: p[..end].to_vec(),
+            });
+        } else if let Some(block) = &mut self.block {
+            block.fragment.extend_from_slice(&self.payload);
+        }
+        if flags & END_HEADERS != 0
+            && let Some(block) = self.block.take()
+        {
+            self.rewrite(&block, out)?;
+        }
+        Ok(())
+    }
+
+    fn rewrite(&mut self, block: &Block, out: &mut Vec<u8>) -> io::Result<()> {
+        if !well_formed(&block.fragment) {
+            return Err(refused("malformed request header block"));
+        }
+        let Self {
+            authority,
+            decoder,
+            encoding,
+            ..
+        } = self;
+        let mut encoded = Vec::new();
+        let mut size = 0;
+        decoder
+            .decode_with_cb(&block.fragment, |name, value| {
+                size += name.len() + value.len() + 32;
+                if size > MAX_BLOCK {
+                    return;
+                }
+                let value = if &*name == b":authority" {
+                    &**authority
+                } else {
+                    &*value
+                };
+                encoding.encode(&name, value, &mut encoded);
+            })
+            .map_err(|_| refused("undecodable request header block"))?;
+        if size > MAX_BLOCK {
+            return Err(refused("request header list over 64 KiB"));
+        }
+        let mut rest = &encoded[..];
+        let mut kind = HEADERS;
+        let mut flags = if block.end_stream { END_STREAM } else { 0 };
+        loop {
+            let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME));
+            if tail.is_empty() {
+                flags |= END_HEADERS;
+            }
+            put_head(out, chunk.len(), kind, flags, block.stream);
+            out.extend_from_slice(chunk);
+            if tail.is_empty() {
+                return Ok(());
+            }
+            rest = tail;
+            kind = CONTINUATION;
+            flags = 0;
+        }
+    }
+}
+
+fn put_head(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
+    out.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
+    out.push(kind);
+    out.push(flags);
+    out.extend_from_slice(&stream.to_be_bytes());
+}
+
+/// How rewritten header blocks are encoded for the server.
+enum Encoding {
+    /// Literal without indexing, every field: the server's dynamic table is never written.
+    Literal,
+    /// Incremental indexing with a mirror of the server's dynamic table, as grpc-go encodes.
+    Indexed(Table),
+}
+
+/// A header field: name, value.
+type Field = (Box<[u8]>, Box<[u8]>);
+
+#[derive(Default)]
+struct Table {
+    /// Newest first: entry `i` is HPACK index 62 + `i`.
+    entries: VecDeque<Field>,
+    size: usize,
+}
+
+impl Encoding {
+    fn encode(&mut self, name: &[u8], value: &[u8], out: &mut Vec<u8>) {
+        let Encoding::Indexed(table) = self else {
+            return put_literal(out, 0x00, name, value);
+        };
+        if let Some(i) = table
+            .entries
+            .iter()
+            .position(|(n, v)| **n == *name && **v == *value)
+        {
+            return put_int(out, 62 + i, 7, 0x80);
+        }
+        let size = name.len() + value.len() + 32;
+        if size > DEFAULT_TABLE {
+            return put_literal(out, 0x00, name, value);
+        }
+        while table.size + size > DEFAULT_TABLE {
+            let Some((n, v)) = table.entries.pop_back() else {
+                break;
+            };
+            table.size -= n.len() + v.len() + 32;
+        }
+        table.entries.push_front((name.into(), value.into()));
+        table.size += size;
+        put_literal(out, 0x40, name, value);
+    }
+}
+
+/// A literal field with a literal name (`first` = 0x00: without indexing, 0x40: indexed).
+fn put_literal(out: &mut Vec<u8>, first: u8, name: &[u8], value: &[u8]) {
+    out.push(first);
+    for s in [name, value] {
+        put_int(out, s.len(), 7, 0x00);
+        out.extend_from_slice(s);
+    }
+}
+
+fn put_int(out: &mut Vec<u8>, mut value: usize, prefix: u8, first: u8) {
+    let max = (1usize << prefix) - 1;
+    if value < max {
+        out.push(first | value as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    value -= max;
+    while value >= 0x80 {
+        out.push(0x80 | (value & 0x7f) as u8);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// Whether every field representation in `block` is complete: `fluke-hpack` 0.3.1 panics on a
+/// truncated or overlong dynamic-table-size update instead of failing, so blocks are checked
+/// first, with its own integer rules (at most four continuation octets).
+fn well_formed(block: &[u8]) -> bool {
+    fn int(buf: &[u8], prefix: u8) -> Option<(usize, usize)> {
+        let mask = (1u8 << prefix) - 1;
+        let mut value = usize::from(buf.first()? & mask);
+        if value < usize::from(mask) {
+            return Some((value, 1));
+        }
+        for (k, &b) in buf.iter().skip(1).take(4).enumerate() {
+            value += usize::from(b & 0x7f) << (7 * k);
+            if b & 0x80 == 0 {
+                return Some((value, k + 2));
+            }
+        }
+        None
+    }
+    fn string(buf: &[u8]) -> Option<usize> {
+        let (len, used) = int(buf, 7)?;
+        let end = used.checked_add(len)?;
+        (end <= buf.len()).then_some(end)
+    }
+    fn literal(buf: &[u8], prefix: u8) -> Option<usize> {
+        let (index, mut used) = int(buf, prefix)?;
+        if index == 0 {
+            used += string(buf.get(used..)?)?;
+        }
+        Some(used + string(buf.get(used..)?)?)
+    }
+    let mut at = 0;
+    while let Some(&first) = block.get(at) {
+        let rest = &block[at..];
+        let used = if first & 0x80 != 0 {
+            int(rest, 7).map(|(_, used)| used)
+        } else if first & 0x40 != 0 {
+            literal(rest, 6)
+        } else if first & 0x20 != 0 {
+            int(rest, 5).map(|(_, used)| used)
+        } else {
+            literal(rest, 4)
+        };
+        match used {
+            Some(used) => at += used,
+            None => return false,
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixListener;
+    use tokio_stream::StreamExt;
+    use tokio_stream::wrappers::UnixListenerStream;
+    use tonic::codegen::http;
+    use tonic::{Request, Response, Status};
+
+    use super::*;
+    use crate::pluginregistration::registration_client::RegistrationClient;
+    use crate::pluginregistration::registration_server::{Registration, RegistrationServer};
+    use crate::pluginregistration::{
+        InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+    };
+
+    struct Plugin;
+
+    #[tonic::async_trait]
+    impl Registration for Plugin {
+        async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+            Ok(Response::new(PluginInfo {
+                r#type: "DevicePlugin".into(),
+                name: "example.com/dev".into(),
+                endpoint: String::new(),
+                supported_versions: vec!["v1beta1".into()],
+            }))
+        }
+
+        async fn notify_registration_status(
+            &self,
+            _: Request<RegistrationStatus>,
+        ) -> Result<Response<RegistrationStatusResponse>, Status> {
+            Ok(Response::new(RegistrationStatusResponse {}))
+        }
+    }
+
+    /// What the server saw: each request's authority, and the connections accepted.
+    #[derive(Default)]
+    struct Seen {
+        authorities: Mutex<Vec<Option<String>>>,
+        connections: Mutex<usize>,
+    }
+
+    /// Serves `Plugin` on a fresh socket, its accepted streams rewritten when `rewrite`.
+    fn serve(rewrite: bool) -> (tempfile::TempDir, std::path::PathBuf, Arc<Seen>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plugin.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let seen = Arc::new(Seen::default());
+        let record = seen.clone();
+        let layer =
+            tower::util::MapRequestLayer::new(move |req: http::Request<tonic::body::Body>| {
+                let authority = req.uri().authority().map(|a| a.to_string());
+                record.authorities.lock().unwrap().push(authority);
+                req
+            });
+        let count = seen.clone();
+        let accepted = UnixListenerStream::new(listener).map(move |accepted| {
+            *count.connections.lock().unwrap() += 1;
+            accepted
+        });
+        let server = tonic::transport::Server::builder()
+            .layer(layer)
+            .add_service(RegistrationServer::new(Plugin));
+        tokio::spawn(async move {
+            if rewrite {
+                let incoming = accepted.map(|a| a.map(|s| Rewritten::server(s, LOCALHOST)));
+                server.serve_with_incoming(incoming).await
+            } else {
+                server.serve_with_incoming(accepted).await
+            }
+        });
+        (dir, path, seen)
+    }
+
+    #[tokio::test]
+    async fn a_plain_server_refuses_the_socket_path_as_authority() {
+        let (_dir, path, seen) = serve(false);
+        let channel = connect(&path, path.to_str().unwrap()).await.unwrap();
+        let got = RegistrationClient::new(channel)
+            .get_info(InfoRequest {})
+            .await;
+        let status = got.expect_err("h2 accepted the socket path as authority");
+        assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+        assert!(seen.authorities.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_rewritten_server_answers_both_calls_on_one_connection() {
+        let (_dir, path, seen) = serve(true);
+        let channel = connect(&path, path.to_str().unwrap()).await.unwrap();
+        let mut client = RegistrationClient::new(channel);
+        let info = client.get_info(InfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(info.name, "example.com/dev");
+        let status = RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        };
+        client.notify_registration_status(status).await.unwrap();
+        client.get_info(InfoRequest {}).await.unwrap();
+        assert_eq!(
+            *seen.authorities.lock().unwrap(),
+            vec![Some(LOCALHOST.to_owned()); 3]
+        );
+        assert_eq!(*seen.connections.lock().unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_oversized_header_block_closes_the_connection() {
+        let (_dir, path, _seen) = serve(true);
+        let mut stream = UnixStream::connect(&path).await.unwrap();
+        let mut input = PREFACE.to_vec();
+        put_head(&mut input, 0, 0x4, 0, 0);
+        let block = request_block(&mut Encoding::Literal, "/x", &"a".repeat(70_000));
+        input.extend(frames(&block, 1, false));
+        // The server may close before taking it all.
+        let _ = stream.write_all(&input).await;
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut rest));
+        let closed = read.await.expect("the connection stayed open");
+        assert!(
+            closed.is_ok() || closed.is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset)
+        );
+    }
+
+    /// A gRPC request's header block as grpc-go would build it, with `authority`.
+    fn request_block(encoding: &mut Encoding, authority: &str, padding: &str) -> Vec<u8> {
+        let mut block = Vec::new();
+        for (name, value) in request_headers(authority, padding) {
+            encoding.encode(name.as_bytes(), value.as_bytes(), &mut block);
+        }
+        block
+    }
+
+    fn request_headers<'a>(authority: &'a str, padding: &'a str) -> Vec<(&'a str, &'a str)> {
+        let mut headers = vec![
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/pluginregistration.Registration/GetInfo"),
+            (":authority", authority),
+            ("content-type", "application/grpc"),
+            ("user-agent", "grpc-go/1.72.1"),
+            ("te", "trailers"),
+        ];
+        if !padding.is_empty() {
+            headers.push(("x-padding", padding));
+        }
+        headers
+    }
+
+    /// `block` as a HEADERS frame and CONTINUATIONs of at most 16 KiB.
+    fn frames(block: &[u8], stream: u32, end_stream: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        let chunks: Vec<&[u8]> = block.chunks(MAX_FRAME).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let kind = if i == 0 { HEADERS } else { CONTINUATION };
+            let mut flags = if i == 0 && end_stream { END_STREAM } else { 0 };
+            if i + 1 == chunks.len() {
+                flags |= END_HEADERS;
+            }
+            put_head(&mut out, chunk.len(), kind, flags, stream);
+            out.extend_from_slice(chunk);
+        }
+        out
+    }
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_head(&mut out, payload.len(), kind, flags, stream);
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// `input` sent by a client through a real socket to a server-side `Rewritten`: what the
+    /// server reads, up to the client's EOF.
+    async fn through_server(input: Vec<u8>) -> io::Result<Vec<u8>> {
+        let (mut client, server) = UnixStream::pair()?;
+        let mut server = Rewritten::server(server, LOCALHOST);
+        let write = async move {
+            let _ = client.write_all(&input).await;
+            let _ = client.shutdown().await;
+        };
+        let read = async move {
+            let mut out = Vec::new();
+            server.read_to_end(&mut out).await.map(|_| out)
+        };
+        tokio::join!(write, read).1
+    }
+
+    struct Frame {
+        kind: u8,
+        flags: u8,
+        stream: u32,
+        payload: Vec<u8>,
+    }
+
+    fn parse(bytes: &[u8]) -> Vec<Frame> {
+        let mut rest = bytes.strip_prefix(&PREFACE[..]).unwrap();
+        let mut frames = Vec::new();
+        while !rest.is_empty() {
+            let len = u32::from_be_bytes([0, rest[0], rest[1], rest[2]]) as usize;
+            frames.push(Frame {
+                kind: rest[3],
+                flags: rest[4],
+                stream: u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]),
+                payload: rest[HEAD_LEN..HEAD_LEN + len].to_vec(),
+            });
+            rest = &rest[HEAD_LEN + len..];
+        }
+        frames
+    }
+
+    fn decode(decoder: &mut Decoder<'_>, block: &[u8]) -> Vec<(String, String)> {
+        let fields = decoder.decode(block).unwrap();
+        let text = |b: Vec<u8>| String::from_utf8(b).unwrap();
+        fields
+            .into_iter()
+            .map(|(n, v)| (text(n), text(v)))
+            .collect()
+    }
+
+    fn owned(headers: Vec<(&str, &str)>) -> Vec<(String, String)> {
+        headers
+            .into_iter()
+            .map(|(n, v)| (n.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    const PATH: &str = "/var/lib/kubelet/plugins_registry/x.sock";
+
+    #[tokio::test]
+    async fn headers_with_padding_priority_and_continuation_are_rewritten() {
+        let mut grpc_go = Encoding::Indexed(Table::default());
+        let first = request_block(&mut grpc_go, PATH, "");
+        let second = request_block(&mut grpc_go, PATH, "");
+        assert!(second.iter().all(|b| b & 0x80 != 0), "not all indexed");
+
+        let mut input = PREFACE.to_vec();
+        let (a, b) = first.split_at(first.len() / 2);
+        let mut padded = vec![3];
+        padded.extend([0x80, 0, 0, 0, 16]);
+        padded.extend(a);
+        padded.extend([0; 3]);
+        input.extend(frame(HEADERS, PADDED | PRIORITY, 1, &padded));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, b));
+        let data = frame(0x0, END_STREAM, 1, b"\0\0\0\0\0");
+        input.extend(&data);
+        input.extend(frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY, 3, &{
+            let mut p = vec![0, 0, 0, 0, 16];
+            p.extend(&second);
+            p
+        }));
+
+        let frames = parse(&through_server(input).await.unwrap());
+        assert_eq!(frames.len(), 3);
+        let mut server = Decoder::new();
+        let want = owned(request_headers(LOCALHOST, ""));
+        assert_eq!(
+            (frames[0].kind, frames[0].flags, frames[0].stream),
+            (HEADERS, END_HEADERS, 1)
+        );
+        assert_eq!(decode(&mut server, &frames[0].payload), want);
+        assert_eq!(
+            frame(frames[1].kind, frames[1].flags, 1, &frames[1].payload),
+            data
+        );
+        let flags = END_HEADERS | END_STREAM;
+        assert_eq!(
+            (frames[2].kind, frames[2].flags, frames[2].stream),
+            (HEADERS, flags, 3)
+        );
+        assert_eq!(decode(&mut server, &frames[2].payload), want);
+    }
+
+    #[tokio::test]
+    async fn a_block_over_one_frame_is_split_into_continuations() {
+        let padding = "p".repeat(20_000);
+        let block = request_block(&mut Encoding::Indexed(Table::default()), PATH, &padding);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_STREAM, 5, &block[..100]));
+        input.extend(frame(CONTINUATION, 0, 5, &block[100..200]));
+        input.extend(frame(CONTINUATION, END_HEADERS, 5, &block[200..]));
+
+        let frames = parse(&through_server(input).await.unwrap());
+        let heads: Vec<_> = frames.iter().map(|f| (f.kind, f.flags, f.stream)).collect();
+        let cont = (CONTINUATION, END_HEADERS, 5);
+        assert_eq!(heads, [(HEADERS, END_STREAM, 5), cont]);
+        assert_eq!(frames[0].payload.len(), MAX_FRAME);
+        let block: Vec<u8> = frames.iter().flat_map(|f| f.payload.clone()).collect();
+        let got = decode(&mut Decoder::new(), &block);
+        assert_eq!(got, owned(request_headers(LOCALHOST, &padding)));
+    }
+
+    #[tokio::test]
+    async fn a_request_without_authority_stays_without() {
+        let mut block = Vec::new();
+        put_literal(&mut block, 0x40, b":method", b"POST");
+        put_literal(&mut block, 0x40, b":path", b"/x");
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&block, 1, false));
+        let frames = parse(&through_server(input).await.unwrap());
+        let got = decode(&mut Decoder::new(), &frames[0].payload);
+        assert_eq!(got, owned(vec![(":method", "POST"), (":path", "/x")]));
+    }
+
+    #[tokio::test]
+    async fn a_table_size_update_is_consumed() {
+        let mut block = Vec::new();
+        put_int(&mut block, 0, 5, 0x20);
+        put_int(&mut block, 100, 5, 0x20);
+        put_literal(&mut block, 0x40, b":authority", PATH.as_bytes());
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&block, 1, false));
+        let mut second = Vec::new();
+        put_int(&mut second, 62, 7, 0x80);
+        input.extend(frames(&second, 3, false));
+        let frames = parse(&through_server(input).await.unwrap());
+        let want = owned(vec![(":authority", LOCALHOST)]);
+        for frame in &frames {
+            assert_eq!(frame.payload[0], 0x00);
+            assert_eq!(decode(&mut Decoder::new(), &frame.payload), want);
+        }
+    }
+
+    #[tokio::test]
+    async fn other_frames_pass_byte_identical() {
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x4, 0, 0, &[0, 4, 0, 1, 0, 0, 0, 3, 0, 0, 0, 100]));
+        input.extend(frame(0x4, 0x1, 0, &[]));
+        input.extend(frame(0x8, 0, 0, &[0, 1, 0, 0]));
+        input.extend(frame(0x6, 0, 0, b"12345678"));
+        input.extend(frame(0x0, PADDED, 1, &[2, 1, 2, 3, 0, 0]));
+        input.extend(frame(0x0, END_STREAM, 1, &[]));
+        input.extend(frame(0x0, 0, 7, &vec![0xab; 100_000]));
+        input.extend(frame(0x3, 0, 1, &[0, 0, 0, 8]));
+        input.extend(frame(0xfa, 0xff, 9, b"unknown"));
+        input.extend(frame(0x7, 0, 0, &[0, 0, 0, 1, 0, 0, 0, 0]));
+        assert_eq!(through_server(input.clone()).await.unwrap(), input);
+    }
+
+    #[test]
+    fn input_split_anywhere_gives_the_same_output() {
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x4, 0, 0, &[0, 4, 0, 1, 0, 0]));
+        let block = request_block(&mut Encoding::Indexed(Table::default()), PATH, "");
+        input.extend(frame(HEADERS, PADDED, 1, &{
+            let mut p = vec![1];
+            p.extend(&block[..10]);
+            p.push(0);
+            p
+        }));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, &block[10..]));
+        input.extend(frame(0x0, END_STREAM, 1, b"hello"));
+
+        let mut whole = Vec::new();
+        Rewriter::new(b"localhost", Encoding::Literal)
+            .feed(&input, &mut whole)
+            .unwrap();
+        let mut bytewise = Vec::new();
+        let mut rewriter = Rewriter::new(b"localhost", Encoding::Literal);
+        for byte in &input {
+            rewriter
+                .feed(std::slice::from_ref(byte), &mut bytewise)
+                .unwrap();
+        }
+        assert_eq!(whole, bytewise);
+        assert_eq!(parse(&whole).len(), 3);
+    }
+
+    async fn refused_kind(input: Vec<u8>) -> io::ErrorKind {
+        through_server(input).await.unwrap_err().kind()
+    }
+
+    #[tokio::test]
+    async fn a_block_over_the_limit_is_refused() {
+        let block = request_block(&mut Encoding::Literal, PATH, &"a".repeat(70_000));
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&block, 1, false));
+        assert_eq!(refused_kind(input).await, io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn a_header_list_over_the_limit_is_refused() {
+        let mut grpc_go = Encoding::Indexed(Table::default());
+        let mut block = Vec::new();
+        grpc_go.encode(b"x-big", &[b'a'; 3000], &mut block);
+        for _ in 0..30 {
+            grpc_go.encode(b"x-big", &[b'a'; 3000], &mut block);
+        }
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&block, 1, false));
+        assert_eq!(refused_kind(input).await, io::ErrorKind::InvalidData);
+    }
+
+    #[tokio::test]
+    async fn malformed_input_is_refused_without_panicking() {
+        let mut bad_preface = PREFACE.to_vec();
+        bad_preface[0] = b'G';
+        let mut cases = vec![bad_preface];
+        for block in [
+            &[0x3f][..],
+            &[0x3f, 0xff, 0xff, 0xff, 0xff, 0x01],
+            &[0x40, 5, b'a'],
+        ] {
+            let mut input = PREFACE.to_vec();
+            input.extend(frames(block, 1, false));
+            cases.push(input);
+        }
+        let mut orphan = PREFACE.to_vec();
+        orphan.extend(frame(CONTINUATION, END_HEADERS, 1, &[0x82]));
+        cases.push(orphan);
+        let mut interleaved = PREFACE.to_vec();
+        interleaved.extend(frame(HEADERS, 0, 1, &[0x82]));
+        interleaved.extend(frame(0x8, 0, 0, &[0, 1, 0, 0]));
+        cases.push(interleaved);
+        let mut overpadded = PREFACE.to_vec();
+        overpadded.extend(frame(HEADERS, PADDED | END_HEADERS, 1, &[5, 0x82]));
+        cases.push(overpadded);
+        for input in cases {
+            assert_eq!(refused_kind(input).await, io::ErrorKind::InvalidData);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_server_side_writes_only_what_the_server_writes() {
+        let (mut client, server) = UnixStream::pair().unwrap();
+        let mut server = Rewritten::server(server, LOCALHOST);
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(
+            &request_block(&mut Encoding::Literal, PATH, ""),
+            1,
+            true,
+        ));
+        client.write_all(&input).await.unwrap();
+        let mut start = [0; 4];
+        server.read_exact(&mut start).await.unwrap();
+        server.write_all(b"reply").await.unwrap();
+        server.flush().await.unwrap();
+        server.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"reply");
+    }
+
+    #[tokio::test]
+    async fn the_client_side_rewrites_what_it_writes() {
+        let (client, mut server) = UnixStream::pair().unwrap();
+        let mut client = Rewritten::client(client, PATH);
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(
+            &request_block(&mut Encoding::Literal, LOCALHOST, ""),
+            1,
+            true,
+        ));
+        input.extend(frames(
+            &request_block(&mut Encoding::Literal, LOCALHOST, ""),
+            3,
+            true,
+        ));
+        client.write_all(&input).await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut out = Vec::new();
+        server.read_to_end(&mut out).await.unwrap();
+
+        let frames = parse(&out);
+        assert_eq!(frames.len(), 2);
+        assert!(
+            frames[1].payload.iter().all(|b| b & 0x80 != 0),
+            "not all indexed"
+        );
+        let mut decoder = Decoder::new();
+        for frame in &frames {
+            assert_eq!(frame.flags, END_HEADERS | END_STREAM);
+            let got = decode(&mut decoder, &frame.payload);
+            assert_eq!(got, owned(request_headers(PATH, "")));
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! What the agent's HTTP endpoint answers: its metrics and the kubelet's liveness and readiness
+//! probes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::Shared;
+use crate::metrics::http::Endpoints;
+
+pub(super) struct AgentEndpoints(pub Arc<Shared>);
+
+impl Endpoints for AgentEndpoints {
+    fn metrics(&self) -> String {
+        metrics(&self.0)
+    }
+
+    fn live(&self) -> Result<(), String> {
+        live(&self.0)
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        ready(&self.0)
+    }
+}
+
+pub(super) fn metrics(shared: &Shared) -> String {
+    let status = super::status::collect(shared);
+    shared.metrics.render(&status, ready(shared).is_ok())
+}
+
+/// Alive while every loop of the agent and every task serving a resource still runs (that this
+/// answers at all shows its async workers are not wedged). A module that misbehaves does not
+/// make the agent unlive: that is its own resource's business, shown in readiness and metrics.
+fn live(shared: &Shared) -> Result<(), String> {
+    if shared.stopping.load(Ordering::Relaxed) {
+        return Ok(());
+    }
+    let mut dead: Vec<String> = shared
+        .loops
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|(_, task)| task.is_finished())
+        .map(|(name, _)| format!("the agent's {name} loop ended"))
+        .collect();
+    for module in shared.lock_modules().values() {
+        for r in module.resources.iter().filter(|r| r.task_ended()) {
+            dead.push(format!(
+                "a task serving {} (module `{}`) ended",
+                r.served.name, module.spec.name
+            ));
+        }
+    }
+    if dead.is_empty() {
+        Ok(())
+    } else {
+        Err(dead.join("\n"))
+    }
+}
+
+/// Ready once every loaded module runs and each of its resources is registered with the
+/// kubelet. Modules that failed to load are not counted: they are reported in the load errors
+/// and metrics, and must not hold up a rollout of the node's other device types.
+pub(super) fn ready(shared: &Shared) -> Result<(), String> {
+    let mut missing = Vec::new();
+    for module in shared.lock_modules().values() {
+        if let Some(why) = module.handle().failure() {
+            missing.push(format!(
+                "module `{}` stopped running: {why}",
+                module.spec.name
+            ));
+        }
+        for r in &module.resources {
+            if !r.served.registration.registered() {
+                missing.push(format!(
+                    "{} (module `{}`) is not registered with the kubelet",
+                    r.served.name, module.spec.name
+                ));
+            }
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(missing.join("\n"))
+    }
+}

@@ -1,0 +1,159 @@
+//! The HTTP endpoint on `--metrics-addr`: `/metrics` for Prometheus, `/healthz` and `/readyz` for
+//! the kubelet's probes.
+//!
+//! Plain HTTP/1.1 on hyper (already in the tree under tonic). It answers from memory only, never
+//! waits on a module, and bounds its connections and their lifetime, so a flood of scrapers or a
+//! stuck client costs the agent little and never delays a kubelet call.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+
+/// What the endpoint reports; the agent implements it.
+pub trait Endpoints: Send + Sync + 'static {
+    /// The Prometheus text exposition.
+    fn metrics(&self) -> String;
+    /// Ok when the agent's loops are alive; otherwise what is not.
+    fn live(&self) -> Result<(), String>;
+    /// Ok when every loaded module serves and is registered; otherwise what is missing.
+    fn ready(&self) -> Result<(), String>;
+}
+
+/// Connections served at once; more wait in the listen queue.
+const MAX_CONNECTIONS: usize = 64;
+/// How long one connection may stay open, keep-alive included.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+
+/// The OpenMetrics text format `prometheus-client` writes (Prometheus asks for it).
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Serves until `stop`.
+pub async fn serve(
+    listener: TcpListener,
+    endpoints: Arc<dyn Endpoints>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: don't spin on it.
+                tracing::warn!("metrics endpoint: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let endpoints = endpoints.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let response = respond(endpoints.as_ref(), &request);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+            drop(slot);
+        });
+    }
+}
+
+fn respond<B>(endpoints: &dyn Endpoints, request: &Request<B>) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
+    }
+    match request.uri().path() {
+        "/metrics" => {
+            let mut response = text(StatusCode::OK, endpoints.metrics());
+            if let Ok(kind) = OPENMETRICS.parse() {
+                response
+                    .headers_mut()
+                    .insert(hyper::header::CONTENT_TYPE, kind);
+            }
+            response
+        }
+        "/healthz" => probe(endpoints.live()),
+        "/readyz" => probe(endpoints.ready()),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /metrics, /healthz or /readyz\n".into(),
+        ),
+    }
+}
+
+fn probe(verdict: Result<(), String>) -> Response<Full<Bytes>> {
+    match verdict {
+        Ok(()) => text(StatusCode::OK, "ok\n".into()),
+        Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    if let Ok(kind) = "text/plain; charset=utf-8".parse() {
+        response
+            .headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, kind);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Stub;
+
+    impl Endpoints for Stub {
+        fn metrics(&self) -> String {
+            "# EOF\n".into()
+        }
+        fn live(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn ready(&self) -> Result<(), String> {
+            Err("devicelet.io/fuse (module `generic-dev`) is not registered".into())
+        }
+    }
+
+    fn get(method: Method, path: &str) -> Response<Full<Bytes>> {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(())
+            .expect("a request");
+        respond(&Stub, &request)
+    }
+
+    #[test]
+    fn each_path_answers_what_it_owns() {
+        let metrics = get(Method::GET, "/metrics");
+        assert_eq!(metrics.status(), StatusCode::OK);
+        assert_eq!(metrics.headers()[hyper::header::CONTENT_TYPE], OPENMETRICS);
+        assert_eq!(get(Method::GET, "/healthz").status(), StatusCode::OK);
+        assert_eq!(
+            get(Method::GET, "/readyz").status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(get(Method::GET, "/other").status(), StatusCode::NOT_FOUND);
+        assert_eq!(
+            get(Method::POST, "/metrics").status(),
+            StatusCode::METHOD_NOT_ALLOWED
+        );
+    }
+}

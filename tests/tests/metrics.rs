@@ -1,0 +1,247 @@
+//! The HTTP endpoint an operator's Prometheus and the kubelet's probes use: figures that follow
+//! what happens on the node, scraped over real HTTP and parsed as Prometheus text.
+
+use std::net::SocketAddr;
+
+use devicelet_simulator::Simulator;
+use devicelet_tests::{Node, Sample, WAIT, generic_dev, http_get, metric, misbehaving, scrape};
+
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+
+/// Scrapes until `cond` holds; the figures change as the agent's tasks catch up.
+async fn scrape_until(
+    addr: SocketAddr,
+    what: &str,
+    cond: impl Fn(&[Sample]) -> bool,
+) -> Vec<Sample> {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let samples = scrape(addr).await;
+        if cond(&samples) {
+            return samples;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}; last scrape: {samples:#?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+fn on_loopback(o: &mut devicelet::agent::AgentOptions) {
+    o.metrics_addr = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
+}
+
+fn modules() -> String {
+    format!(
+        "{}\n{}",
+        generic_dev(FUSE),
+        misbehaving("trapper", "resource = \"bad\"\nallocate = \"trap\"", "1s")
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_follow_allocations_a_kubelet_restart_a_trap_and_a_hot_reload() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent_with(&modules(), on_loopback).await;
+    let addr = agent.metrics_addr().expect("serving metrics");
+    let fuse = [("resource", "devicelet.io/fuse"), ("module", "generic-dev")];
+
+    let first = scrape_until(addr, "both resources registered", |s| {
+        metric(s, "devicelet_ready", &[]) == Some(1.0)
+    })
+    .await;
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        metric(&first, "devicelet_build_info", &[("version", version)]),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&first, "devicelet_resource_devices", &fuse),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&first, "devicelet_resource_devices_healthy", &fuse),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&first, "devicelet_resource_devices_allocated", &fuse),
+        Some(0.0)
+    );
+    assert_eq!(
+        metric(&first, "devicelet_resource_registrations_total", &fuse),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&first, "devicelet_resource_registered", &fuse),
+        Some(1.0)
+    );
+
+    // An allocation: counted as held, and as a call into the module (answered ahead of time or
+    // by the kubelet's own call, both are calls to its `allocate`).
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocate");
+    let allocated = scrape(addr).await;
+    assert_eq!(
+        metric(&allocated, "devicelet_resource_devices_allocated", &fuse),
+        Some(1.0)
+    );
+    let ok_allocates = metric(
+        &allocated,
+        "devicelet_module_call_duration_seconds_count",
+        &[
+            ("module", "generic-dev"),
+            ("call", "allocate"),
+            ("outcome", "ok"),
+        ],
+    )
+    .expect("allocate calls counted");
+    assert!(ok_allocates >= 1.0);
+    assert!(
+        metric(
+            &allocated,
+            "devicelet_module_call_duration_seconds_count",
+            &[
+                ("module", "generic-dev"),
+                ("call", "enumerate"),
+                ("outcome", "ok")
+            ],
+        )
+        .is_some_and(|n| n >= 1.0),
+        "enumerations counted"
+    );
+
+    // A module that traps: its own counters, nobody else's.
+    node.kubelet
+        .allocate("devicelet.io/bad", 1)
+        .await
+        .expect_err("the trapping module's allocate fails");
+    let trapped = scrape(addr).await;
+    let trapper = [("module", "trapper")];
+    assert_eq!(
+        metric(&trapped, "devicelet_module_traps_total", &trapper),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &trapped,
+            "devicelet_module_call_duration_seconds_count",
+            &[
+                ("module", "trapper"),
+                ("call", "allocate"),
+                ("outcome", "trap")
+            ],
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            &trapped,
+            "devicelet_module_traps_total",
+            &[("module", "generic-dev")]
+        ),
+        Some(0.0)
+    );
+
+    // A kubelet restart: seen, and registered again.
+    node.kubelet.restart().await.expect("kubelet restart");
+    let restarted = scrape_until(addr, "the second registration", |s| {
+        metric(s, "devicelet_resource_registrations_total", &fuse) == Some(2.0)
+            && metric(s, "devicelet_resource_registered", &fuse) == Some(1.0)
+    })
+    .await;
+    assert_eq!(
+        metric(&restarted, "devicelet_kubelet_restarts_seen_total", &fuse),
+        Some(1.0)
+    );
+
+    // A hot reload applied, then an edit refused.
+    node.registry(&modules().replace("health-interval = \"100ms\"", "health-interval = \"200ms\""));
+    scrape_until(addr, "the edit applied", |s| {
+        metric(
+            s,
+            "devicelet_registry_reloads_total",
+            &[("result", "applied")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    std::fs::write(node.dir.path().join("registry.toml"), "[[module]\nbroken")
+        .expect("break the registry");
+    let refused = scrape_until(addr, "the broken edit refused", |s| {
+        metric(
+            s,
+            "devicelet_registry_reloads_total",
+            &[("result", "refused")],
+        )
+        .is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    assert_eq!(
+        metric(&refused, "devicelet_resource_devices", &fuse),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&refused, "devicelet_module_load_errors", &[]),
+        Some(0.0)
+    );
+
+    let (status, body) = http_get(addr, "/healthz").await;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, _) = http_get(addr, "/nowhere").await;
+    assert_eq!(status, 404);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_false_until_every_module_is_registered() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    // A kubelet directory no kubelet serves yet.
+    let later = node.dir.path().join("later").join("device-plugins");
+    let agent = node
+        .start_agent_with(&modules(), |o| {
+            on_loopback(o);
+            o.plugin_dir = later.clone();
+        })
+        .await;
+    let addr = agent.metrics_addr().expect("serving metrics");
+
+    let (status, body) = http_get(addr, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("devicelet.io/fuse (module `generic-dev`) is not registered")
+            && body.contains("devicelet.io/bad (module `trapper`) is not registered"),
+        "{body}"
+    );
+    let (status, _) = http_get(addr, "/healthz").await;
+    assert_eq!(status, 200, "alive while waiting for the kubelet");
+    assert_eq!(
+        metric(&scrape(addr).await, "devicelet_ready", &[]),
+        Some(0.0)
+    );
+
+    let kubelet = Simulator::start(&later)
+        .await
+        .expect("the kubelet comes up");
+    for resource in ["devicelet.io/fuse", "devicelet.io/bad"] {
+        kubelet
+            .wait_until(resource, WAIT, |r| r.registrations == 1)
+            .await
+            .expect("registered");
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (status, body) = http_get(addr, "/readyz").await;
+        if status == 200 {
+            assert_eq!(body, "ok\n");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ready: {body}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    agent.shutdown().await;
+}

@@ -1,0 +1,166 @@
+//! The second way to the kubelet: a socket per resource in the plugin watcher's directory
+//! (`--registration plugin-watcher`), which the kubelet finds by itself, after its own restarts
+//! too, while `kubelet.sock` plays no part.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use devicelet::kubelet::route::Route;
+use devicelet_simulator::{SimConfig, Simulator};
+use devicelet_tests::{Node, WAIT, generic_dev, misbehaving};
+
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+
+/// A node whose kubelet also watches `plugins_registry/`.
+async fn watched_node() -> (Node, Simulator, PathBuf) {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let registry = node.dir.path().join("plugins_registry");
+    let dir = node.dir.path().join("watched").join("device-plugins");
+    let kubelet = Simulator::start_with(
+        &dir,
+        SimConfig {
+            plugins_registry: Some(registry.clone()),
+            ..SimConfig::default()
+        },
+    )
+    .await
+    .expect("the kubelet");
+    (node, kubelet, registry)
+}
+
+fn our_sockets(registry: &std::path::Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(registry)
+        .expect("the registry directory")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sock"))
+        .collect();
+    found.sort();
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_watcher_registers_serves_and_survives_a_kubelet_restart_by_itself() {
+    let (node, kubelet, registry) = watched_node().await;
+    let modules = format!(
+        "{}\n{}",
+        generic_dev(FUSE),
+        misbehaving("other", "resource = \"bad\"", "1s")
+    );
+    let agent = node
+        .start_agent_with(&modules, |o| {
+            o.plugin_dir = kubelet.plugin_dir().to_owned();
+            o.registration = Route::PluginWatcher(registry.clone());
+        })
+        .await;
+    for resource in ["devicelet.io/fuse", "devicelet.io/bad"] {
+        kubelet
+            .wait_until(resource, WAIT, |r| {
+                r.registrations == 1 && r.streaming && r.allocatable == 2
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{resource} registered through the watcher: {e}"));
+    }
+    // Our sockets live in the watcher's directory and nothing of ours in the kubelet's.
+    let sockets = our_sockets(&registry);
+    assert_eq!(sockets.len(), 2, "{sockets:?}");
+    let in_plugin_dir: Vec<_> = std::fs::read_dir(kubelet.plugin_dir())
+        .expect("the kubelet directory")
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().starts_with("devicelet-"))
+        .collect();
+    assert!(in_plugin_dir.is_empty(), "{in_plugin_dir:?}");
+    let attempts = kubelet.registry_attempts();
+    assert!(
+        attempts.iter().all(|a| a.registered()
+            && a.notified == Some(Ok(()))
+            && a.info.as_ref().is_some_and(|i| i.r#type == "DevicePlugin"
+                && i.supported_versions == ["v1beta1"]
+                && std::path::Path::new(&i.endpoint) == a.socket)),
+        "{attempts:#?}"
+    );
+    let fuse = agent.resource("devicelet.io/fuse").expect("served");
+    assert!(sockets.contains(&fuse.socket));
+    assert!(
+        fuse.registration.registered(),
+        "the kubelet's report was heard"
+    );
+
+    let allocation = kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocate through the watcher's registration");
+    assert_eq!(allocation.response.devices.len(), 1);
+
+    // The kubelet restarts. Nothing of ours is deleted and `kubelet.sock` is never dialed:
+    // the new kubelet finds the same socket files by its start-up scan.
+    let inodes: Vec<u64> = sockets
+        .iter()
+        .map(|s| std::fs::metadata(s).expect("socket").ino())
+        .collect();
+    kubelet.restart().await.expect("kubelet restart");
+    for resource in ["devicelet.io/fuse", "devicelet.io/bad"] {
+        kubelet
+            .wait_until(resource, WAIT, |r| {
+                r.registrations == 2 && r.streaming && r.allocatable == 2
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{resource} found again after the restart: {e}"));
+    }
+    let after: Vec<u64> = our_sockets(&registry)
+        .iter()
+        .map(|s| std::fs::metadata(s).expect("socket").ino())
+        .collect();
+    assert_eq!(after, inodes, "the same socket files, never made again");
+    let fuse = agent.resource("devicelet.io/fuse").expect("served");
+    assert_eq!(*fuse.registrations.borrow(), 2);
+    assert_eq!(fuse.registration.kubelet_restarts(), 0, "we did nothing");
+    eventually_registered(&fuse).await;
+    kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocate through the new kubelet");
+
+    // Stopping removes the sockets: the watcher deregisters both resources.
+    agent.shutdown().await;
+    kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            !r.streaming && r.allocatable == 0
+        })
+        .await
+        .expect("deregistered when its socket went");
+    assert!(our_sockets(&registry).is_empty());
+}
+
+async fn eventually_registered(r: &devicelet::agent::ServedResource) {
+    devicelet_tests::eventually("the kubelet's report", || r.registration.registered()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_socket_deleted_by_someone_is_served_again() {
+    let (node, kubelet, registry) = watched_node().await;
+    let agent = node
+        .start_agent_with(&generic_dev(FUSE), |o| {
+            o.plugin_dir = kubelet.plugin_dir().to_owned();
+            o.registration = Route::PluginWatcher(registry.clone());
+        })
+        .await;
+    kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 1 && r.allocatable == 2
+        })
+        .await
+        .expect("registered");
+    let socket = agent.resource("devicelet.io/fuse").expect("served").socket;
+    std::fs::remove_file(&socket).expect("delete our socket");
+    kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 2 && r.streaming && r.allocatable == 2
+        })
+        .await
+        .expect("served on a new file and registered again");
+    assert!(socket.exists());
+    agent.shutdown().await;
+}
