@@ -174,7 +174,11 @@ impl Node {
             self.tree.root().display().to_string(),
             modules.replace("@MODULES@", &module_dir().display().to_string())
         );
-        std::fs::write(&file, text).expect("writing the registry");
+        // Replaced in one step, as an editor or a ConfigMap update does: a running agent must
+        // never read a half-written file (it would be a valid registry with fewer modules).
+        let staged = self.dir.path().join(".registry.toml.new");
+        std::fs::write(&staged, text).expect("writing the registry");
+        std::fs::rename(&staged, &file).expect("installing the registry");
         file
     }
 

@@ -233,15 +233,127 @@ async fn readyz_is_false_until_every_module_is_registered() {
             .await
             .expect("registered");
     }
+    readyz_until(addr, 200).await;
+
+    // The kubelet goes away: it no longer holds the registrations, and readiness says so.
+    kubelet.shutdown().await;
+    let body = readyz_until(addr, 503).await;
+    assert!(body.contains("is not registered"), "{body}");
+    agent.shutdown().await;
+}
+
+/// Asks `/readyz` until it answers `status`; its body.
+async fn readyz_until(addr: SocketAddr, status: u16) -> String {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let (status, body) = http_get(addr, "/readyz").await;
-        if status == 200 {
-            assert_eq!(body, "ok\n");
-            break;
+        let (now, body) = http_get(addr, "/readyz").await;
+        if now == status {
+            return body;
         }
-        assert!(std::time::Instant::now() < deadline, "never ready: {body}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/readyz never answered {status}: {now} {body}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// A port nobody listens on now.
+fn free_port() -> SocketAddr {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    probe.local_addr().expect("its address")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_answer_while_modules_load_and_a_module_that_fails_to_load_does_not_hold_readiness()
+{
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let addr = free_port();
+    // Its init spins until its 2 s deadline: it never loads.
+    let modules = format!(
+        "{}\n{}",
+        generic_dev(FUSE),
+        misbehaving("stuck", "resource = \"bad\"\ninit = \"loop\"", "2s")
+    );
+    let registry = devicelet::config::Registry::load(&node.registry(&modules)).expect("registry");
+    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    options.metrics_addr = Some(addr);
+    let starting = tokio::spawn(devicelet::agent::Agent::start(options));
+
+    // Alive, and not ready, while the modules load.
+    let deadline = std::time::Instant::now() + WAIT;
+    let (status, body) = loop {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => break http_get(addr, "/readyz").await,
+            Err(e) => {
+                assert!(std::time::Instant::now() < deadline, "never listened: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    };
+    assert!(!starting.is_finished(), "the stuck module is still loading");
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "modules are still loading\n")
+    );
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+
+    let agent = starting
+        .await
+        .expect("the start task")
+        .expect("the agent starts without the stuck module");
+    assert!(
+        agent.load_errors().iter().any(|e| e.contains("stuck")),
+        "{:?}",
+        agent.load_errors()
+    );
+    readyz_until(addr, 200).await;
+    let samples = scrape(addr).await;
+    assert_eq!(
+        metric(&samples, "devicelet_module_load_errors", &[]),
+        Some(1.0)
+    );
+    assert_eq!(metric(&samples, "devicelet_ready", &[]), Some(1.0));
+    agent.shutdown().await;
+}
+
+/// Any pod can reach the port: one client holding connections open is turned away from its
+/// ninth, idle ones are closed after the header timeout, and other clients (the kubelet, from
+/// the node's address) are answered meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hoarding_connections_cannot_starve_the_probes() {
+    use tokio::io::AsyncReadExt;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent_with(&generic_dev(FUSE), on_loopback).await;
+    let addr = agent.metrics_addr().expect("serving metrics");
+    let hoarder = || async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(SocketAddr::from(([127, 0, 0, 2], 0)))
+            .expect("bind to another loopback address");
+        socket.connect(addr).await.expect("connect")
+    };
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(hoarder().await);
+    }
+    // The ninth is closed unanswered.
+    let mut ninth = hoarder().await;
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(WAIT, ninth.read(&mut buf))
+        .await
+        .expect("closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // The kubelet's probe, from another address, is answered while they are held.
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    // Idle connections that never send a request are closed by the server.
+    for conn in &mut held {
+        let read = tokio::time::timeout(WAIT, conn.read(&mut buf))
+            .await
+            .expect("closed within the header timeout");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
     }
     agent.shutdown().await;
 }

@@ -102,6 +102,9 @@ pub(crate) struct Shared {
     /// The agent's own loops, by name: `/healthz` fails when one ended before shutdown.
     loops: Mutex<Vec<(&'static str, tokio::task::AbortHandle)>>,
     stopping: std::sync::atomic::AtomicBool,
+    /// Module starts and upgrades under way: a module is out of `modules` while it loads, so
+    /// readiness must not be judged from that map meanwhile.
+    starting: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -145,6 +148,7 @@ impl Shared {
     /// as soon as it is ready, so a slow or hung one delays nobody else. Returns the problems,
     /// each naming its module.
     async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> Vec<String> {
+        let _starting = Starting::new(&self.starting);
         let mut starting = JoinSet::new();
         let mut tasks = BTreeMap::new();
         for spec in registry.modules.iter().filter(|m| names.contains(&m.name)) {
@@ -311,6 +315,9 @@ impl Agent {
             metrics: Metrics::default(),
             loops: Mutex::new(Vec::new()),
             stopping: Default::default(),
+            // Counted from before the metrics endpoint answers, so that it never reports ready
+            // before the first modules are in.
+            starting: std::sync::atomic::AtomicUsize::new(1),
         });
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -330,6 +337,9 @@ impl Agent {
             .map(|m| m.name.clone())
             .collect();
         let errors = shared.start_modules(&options.registry, &names).await;
+        shared
+            .starting
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         shared.set_load_errors(errors);
         shared.first_snapshots().await;
         if options
@@ -491,6 +501,22 @@ impl Agent {
             Ok(Err(e)) => tracing::error!("flushing the ledger: {e}"),
             Err(e) => tracing::error!("flushing the ledger: {e}"),
         }
+    }
+}
+
+/// Counts a start of modules as under way until dropped.
+struct Starting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Starting<'a> {
+    fn new(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Starting(count)
+    }
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -62,6 +62,9 @@ fn live(shared: &Shared) -> Result<(), String> {
 /// kubelet. Modules that failed to load are not counted: they are reported in the load errors
 /// and metrics, and must not hold up a rollout of the node's other device types.
 pub(super) fn ready(shared: &Shared) -> Result<(), String> {
+    if shared.starting.load(Ordering::Relaxed) > 0 {
+        return Err("modules are still loading".into());
+    }
     let mut missing = Vec::new();
     for module in shared.lock_modules().values() {
         if let Some(why) = module.handle().failure() {

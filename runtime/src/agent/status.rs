@@ -167,7 +167,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
         })
         .collect();
     let ledger = LedgerStatus {
-        entries: shared.ledger.entries().len() as u64,
+        entries: shared.ledger.entry_count() as u64,
         dropped: shared.ledger.dropped(),
         written: shared.ledger.is_written(),
     };

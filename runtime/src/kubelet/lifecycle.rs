@@ -65,6 +65,11 @@ const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
 /// new place anyway (a stuck thread never closes them).
 const MOVE_DRAIN: Duration = Duration::from_millis(500);
 
+/// After the kubelet reports a failed registration on the plugin-watcher route, how long to
+/// wait for it to succeed by itself before serving on a new file; doubled per failure in a row.
+const REFUSED_RETRY: Duration = Duration::from_secs(2);
+const REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
+
 /// Registration reports from the plugin watcher waiting to be read; the kubelet sends one per
 /// registration attempt, so a handful is plenty.
 const NOTICES: usize = 8;
@@ -80,6 +85,9 @@ enum Over {
     /// elsewhere: a kubelet before kubernetes#135437 may take that for the end of the new
     /// registration, so register once more.
     StaleClosed,
+    /// On the plugin-watcher route: the kubelet reported a failed registration and has not
+    /// registered us since.
+    Refused,
 }
 
 /// The place the server runs on now: the signal that it was lost.
@@ -122,6 +130,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             _ = self.stop.wait_for(|s| *s) => return,
         }
         let mut bind_failures = 0u32;
+        let mut refusals = 0u32;
         // Connections to a server left behind on a lost place.
         let mut stale: Option<watch::Receiver<usize>> = None;
         loop {
@@ -145,7 +154,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             bind_failures = 0;
             let watched = matches!(self.route, Route::PluginWatcher(_));
             let over = if watched {
-                self.via_plugin_watcher(&mut notices, &connections, &mut place)
+                self.via_plugin_watcher(&mut notices, &connections, &mut place, &mut refusals)
                     .await
             } else {
                 self.via_kubelet_socket(&connections, &mut place, &mut stale)
@@ -180,6 +189,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     )
                 }
                 Over::KubeletRestarted | Over::StaleClosed => {}
+                Over::Refused => tracing::info!(
+                    resource = self.resource,
+                    "serving on a new file for the plugin watcher to register"
+                ),
             }
         }
     }
@@ -205,7 +218,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 Registration::Stopped => return Over::Stopped,
             };
             self.state.set_registered(true);
-            match self.wait_until_over(registered_with, place, stale).await {
+            match self
+                .wait_until_over(registered_with, connections, place, stale)
+                .await
+            {
                 reason @ (Over::OptionsChanged | Over::StaleClosed) => {
                     if matches!(reason, Over::OptionsChanged) {
                         tracing::info!(
@@ -234,6 +250,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
         notices: &mut mpsc::Receiver<RegistrationStatus>,
         connections: &watch::Receiver<usize>,
         place: &mut Option<Place>,
+        refusals: &mut u32,
     ) -> Over {
         enum Event {
             Notice(RegistrationStatus),
@@ -241,9 +258,15 @@ impl<B: DeviceBackend> Lifecycle<B> {
             Stop,
             Options,
             Moved,
+            Retry,
         }
         let mut listening = true;
+        let mut streams = connections.clone();
+        // Set by a failed registration: when to serve on a new file if the kubelet has not
+        // registered us by then.
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
+            let retry = retry_at;
             let event = tokio::select! {
                 notice = notices.recv(), if listening => match notice {
                     Some(notice) => Event::Notice(notice),
@@ -257,6 +280,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 _ = self.stop.wait_for(|s| *s) => Event::Stop,
                 _ = options_changed(&mut self.options) => Event::Options,
                 () = place_lost(place) => Event::Moved,
+                _ = changed(&mut streams) => Event::Check,
+                _ = sleep_until(retry), if retry.is_some() => Event::Retry,
             };
             match event {
                 Event::Notice(RegistrationStatus {
@@ -265,6 +290,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 }) => {
                     self.state.set_registered(true);
                     self.registrations.send_modify(|n| *n += 1);
+                    (retry_at, *refusals) = (None, 0);
                     tracing::info!(
                         resource = self.resource,
                         socket = %self.socket().display(),
@@ -274,10 +300,21 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 Event::Notice(RegistrationStatus { error, .. }) => {
                     self.state.set_registered(false);
                     self.state.failed();
+                    // The kubelet retries a registration its plugin watcher refused, but not
+                    // one its device manager failed (it counts the socket as handled): if it
+                    // has not registered us after a backoff, a new file makes it try again.
+                    let backoff = REFUSED_RETRY
+                        .saturating_mul(1 << (*refusals).min(5))
+                        .min(REFUSED_RETRY_MAX);
+                    retry_at.get_or_insert(tokio::time::Instant::now() + backoff);
                     tracing::warn!(
                         resource = self.resource,
-                        "the kubelet's plugin watcher could not register us: {error}; it retries by itself"
+                        "the kubelet could not register us: {error}; serving on a new file in {backoff:?} unless it does meanwhile"
                     );
+                }
+                Event::Retry => {
+                    *refusals += 1;
+                    return Over::Refused;
                 }
                 Event::Check => {}
                 Event::Stop => return Over::Stopped,
@@ -291,6 +328,9 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     return Over::OptionsChanged;
                 }
                 Event::Moved => return Over::Moved,
+            }
+            if *streams.borrow() == 0 {
+                self.state.set_registered(false);
             }
             if !self.socket().exists() {
                 tracing::info!(
@@ -412,11 +452,15 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     // file (or none), and the next directory event would look like a restart.
                     return Registration::Accepted(kubelet_identity(&self.plugin_dir));
                 }
-                Err(e) if !complained => {
-                    tracing::warn!(resource = self.resource, "{e}; retrying with backoff");
-                    complained = true;
+                Err(e) => {
+                    if matches!(e, registration::RegistrationError::Refused { .. }) {
+                        self.state.failed();
+                    }
+                    if !complained {
+                        tracing::warn!(resource = self.resource, "{e}; retrying with backoff");
+                        complained = true;
+                    }
                 }
-                Err(_) => {}
             }
             // A new kubelet.sock wakes us at once; otherwise back off.
             tokio::select! {
@@ -440,10 +484,12 @@ impl<B: DeviceBackend> Lifecycle<B> {
     async fn wait_until_over(
         &mut self,
         registered_with: Option<(u64, u64)>,
+        connections: &watch::Receiver<usize>,
         place: &mut Option<Place>,
         stale: &mut Option<watch::Receiver<usize>>,
     ) -> Over {
         let mut replaced_since: Option<tokio::time::Instant> = None;
+        let mut connections = connections.clone();
         loop {
             let recheck = match replaced_since {
                 Some(since) => {
@@ -461,6 +507,12 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     *stale = None;
                     return Over::StaleClosed;
                 }
+                _ = changed(&mut connections) => {}
+            }
+            // The kubelet holds a connection for as long as it streams from us: with none, it
+            // no longer holds the registration (it is restarting, or let us go).
+            if *connections.borrow() == 0 {
+                self.state.set_registered(false);
             }
             if !self.socket().exists() {
                 return Over::KubeletRestarted;
@@ -520,6 +572,21 @@ async fn stale_closed(stale: &mut Option<watch::Receiver<usize>>) {
         Some(open) => {
             let _ = open.wait_for(|n| *n == 0).await;
         }
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when the value changes; never, once nobody can change it.
+async fn changed<T>(value: &mut watch::Receiver<T>) {
+    if value.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Resolves at `at`; never without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
 }

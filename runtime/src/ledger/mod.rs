@@ -256,6 +256,11 @@ impl Ledger {
         self.inner.store.is_none() || self.lock().version <= written
     }
 
+    /// How many entries it holds, without copying them (metrics ask at every scrape).
+    pub fn entry_count(&self) -> usize {
+        self.lock().state.entries.len()
+    }
+
     /// All entries, in increasing id (= recording) order.
     pub fn entries(&self) -> Vec<Entry> {
         self.lock().state.entries.clone()

@@ -1,9 +1,11 @@
 //! The HTTP endpoint on `--metrics-addr`: `/metrics` for Prometheus, `/healthz` and `/readyz` for
 //! the kubelet's probes.
 //!
-//! Plain HTTP/1.1 on hyper (already in the tree under tonic). It answers from memory only, never
-//! waits on a module, and bounds its connections and their lifetime, so a flood of scrapers or a
-//! stuck client costs the agent little and never delays a kubelet call.
+//! Plain HTTP/1.1 on hyper (already in the tree under tonic). It answers from memory only and
+//! never waits on a module. Any pod that can reach the port can connect, so connections are
+//! bounded in number (in all and per client address), one request each, with a few seconds to
+//! send it: a client that holds connections open cannot starve the kubelet's probes for long,
+//! and one that opens many from one address is turned away without touching the others.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -26,9 +28,13 @@ pub trait Endpoints: Send + Sync + 'static {
     fn ready(&self) -> Result<(), String>;
 }
 
-/// Connections served at once; more wait in the listen queue.
-const MAX_CONNECTIONS: usize = 64;
-/// How long one connection may stay open, keep-alive included.
+/// Connections served at once; one more is closed at once.
+const MAX_CONNECTIONS: usize = 128;
+/// Connections served at once from one client address (the kubelet probes from the node's).
+const MAX_PER_PEER: usize = 8;
+/// How long a client has to send its request's headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one connection may stay open in all.
 const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
 /// The OpenMetrics text format `prometheus-client` writes (Prometheus asks for it).
@@ -41,22 +47,27 @@ pub async fn serve(
     mut stop: watch::Receiver<bool>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let peers = Arc::new(Peers::default());
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, say: don't spin on it.
                 tracing::warn!("metrics endpoint: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
+        };
+        // Over either bound the connection is closed unanswered, without waiting.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue;
+        };
+        let Some(seat) = Peers::take(&peers, peer.ip()) else {
+            continue;
         };
         let endpoints = endpoints.clone();
         tokio::spawn(async move {
@@ -65,10 +76,50 @@ pub async fn serve(
                 async move { Ok::<_, Infallible>(response) }
             });
             let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
                 .serve_connection(TokioIo::new(stream), service);
             let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
-            drop(slot);
+            drop((slot, seat));
         });
+    }
+}
+
+/// Open connections per client address.
+#[derive(Default)]
+struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One open connection of a client address, given back when dropped.
+struct Seat {
+    peers: Arc<Peers>,
+    ip: std::net::IpAddr,
+}
+
+impl Peers {
+    fn take(peers: &Arc<Peers>, ip: std::net::IpAddr) -> Option<Seat> {
+        let mut open = peers.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_default();
+        if *n >= MAX_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(Seat {
+            peers: peers.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut open = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
     }
 }
 
