@@ -43,14 +43,42 @@ const PRIORITY: u8 = 0x20;
 /// SETTINGS_MAX_FRAME_SIZE before the server says otherwise, and the least it may say: frames of
 /// this size are always accepted.
 const MAX_FRAME: usize = 16 * 1024;
-/// The most a header block may take, encoded and decoded: memory per connection stays bounded
-/// (gRPC requests carry a few hundred bytes of headers; hyper's server refuses header lists
-/// over 16 KiB anyway).
+/// The most an encoded header block (HEADERS and CONTINUATION payloads together) may take, so
+/// the bytes held while a block is assembled stay bounded. gRPC requests carry a few hundred
+/// bytes of headers.
 const MAX_BLOCK: usize = 64 * 1024;
-/// The most a peer may grow the HPACK dynamic table we mirror to, for the same reason.
-const MAX_TABLE: usize = 64 * 1024;
-/// SETTINGS_HEADER_TABLE_SIZE before the server says otherwise.
+/// The most a decoded header list may take, counted as HTTP/2 does (RFC 9113 §6.5.2: name +
+/// value + 32 per field), on the list as rewritten, i.e. as the server will count it.
+///
+/// A block's output is bounded by this, not by its encoded size: an indexed field is one octet
+/// that expands to a whole dynamic-table entry. hyper's server advertises a 16 KiB
+/// SETTINGS_MAX_HEADER_LIST_SIZE; h2 0.4 answers a list over it with a 431 on that stream and
+/// closes the connection only over 4 times that (its `MAX_HEADER_LIST_ABUSE_MULTIPLIER`), so
+/// refusing above 64 KiB refuses only what the server itself would drop the connection for.
+const MAX_LIST: usize = 4 * 16 * 1024;
+/// The most field representations (size updates included) a header block may hold. A gRPC
+/// request has about ten; the bound caps the decoding work per block, which `fluke-hpack` does
+/// not (it rebuilds its Huffman table, hundreds of allocations, for every Huffman-coded string
+/// and decodes the whole block even once the list is over [`MAX_LIST`]).
+///
+/// It is also the decoding budget between yields: once header blocks with this many fields in
+/// all have been decoded, [`Rewriter::feed`] stops and the server side's next read yields to
+/// the scheduler before it goes on, so a stream of small blocks cannot hold the thread for a
+/// whole read buffer's worth of decoding (thousands of Huffman strings).
+const MAX_FIELDS: usize = 100;
+/// SETTINGS_HEADER_TABLE_SIZE before the server says otherwise, and the most we let a peer grow
+/// the HPACK dynamic table we mirror to: neither the h2 server behind [`Rewritten::server`] nor
+/// the tonic server [`Rewritten::client`] talks to advertises more, so a size update above it
+/// is a compression error anyway. It bounds what one indexed field can expand to.
 const DEFAULT_TABLE: usize = 4096;
+/// Once this much rewritten output is pending, [`Rewriter::feed`] stops taking input until it
+/// has been handed on: one read (or write) cannot expand into an unbounded amount of output.
+const MAX_PENDING: usize = 64 * 1024;
+/// The most rewritten output held at once, whatever the input: [`MAX_PENDING`], less one byte,
+/// plus what the step that crosses it may add, at most one header block as rewritten (its
+/// encoding is smaller than its [`MAX_LIST`]-bounded list size, and it takes at most four frame
+/// heads of [`MAX_FRAME`]-sized frames).
+const MAX_OUT: usize = MAX_PENDING + MAX_LIST + MAX_LIST.div_ceil(MAX_FRAME) * HEAD_LEN;
 const READ_BUFFER: usize = 16 * 1024;
 
 /// A connection whose requests, in one direction, get their `:authority` replaced.
@@ -68,6 +96,9 @@ pub struct Rewritten<S> {
     sent: usize,
     /// Bytes read from `inner` before rewriting (server side only).
     raw: Vec<u8>,
+    /// The part of `raw` not yet fed to `rewriter`: it is fed once `out` has been handed on.
+    raw_at: usize,
+    raw_len: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -128,6 +159,8 @@ impl<S> Rewritten<S> {
                 Side::Server => vec![0; READ_BUFFER],
                 Side::Client => Vec::new(),
             },
+            raw_at: 0,
+            raw_len: 0,
         }
     }
 
@@ -201,12 +234,29 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewritten<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            if this.raw_at < this.raw_len {
+                if this.rewriter.decoded >= MAX_FIELDS {
+                    // Decoding budget spent: let other tasks run before decoding more.
+                    this.rewriter.decoded = 0;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                let raw = &this.raw[this.raw_at..this.raw_len];
+                this.raw_at += this.rewriter.feed(raw, &mut this.out)?;
+                continue;
+            }
             let mut raw = ReadBuf::new(&mut this.raw);
-            ready!(Pin::new(&mut this.inner).poll_read(cx, &mut raw))?;
+            let read = Pin::new(&mut this.inner).poll_read(cx, &mut raw);
+            if read.is_pending() {
+                // The task yields anyway: the budget starts over.
+                this.rewriter.decoded = 0;
+            }
+            ready!(read)?;
             if raw.filled().is_empty() {
                 return Poll::Ready(Ok(()));
             }
-            this.rewriter.feed(raw.filled(), &mut this.out)?;
+            this.raw_at = 0;
+            this.raw_len = raw.filled().len();
         }
     }
 }
@@ -222,12 +272,15 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewritten<S> {
             return Pin::new(&mut this.inner).poll_write(cx, buf);
         }
         ready!(this.poll_drain(cx))?;
-        this.rewriter.feed(buf, &mut this.out)?;
+        // What is written here comes from our own client, not a peer: no yield. With `out`
+        // empty and the budget reset, at least one byte is taken when `buf` has any.
+        this.rewriter.decoded = 0;
+        let taken = this.rewriter.feed(buf, &mut this.out)?;
         // The bytes are taken either way; a pending write finishes on the next write or flush.
         if let Poll::Ready(Err(e)) = this.poll_drain(cx) {
             return Poll::Ready(Err(e));
         }
-        Poll::Ready(Ok(buf.len()))
+        Poll::Ready(Ok(taken))
     }
 
     fn poll_write_vectored(
@@ -284,6 +337,9 @@ struct Rewriter {
     payload: Vec<u8>,
     /// The header block being assembled, until END_HEADERS.
     block: Option<Block>,
+    /// Field representations decoded since the caller last reset it; [`Rewriter::feed`] takes
+    /// no more input from [`MAX_FIELDS`] on.
+    decoded: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -311,7 +367,7 @@ struct Block {
 impl Rewriter {
     fn new(authority: &[u8], encoding: Encoding) -> Self {
         let mut decoder = Decoder::new();
-        decoder.set_max_allowed_table_size(MAX_TABLE);
+        decoder.set_max_allowed_table_size(DEFAULT_TABLE);
         Self {
             authority: authority.into(),
             decoder,
@@ -321,20 +377,29 @@ impl Rewriter {
             head_len: 0,
             payload: Vec::new(),
             block: None,
+            decoded: 0,
         }
     }
 
-    /// Takes all of `input`, appending what is to be sent on to `out`.
-    fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+    /// Takes a prefix of `input`, appending what is to be sent on to `out`, and says how long
+    /// it was: all of `input`, unless `out` reaches [`MAX_PENDING`] or `decoded` reaches
+    /// [`MAX_FIELDS`] first. The caller hands `out` on (and resets `decoded`, when it has
+    /// yielded) and feeds the rest later, so `out` never holds more than [`MAX_OUT`] bytes and
+    /// one call decodes fewer than 2 × [`MAX_FIELDS`] fields. With `out` below [`MAX_PENDING`],
+    /// `decoded` below [`MAX_FIELDS`] and `input` not empty, at least one byte is taken.
+    fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> io::Result<usize> {
         let fed = self.feed_inner(input, out);
         if fed.is_err() {
             self.state = State::Refused;
         }
+        debug_assert!(out.len() <= MAX_OUT, "{} bytes held", out.len());
         fed
     }
 
-    fn feed_inner(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
-        while !input.is_empty() {
+    fn feed_inner(&mut self, input: &[u8], out: &mut Vec<u8>) -> io::Result<usize> {
+        let whole = input.len();
+        let mut input = input;
+        while !input.is_empty() && out.len() < MAX_PENDING && self.decoded < MAX_FIELDS {
             match self.state {
                 State::Refused => return Err(refused("connection already refused")),
                 State::Preface(seen) => {
@@ -361,7 +426,7 @@ impl Rewriter {
                     }
                 }
                 State::Copy(left) => {
-                    let n = left.min(input.len());
+                    let n = left.min(input.len()).min(MAX_PENDING - out.len());
                     out.extend_from_slice(&input[..n]);
                     input = &input[n..];
                     self.state = if n == left {
@@ -392,7 +457,7 @@ impl Rewriter {
                 }
             }
         }
-        Ok(())
+        Ok(whole - input.len())
     }
 
     fn start_frame(&mut self, out: &mut Vec<u8>) -> io::Result<()> {
@@ -469,9 +534,7 @@ impl Rewriter {
     }
 
     fn rewrite(&mut self, block: &Block, out: &mut Vec<u8>) -> io::Result<()> {
-        if !well_formed(&block.fragment) {
-            return Err(refused("malformed request header block"));
-        }
+        self.decoded += check(&block.fragment).map_err(refused)?;
         let Self {
             authority,
             decoder,
@@ -482,19 +545,20 @@ impl Rewriter {
         let mut size = 0;
         decoder
             .decode_with_cb(&block.fragment, |name, value| {
-                size += name.len() + value.len() + 32;
-                if size > MAX_BLOCK {
-                    return;
-                }
                 let value = if &*name == b":authority" {
                     &**authority
                 } else {
                     &*value
                 };
-                encoding.encode(&name, value, &mut encoded);
+                // Past the limit the block is refused; `fluke-hpack` still decodes the rest
+                // (at most MAX_FIELDS fields), but nothing more is copied.
+                size += name.len() + value.len() + 32;
+                if size <= MAX_LIST {
+                    encoding.encode(&name, value, &mut encoded);
+                }
             })
             .map_err(|_| refused("undecodable request header block"))?;
-        if size > MAX_BLOCK {
+        if size > MAX_LIST {
             return Err(refused("request header list over 64 KiB"));
         }
         let mut rest = &encoded[..];
@@ -594,10 +658,14 @@ fn put_int(out: &mut Vec<u8>, mut value: usize, prefix: u8, first: u8) {
     out.push(value as u8);
 }
 
-/// Whether every field representation in `block` is complete: `fluke-hpack` 0.3.1 panics on a
-/// truncated or overlong dynamic-table-size update instead of failing, so blocks are checked
-/// first, with its own integer rules (at most four continuation octets).
-fn well_formed(block: &[u8]) -> bool {
+/// Checks `block` before `fluke-hpack` decodes it, and counts its field representations.
+///
+/// Every one must be complete: `fluke-hpack` 0.3.1 panics on a truncated or overlong
+/// dynamic-table-size update instead of failing, so this follows its own integer rules (at most
+/// four continuation octets). There may be at most [`MAX_FIELDS`] of them, so decoding one block
+/// costs a bounded amount of work. No dynamic-table-size update may go above [`DEFAULT_TABLE`]
+/// (the decoder refuses those too; this says why).
+fn check(block: &[u8]) -> Result<usize, &'static str> {
     fn int(buf: &[u8], prefix: u8) -> Option<(usize, usize)> {
         let mask = (1u8 << prefix) - 1;
         let mut value = usize::from(buf.first()? & mask);
@@ -624,24 +692,31 @@ fn well_formed(block: &[u8]) -> bool {
         }
         Some(used + string(buf.get(used..)?)?)
     }
+    let malformed = "malformed request header block";
     let mut at = 0;
+    let mut fields = 0;
     while let Some(&first) = block.get(at) {
+        fields += 1;
+        if fields > MAX_FIELDS {
+            return Err("request header block with over 100 fields");
+        }
         let rest = &block[at..];
         let used = if first & 0x80 != 0 {
             int(rest, 7).map(|(_, used)| used)
         } else if first & 0x40 != 0 {
             literal(rest, 6)
         } else if first & 0x20 != 0 {
-            int(rest, 5).map(|(_, used)| used)
+            let (size, used) = int(rest, 5).ok_or(malformed)?;
+            if size > DEFAULT_TABLE {
+                return Err("HPACK table size update above 4096");
+            }
+            Some(used)
         } else {
             literal(rest, 4)
         };
-        match used {
-            Some(used) => at += used,
-            None => return false,
-        }
+        at += used.ok_or(malformed)?;
     }
-    true
+    Ok(fields)
 }
 
 #[cfg(test)]
@@ -1040,6 +1115,175 @@ mod tests {
         let mut input = PREFACE.to_vec();
         input.extend(frames(&block, 1, false));
         assert_eq!(refused_kind(input).await, io::ErrorKind::InvalidData);
+    }
+
+    /// A block that puts a 4037-byte entry (`x-big`: 4000 `a`s) in the dynamic table, as large
+    /// as a 4096-byte table takes.
+    fn big_entry() -> Vec<u8> {
+        let mut block = Vec::new();
+        put_literal(&mut block, 0x40, b"x-big", &[b'a'; 4000]);
+        block
+    }
+
+    /// A block of `n` references to the newest dynamic-table entry: one octet each.
+    fn references(n: usize) -> Vec<u8> {
+        vec![0x80 | 62; n]
+    }
+
+    fn rewritten(blocks: &[Vec<u8>]) -> io::Result<Vec<u8>> {
+        let mut input = PREFACE.to_vec();
+        for (i, block) in blocks.iter().enumerate() {
+            input.extend(frames(block, 2 * i as u32 + 1, false));
+        }
+        let (mut all, mut out) = (Vec::new(), Vec::new());
+        let mut rewriter = Rewriter::new(LOCALHOST.as_bytes(), Encoding::Literal);
+        let mut at = 0;
+        while at < input.len() {
+            rewriter.decoded = 0;
+            at += rewriter.feed(&input[at..], &mut out)?;
+            all.append(&mut out);
+        }
+        Ok(all)
+    }
+
+    #[test]
+    fn a_block_referencing_a_large_entry_many_times_is_bounded() {
+        // 16 references: 64 592 bytes of header list, just under MAX_LIST, out of 16 octets.
+        let out = rewritten(&[big_entry(), references(16)]).unwrap();
+        let frames = parse(&out);
+        let block: Vec<u8> = frames[1..].iter().flat_map(|f| f.payload.clone()).collect();
+        assert!(block.len() <= MAX_LIST);
+        assert_eq!(decode(&mut Decoder::new(), &block).len(), 16);
+        // 17 are over it.
+        let err = rewritten(&[big_entry(), references(17)]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("header list"), "{err}");
+    }
+
+    #[test]
+    fn a_table_size_update_above_the_default_is_refused() {
+        let update = |size| {
+            let mut block = Vec::new();
+            put_int(&mut block, size, 5, 0x20);
+            block.push(0x82);
+            block
+        };
+        rewritten(&[update(DEFAULT_TABLE)]).unwrap();
+        let err = rewritten(&[update(DEFAULT_TABLE + 1)]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("table size"), "{err}");
+        // The decoder refuses it too, should a block get past `check`.
+        let mut decoder = Decoder::new();
+        decoder.set_max_allowed_table_size(DEFAULT_TABLE);
+        assert!(decoder.decode(&update(DEFAULT_TABLE + 1)).is_err());
+    }
+
+    #[test]
+    fn a_block_with_too_many_fields_is_refused() {
+        rewritten(&[vec![0x82; MAX_FIELDS]]).unwrap();
+        let err = rewritten(&[vec![0x82; MAX_FIELDS + 1]]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("fields"), "{err}");
+        // Size updates count: they cost decoding work too.
+        let mut updates = vec![0x20; MAX_FIELDS];
+        updates.push(0x82);
+        assert!(rewritten(&[updates]).is_err());
+    }
+
+    /// The most amplifying input there is: each 25-byte frame expands to a 64 KiB block.
+    fn hostile_input(blocks: usize) -> Vec<u8> {
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&big_entry(), 1, false));
+        for i in 0..blocks {
+            input.extend(frames(&references(16), 2 * i as u32 + 3, false));
+        }
+        input
+    }
+
+    #[test]
+    fn output_held_stays_bounded_whatever_the_input() {
+        let blocks = 300;
+        let input = hostile_input(blocks);
+        let mut rewriter = Rewriter::new(LOCALHOST.as_bytes(), Encoding::Literal);
+        let mut out = Vec::new();
+        let (mut at, mut feeds, mut total) = (0, 0, 0);
+        while at < input.len() {
+            rewriter.decoded = 0;
+            at += rewriter.feed(&input[at..], &mut out).unwrap();
+            assert!(out.len() <= MAX_OUT, "{} bytes held", out.len());
+            total += out.len();
+            out.clear();
+            feeds += 1;
+        }
+        assert!(feeds > blocks / 2, "{feeds} feeds took it all");
+        assert!(total > blocks * 64_000, "{total} bytes out");
+    }
+
+    #[tokio::test]
+    async fn a_server_side_read_holds_a_bounded_output() {
+        let blocks = 300;
+        let input = hostile_input(blocks);
+        let (mut client, server) = UnixStream::pair().unwrap();
+        let mut server = Rewritten::server(server, LOCALHOST);
+        let write = tokio::spawn(async move {
+            client.write_all(&input).await.unwrap();
+            client.shutdown().await.unwrap();
+        });
+        let mut buf = vec![0; 4096];
+        let mut total = 0;
+        loop {
+            let n = server.read(&mut buf).await.unwrap();
+            assert!(
+                server.out.len() <= MAX_OUT,
+                "{} bytes held",
+                server.out.len()
+            );
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        write.await.unwrap();
+        assert!(total > blocks * 64_000, "{total} bytes read");
+    }
+
+    #[tokio::test]
+    async fn the_server_side_yields_between_decoding_budgets() {
+        // Blocks of MAX_FIELDS Huffman-coded literals: the costliest to decode per byte.
+        let block: Vec<u8> = [0x00, 0x81, 0x07, 0x81, 0x07].repeat(MAX_FIELDS);
+        let blocks = vec![block; 8];
+        let want = rewritten(&blocks).unwrap();
+        let mut input = PREFACE.to_vec();
+        for (i, block) in blocks.iter().enumerate() {
+            input.extend(frames(block, 2 * i as u32 + 1, false));
+        }
+        let (mut client, server) = UnixStream::pair().unwrap();
+        client.write_all(&input).await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut server = Rewritten::server(server, LOCALHOST);
+        let (mut got, mut yields) = (Vec::new(), 0);
+        let mut buf = vec![0; 1 << 16];
+        loop {
+            let n = std::future::poll_fn(|cx| {
+                let mut read = ReadBuf::new(&mut buf);
+                match Pin::new(&mut server).poll_read(cx, &mut read) {
+                    Poll::Ready(done) => Poll::Ready(done.map(|()| read.filled().len())),
+                    Poll::Pending => {
+                        // With input left over, only a yield returns Pending.
+                        yields += usize::from(server.raw_at < server.raw_len);
+                        Poll::Pending
+                    }
+                }
+            })
+            .await
+            .unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, want);
+        assert!(yields >= blocks.len() - 2, "{yields} yields");
     }
 
     #[tokio::test]

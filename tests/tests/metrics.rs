@@ -357,3 +357,48 @@ async fn a_client_hoarding_connections_cannot_starve_the_probes() {
     }
     agent.shutdown().await;
 }
+
+/// A kubelet that stops waiting for an Allocate (here: a client whose call times out) leaves
+/// the call counted as cancelled, not lost from the figures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_its_caller_gave_up_on_is_counted_as_cancelled() {
+    use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
+    use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+    let node = Node::new().await;
+    let modules = misbehaving("spinner", "resource = \"bad\"\nallocate = \"loop\"", "5s");
+    let agent = node.start_agent_with(&modules, on_loopback).await;
+    let addr = agent.metrics_addr().expect("serving metrics");
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("registered");
+    let socket = agent.resource("devicelet.io/bad").expect("served").socket;
+    let mut plugin = DevicePluginClient::new(
+        devicelet::kubelet::uds::connect(&socket)
+            .await
+            .expect("dial"),
+    );
+    let mut request = tonic::Request::new(AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: vec!["dev-0".into()],
+        }],
+    });
+    request.set_timeout(std::time::Duration::from_millis(200));
+    plugin
+        .allocate(request)
+        .await
+        .expect_err("the caller gives up first");
+    scrape_until(addr, "the cancelled call", |s| {
+        metric(
+            s,
+            "devicelet_module_call_duration_seconds_count",
+            &[
+                ("module", "spinner"),
+                ("call", "allocate"),
+                ("outcome", "cancelled"),
+            ],
+        ) == Some(1.0)
+    })
+    .await;
+    agent.shutdown().await;
+}

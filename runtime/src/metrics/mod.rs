@@ -138,7 +138,7 @@ impl Metrics {
     fn register_events(&self, registry: &mut Registry) {
         registry.register(
             "module_call_duration_seconds",
-            "Calls into modules by kind and outcome (ok, error, trap, deadline, violation, unavailable), with the time the caller waited",
+            "Calls into modules by kind and outcome (ok, error, trap, deadline, violation, unavailable, cancelled), with the time the caller waited",
             self.calls.clone(),
         );
         registry.register(

@@ -71,6 +71,8 @@ pub enum Outcome {
     Violation,
     /// Refused without calling it: the module was down.
     Unavailable,
+    /// Its caller stopped waiting (the kubelet gave up, the agent stopped).
+    Cancelled,
 }
 
 impl Outcome {
@@ -93,6 +95,7 @@ impl Outcome {
             Outcome::Deadline => "deadline",
             Outcome::Violation => "violation",
             Outcome::Unavailable => "unavailable",
+            Outcome::Cancelled => "cancelled",
         }
     }
 }
@@ -101,6 +104,30 @@ impl Outcome {
 /// for the cell included: that is what the kubelet waits). Set by the agent for its metrics;
 /// kept outside the sandbox so the sandbox knows nothing of Prometheus.
 pub type CallObserver = Arc<dyn Fn(CallKind, Outcome, Duration) + Send + Sync>;
+
+/// One call being timed for the observer.
+struct Observed {
+    observer: Option<CallObserver>,
+    kind: CallKind,
+    started: std::time::Instant,
+}
+
+impl Observed {
+    fn done<T>(mut self, result: Result<T, CallError>) -> Result<T, CallError> {
+        if let Some(observe) = self.observer.take() {
+            observe(self.kind, Outcome::of(&result), self.started.elapsed());
+        }
+        result
+    }
+}
+
+impl Drop for Observed {
+    fn drop(&mut self) {
+        if let Some(observe) = self.observer.take() {
+            observe(self.kind, Outcome::Cancelled, self.started.elapsed());
+        }
+    }
+}
 
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 const MAX_INSTANCES: usize = 64;
@@ -270,16 +297,14 @@ impl ModuleHandle {
         let _ = self.observer.set(observer);
     }
 
-    fn observed<T>(
-        &self,
-        kind: CallKind,
-        started: std::time::Instant,
-        result: Result<T, CallError>,
-    ) -> Result<T, CallError> {
-        if let Some(observe) = self.observer.get() {
-            observe(kind, Outcome::of(&result), started.elapsed());
+    /// Times a call until [`Observed::done`]; a call dropped before (its caller cancelled,
+    /// e.g. the kubelet gave up) is counted as cancelled.
+    fn observe(&self, kind: CallKind) -> Observed {
+        Observed {
+            observer: self.observer.get().cloned(),
+            kind,
+            started: std::time::Instant::now(),
         }
-        result
     }
 
     pub fn name(&self) -> &str {
@@ -309,9 +334,8 @@ impl ModuleHandle {
     /// The resource's devices, checked and charged to the module's host-memory budget (the
     /// snapshot the host keeps is what it costs).
     pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
-        let started = std::time::Instant::now();
-        let result = self.enumerate_checked(resource).await;
-        self.observed(CallKind::Enumerate, started, result)
+        let call = self.observe(CallKind::Enumerate);
+        call.done(self.enumerate_checked(resource).await)
     }
 
     async fn enumerate_checked(&self, resource: &str) -> Result<Vec<Device>, CallError> {
@@ -372,7 +396,7 @@ impl ModuleHandle {
         ids: Vec<String>,
     ) -> Result<ContainerEdits, CallError> {
         self.stats.allocate_calls.fetch_add(1, Ordering::Relaxed);
-        let started = std::time::Instant::now();
+        let call = self.observe(CallKind::Allocate);
         let resource = resource.to_owned();
         let (grants, root) = (self.grants.clone(), self.host_root.clone());
         let result = self
@@ -395,11 +419,11 @@ impl ModuleHandle {
                 },
             )
             .await;
-        self.observed(CallKind::Allocate, started, result)
+        call.done(result)
     }
 
     pub async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), CallError> {
-        let started = std::time::Instant::now();
+        let call = self.observe(CallKind::Prestart);
         let resource = resource.to_owned();
         let result = self
             .call(
@@ -415,7 +439,7 @@ impl ModuleHandle {
                 Ok,
             )
             .await;
-        self.observed(CallKind::Prestart, started, result)
+        call.done(result)
     }
 
     pub async fn preferred(
@@ -425,7 +449,7 @@ impl ModuleHandle {
         must_include: Vec<String>,
         size: u32,
     ) -> Result<Vec<String>, CallError> {
-        let started = std::time::Instant::now();
+        let call = self.observe(CallKind::Preferred);
         let resource = resource.to_owned();
         let offered = available.clone();
         let size_limit = usize::try_from(size).unwrap_or(usize::MAX);
@@ -444,7 +468,7 @@ impl ModuleHandle {
                 move |chosen| validate::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
             )
             .await;
-        self.observed(CallKind::Preferred, started, result)
+        call.done(result)
     }
 
     /// What went wrong with this module so far, for status and metrics.
