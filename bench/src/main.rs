@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "target/release/devicelet")]
     pub devicelet: PathBuf,
     /// Only these benchmarks (comma-separated): allocate, preferred, startup, restart, health,
-    /// memory, guest-call, isolation, nvidia.
+    /// memory, guest-call, isolation, nvidia, operations.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// A tenth of the samples: a smoke run, figures not comparable.

@@ -15,6 +15,7 @@ mod isolation;
 mod memory;
 mod node;
 mod nvidia;
+mod operations;
 mod preferred;
 mod process;
 pub mod remote;
@@ -57,7 +58,7 @@ impl Settings {
 }
 
 /// The benchmarks, by the names `--only` takes, in table order.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "allocate",
     "preferred",
     "startup",
@@ -67,6 +68,7 @@ pub const NAMES: [&str; 9] = [
     "guest-call",
     "isolation",
     "nvidia",
+    "operations",
 ];
 
 /// Runs the benchmark called `name` (one of [`NAMES`]).
@@ -81,6 +83,7 @@ pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
         "guest-call" => guest_call::run(s).await,
         "isolation" => isolation::run(s).await,
         "nvidia" => nvidia::run(s).await,
+        "operations" => operations::run(s).await,
         other => anyhow::bail!("no benchmark called {other:?}; there are {NAMES:?}"),
     }
 }
@@ -170,6 +173,15 @@ pub fn method() -> Vec<String> {
          XID 13 after the quiet period wakes the check) before the next sample. The preferred row \
          is tonic's client on the resource's socket, all 8 GPUs available, one must-include, size \
          4, after 200 warm-up calls; each answer is checked to be one island.",
+        "10: two nodes in the bench process, each with generic-dev (fuse × 10) and the ledger in \
+         memory: one agent on the kubelet.sock route, one on the plugin-watcher route (its socket \
+         in the simulator's watched `plugins_registry`, registered by the simulator's watcher); \
+         tonic's client on each resource's socket (on the plugin-watcher route the registration \
+         socket itself, every connection through the `:authority` rewriter), 1000 warm-up calls \
+         each, then alternating batches of 500. The scrape row: generic-dev copied as 10 modules \
+         of one resource each, `--metrics-addr` on 127.0.0.1; each sample opens a TCP \
+         connection, sends `GET /metrics` and reads the answer to the end (the endpoint closes \
+         the connection after one request), after 100 warm-up scrapes.",
     ]
     .into_iter()
     .map(str::to_owned)
