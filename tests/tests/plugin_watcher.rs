@@ -29,6 +29,20 @@ async fn watched_node() -> (Node, Simulator, PathBuf) {
     (node, kubelet, registry)
 }
 
+/// The agent on the plugin-watcher route of `kubelet`.
+async fn on_watcher(
+    node: &Node,
+    kubelet: &Simulator,
+    registry: &std::path::Path,
+    modules: &str,
+) -> devicelet::agent::Agent {
+    node.start_agent_with(modules, |o| {
+        o.plugin_dir = kubelet.plugin_dir().to_owned();
+        o.registration = Route::PluginWatcher(registry.to_owned());
+    })
+    .await
+}
+
 fn our_sockets(registry: &std::path::Path) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(registry)
         .expect("the registry directory")
@@ -48,12 +62,7 @@ async fn plugin_watcher_registers_serves_and_survives_a_kubelet_restart_by_itsel
         generic_dev(FUSE),
         misbehaving("other", "resource = \"bad\"", "1s")
     );
-    let agent = node
-        .start_agent_with(&modules, |o| {
-            o.plugin_dir = kubelet.plugin_dir().to_owned();
-            o.registration = Route::PluginWatcher(registry.clone());
-        })
-        .await;
+    let agent = on_watcher(&node, &kubelet, &registry, &modules).await;
     for resource in ["devicelet.io/fuse", "devicelet.io/bad"] {
         kubelet
             .wait_until(resource, WAIT, |r| {
@@ -142,12 +151,7 @@ async fn eventually_registered(r: &devicelet::agent::ServedResource) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_socket_deleted_by_someone_is_served_again() {
     let (node, kubelet, registry) = watched_node().await;
-    let agent = node
-        .start_agent_with(&generic_dev(FUSE), |o| {
-            o.plugin_dir = kubelet.plugin_dir().to_owned();
-            o.registration = Route::PluginWatcher(registry.clone());
-        })
-        .await;
+    let agent = on_watcher(&node, &kubelet, &registry, &generic_dev(FUSE)).await;
     kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| {
             r.registrations == 1 && r.allocatable == 2
@@ -174,12 +178,7 @@ async fn a_failed_registration_report_makes_the_agent_serve_on_a_new_file() {
     use devicelet::kubelet::api::pluginregistration::RegistrationStatus;
     use devicelet::kubelet::api::pluginregistration::registration_client::RegistrationClient;
     let (node, kubelet, registry) = watched_node().await;
-    let agent = node
-        .start_agent_with(&generic_dev(FUSE), |o| {
-            o.plugin_dir = kubelet.plugin_dir().to_owned();
-            o.registration = Route::PluginWatcher(registry.clone());
-        })
-        .await;
+    let agent = on_watcher(&node, &kubelet, &registry, &generic_dev(FUSE)).await;
     kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| {
             r.registrations == 1 && r.allocatable == 2
