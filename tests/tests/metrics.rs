@@ -169,8 +169,11 @@ async fn metrics_follow_allocations_a_kubelet_restart_a_trap_and_a_hot_reload() 
         .is_some_and(|n| n >= 1.0)
     })
     .await;
-    std::fs::write(node.dir.path().join("registry.toml"), "[[module]\nbroken")
-        .expect("break the registry");
+    // Replaced in one step: an in-place write could be read half-done (an empty registry is a
+    // valid one with no modules).
+    let staged = node.dir.path().join(".broken.toml");
+    std::fs::write(&staged, "[[module]\nbroken").expect("stage a broken registry");
+    std::fs::rename(&staged, node.dir.path().join("registry.toml")).expect("break the registry");
     let refused = scrape_until(addr, "the broken edit refused", |s| {
         metric(
             s,
