@@ -51,6 +51,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let mut options = AgentOptions::new(registry, plugin_dir.clone());
     options.hot_reload = false;
     options.cdi_dir = work.path().join("cdi");
+    options.metrics_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
     let agent = Agent::start(options).await?;
     if let Some(e) = agent.load_errors().first() {
         anyhow::bail!("{e}");
@@ -104,10 +105,38 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         devices(&state.devices)
     );
 
+    if let Some(addr) = agent.metrics_addr() {
+        println!(
+            "\nhttp://{addr}/readyz: {}",
+            http_get(addr, "/readyz").await?.trim()
+        );
+        println!("http://{addr}/metrics (devices and calls):");
+        let metrics = http_get(addr, "/metrics").await?;
+        for line in metrics.lines().filter(|l| {
+            l.starts_with("devicelet_resource_devices")
+                || l.starts_with("devicelet_module_call_duration_seconds_count")
+        }) {
+            println!("  {line}");
+        }
+    }
+
     agent.shutdown().await;
     kubelet.shutdown().await;
     println!("\ndone");
     Ok(())
+}
+
+/// The body of `GET path`, as Prometheus or a probe would ask it.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await?;
+    Ok(response
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_owned()))
 }
 
 fn devices(devices: &[Device]) -> String {
