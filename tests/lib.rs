@@ -482,22 +482,9 @@ pub fn metric(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option
 
 /// `GET path` over a fresh HTTP/1.1 connection: the status code and the body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr)
+    devicelet::metrics::http::get(addr, path)
         .await
-        .expect("connecting to the metrics endpoint");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    conn.write_all(request.as_bytes()).await.expect("request");
-    let mut response = Vec::new();
-    conn.read_to_end(&mut response).await.expect("response");
-    let response = String::from_utf8(response).expect("a UTF-8 response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status code");
-    (status, body.to_owned())
+        .expect("an HTTP answer from the metrics endpoint")
 }
 
 /// Scrapes `/metrics` and parses it.

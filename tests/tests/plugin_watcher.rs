@@ -43,6 +43,22 @@ async fn on_watcher(
     .await
 }
 
+/// generic-dev's fuse on the plugin-watcher route, once the kubelet registered it.
+async fn fuse_on_watcher(
+    node: &Node,
+    kubelet: &Simulator,
+    registry: &std::path::Path,
+) -> devicelet::agent::Agent {
+    let agent = on_watcher(node, kubelet, registry, &generic_dev(FUSE)).await;
+    kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == 1 && r.allocatable == 2
+        })
+        .await
+        .expect("registered");
+    agent
+}
+
 fn our_sockets(registry: &std::path::Path) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(registry)
         .expect("the registry directory")
@@ -151,13 +167,7 @@ async fn eventually_registered(r: &devicelet::agent::ServedResource) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_socket_deleted_by_someone_is_served_again() {
     let (node, kubelet, registry) = watched_node().await;
-    let agent = on_watcher(&node, &kubelet, &registry, &generic_dev(FUSE)).await;
-    kubelet
-        .wait_until("devicelet.io/fuse", WAIT, |r| {
-            r.registrations == 1 && r.allocatable == 2
-        })
-        .await
-        .expect("registered");
+    let agent = fuse_on_watcher(&node, &kubelet, &registry).await;
     let socket = agent.resource("devicelet.io/fuse").expect("served").socket;
     std::fs::remove_file(&socket).expect("delete our socket");
     kubelet
@@ -178,13 +188,7 @@ async fn a_failed_registration_report_makes_the_agent_serve_on_a_new_file() {
     use devicelet::kubelet::api::pluginregistration::RegistrationStatus;
     use devicelet::kubelet::api::pluginregistration::registration_client::RegistrationClient;
     let (node, kubelet, registry) = watched_node().await;
-    let agent = on_watcher(&node, &kubelet, &registry, &generic_dev(FUSE)).await;
-    kubelet
-        .wait_until("devicelet.io/fuse", WAIT, |r| {
-            r.registrations == 1 && r.allocatable == 2
-        })
-        .await
-        .expect("registered");
+    let agent = fuse_on_watcher(&node, &kubelet, &registry).await;
     let fuse = agent.resource("devicelet.io/fuse").expect("served");
     let inode = std::fs::metadata(&fuse.socket).expect("socket").ino();
 

@@ -144,13 +144,8 @@ async fn scrape(s: &Settings) -> anyhow::Result<Vec<Row>> {
     )])
 }
 
-async fn get(addr: SocketAddr) -> anyhow::Result<Vec<u8>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr).await?;
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
-        .await?;
-    let mut body = Vec::new();
-    conn.read_to_end(&mut body).await?;
-    anyhow::ensure!(body.starts_with(b"HTTP/1.1 200"), "scrape refused");
+async fn get(addr: SocketAddr) -> anyhow::Result<String> {
+    let (status, body) = devicelet::metrics::http::get(addr, "/metrics").await?;
+    anyhow::ensure!(status == 200, "scrape refused: {status}");
     Ok(body)
 }

@@ -315,10 +315,11 @@ impl Agent {
             metrics: Metrics::default(),
             loops: Mutex::new(Vec::new()),
             stopping: Default::default(),
-            // Counted from before the metrics endpoint answers, so that it never reports ready
-            // before the first modules are in.
-            starting: std::sync::atomic::AtomicUsize::new(1),
+            starting: Default::default(),
         });
+        // Counted from before the metrics endpoint answers, so that it never reports ready
+        // before the first modules are in.
+        let loading = Starting::new(&shared.starting);
         let (stop, stopped) = watch::channel(false);
         let mut tasks = JoinSet::new();
         if let Some(listener) = metrics_listener {
@@ -337,9 +338,7 @@ impl Agent {
             .map(|m| m.name.clone())
             .collect();
         let errors = shared.start_modules(&options.registry, &names).await;
-        shared
-            .starting
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        drop(loading);
         shared.set_load_errors(errors);
         shared.first_snapshots().await;
         if options

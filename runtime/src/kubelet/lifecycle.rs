@@ -275,10 +275,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                         Event::Check
                     }
                 },
-                _ = kubelet_changed(&mut self.kubelet_events) => Event::Check,
+                _ = changed(&mut self.kubelet_events) => Event::Check,
                 _ = tokio::time::sleep(RECHECK) => Event::Check,
                 _ = self.stop.wait_for(|s| *s) => Event::Stop,
-                _ = options_changed(&mut self.options) => Event::Options,
+                _ = changed(&mut self.options) => Event::Options,
                 () = place_lost(place) => Event::Moved,
                 _ = changed(&mut streams) => Event::Check,
                 _ = sleep_until(retry), if retry.is_some() => Event::Retry,
@@ -465,7 +465,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             // A new kubelet.sock wakes us at once; otherwise back off.
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
-                _ = kubelet_changed(&mut self.kubelet_events) => {}
+                _ = changed(&mut self.kubelet_events) => {}
                 _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
             }
             if started.elapsed() >= FAST_PHASE {
@@ -498,10 +498,10 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 None => RECHECK,
             };
             tokio::select! {
-                _ = kubelet_changed(&mut self.kubelet_events) => {}
+                _ = changed(&mut self.kubelet_events) => {}
                 _ = tokio::time::sleep(recheck) => {}
                 _ = self.stop.wait_for(|s| *s) => return Over::Stopped,
-                _ = options_changed(&mut self.options) => return Over::OptionsChanged,
+                _ = changed(&mut self.options) => return Over::OptionsChanged,
                 () = place_lost(place) => return Over::Moved,
                 () = stale_closed(stale) => {
                     *stale = None;
@@ -539,13 +539,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
     }
 }
 
-/// Resolves on the next directory event; never, once the watcher is gone (the timers take over).
-async fn kubelet_changed(events: &mut watch::Receiver<u64>) {
-    if events.changed().await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 /// Whether every connection counted in `connections` closes within `within`.
 async fn all_closed_within(connections: &watch::Receiver<usize>, within: Duration) -> bool {
     let mut connections = connections.clone();
@@ -576,7 +569,8 @@ async fn stale_closed(stale: &mut Option<watch::Receiver<usize>>) {
     }
 }
 
-/// Resolves when the value changes; never, once nobody can change it.
+/// Resolves when the value changes (the next directory event, new options, a connection opened
+/// or closed); never, once nobody can change it (a watcher gone leaves the timers to it).
 async fn changed<T>(value: &mut watch::Receiver<T>) {
     if value.changed().await.is_err() {
         std::future::pending::<()>().await;
@@ -588,13 +582,6 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-/// Resolves when the options change; never, once nobody can change them.
-async fn options_changed(options: &mut watch::Receiver<DevicePluginOptions>) {
-    if options.changed().await.is_err() {
-        std::future::pending::<()>().await;
     }
 }
 

@@ -123,6 +123,25 @@ impl Drop for Seat {
     }
 }
 
+/// `GET path` on a new connection, as a probe or a scraper asks it: the status code and the
+/// body. What the demo, the scenario tests and the benchmarks ask the endpoint with.
+pub async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await?;
+    let invalid = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response");
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(invalid)?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(invalid)?;
+    Ok((status, body.to_owned()))
+}
+
 fn respond<B>(endpoints: &dyn Endpoints, request: &Request<B>) -> Response<Full<Bytes>> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());

@@ -79,11 +79,17 @@ impl Outcome {
     pub fn of<T>(result: &Result<T, CallError>) -> Outcome {
         match result {
             Ok(_) => Outcome::Ok,
-            Err(CallError::Plugin { .. }) => Outcome::Error,
-            Err(CallError::Trap { .. }) => Outcome::Trap,
-            Err(CallError::Deadline { .. } | CallError::Overran { .. }) => Outcome::Deadline,
-            Err(CallError::InvalidOutput { .. }) => Outcome::Violation,
-            Err(CallError::Unavailable { .. }) => Outcome::Unavailable,
+            Err(e) => Outcome::of_error(e),
+        }
+    }
+
+    fn of_error(e: &CallError) -> Outcome {
+        match e {
+            CallError::Plugin { .. } => Outcome::Error,
+            CallError::Trap { .. } => Outcome::Trap,
+            CallError::Deadline { .. } | CallError::Overran { .. } => Outcome::Deadline,
+            CallError::InvalidOutput { .. } => Outcome::Violation,
+            CallError::Unavailable { .. } => Outcome::Unavailable,
         }
     }
 
@@ -516,12 +522,13 @@ impl ModuleHandle {
     }
 
     fn count(&self, e: &CallError) {
-        let counter = match e {
-            CallError::Plugin { .. } => &self.stats.errors,
-            CallError::Trap { .. } => &self.stats.traps,
-            CallError::Deadline { .. } | CallError::Overran { .. } => &self.stats.deadlines,
-            CallError::InvalidOutput { .. } => &self.stats.violations,
-            CallError::Unavailable { .. } => &self.stats.unavailable,
+        let counter = match Outcome::of_error(e) {
+            Outcome::Error => &self.stats.errors,
+            Outcome::Trap => &self.stats.traps,
+            Outcome::Deadline => &self.stats.deadlines,
+            Outcome::Violation => &self.stats.violations,
+            Outcome::Unavailable => &self.stats.unavailable,
+            Outcome::Ok | Outcome::Cancelled => return,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }

@@ -10,6 +10,7 @@ use crate::agent::{Agent, AgentOptions};
 use crate::config::Registry;
 use crate::fixture::{FixtureTree, NodeType};
 use crate::kubelet::api::deviceplugin::{ContainerAllocateResponse, Device};
+use crate::metrics::http::get;
 use devicelet_simulator::Simulator;
 
 const REGISTRY: &str = include_str!("registry.toml");
@@ -108,10 +109,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if let Some(addr) = agent.metrics_addr() {
         println!(
             "\nhttp://{addr}/readyz: {}",
-            http_get(addr, "/readyz").await?.trim()
+            get(addr, "/readyz").await?.1.trim()
         );
         println!("http://{addr}/metrics (devices and calls):");
-        let metrics = http_get(addr, "/metrics").await?;
+        let (_, metrics) = get(addr, "/metrics").await?;
         for line in metrics.lines().filter(|l| {
             l.starts_with("devicelet_resource_devices")
                 || l.starts_with("devicelet_module_call_duration_seconds_count")
@@ -124,19 +125,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     kubelet.shutdown().await;
     println!("\ndone");
     Ok(())
-}
-
-/// The body of `GET path`, as Prometheus or a probe would ask it.
-async fn http_get(addr: std::net::SocketAddr, path: &str) -> anyhow::Result<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut conn = tokio::net::TcpStream::connect(addr).await?;
-    conn.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = String::new();
-    conn.read_to_string(&mut response).await?;
-    Ok(response
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, body)| body.to_owned()))
 }
 
 fn devices(devices: &[Device]) -> String {
