@@ -17,3 +17,4 @@ pub mod metrics;
 pub mod nvml;
 pub mod policy;
 pub mod sandbox;
+pub mod trust;

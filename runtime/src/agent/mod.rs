@@ -83,7 +83,8 @@ impl AgentOptions {
 /// What the agent's background tasks share.
 pub(crate) struct Shared {
     engine: Engine,
-    cache: Option<Arc<CompileCache>>,
+    /// None without a cache directory; `Err` says why the one given is not used.
+    cache: Option<Result<Arc<CompileCache>, String>>,
     instance: String,
     plugin_dir: PathBuf,
     route: Route,
@@ -117,6 +118,10 @@ impl Shared {
             ledger: &self.ledger,
             cdi_dir: &self.cdi_dir,
         }
+    }
+
+    fn usable_cache(&self) -> Option<Arc<CompileCache>> {
+        self.cache.clone().and_then(Result::ok)
     }
 
     fn lock_modules(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, modules::RunningModule>> {
@@ -182,7 +187,7 @@ impl Shared {
             .and_then(|m| m.handle().home());
         let handle = match modules::start_module(
             &self.engine,
-            self.cache.clone(),
+            self.usable_cache(),
             spec,
             host_root,
             &self.libraries,
@@ -286,16 +291,28 @@ impl Agent {
         // shows itself.
         let kubelet_watch = dir_watch::watch_plugin_dir(socket_dir)
             .with_context(|| format!("watching {}", socket_dir.display()))?;
+        if let Some(dir) = &options.state_dir {
+            // What is kept there is trusted because of where it is: the ledger, the compile
+            // cache (machine code) and the status socket.
+            crate::trust::private_dir(dir).map_err(|e| {
+                anyhow::anyhow!(
+                    "the state directory {} cannot be trusted: {e}; whoever can change it could \
+                     swap the ledger, the status socket or precompiled modules ({})",
+                    dir.display(),
+                    e.fix()
+                )
+            })?;
+        }
         let ledger = match &options.state_dir {
             Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,
             None => Ledger::in_memory(),
         };
         // Only saves time: a cache that cannot be used is reported, not fatal.
-        let cache = options.cache_dir.as_deref().and_then(|dir| {
-            CompileCache::open(dir)
-                .inspect_err(|e| tracing::error!("{e}; compiling modules without a cache"))
-                .ok()
-                .map(Arc::new)
+        let cache = options.cache_dir.as_deref().map(|dir| {
+            CompileCache::open(dir).map(Arc::new).map_err(|e| {
+                tracing::error!("{e}; compiling modules without a cache");
+                e.to_string()
+            })
         });
         let shared = Arc::new(Shared {
             engine,
@@ -443,7 +460,7 @@ impl Agent {
 
     /// What the compile cache did since start; None without one.
     pub fn cache_stats(&self) -> Option<CacheStats> {
-        self.shared.cache.as_ref().map(|c| c.stats())
+        self.shared.usable_cache().map(|c| c.stats())
     }
 
     pub fn ledger(&self) -> &Ledger {

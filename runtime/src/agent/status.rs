@@ -25,6 +25,19 @@ pub struct Status {
     pub reload_error: Option<String>,
     #[serde(default)]
     pub ledger: LedgerStatus,
+    /// The compile cache, when the agent was given a directory for one.
+    #[serde(default)]
+    pub cache: Option<CacheStatus>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheStatus {
+    /// Why the directory is not used (modules are compiled in memory); None while it is.
+    pub refused: Option<String>,
+    /// Modules loaded precompiled, compiled (and cached), and whose cached copy was replaced.
+    pub hits: u64,
+    pub misses: u64,
+    pub replaced: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,8 +184,24 @@ pub(super) fn collect(shared: &Shared) -> Status {
         dropped: shared.ledger.dropped(),
         written: shared.ledger.is_written(),
     };
+    let cache = shared.cache.as_ref().map(|cache| match cache {
+        Ok(cache) => {
+            let stats = cache.stats();
+            CacheStatus {
+                refused: None,
+                hits: stats.hits,
+                misses: stats.misses,
+                replaced: stats.replaced,
+            }
+        }
+        Err(why) => CacheStatus {
+            refused: Some(why.clone()),
+            ..CacheStatus::default()
+        },
+    });
     Status {
         ledger,
+        cache,
         modules,
         resources,
         load_errors: shared
@@ -215,6 +244,9 @@ pub(super) async fn serve(
             }
         };
         let mut conn = match accepted {
+            // The socket is 0600, so only its owner and root can connect; checked again here
+            // in case its mode is ever widened.
+            Ok((conn, _)) if trusted_peer(&conn).is_err() => continue,
             Ok((conn, _)) => conn,
             Err(e) => {
                 // Out of file descriptors, say: don't spin on it.
@@ -231,15 +263,59 @@ pub(super) async fn serve(
     }
 }
 
-/// Asks the agent whose state directory is `state_dir` for its status.
+/// Asks the agent whose state directory is `state_dir` for its status. The answer is trusted
+/// only from an agent running as root or as us, in a state directory nobody else can change:
+/// anyone who could put a socket of their own at that path could otherwise tell us anything.
 pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
     use anyhow::Context;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    crate::trust::check_dir(state_dir).map_err(|e| {
+        anyhow::anyhow!(
+            "not asking the agent in {}: {e}, so whoever can write there could answer in its \
+             place ({})",
+            state_dir.display(),
+            e.fix()
+        )
+    })?;
     let path = state_dir.join(STATUS_SOCKET);
+    let meta = std::fs::symlink_metadata(&path)
+        .with_context(|| format!("no agent answers at {}", path.display()))?;
+    if !meta.file_type().is_socket() {
+        anyhow::bail!("{} is not a socket", path.display());
+    }
+    if !crate::trust::is_ours_or_root(meta.uid()) {
+        anyhow::bail!(
+            "{} belongs to uid {}, not to root or you: not trusting what answers there",
+            path.display(),
+            meta.uid()
+        );
+    }
     let mut conn = UnixStream::connect(&path)
         .await
         .with_context(|| format!("no agent answers at {}", path.display()))?;
+    trusted_peer(&conn).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let mut body = Vec::new();
-    conn.read_to_end(&mut body).await?;
+    (&mut conn).take(MAX_STATUS).read_to_end(&mut body).await?;
     serde_json::from_slice(&body)
         .with_context(|| format!("reading the status from {}", path.display()))
+}
+
+/// Largest status document read (thousands of devices fit in a few MiB).
+const MAX_STATUS: u64 = 64 << 20;
+
+/// Ok when the process at the other end of `conn` runs as root or as us (`SO_PEERCRED`: the
+/// credentials it had when it connected, or when it started listening).
+fn trusted_peer(conn: &UnixStream) -> Result<(), String> {
+    let cred = conn
+        .peer_cred()
+        .map_err(|e| format!("cannot tell who is at the other end: {e}"))?;
+    if crate::trust::is_ours_or_root(cred.uid()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "the process at the other end runs as uid {}, not as root or uid {}: not trusting it",
+            cred.uid(),
+            crate::trust::euid()
+        ))
+    }
 }

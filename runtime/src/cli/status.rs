@@ -109,6 +109,16 @@ fn render(status: &Status) -> String {
             String::new()
         }
     );
+    if let Some(c) = &status.cache {
+        out += &match &c.refused {
+            Some(why) => format!("compile cache NOT USED (modules compiled in memory): {why}\n"),
+            None => format!(
+                "compile cache: {} modules loaded precompiled, {} compiled, {} cached copies \
+                 replaced\n",
+                c.hits, c.misses, c.replaced
+            ),
+        };
+    }
     for e in &status.load_errors {
         out += &format!("not served: {e}\n");
     }
@@ -177,11 +187,19 @@ mod tests {
             load_errors: Vec::new(),
             reload_error: None,
             ledger: LedgerStatus::default(),
+            cache: Some(crate::agent::status::CacheStatus {
+                refused: Some("compile cache /x: /x has mode 0777".into()),
+                ..Default::default()
+            }),
         };
         let text = render(&status);
         assert!(text.contains("  gpu-0: 2 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("  gpu-1: 0 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("4 with an Allocate answer ready"), "{text}");
+        assert!(
+            text.contains("compile cache NOT USED (modules compiled in memory): compile cache /x"),
+            "{text}"
+        );
         assert!(
             text.contains(
                 "  CDI (cdi-cri): /var/run/cdi/devicelet_ex.com_gpu.shared.json with 2 devices; 5 \

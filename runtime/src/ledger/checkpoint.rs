@@ -27,6 +27,8 @@ pub const FILE_NAME: &str = "ledger.json";
 pub const VERSION: u64 = 1;
 
 const DIR_MODE: u32 = 0o700;
+/// Largest checkpoint read: [`super::MAX_ENTRIES`] entries of many devices each fit well within.
+const MAX_FILE: u64 = 64 << 20;
 const FILE_MODE: u32 = 0o600;
 /// Temp files are `ledger.json.tmp-<pid>-<nanos>-<seq>`.
 const TEMP_PREFIX: &str = "ledger.json.tmp-";
@@ -104,12 +106,15 @@ impl Store {
     }
 
     fn load(&self) -> Result<State, LedgerError> {
-        let bytes = match fs::read(&self.file) {
-            Ok(bytes) => bytes,
+        // As any file the agent reads: a FIFO or a device node in its place must not park the
+        // start, nor a huge file bloat it. Such a file is set aside like a corrupt one.
+        let read = match crate::files::read_regular(&self.file, MAX_FILE) {
+            Ok(bytes) => decode(&bytes),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(State::default()),
+            Err(e) if e.kind() == io::ErrorKind::InvalidInput => Err(e.to_string()),
             Err(e) => return Err(LedgerError::io("read", &self.file, e)),
         };
-        match decode(&bytes) {
+        match read {
             Ok(state) => Ok(state),
             Err(reason) => {
                 let aside = self.set_aside()?;
@@ -379,16 +384,19 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_in_the_way_is_an_error_naming_the_file() {
+    fn a_fifo_or_a_directory_in_the_way_is_set_aside_at_once() {
         let tmp = tempfile::tempdir().unwrap();
-        fs::create_dir(tmp.path().join(FILE_NAME)).unwrap();
-        let err = Store::open(tmp.path()).unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains(FILE_NAME), "{msg}");
-        assert!(
-            matches!(err, LedgerError::Io { action: "read", .. }),
-            "{err:?}"
-        );
+        let file = tmp.path().join(FILE_NAME);
+        let c = std::ffi::CString::new(file.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // Opened non-blocking: this returns at once instead of waiting for a writer.
+        let (_, state) = Store::open(tmp.path()).unwrap();
+        assert_eq!(state, State::default());
+        assert!(!file.exists(), "the FIFO is renamed aside");
+        fs::create_dir(&file).unwrap();
+        let (_, state) = Store::open(tmp.path()).unwrap();
+        assert_eq!(state, State::default());
+        assert!(!file.exists(), "the directory is renamed aside");
     }
 
     #[test]

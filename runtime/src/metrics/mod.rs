@@ -371,6 +371,38 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
         gauges(registry, name, help, by_module(f));
     }
 
+    if let Some(cache) = &status.cache {
+        registry.register(
+            "compile_cache_usable",
+            "1 when the compile cache directory is used; 0 when it was refused (modules are compiled in memory; `devicelet status` says why)",
+            gauge(u64::from(cache.refused.is_none())),
+        );
+        counters(
+            registry,
+            "compile_cache_loads",
+            "Module loads by how the compile cache served them: hit (precompiled), miss (compiled and cached), replaced (a bad cached copy compiled again)",
+            vec![
+                (
+                    ResultLabels {
+                        result: "hit".into(),
+                    },
+                    cache.hits,
+                ),
+                (
+                    ResultLabels {
+                        result: "miss".into(),
+                    },
+                    cache.misses,
+                ),
+                (
+                    ResultLabels {
+                        result: "replaced".into(),
+                    },
+                    cache.replaced,
+                ),
+            ],
+        );
+    }
     registry.register(
         "ledger_entries",
         "Allocations the ledger holds",

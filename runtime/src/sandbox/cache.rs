@@ -6,55 +6,56 @@
 //! configuration and wasmtime version, and the key is the same in every process.
 //!
 //! Deserializing a file runs the machine code in it, so we only ever load files this host wrote:
-//! - the directory is owned by us and writable by nobody else (checked by [`CompileCache::open`],
-//!   created 0700), and every file we load is a regular file owned by us, not group- or
-//!   world-writable (a symlink is refused);
+//! - the directory and every directory above it can be changed by nobody but root and us
+//!   ([`crate::trust`]); it is created 0700 and must be ours. It is opened once, and every entry
+//!   is reached through that open directory, so no rename of a path above it can redirect us;
+//! - every file we load is a regular file owned by us, not group- or world-writable (a symlink is
+//!   refused), and what is deserialized are the very bytes read from that open file, never the
+//!   path opened again;
 //! - next to each `.cwasm` lies `<name>.sha256`, the sha256 of the `.cwasm` we wrote. The sidecar
 //!   is put in place before the `.cwasm` (both written to a temporary file, synced and renamed),
 //!   and a `.cwasm` whose contents do not match its sidecar (truncated, garbage, missing sidecar)
 //!   is never deserialized.
 //!
+//! A directory that fails those checks is not used at all: [`CompileCache::open`] says why, and
+//! the agent compiles in memory, saying so in its log, `status` and metrics.
+//!
 //! Anything wrong with an entry (including a file wasmtime refuses to deserialize, e.g. after an
 //! upgrade) is logged, the entry deleted, the module compiled again and the entry rewritten.
 //! Failing to write the cache is logged and otherwise ignored: the cache only saves time.
 
-use std::fs::{File, OpenOptions};
 use std::hash::{Hash, Hasher};
 use std::io::{Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use cap_std::fs::{Dir, MetadataExt as _, OpenOptions, OpenOptionsExt};
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
 use crate::digest::{hex, sha256_hex};
+use crate::trust::{self, euid};
+
+/// Largest precompiled component read back; a real one is a few MiB.
+const MAX_CWASM: u64 = 256 << 20;
 
 /// Why a compile-cache directory cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("compile cache {path}: cannot create it: {source}")]
-    Create {
+    #[error("compile cache {path}: {reason}, so refusing to load precompiled code from it ({fix})")]
+    Untrusted {
+        path: PathBuf,
+        reason: trust::Untrusted,
+        fix: String,
+    },
+    #[error("compile cache {path}: cannot open it: {source}")]
+    Open {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("compile cache {path}: cannot inspect it: {source}")]
-    Inspect {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("compile cache {path} is not a directory (a file or a symlink); refusing to use it")]
-    NotADirectory { path: PathBuf },
-    #[error(
-        "compile cache {path} is owned by uid {owner}, not by this agent (uid {uid}); refusing to load precompiled code from it"
-    )]
-    Owner { path: PathBuf, owner: u32, uid: u32 },
-    #[error(
-        "compile cache {path} has mode {mode:o}: others than its owner may write to it, so refusing to load precompiled code from it (chmod 0700 it)"
-    )]
-    Writable { path: PathBuf, mode: u32 },
 }
 
 /// How a [`CompileCache::load`] got its component.
@@ -79,7 +80,9 @@ pub struct CacheStats {
 /// A directory of precompiled components. Share it (behind an `Arc`) between loads.
 #[derive(Debug)]
 pub struct CompileCache {
-    dir: PathBuf,
+    path: PathBuf,
+    /// The directory as opened and checked: every entry is reached through it.
+    dir: Dir,
     /// One lock per digest being loaded: modules start in parallel, and two registry entries of
     /// the same file must compile it once, the second finding it cached.
     loading:
@@ -90,50 +93,42 @@ pub struct CompileCache {
 }
 
 impl CompileCache {
-    /// Opens the cache at `dir`, creating it (and its parents) 0700 if it is missing. An existing
-    /// directory must be owned by us and writable by nobody else, or it is refused: whoever can
-    /// write to it could make us run their code.
-    pub fn open(dir: &Path) -> Result<CompileCache, CacheError> {
-        match std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-        {
-            Ok(()) => {}
-            // `recursive` reports an existing non-directory as AlreadyExists; checked below.
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(source) => {
-                return Err(CacheError::Create {
-                    path: dir.to_owned(),
-                    source,
-                });
-            }
-        }
-        let meta = std::fs::symlink_metadata(dir).map_err(|source| CacheError::Inspect {
-            path: dir.to_owned(),
+    /// Opens the cache at `path`, creating it (and its parents) 0700 if it is missing. It must be
+    /// ours, and neither it nor any directory above it may be writable by others than root and
+    /// us ([`trust::private_dir`]), or it is refused: whoever can write there could make us run
+    /// their code.
+    pub fn open(path: &Path) -> Result<CompileCache, CacheError> {
+        let untrusted = |reason: trust::Untrusted| CacheError::Untrusted {
+            path: path.to_owned(),
+            fix: reason.fix(),
+            reason,
+        };
+        trust::private_dir(path).map_err(untrusted)?;
+        let opened = |source| CacheError::Open {
+            path: path.to_owned(),
             source,
-        })?;
-        if !meta.file_type().is_dir() {
-            return Err(CacheError::NotADirectory {
-                path: dir.to_owned(),
-            });
-        }
+        };
+        let dir = Dir::open_ambient_dir(path, cap_std::ambient_authority()).map_err(opened)?;
+        // What was opened is what was checked: nothing above it can be swapped by others, and
+        // this verifies the directory itself through the handle every access goes through.
+        let meta = dir.dir_metadata().map_err(opened)?;
         let uid = euid();
         if meta.uid() != uid {
-            return Err(CacheError::Owner {
-                path: dir.to_owned(),
+            return Err(untrusted(trust::Untrusted::Owner {
+                path: path.to_owned(),
                 owner: meta.uid(),
                 uid,
-            });
+            }));
         }
-        if meta.mode() & 0o022 != 0 {
-            return Err(CacheError::Writable {
-                path: dir.to_owned(),
+        if meta.mode() & 0o077 != 0 {
+            return Err(untrusted(trust::Untrusted::Writable {
+                path: path.to_owned(),
                 mode: meta.mode() & 0o7777,
-            });
+            }));
         }
         Ok(CompileCache {
-            dir: dir.to_owned(),
+            path: path.to_owned(),
+            dir,
             loading: Default::default(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -142,7 +137,7 @@ impl CompileCache {
     }
 
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.path
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -182,8 +177,8 @@ impl CompileCache {
         };
         let _one_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
         let name = format!("{digest}-{}", engine_key(engine));
-        let cwasm = self.dir.join(format!("{name}.cwasm"));
-        let sidecar = self.dir.join(format!("{name}.sha256"));
+        let cwasm = format!("{name}.cwasm");
+        let sidecar = format!("{name}.sha256");
         let outcome = match self.try_load(engine, &cwasm, &sidecar) {
             Ok(Some(component)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
@@ -192,19 +187,19 @@ impl CompileCache {
             Ok(None) => CacheOutcome::Miss,
             Err(reason) => {
                 tracing::warn!(
-                    file = %cwasm.display(),
+                    file = %self.path.join(&cwasm).display(),
                     module = digest,
                     "compile cache: discarding the cached component ({reason}); compiling it again"
                 );
-                remove_if_present(&cwasm);
-                remove_if_present(&sidecar);
+                self.remove_if_present(&cwasm);
+                self.remove_if_present(&sidecar);
                 CacheOutcome::Replaced { reason }
             }
         };
         let component = compile(engine, wasm, digest)?;
         if let Err(e) = self.store(&component, &cwasm, &sidecar) {
             tracing::warn!(
-                file = %cwasm.display(),
+                file = %self.path.join(&cwasm).display(),
                 module = digest,
                 "compile cache: cannot write the compiled component (not fatal): {e:#}"
             );
@@ -220,73 +215,139 @@ impl CompileCache {
     fn try_load(
         &self,
         engine: &Engine,
-        cwasm: &Path,
-        sidecar: &Path,
+        cwasm: &str,
+        sidecar: &str,
     ) -> Result<Option<Component>, String> {
-        let mut file = match OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(cwasm)
-        {
+        let file = match self.open_entry(cwasm) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 // A sidecar without its .cwasm: a write interrupted between the two renames.
-                remove_if_present(sidecar);
+                self.remove_if_present(sidecar);
                 return Ok(None);
             }
             Err(e) => return Err(format!("cannot open it: {e}")),
         };
         check_ours(&file).map_err(|e| format!("the .cwasm {e}"))?;
-        let expected = read_sidecar(sidecar)?;
-        let mut hasher = Sha256::new();
-        std::io::copy(&mut file, &mut hasher).map_err(|e| format!("cannot read it: {e}"))?;
-        let actual = hex(&hasher.finalize());
+        let expected = self.read_sidecar(sidecar)?;
+        let mut bytes = Vec::new();
+        file.take(MAX_CWASM + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        if bytes.len() as u64 > MAX_CWASM {
+            return Err(format!("it is over {MAX_CWASM} bytes"));
+        }
+        let actual = sha256_hex(&bytes);
         if actual != expected {
             return Err(format!(
-                "its sha256 is {actual} but {} says {expected}: truncated or corrupt",
-                sidecar.display()
+                "its sha256 is {actual} but {sidecar} says {expected}: truncated or corrupt"
             ));
         }
-        drop(file);
         let started = Instant::now();
-        // SAFETY: the file is one this host wrote with `Component::serialize` (our uid, in our
-        // 0700 directory, contents matching the digest we recorded when writing it), and we
-        // never modify a cache file in place (entries are replaced by rename), so the mapping
-        // stays valid for as long as the component lives.
-        let component = unsafe { Component::deserialize_file(engine, cwasm) }
+        // SAFETY: these are the bytes of a file this host wrote with `Component::serialize` (our
+        // uid, in a directory only we can change, read from the one open file whose owner and
+        // mode were checked), and they match the digest we recorded when writing it.
+        let component = unsafe { Component::deserialize(engine, &bytes) }
             .map_err(|e| format!("wasmtime cannot deserialize it: {e:#}"))?;
         tracing::debug!(
-            file = %cwasm.display(),
+            file = %self.path.join(cwasm).display(),
             elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
             "compile cache: deserialized"
         );
         Ok(Some(component))
     }
 
+    /// Opens an entry of the cache for reading: never through a symlink, never blocking on a
+    /// FIFO someone might have put there.
+    fn open_entry(&self, name: &str) -> std::io::Result<std::fs::File> {
+        let mut options = OpenOptions::new();
+        options
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+        Ok(self.dir.open_with(name, &options)?.into_std())
+    }
+
+    fn read_sidecar(&self, sidecar: &str) -> Result<String, String> {
+        let file = match self.open_entry(sidecar) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(format!("its digest file {sidecar} is missing"));
+            }
+            Err(e) => return Err(format!("cannot open {sidecar}: {e}")),
+        };
+        check_ours(&file).map_err(|e| format!("its digest file {e}"))?;
+        let mut text = String::new();
+        file.take(100)
+            .read_to_string(&mut text)
+            .map_err(|e| format!("cannot read {sidecar}: {e}"))?;
+        let digest = text.trim();
+        if digest.len() != 64
+            || !digest
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return Err(format!("{sidecar} does not hold a sha256 digest"));
+        }
+        Ok(digest.to_owned())
+    }
+
     /// Writes the entry: both files to temporaries (0600, synced), the sidecar renamed into place
     /// first, then the `.cwasm`, then the directory synced.
-    fn store(&self, component: &Component, cwasm: &Path, sidecar: &Path) -> anyhow::Result<()> {
+    fn store(&self, component: &Component, cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
         let bytes = component
             .serialize()
             .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
         let digest = sha256_hex(&bytes);
         let code = self.temp_file(&bytes)?;
         let sum = self.temp_file(format!("{digest}\n").as_bytes())?;
-        sum.persist(sidecar)?;
-        code.persist(cwasm)?;
-        File::open(&self.dir)?.sync_all()?;
+        let placed = self
+            .dir
+            .rename(&sum, &self.dir, sidecar)
+            .and_then(|()| self.dir.rename(&code, &self.dir, cwasm));
+        if let Err(e) = placed {
+            self.remove_if_present(&sum);
+            self.remove_if_present(&code);
+            return Err(e.into());
+        }
+        self.dir.try_clone()?.into_std_file().sync_all()?;
         Ok(())
     }
 
-    fn temp_file(&self, contents: &[u8]) -> std::io::Result<tempfile::NamedTempFile> {
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".tmp-")
-            .tempfile_in(&self.dir)?;
-        tmp.as_file()
-            .set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        tmp.write_all(contents)?;
-        tmp.as_file().sync_all()?;
-        Ok(tmp)
+    /// A new, exclusively created file in the cache (0600, synced) holding `contents`; its name.
+    fn temp_file(&self, contents: &[u8]) -> std::io::Result<String> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let name = format!(
+            ".tmp-{}-{nanos}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut options = OpenOptions::new();
+        options
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW);
+        let mut file = self.dir.open_with(&name, &options)?.into_std();
+        let written = file.write_all(contents).and_then(|()| file.sync_all());
+        if let Err(e) = written {
+            self.remove_if_present(&name);
+            return Err(e);
+        }
+        Ok(name)
+    }
+
+    fn remove_if_present(&self, name: &str) {
+        match self.dir.remove_file(name) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(
+                "compile cache: cannot remove {}: {e}",
+                self.path.join(name).display()
+            ),
+        }
     }
 }
 
@@ -326,7 +387,7 @@ fn compile(engine: &Engine, wasm: &[u8], digest: &str) -> wasmtime::Result<Compo
 }
 
 /// A cache file must be a regular file owned by us and writable by nobody else.
-fn check_ours(file: &File) -> Result<(), String> {
+fn check_ours(file: &std::fs::File) -> Result<(), String> {
     let meta = file
         .metadata()
         .map_err(|e| format!("cannot be inspected: {e}"))?;
@@ -349,53 +410,11 @@ fn check_ours(file: &File) -> Result<(), String> {
     Ok(())
 }
 
-fn read_sidecar(sidecar: &Path) -> Result<String, String> {
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(sidecar)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(format!("its digest file {} is missing", sidecar.display()));
-        }
-        Err(e) => return Err(format!("cannot open {}: {e}", sidecar.display())),
-    };
-    check_ours(&file).map_err(|e| format!("its digest file {e}"))?;
-    let mut text = String::new();
-    file.take(100)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read {}: {e}", sidecar.display()))?;
-    let digest = text.trim();
-    if digest.len() != 64
-        || !digest
-            .bytes()
-            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-    {
-        return Err(format!(
-            "{} does not hold a sha256 digest",
-            sidecar.display()
-        ));
-    }
-    Ok(digest.to_owned())
-}
-
-fn remove_if_present(path: &Path) {
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!("compile cache: cannot remove {}: {e}", path.display()),
-    }
-}
-
-fn euid() -> u32 {
-    // SAFETY: geteuid(2) has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::OpenOptions;
+    use std::os::unix::fs::PermissionsExt;
     use wasmtime::component::Linker;
     use wasmtime::{Config, Store};
 
@@ -637,6 +656,13 @@ mod tests {
         assert!(files(cache.dir()).is_empty());
     }
 
+    fn untrusted(result: Result<CompileCache, CacheError>) -> trust::Untrusted {
+        match result {
+            Err(CacheError::Untrusted { reason, .. }) => reason,
+            other => panic!("expected an untrusted cache, got {other:?}"),
+        }
+    }
+
     #[test]
     fn open_creates_a_private_dir_and_refuses_unsafe_ones() {
         let tmp = tempfile::tempdir().unwrap();
@@ -649,7 +675,7 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let err = CompileCache::open(&open).unwrap_err().to_string();
         assert!(
-            err.contains("mode 777") && err.contains("refusing"),
+            err.contains("mode 0777") && err.contains("refusing"),
             "{err}"
         );
 
@@ -657,23 +683,18 @@ mod tests {
         std::fs::create_dir(&group).unwrap();
         std::fs::set_permissions(&group, std::fs::Permissions::from_mode(0o770)).unwrap();
         assert!(matches!(
-            CompileCache::open(&group),
-            Err(CacheError::Writable { .. })
+            untrusted(CompileCache::open(&group)),
+            trust::Untrusted::Writable { .. }
         ));
 
         let file = tmp.path().join("file");
         std::fs::write(&file, "").unwrap();
-        assert!(matches!(
-            CompileCache::open(&file),
-            Err(CacheError::NotADirectory { .. })
-        ));
+        assert!(CompileCache::open(&file).is_err());
 
-        let link = tmp.path().join("link");
-        std::os::unix::fs::symlink(&nested, &link).unwrap();
-        assert!(matches!(
-            CompileCache::open(&link),
-            Err(CacheError::NotADirectory { .. })
-        ));
+        // A cache below a directory others may write to: they could swap the cache itself.
+        let below = open.join("cache");
+        let reason = untrusted(CompileCache::open(&below));
+        assert_eq!(reason.path(), open, "{reason}");
     }
 
     #[test]
@@ -685,16 +706,38 @@ mod tests {
         if euid() != 0 {
             let owner = std::fs::metadata("/").unwrap().uid();
             assert_ne!(owner, euid(), "/ is ours: no directory to test with");
-            let err = CompileCache::open(Path::new("/")).unwrap_err();
-            assert!(matches!(err, CacheError::Owner { .. }), "{err}");
+            assert!(CompileCache::open(Path::new("/")).is_err());
             return;
         }
         std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
-        let err = CompileCache::open(&theirs).unwrap_err();
+        let reason = untrusted(CompileCache::open(&theirs));
         assert!(
-            matches!(err, CacheError::Owner { owner: 65534, .. }),
-            "{err}"
+            matches!(reason, trust::Untrusted::Owner { owner: 65534, .. }),
+            "{reason}"
         );
+    }
+
+    #[test]
+    fn a_cache_whose_path_is_swapped_after_opening_loads_only_what_it_opened() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let engine = engine();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        // Someone moves the directory away and puts another at its path, with an entry of the
+        // same name whose sidecar matches: it must never be read.
+        let path = cache.dir().to_owned();
+        std::fs::rename(&path, tmp.path().join("moved")).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let (cwasm, sidecar) = entry(&cache, &engine);
+        std::fs::write(&cwasm, b"planted").unwrap();
+        std::fs::write(&sidecar, format!("{}\n", sha256_hex(b"planted"))).unwrap();
+        assert_eq!(
+            load(&cache, &engine),
+            CacheOutcome::Hit,
+            "from what was opened"
+        );
+        assert_eq!(std::fs::read(&cwasm).unwrap(), b"planted", "untouched");
     }
 
     #[test]
