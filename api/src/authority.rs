@@ -581,7 +581,7 @@ impl Rewriter {
     }
 }
 
-fn put_head(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
+pub(crate) fn put_head(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
     out.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
     out.push(kind);
     out.push(flags);
@@ -635,7 +635,7 @@ impl Encoding {
 }
 
 /// A literal field with a literal name (`first` = 0x00: without indexing, 0x40: indexed).
-fn put_literal(out: &mut Vec<u8>, first: u8, name: &[u8], value: &[u8]) {
+pub(crate) fn put_literal(out: &mut Vec<u8>, first: u8, name: &[u8], value: &[u8]) {
     out.push(first);
     for s in [name, value] {
         put_int(out, s.len(), 7, 0x00);

@@ -4,6 +4,7 @@
 
 pub mod authority;
 pub mod names;
+pub mod serve;
 pub mod uds;
 
 /// Device-plugin API (`v1beta1.Registration`, `v1beta1.DevicePlugin`).

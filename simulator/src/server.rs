@@ -28,12 +28,12 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::Server;
-use tonic::transport::server::Router;
+use tonic::service::Routes;
 use tracing::{debug, info, warn};
 
 use devicelet_api::deviceplugin::registration_server::RegistrationServer;
 use devicelet_api::podresources::pod_resources_lister_server::PodResourcesListerServer;
+use devicelet_api::serve as grpc;
 
 use super::Inner;
 use super::error::SimError;
@@ -91,7 +91,7 @@ pub(super) fn serve(inner: &Arc<Inner>, accept_delay: Duration) -> Result<(), Si
         inner: Arc::clone(inner),
         epoch,
     });
-    let router = Server::builder().add_service(service);
+    let router = Routes::new(service);
     let on_listen = {
         let inner = Arc::clone(inner);
         move || {
@@ -123,10 +123,9 @@ pub(super) fn serve_pod_resources(inner: &Arc<Inner>) -> Result<ServerHandle, Si
     let listener = bind_unlistening(path)
         .and_then(BoundSocket::listen)
         .map_err(io_error(path))?;
-    let router =
-        Server::builder().add_service(PodResourcesListerServer::new(PodResourcesService {
-            inner: Arc::clone(inner),
-        }));
+    let router = Routes::new(PodResourcesListerServer::new(PodResourcesService {
+        inner: Arc::clone(inner),
+    }));
     Ok(spawn(
         router,
         path.clone(),
@@ -134,6 +133,10 @@ pub(super) fn serve_pod_resources(inner: &Arc<Inner>) -> Result<ServerHandle, Si
         || {},
     ))
 }
+
+/// Connections a simulated kubelet socket serves at once: every plugin of a node may be
+/// registering at the same moment.
+const MAX_CONNECTIONS: usize = 1024;
 
 /// Where a server gets its connections from.
 enum Listener {
@@ -143,7 +146,7 @@ enum Listener {
 }
 
 fn spawn(
-    router: Router,
+    router: Routes,
     socket: PathBuf,
     listener: Listener,
     on_listen: impl FnOnce() + Send + 'static,
@@ -172,17 +175,18 @@ fn spawn(
                 }
             }
         };
-        let served = router
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+        // As the kubelet, whatever `:authority` a plugin dials with (NVIDIA's device plugin
+        // sends the socket's path).
+        grpc::serve(
+            UnixListenerStream::new(listener),
+            router,
+            MAX_CONNECTIONS,
+            async {
                 let _ = signal.await;
-            })
-            .await;
-        if let Err(e) = served {
-            warn!(
-                "simulated kubelet stopped serving {}: {e}",
-                socket.display()
-            );
-        }
+            },
+        )
+        .await;
+        debug!("simulated kubelet stopped serving {}", socket.display());
     });
     ServerHandle { shutdown, task }
 }

@@ -329,3 +329,50 @@ async fn a_sharing_rule_for_a_resource_the_module_does_not_declare_is_refused() 
         &["[module.sharing.resources.fsue] names no resource it declares (it declares: fuse)"],
     );
 }
+
+/// A registry of 9,000 modules (964 KiB) once made the agent serve for a second and then abort,
+/// leaving sockets behind: it is refused at the first module over the limit, by `validate`, at
+/// start, and on hot reload as a whole while the running set keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_of_9000_modules_is_refused_at_the_first_one_over_the_limit() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let many: String = (0..9000)
+        .map(|i| format!("[[module]]\nname = \"m{i}\"\npath = \"@MODULES@/generic_dev.wasm\"\n"))
+        .collect();
+    let over = devicelet::config::MAX_MODULES;
+    // Modules start on line 3, three lines each.
+    let line = 3 + 3 * over;
+    assert_refused(
+        &node,
+        &many,
+        &[
+            &format!("registry.toml:{line}:"),
+            &format!("module[{over}]"),
+            "9000 modules",
+            &format!("at most {over}"),
+        ],
+    );
+
+    let agent = node.start_agent(&generic_dev(GOOD)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", devicelet_tests::WAIT, |r| {
+            r.allocatable == 1
+        })
+        .await
+        .expect("served");
+    node.registry(&many);
+    devicelet_tests::eventually("the edit to be refused", || agent.reload_error().is_some()).await;
+    let error = agent.reload_error().unwrap_or_default();
+    assert!(error.contains(&format!("registry.toml:{line}:")), "{error}");
+    assert_eq!(agent.resources().len(), 1, "the running set keeps serving");
+    let sockets = std::fs::read_dir(node.plugin_dir())
+        .expect("plugin dir")
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("devicelet-"))
+        })
+        .count();
+    assert_eq!(sockets, 1, "one socket, the running resource's");
+    agent.shutdown().await;
+}

@@ -482,3 +482,59 @@ async fn shared_devices_are_replicas_and_the_module_sees_physical_ids() {
     assert_eq!(served.devices.iter().filter(|d| d.allocated).count(), 2);
     agent.shutdown().await;
 }
+
+/// Tools dial plugin sockets and `kubelet.sock` with whatever `:authority` their gRPC library
+/// picks: `localhost`, none, or the socket's path (grpc-go's default for a custom dialer, and
+/// what NVIDIA's device plugin sends to `kubelet.sock`). Every socket answers them all: here the
+/// agent's plugin socket on the `kubelet.sock` route, and the simulated kubelet, which takes a
+/// `Register` sent with its own path as authority.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_socket_answers_whatever_authority_the_client_sends() {
+    use devicelet::kubelet::api::authority;
+    use devicelet::kubelet::api::deviceplugin::registration_client::RegistrationClient;
+    use devicelet::kubelet::api::deviceplugin::{Empty, RegisterRequest};
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node
+        .start_agent(&generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#))
+        .await;
+    let fuse = node
+        .kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("registered");
+    let socket = agent.resource("devicelet.io/fuse").expect("served").socket;
+    let as_path = socket.to_str().expect("utf-8");
+    let mut plugin = DevicePluginClient::new(
+        authority::connect(&socket, as_path)
+            .await
+            .expect("dial with the path"),
+    );
+    plugin
+        .get_device_plugin_options(Empty {})
+        .await
+        .expect("answered with the socket path as authority");
+
+    let kubelet_sock = node.kubelet.socket().to_owned();
+    let mut registration = RegistrationClient::new(
+        authority::connect(&kubelet_sock, kubelet_sock.to_str().expect("utf-8"))
+            .await
+            .expect("dial kubelet.sock with its path"),
+    );
+    registration
+        .register(RegisterRequest {
+            version: "v1beta1".into(),
+            endpoint: fuse.endpoint.clone(),
+            resource_name: "devicelet.io/fuse".into(),
+            options: Some(fuse.options),
+        })
+        .await
+        .expect("the simulated kubelet takes a Register sent with its path as authority");
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations == fuse.registrations + 1 && r.allocatable == 1
+        })
+        .await
+        .expect("registered again");
+    agent.shutdown().await;
+}

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use wasmtime::Engine;
 
 use crate::config::ModuleSpec;
+use crate::config::{MAX_RESOURCES, MAX_RESOURCES_PER_MODULE};
 use crate::device::ResourceInfo;
 use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
@@ -81,9 +82,6 @@ pub async fn start_module(
     ModuleHandle::start_at(loaded, home).await
 }
 
-/// Most resources one module may declare; a real one declares a handful.
-const MAX_RESOURCES: usize = 64;
-
 /// Which of a module's declared resources `run` serves, under which names, and why the others
 /// are not (each error names the module). `validate` shows the same plan.
 pub fn plan(
@@ -93,9 +91,9 @@ pub fn plan(
 ) -> (Vec<(String, ResourceInfo)>, Vec<String>) {
     let mut served: Vec<(String, ResourceInfo)> = Vec::new();
     let mut errors = Vec::new();
-    if declared.len() > MAX_RESOURCES {
+    if declared.len() > MAX_RESOURCES_PER_MODULE {
         errors.push(format!(
-            "module `{}` declared {} resources; at most {MAX_RESOURCES} are served",
+            "module `{}` declared {} resources; at most {MAX_RESOURCES_PER_MODULE} are served",
             spec.name,
             declared.len()
         ));
@@ -111,7 +109,7 @@ pub fn plan(
             ));
         }
     }
-    for info in declared.iter().take(MAX_RESOURCES) {
+    for info in declared.iter().take(MAX_RESOURCES_PER_MODULE) {
         let share = spec.sharing.rule(&info.name);
         let name = match resource::served_name(&spec.resource_domain, info, share) {
             Ok(name) => name,
@@ -126,7 +124,13 @@ pub fn plan(
                 continue;
             }
         };
-        if let Some(owner) = taken.get(&name) {
+        if taken.len() + served.len() >= MAX_RESOURCES {
+            errors.push(format!(
+                "module `{}`: {name} is not served: the agent serves at most {MAX_RESOURCES} \
+                 resources in all",
+                spec.name
+            ));
+        } else if let Some(owner) = taken.get(&name) {
             errors.push(format!(
                 "module `{}` declared {name}, which module `{owner}` already serves",
                 spec.name

@@ -113,9 +113,11 @@ fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
         .collect()
 }
 
-/// Host trees no device module may hand to a container: the kernel's, the node's credentials and
-/// configuration, and the kubelet's and devicelet's own state.
-const FORBIDDEN_MOUNTS: &[&str] = &[
+/// Host trees no device module may hand to a container, nor any directory above one: the
+/// kernel's, the node's credentials and configuration, the kubelet's and devicelet's own state,
+/// the container runtimes' state and sockets, and the CDI spec directories (a container that can
+/// write a spec can give the next container anything).
+pub const FORBIDDEN_MOUNTS: &[&str] = &[
     "/proc",
     "/sys",
     "/dev",
@@ -124,28 +126,99 @@ const FORBIDDEN_MOUNTS: &[&str] = &[
     "/boot",
     "/var/lib/kubelet",
     "/var/lib/devicelet",
+    "/var/lib/containerd",
+    "/var/lib/docker",
+    "/var/lib/containers",
+    "/var/lib/crio",
     "/run/containerd",
     "/var/run/containerd",
+    "/run/crio",
+    "/var/run/crio",
+    "/run/docker",
+    "/var/run/docker",
+    "/run/docker.sock",
+    "/var/run/docker.sock",
+    "/run/containers",
+    "/var/run/containers",
+    "/run/podman",
+    "/var/run/podman",
+    "/run/cdi",
+    "/var/run/cdi",
+    "/etc/cdi",
 ];
 
-/// Directories for `mounts`: absolute, and outside the trees that have grants of their own (or
-/// that no container should get from a device module).
+/// The forbidden tree (see [`FORBIDDEN_MOUNTS`]) that some path the grant `pattern` matches lies
+/// in or above, if there is one. Judged by where the pattern can lead, not by its text: `*`, `?`
+/// and character classes are matched against each forbidden tree component by component, `**`
+/// (which can stand for any depth) reaches every tree below where it stands, and a component
+/// that is no glob of its own (a class split by `/`) is taken to match anything.
+pub fn forbidden_by_pattern(pattern: &str) -> Option<&'static str> {
+    FORBIDDEN_MOUNTS.iter().copied().find(|tree| {
+        reaches(pattern, tree, |part, name| {
+            part == "**" || Pattern::new(part).map_or(true, |glob| glob.matches_with(name, MATCH))
+        })
+    })
+}
+
+/// The forbidden tree the resolved, literal `path` lies in or above, if there is one: what every
+/// mount an answer asks for is checked against after its symlinks are resolved.
+pub fn forbidden_by_path(path: &str) -> Option<&'static str> {
+    FORBIDDEN_MOUNTS
+        .iter()
+        .copied()
+        .find(|tree| reaches(path, tree, |part, name| part == name))
+}
+
+/// Whether a path `pattern` (absolute, `/`-separated) can match `tree`, a path above it, or a
+/// path below it; `matches(part, name)` says whether one component of the pattern can be one
+/// component of the tree. A `**` part ends the comparison: it can stand for what is left.
+fn reaches(pattern: &str, tree: &str, matches: impl Fn(&str, &str) -> bool) -> bool {
+    let pattern = pattern.trim_start_matches('/');
+    if pattern.is_empty() {
+        // `/` is above everything.
+        return true;
+    }
+    let mut tree = tree.trim_start_matches('/').split('/');
+    for part in pattern.split('/') {
+        if part == "**" {
+            return true;
+        }
+        match tree.next() {
+            // The pattern goes on below the tree: what it matches there is inside it.
+            None => return true,
+            Some(name) if !matches(part, name) => return false,
+            Some(_) => {}
+        }
+    }
+    // The pattern ends at the tree or above it.
+    true
+}
+
+/// Directories for `mounts`: absolute, at least two levels deep with no glob in those two, and
+/// unable to match anything in or above a forbidden tree (those have grants of their own, or no
+/// container should get them from a device module).
 fn mount_patterns(node: &Node<'_>) -> Result<Vec<Pattern>, RegistryError> {
     let items = patterns(node, "/")?;
     for (pattern, item) in items.iter().zip(node.array("")?.iter()) {
         let text = pattern.as_str();
         let parts: Vec<&str> = text.trim_start_matches('/').split('/').collect();
         let fixed = parts.len() >= 2 && !parts[..2].iter().any(|p| p.contains(['*', '?', '[']));
-        let forbidden = FORBIDDEN_MOUNTS
-            .iter()
-            .any(|f| text == *f || text.starts_with(&format!("{f}/")));
-        if !fixed || forbidden {
+        if !fixed {
             return Err(item.error_in_str(
                 0,
                 format!(
-                    "mount grant {text:?} must name a directory at least two levels deep (no glob \
-                     in those two), and not under {} (use the sysfs and dev grants for /sys and \
-                     /dev)",
+                    "mount grant {text:?} must name a directory at least two levels deep, with \
+                     no glob in those two"
+                ),
+            ));
+        }
+        if let Some(tree) = forbidden_by_pattern(text) {
+            return Err(item.error_in_str(
+                0,
+                format!(
+                    "mount grant {text:?} could match {tree} or a directory above or below it, \
+                     which no module may hand to a container (none of {} may be; use the \
+                     sysfs and dev grants for /sys and /dev)",
                     FORBIDDEN_MOUNTS.join(", ")
                 ),
             ));
@@ -252,6 +325,45 @@ mod tests {
         assert!(!g.allows_dev("/dev//fuse"));
         assert!(!g.allows_dev("dev/fuse"));
         assert!(g.allows_dev("/dev/fuse"));
+    }
+
+    #[test]
+    fn mount_grants_are_judged_by_where_they_can_lead() {
+        for bad in [
+            "/var/lib/kube*",
+            "/var/lib/[k]ubelet",
+            "/var/lib/*",
+            "/var/lib/k?belet",
+            "/var/lib/kubelet/pods",
+            "/var/lib",
+            "/var/**",
+            "/var/lib/**/x",
+            "/var/lib/containerd",
+            "/var/lib/[a-z]*d",
+            "/run/cdi",
+            "/var/run/d*",
+            "/etc/cdi",
+        ] {
+            assert!(forbidden_by_pattern(bad).is_some(), "{bad} passed");
+        }
+        for good in [
+            "/run/nvidia/mps",
+            "/run/nvidia/*",
+            "/var/lib/kubelet-plugins-x",
+            "/opt/**",
+            "/var/lib/nvidia/[a-z]*",
+            "/var/run/nvidia-mps",
+        ] {
+            assert_eq!(forbidden_by_pattern(good), None, "{good}");
+        }
+        assert_eq!(
+            forbidden_by_path("/var/lib/kubelet/pods"),
+            Some("/var/lib/kubelet")
+        );
+        assert_eq!(forbidden_by_path("/var/lib"), Some("/var/lib/kubelet"));
+        assert_eq!(forbidden_by_path("/"), Some("/proc"));
+        assert_eq!(forbidden_by_path("/var/lib/kube*"), None, "a literal path");
+        assert_eq!(forbidden_by_path("/run/nvidia/mps"), None);
     }
 
     #[test]

@@ -10,6 +10,16 @@ pub const DEFAULT_HOST_ROOT: &str = "/";
 /// `devicelet.io/fuse`): the kubelet only accepts extended resources with a domain.
 pub const DEFAULT_RESOURCE_DOMAIN: &str = "devicelet.io";
 
+/// Most modules one registry may list. A node has a handful of device types; every module costs
+/// threads (its cells), address-space reservations and a socket per resource, so thousands of
+/// them would exhaust the agent (9,000 aborted it, leaving sockets behind) before serving.
+pub const MAX_MODULES: usize = 64;
+/// Most resources one module may declare; a real one declares a handful.
+pub const MAX_RESOURCES_PER_MODULE: usize = 64;
+/// Most resources the agent serves in all, whatever the modules declare: each is a socket, a
+/// server and a registration with the kubelet.
+pub const MAX_RESOURCES: usize = 256;
+
 /// How often a module is asked for device health when the registry does not say.
 pub const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Polling faster than this costs more CPU than any device state changes warrant.

@@ -54,11 +54,12 @@ mod value;
 mod tests;
 
 pub use error::RegistryError;
-pub use grants::{Grants, NVML};
+pub use grants::{FORBIDDEN_MOUNTS, Grants, NVML, forbidden_by_path};
 pub use limits::{
     CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
     DEFAULT_HOST_ROOT, DEFAULT_MEMORY_LIMIT, DEFAULT_RESOURCE_DOMAIN, HEALTH_INTERVAL_MAX,
-    HEALTH_INTERVAL_MIN, MEMORY_LIMIT_MAX, MEMORY_LIMIT_MIN,
+    HEALTH_INTERVAL_MIN, MAX_MODULES, MAX_RESOURCES, MAX_RESOURCES_PER_MODULE, MEMORY_LIMIT_MAX,
+    MEMORY_LIMIT_MIN,
 };
 pub use module::ModuleSpec;
 pub use registry::Registry;

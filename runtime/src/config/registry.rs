@@ -8,7 +8,7 @@ use toml::de::DeTable;
 
 use super::error::RegistryError;
 use super::keypath::KeyPath;
-use super::limits::{DEFAULT_HOST_ROOT, DEFAULT_RESOURCE_DOMAIN};
+use super::limits::{DEFAULT_HOST_ROOT, DEFAULT_RESOURCE_DOMAIN, MAX_MODULES};
 use super::module::{self, ModuleSpec};
 use super::source::{Source, line_column};
 use super::value::{Node, Table};
@@ -82,6 +82,13 @@ impl Registry {
         let items = module_list.array("an array of tables, written [[module]]")?;
         if items.is_empty() {
             return Err(module_list.error(no_modules));
+        }
+        if let Some(over) = items.get(MAX_MODULES) {
+            return Err(over.error(format!(
+                "the registry lists {} modules; at most {MAX_MODULES} are allowed (this is the \
+                 first one over)",
+                items.len()
+            )));
         }
 
         let base = file.parent().unwrap_or(Path::new(""));

@@ -832,6 +832,13 @@ fn mount_grants_name_directories_outside_the_device_trees() {
         "/*/x",
         "/etc/nvidia",
         "/var/lib/kubelet/pods",
+        "/var/lib/kube*",
+        "/var/lib/[k]ubelet",
+        "/var/lib/*",
+        "/var/lib/k?belet",
+        "/var/lib/containerd",
+        "/var/lib",
+        "/var/run/cdi",
     ] {
         let text = format!("{MINIMAL}[module.grants]\nmounts = [\"{bad}\"]\n");
         assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "mount grant");

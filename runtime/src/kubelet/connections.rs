@@ -15,7 +15,6 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio_stream::{Stream, StreamExt};
-use tonic::transport::server::Connected;
 
 /// A connection that counts itself open until dropped.
 pub struct Counted {
@@ -43,14 +42,6 @@ pub fn counted(
             }
         })
     })
-}
-
-impl Connected for Counted {
-    type ConnectInfo = <UnixStream as Connected>::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
-    }
 }
 
 impl AsyncRead for Counted {

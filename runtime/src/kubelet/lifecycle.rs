@@ -7,18 +7,18 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
+use tonic::service::Routes;
 
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::api::authority::{LOCALHOST, Rewritten};
 use super::api::deviceplugin::{
     DevicePluginOptions, KUBELET_SOCKET, device_plugin_server::DevicePluginServer,
 };
 use super::api::pluginregistration::{RegistrationStatus, registration_server::RegistrationServer};
+use super::api::serve;
 use super::backend::DeviceBackend;
 use super::plugin_server::ResourcePlugin;
 use super::route::{RegistrationState, Route, WatcherRegistration};
@@ -391,12 +391,11 @@ impl<B: DeviceBackend> Lifecycle<B> {
             })),
         };
         runtime.spawn(async move {
-            // The plugin watcher sends our socket's path as `:authority`, which the HTTP/2
-            // server would refuse: its connections have it rewritten first.
-            let rewrite = watcher.is_some();
-            let router = tonic::transport::Server::builder()
-                .add_service(DevicePluginServer::new(plugin))
-                .add_optional_service(watcher);
+            let routes = Routes::new(DevicePluginServer::new(plugin));
+            let routes = match watcher {
+                Some(watcher) => routes.add_service(watcher),
+                None => routes,
+            };
             let incoming = connections::counted(UnixListenerStream::new(listener), open);
             let shutdown = async move {
                 tokio::select! {
@@ -404,19 +403,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     _ = server_stopped.wait_for(|s| *s) => {}
                 }
             };
-            let served = if rewrite {
-                let incoming = incoming.map(|c| c.map(|c| Rewritten::server(c, LOCALHOST)));
-                router
-                    .serve_with_incoming_shutdown(incoming, shutdown)
-                    .await
-            } else {
-                router
-                    .serve_with_incoming_shutdown(incoming, shutdown)
-                    .await
-            };
-            if let Err(e) = served {
-                tracing::error!(resource, "device-plugin server failed: {e}");
-            }
+            serve::serve(incoming, routes, serve::MAX_PLUGIN_CONNECTIONS, shutdown).await;
+            tracing::debug!(resource, "device-plugin server stopped");
         });
         Ok(())
     }

@@ -330,6 +330,14 @@ pub fn resolve_edits(
                 truncate(&real)
             ));
         }
+        if let Some(tree) = crate::config::forbidden_by_path(&real) {
+            return Err(format!(
+                "mount of {:?} resolves to {:?}, in or above {tree}, which no module may hand to \
+                 a container",
+                truncate(&m.host_path),
+                truncate(&real)
+            ));
+        }
         writable_mount(m, grants, &real)?;
         m.host_path = real;
     }
@@ -464,6 +472,33 @@ mod tests {
         assert!(edits(&below, &grants()).is_ok());
         assert!(edits(&mount("/run/nvidia"), &grants()).is_err());
         assert!(edits(&mount("/run/nvidia/mps/../../secrets"), &grants()).is_err());
+    }
+
+    #[test]
+    fn a_mount_that_resolves_in_or_above_a_forbidden_tree_is_refused() {
+        // Grants as no registry would pass them: this is the check behind that one.
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("var/lib/kubelet/pods")).unwrap();
+        std::fs::create_dir_all(root.path().join("var/lib/nvidia")).unwrap();
+        std::os::unix::fs::symlink("kubelet", root.path().join("var/lib/link")).unwrap();
+        let grants = Grants {
+            mounts: vec![glob::Pattern::new("/var/lib/*").unwrap()],
+            ..Grants::default()
+        };
+        let mount = |p: &str| ContainerEdits {
+            mounts: vec![Mount {
+                container_path: "/host".into(),
+                host_path: p.into(),
+                read_only: true,
+            }],
+            ..Default::default()
+        };
+        for path in ["/var/lib/kubelet", "/var/lib/link", "/var/lib/kubelet/pods"] {
+            let e = resolve_edits(&mut mount(path), &grants, root.path()).unwrap_err();
+            assert!(e.contains("in or above /var/lib/kubelet"), "{path}: {e}");
+        }
+        let mut fine = mount("/var/lib/nvidia");
+        resolve_edits(&mut fine, &grants, root.path()).unwrap();
     }
 
     #[test]
