@@ -2,6 +2,8 @@
 //! what happens on the node, scraped over real HTTP and parsed as Prometheus text.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use devicelet_simulator::Simulator;
 use devicelet_tests::{Node, Sample, WAIT, generic_dev, http_get, metric, misbehaving, scrape};
@@ -342,13 +344,14 @@ async fn a_client_hoarding_connections_cannot_starve_the_probes() {
     for _ in 0..8 {
         held.push(hoarder().await);
     }
-    // The ninth is closed unanswered.
-    let mut ninth = hoarder().await;
+    // A ninth from the same address takes the place of the oldest, which is closed at once.
+    let ninth = hoarder().await;
     let mut buf = [0u8; 16];
-    let read = tokio::time::timeout(WAIT, ninth.read(&mut buf))
+    let read = tokio::time::timeout(WAIT, held[0].read(&mut buf))
         .await
-        .expect("closed at once");
+        .expect("the oldest is closed at once");
     assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    held[0] = ninth;
     // The kubelet's probe, from another address, is answered while they are held.
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
     // Idle connections that never send a request are closed by the server.
@@ -403,5 +406,61 @@ async fn a_call_its_caller_gave_up_on_is_counted_as_cancelled() {
         ) == Some(1.0)
     })
     .await;
+    agent.shutdown().await;
+}
+
+/// Slow clients from 16 addresses, 8 connections each, fill the endpoint's 128 connections and
+/// keep reopening whatever is closed. The probes still answer, each within a second: a new
+/// connection takes the place of the oldest one that has sent nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_answer_while_slow_clients_from_many_addresses_fill_the_endpoint() {
+    use tokio::io::AsyncReadExt;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = node.start_agent_with(&generic_dev(FUSE), on_loopback).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("registered");
+    let addr = agent.metrics_addr().expect("serving metrics");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut flood = tokio::task::JoinSet::new();
+    for peer in 0..16u8 {
+        for _ in 0..8 {
+            let stop = stop.clone();
+            flood.spawn(async move {
+                // Connect, send nothing, and as soon as the server closes it, connect again.
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+                    socket
+                        .bind(SocketAddr::from(([127, 0, 1, peer + 1], 0)))
+                        .expect("bind a loopback address");
+                    let Ok(mut conn) = socket.connect(addr).await else {
+                        continue;
+                    };
+                    let mut buf = [0u8; 16];
+                    let _ = conn.read(&mut buf).await;
+                }
+            });
+        }
+    }
+    let mut slow = 0;
+    for _ in 0..40 {
+        let answer = tokio::time::timeout(Duration::from_secs(1), http_get(addr, "/healthz")).await;
+        match answer {
+            Ok((200, _)) => {}
+            other => {
+                slow += 1;
+                eprintln!("a probe got {other:?}");
+            }
+        }
+        let (status, _) = tokio::time::timeout(Duration::from_secs(1), http_get(addr, "/readyz"))
+            .await
+            .expect("/readyz within a second");
+        assert_eq!(status, 200);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flood.abort_all();
+    assert_eq!(slow, 0, "probes not answered within a second");
     agent.shutdown().await;
 }

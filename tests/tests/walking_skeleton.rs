@@ -496,7 +496,9 @@ async fn every_socket_answers_whatever_authority_the_client_sends() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let agent = node
-        .start_agent(&generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#))
+        .start_agent(&generic_dev(
+            r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#,
+        ))
         .await;
     let fuse = node
         .kubelet

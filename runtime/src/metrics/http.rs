@@ -4,8 +4,12 @@
 //! Plain HTTP/1.1 on hyper (already in the tree under tonic). It answers from memory only and
 //! never waits on a module. Any pod that can reach the port can connect, so connections are
 //! bounded in number (in all and per client address), one request each, with a few seconds to
-//! send it: a client that holds connections open cannot starve the kubelet's probes for long,
-//! and one that opens many from one address is turned away without touching the others.
+//! send it. At either bound a new connection takes the place of one that has not sent its request
+//! yet (a request, once read, is answered at once): at an address's own bound, its oldest; at the
+//! global bound, the oldest of the address holding the most. Clients that open connections and
+//! send nothing therefore cannot keep the kubelet's probes out: a probe comes from an address
+//! holding one connection, sends its request as soon as it connects, and is never the one closed
+//! while any address holds more.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,8 +19,10 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+
+use tokio::sync::watch;
 
 /// What the endpoint reports; the agent implements it.
 pub trait Endpoints: Send + Sync + 'static {
@@ -28,7 +34,7 @@ pub trait Endpoints: Send + Sync + 'static {
     fn ready(&self) -> Result<(), String>;
 }
 
-/// Connections served at once; one more is closed at once.
+/// Connections served at once; one more takes the place of the oldest idle one.
 const MAX_CONNECTIONS: usize = 128;
 /// Connections served at once from one client address (the kubelet probes from the node's).
 const MAX_PER_PEER: usize = 8;
@@ -46,8 +52,7 @@ pub async fn serve(
     endpoints: Arc<dyn Endpoints>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let peers = Arc::new(Peers::default());
+    let open = Arc::new(Open::default());
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -62,64 +67,132 @@ pub async fn serve(
                 continue;
             }
         };
-        // Over either bound the connection is closed unanswered, without waiting.
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            continue;
-        };
-        let Some(seat) = Peers::take(&peers, peer.ip()) else {
-            continue;
-        };
         let endpoints = endpoints.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let response = respond(endpoints.as_ref(), &request);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .keep_alive(false)
-                .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
-            drop((slot, seat));
+        // Over a bound with no idle connection to make room, the new one is closed unanswered.
+        Open::admit(&open, peer.ip(), move |answering, seat| {
+            tokio::spawn(async move {
+                let _seat = seat;
+                let service = hyper::service::service_fn(move |request| {
+                    answering.store(true, Ordering::Relaxed);
+                    let response = respond(endpoints.as_ref(), &request);
+                    async move { Ok::<_, Infallible>(response) }
+                });
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_TIMEOUT)
+                    .keep_alive(false)
+                    .serve_connection(TokioIo::new(stream), service);
+                let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+            })
+            .abort_handle()
         });
     }
 }
 
-/// Open connections per client address.
+/// The open connections, oldest first.
 #[derive(Default)]
-struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+struct Open(std::sync::Mutex<OpenSet>);
 
-/// One open connection of a client address, given back when dropped.
-struct Seat {
-    peers: Arc<Peers>,
-    ip: std::net::IpAddr,
+#[derive(Default)]
+struct OpenSet {
+    next: u64,
+    by_age: std::collections::BTreeMap<u64, Connection>,
 }
 
-impl Peers {
-    fn take(peers: &Arc<Peers>, ip: std::net::IpAddr) -> Option<Seat> {
-        let mut open = peers.0.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(ip).or_default();
-        if *n >= MAX_PER_PEER {
-            return None;
+struct Connection {
+    ip: std::net::IpAddr,
+    /// Set once its request was read: it is being answered and is never evicted.
+    answering: Arc<AtomicBool>,
+    task: tokio::task::AbortHandle,
+}
+
+/// A connection's place in [`Open`], given back when its task ends (or is aborted).
+struct Seat {
+    open: Arc<Open>,
+    id: u64,
+}
+
+impl Open {
+    fn lock(&self) -> std::sync::MutexGuard<'_, OpenSet> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes room for a connection from `ip` and starts it with `start`; false (nothing
+    /// started) when a bound is reached and every connection counted against it is answering.
+    fn admit(
+        open: &Arc<Open>,
+        ip: std::net::IpAddr,
+        start: impl FnOnce(Arc<AtomicBool>, Seat) -> tokio::task::AbortHandle,
+    ) -> bool {
+        let mut set = open.lock();
+        let from_peer = set.by_age.values().filter(|c| c.ip == ip).count();
+        if from_peer >= MAX_PER_PEER && !set.evict_oldest_idle(Some(ip)) {
+            return false;
         }
-        *n += 1;
-        Some(Seat {
-            peers: peers.clone(),
-            ip,
-        })
+        if set.by_age.len() >= MAX_CONNECTIONS && !set.evict_oldest_idle(None) {
+            return false;
+        }
+        let id = set.next;
+        set.next += 1;
+        let answering = Arc::new(AtomicBool::new(false));
+        let seat = Seat {
+            open: open.clone(),
+            id,
+        };
+        // Started under the lock: the task's seat cannot be given back before it is taken.
+        let task = start(answering.clone(), seat);
+        set.by_age.insert(
+            id,
+            Connection {
+                ip,
+                answering,
+                task,
+            },
+        );
+        true
+    }
+}
+
+impl OpenSet {
+    /// Closes one connection that has not sent its request: from `ip` when given, else from the
+    /// address holding the most such connections (the oldest address first among equals); of
+    /// those, the oldest. A probe from an address with few connections is thus never the one
+    /// closed while another address holds more.
+    fn evict_oldest_idle(&mut self, ip: Option<std::net::IpAddr>) -> bool {
+        let idle = |c: &Connection| !c.answering.load(Ordering::Relaxed);
+        let from = match ip {
+            Some(ip) => ip,
+            None => {
+                let mut counts: Vec<(std::net::IpAddr, usize)> = Vec::new();
+                for c in self.by_age.values().filter(|c| idle(c)) {
+                    match counts.iter_mut().find(|(ip, _)| *ip == c.ip) {
+                        Some((_, n)) => *n += 1,
+                        None => counts.push((c.ip, 1)),
+                    }
+                }
+                // `max_by_key` keeps the last of equals; reversed, the first (oldest) wins.
+                let Some((ip, _)) = counts.into_iter().rev().max_by_key(|(_, n)| *n) else {
+                    return false;
+                };
+                ip
+            }
+        };
+        let oldest = self
+            .by_age
+            .iter()
+            .find(|(_, c)| c.ip == from && idle(c))
+            .map(|(id, _)| *id);
+        let Some(connection) = oldest.and_then(|id| self.by_age.remove(&id)) else {
+            return false;
+        };
+        connection.task.abort();
+        true
     }
 }
 
 impl Drop for Seat {
     fn drop(&mut self) {
-        let mut open = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
-        }
+        self.open.lock().by_age.remove(&self.id);
     }
 }
 
