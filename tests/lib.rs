@@ -194,6 +194,8 @@ impl Node {
     ) -> Agent {
         let registry = Registry::load(&self.registry(modules)).expect("a valid registry");
         let mut options = AgentOptions::new(registry, self.plugin_dir());
+        // Never the machine's own CDI directory: the agent cleans up specs of its kind there.
+        options.cdi_dir = self.dir.path().join("cdi");
         adjust(&mut options);
         Agent::start(options).await.expect("starting the agent")
     }

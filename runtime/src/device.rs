@@ -46,6 +46,28 @@ pub struct DeviceNode {
     pub container_path: String,
     pub host_path: String,
     pub permissions: String,
+    /// The host node as the host found it when it checked the answer; None until then. A
+    /// runtime given the path alone makes the container's node like the host's, so a CDI spec
+    /// naming the node must say all of this to give the same container.
+    pub file: Option<NodeFile>,
+}
+
+/// What a device node on the host is: its kind, numbers, mode and owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeFile {
+    pub kind: NodeKind,
+    pub major: u64,
+    pub minor: u64,
+    /// Permission bits (`0o7777` at most), as `fileMode` in a CDI spec.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum NodeKind {
+    Char,
+    Block,
 }
 
 /// What a container needs to use its allocated devices.

@@ -427,7 +427,11 @@ async fn a_shared_resource_names_its_physical_devices() {
         ["dev-0", "dev-1"],
         "one CDI device per physical device"
     );
-    assert_eq!(spec["cdiVersion"], "0.6.0", "a dotted class needs 0.6.0");
+    assert_eq!(spec["kind"], "devicelet.devicelet.io/gpu_dshared");
+    assert_eq!(
+        spec["cdiVersion"], "0.3.0",
+        "no dot in the class: every CDI library reads it"
+    );
     check_versions(&cdi_dir(&node));
 
     let a = node
@@ -438,7 +442,7 @@ async fn a_shared_resource_names_its_physical_devices() {
     let physical = a.device_ids[0].split("::").next().unwrap().to_owned();
     assert_eq!(
         cdi_names(&a),
-        [format!("devicelet.devicelet.io/gpu.shared={physical}")]
+        [format!("devicelet.devicelet.io/gpu_dshared={physical}")]
     );
     let container = resolve(&cdi_dir(&node), &cdi_names(&a));
     assert_eq!(container.envs["MISBEHAVING_DEVICES"], physical);
@@ -484,12 +488,12 @@ async fn the_spec_follows_the_devices_and_goes_when_cdi_is_turned_off() {
 /// answer, checked through the CDI crate all the same.
 #[test]
 fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
-    use devicelet::kubelet::api::deviceplugin::{DeviceSpec, Mount};
-    let answer = |n: u32| ContainerAllocateResponse {
-        envs: HashMap::from([
+    use devicelet::device::{ContainerEdits, DeviceNode, Mount};
+    let answer = |n: u32| ContainerEdits {
+        envs: vec![
             ("DRIVER".to_string(), "x".to_string()),
             (format!("GPU_{n}"), n.to_string()),
-        ]),
+        ],
         mounts: vec![
             Mount {
                 container_path: "/usr/lib/vendor".into(),
@@ -503,20 +507,22 @@ fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
             },
         ],
         devices: vec![
-            DeviceSpec {
+            DeviceNode {
                 container_path: "/dev/ctl".into(),
                 host_path: "/dev/ctl".into(),
                 permissions: "rw".into(),
+                file: None,
             },
-            DeviceSpec {
+            DeviceNode {
                 container_path: format!("/dev/gpu{n}"),
                 host_path: format!("/dev/card{n}"),
                 permissions: "rwm".into(),
+                file: None,
             },
         ],
         ..Default::default()
     };
-    let answers: BTreeMap<String, std::sync::Arc<ContainerAllocateResponse>> = (0..2)
+    let answers: BTreeMap<String, std::sync::Arc<ContainerEdits>> = (0..2)
         .map(|n| (format!("gpu{n}"), std::sync::Arc::new(answer(n))))
         .collect();
     let kind = "devicelet.a.com/gpu";
@@ -529,10 +535,29 @@ fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
     )
     .unwrap();
     check_versions(dir.path());
+    let listed = |e: &ContainerEdits| Container {
+        envs: e.envs.iter().cloned().collect(),
+        nodes: e
+            .devices
+            .iter()
+            .map(|d| {
+                (
+                    d.container_path.clone(),
+                    d.host_path.clone(),
+                    d.permissions.clone(),
+                )
+            })
+            .collect(),
+        mounts: e
+            .mounts
+            .iter()
+            .map(|m| (m.container_path.clone(), m.host_path.clone(), m.read_only))
+            .collect(),
+    };
     for n in 0..2 {
         assert_eq!(
             resolve(dir.path(), &[format!("{kind}=gpu{n}")]),
-            Container::listed(&answer(n))
+            listed(&answer(n))
         );
     }
     let both = resolve(
@@ -542,4 +567,266 @@ fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
     assert_eq!(both.nodes.len(), 3, "the shared node once: {both:?}");
     assert_eq!(both.mounts.len(), 3, "{both:?}");
     assert_eq!(both.envs.len(), 3, "{both:?}");
+}
+
+/// A runtime given a CRI `Device` makes the container's node as the host's is: mode, owner,
+/// group (containerd's `DeviceFromPath`). A runtime given a CDI name makes it as the spec says,
+/// and where the spec says nothing, as it likes: containerd 2.x gives it to the container's
+/// user, podman makes it 0666. So the spec says everything, and a `runAsUser: 1000` pod gets
+/// the same `0660 root:20` node either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdi_and_devices_give_a_container_the_same_node_mode_and_owner() {
+    use std::os::unix::fs::MetadataExt;
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let host = node.tree.path("/dev/ttyUSB0");
+    std::os::unix::fs::chown(&host, Some(0), Some(20)).expect("chown");
+    std::fs::set_permissions(&host, std::os::unix::fs::PermissionsExt::from_mode(0o660))
+        .expect("chmod");
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(
+        &node,
+        &generic_dev_with(r#"["devices", "cdi-cri"]"#, serial),
+    )
+    .await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    let names = cdi_names(&a);
+    assert_eq!(names.len(), 1, "{a:?}");
+
+    // What `devices` gives: the host node's own mode and owner, whoever the container runs as.
+    let meta = std::fs::metadata(&host).expect("host node");
+    let from_devices = (meta.mode() & 0o7777, Some(meta.uid()), Some(meta.gid()));
+    assert_eq!(from_devices, (0o660, Some(0), Some(20)));
+
+    // What CDI gives, applied by the CDI crate to a pod running as 1000:1000.
+    let mut oci: oci_spec::runtime::Spec = serde_json::from_value(serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": { "user": { "uid": 1000, "gid": 1000 }, "cwd": "/" },
+        "linux": {}
+    }))
+    .expect("an OCI spec");
+    let mut cache = cdi_crate::cache::Cache::default();
+    cdi_crate::spec_dirs::with_spec_dirs(&[cdi_dir(&node).to_str().unwrap()])(&mut cache);
+    cache.refresh().expect("valid specs");
+    cache
+        .inject_devices(Some(&mut oci), names)
+        .expect("the names resolve");
+    let devices = oci
+        .linux()
+        .as_ref()
+        .and_then(|l| l.devices().clone())
+        .unwrap_or_default();
+    let made = devices
+        .iter()
+        .find(|d| d.path() == std::path::Path::new("/dev/ttyUSB0"))
+        .expect("the node is in the container");
+    assert_eq!((made.major(), made.minor()), (188, 0));
+    assert_eq!(
+        (made.file_mode().unwrap_or(0o666), made.uid(), made.gid()),
+        from_devices,
+        "CDI gives the container what `devices` gives"
+    );
+    agent.shutdown().await;
+}
+
+/// The kubelet checkpoints the first answer a container gets and reuses it when the container
+/// restarts; with `cdi-cri` alone, an answer without names would be a container without its
+/// device for good. The module takes 300 ms per answer, so the spec is written long after the
+/// first snapshot: the resource registers only once it is, naming every device advertised, and
+/// the kubelet's very first Allocate names the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_allocate_after_registration_already_names_cdi_devices() {
+    let node = Node::new().await;
+    let registry = misbehaving(
+        "gpus",
+        "resource = \"gpu\"\ndevices = 2\nallocate = \"slow\"",
+        "2s",
+    )
+    .replace(
+        "allocate-ahead = false\n",
+        "allocate-ahead = true\ndevice-list-strategy = \"cdi-cri\"\n",
+    );
+    let agent = start(&node, &registry).await;
+    node.kubelet
+        .wait_until("devicelet.io/gpu", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("registered");
+    // By the time the kubelet has it, the spec names every device it advertises.
+    let cdi = cdi_status(&agent, "devicelet.io/gpu");
+    assert_eq!(
+        cdi.devices, 2,
+        "registered before its spec was written: {cdi:?}"
+    );
+    let first = node
+        .kubelet
+        .allocate("devicelet.io/gpu", 1)
+        .await
+        .expect("allocate");
+    assert_eq!(
+        cdi_names(&first),
+        [format!(
+            "devicelet.devicelet.io/gpu={}",
+            first.device_ids[0]
+        )],
+        "{first:?}"
+    );
+    assert!(first.response.envs.is_empty(), "named, not listed");
+    agent.shutdown().await;
+}
+
+/// Someone puts a spec of our kind at our path (here: mounting the host's `/etc` writable). The
+/// next Allocate does not name the device (the file is not the one written), and the writer puts
+/// ours back, counting the foreign one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spec_replaced_at_our_path_is_never_named_and_is_written_over() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let path = spec_path(&node, "devicelet.io/serial");
+    let ours = std::fs::read(&path).expect("our spec");
+    let theirs = serde_json::json!({
+        "cdiVersion": "0.3.0",
+        "kind": "devicelet.devicelet.io/serial",
+        "devices": [{
+            "name": "ttyUSB0",
+            "containerEdits": {
+                "mounts": [{ "hostPath": "/etc", "containerPath": "/host-etc", "options": ["rbind", "rw"] }]
+            }
+        }]
+    });
+    let staged = cdi_dir(&node).join(".theirs");
+    std::fs::write(&staged, serde_json::to_vec(&theirs).unwrap()).expect("their spec");
+    std::fs::rename(&staged, &path).expect("put over ours");
+
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert!(
+        a.response.cdi_devices.is_empty(),
+        "named in their file: {a:?}"
+    );
+    assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
+    eventually("our spec to be written back", || {
+        std::fs::read(&path).is_ok_and(|now| now == ours)
+    })
+    .await;
+    assert_eq!(cdi_status(&agent, "devicelet.io/serial").foreign, 1);
+    node.kubelet.release(a.id);
+    eventually("devices named again", || {
+        cdi_status(&agent, "devicelet.io/serial").error.is_none()
+    })
+    .await;
+    let b = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert_eq!(
+        resolve(&cdi_dir(&node), &cdi_names(&b)).nodes,
+        BTreeSet::from([("/dev/ttyUSB0".into(), "/dev/ttyUSB0".into(), "rw".into())])
+    );
+    agent.shutdown().await;
+}
+
+/// Another file in the directory declaring our kind: runtimes would take either, or refuse both.
+/// While it is there, no device is named; once it goes, they are again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_another_spec_declares_our_kind_no_device_is_named() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let other = cdi_dir(&node).join("zz-other.yaml");
+    std::fs::write(
+        &other,
+        "cdiVersion: 0.3.0\nkind: devicelet.devicelet.io/serial\ndevices:\n- name: ttyUSB0\n  containerEdits:\n    env: [\"X=1\"]\n",
+    )
+    .expect("another spec");
+    let error = eventually_some("the other spec to be noticed", || {
+        cdi_status(&agent, "devicelet.io/serial").error
+    })
+    .await;
+    assert!(error.contains("zz-other.yaml"), "{error}");
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert!(a.response.cdi_devices.is_empty(), "{a:?}");
+    assert_eq!(cdi_status(&agent, "devicelet.io/serial").foreign, 1);
+    node.kubelet.release(a.id);
+    std::fs::remove_file(&other).expect("remove it");
+    eventually("devices named again", || {
+        cdi_status(&agent, "devicelet.io/serial").error.is_none()
+    })
+    .await;
+    let b = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert_eq!(cdi_names(&b).len(), 1);
+    agent.shutdown().await;
+}
+
+/// A CDI directory others may write to: no spec is written there (whoever can write there could
+/// put theirs in its place), the resource is served all the same, and Allocate lists the
+/// module's answer, as `cdi-cri` alone could not otherwise give the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cdi_dir_others_may_write_to_gets_no_spec_and_allocate_lists_the_devices() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    std::fs::create_dir(cdi_dir(&node)).expect("cdi dir");
+    std::fs::set_permissions(cdi_dir(&node), std::fs::Permissions::from_mode(0o777))
+        .expect("chmod");
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    node.kubelet
+        .wait_until("devicelet.io/serial", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served");
+    let error = cdi_status(&agent, "devicelet.io/serial")
+        .error
+        .expect("the refusal in status");
+    assert!(
+        error.contains("not writing CDI specs") && error.contains("mode 0777"),
+        "{error}"
+    );
+    assert!(!spec_path(&node, "devicelet.io/serial").exists());
+    let a = node
+        .kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate");
+    assert!(a.response.cdi_devices.is_empty());
+    assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
+    agent.shutdown().await;
+}
+
+/// A resource's strategy changed from CDI to `devices` while no agent ran: its old spec would
+/// still resolve, with the old edits. The next agent removes it at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spec_of_a_resource_no_longer_named_by_cdi_goes_at_start() {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    agent.shutdown().await;
+    let path = spec_path(&node, "devicelet.io/serial");
+    assert!(path.exists(), "kept while no agent runs");
+    let agent = start(&node, &generic_dev_with("\"devices\"", serial)).await;
+    assert!(!path.exists(), "removed at start");
+    agent.shutdown().await;
 }

@@ -478,6 +478,7 @@ async fn a_configmap_style_swap_of_the_registry_is_applied() {
     symlink("..data/registry.toml", volume.join("registry.toml")).expect("registry link");
     let registry = devicelet::config::Registry::load(&volume.join("registry.toml")).expect("load");
     let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    options.cdi_dir = node.dir.path().join("cdi");
     options.hot_reload = true;
     let agent = devicelet::agent::Agent::start(options)
         .await

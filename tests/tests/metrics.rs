@@ -283,6 +283,7 @@ async fn probes_answer_while_modules_load_and_a_module_that_fails_to_load_does_n
     );
     let registry = devicelet::config::Registry::load(&node.registry(&modules)).expect("registry");
     let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    options.cdi_dir = node.dir.path().join("cdi");
     options.metrics_addr = Some(addr);
     let starting = tokio::spawn(devicelet::agent::Agent::start(options));
 

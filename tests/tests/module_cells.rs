@@ -237,7 +237,8 @@ async fn a_slow_module_delays_no_other_module_at_start() {
     );
     let modules = format!("{slow}\n{}", generic_dev(FUSE));
     let registry = devicelet::config::Registry::load(&node.registry(&modules)).expect("registry");
-    let options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+    options.cdi_dir = node.dir.path().join("cdi");
     let mut starting = tokio::spawn(Agent::start(options));
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)

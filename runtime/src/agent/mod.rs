@@ -358,23 +358,16 @@ impl Agent {
         drop(loading);
         shared.set_load_errors(errors);
         shared.first_snapshots().await;
-        if options
-            .registry
-            .modules
-            .iter()
-            .any(|m| m.device_list_strategy.uses_cdi())
-        {
-            // Specs of resources that went away while no agent ran; the served ones stay until
-            // their writers replace them.
-            let keep: Vec<PathBuf> = shared
-                .resources()
-                .into_iter()
-                .filter_map(|r| r.cdi.map(|c| c.path))
-                .collect();
-            let dir = options.cdi_dir.clone();
-            let _ =
-                tokio::task::spawn_blocking(move || crate::cdi::remove_stale(&dir, &keep)).await;
-        }
+        // Specs of resources that went away, or stopped using CDI, while no agent ran: their
+        // names would still resolve, with old edits. The served ones stay until their writers
+        // replace them.
+        let keep: Vec<PathBuf> = shared
+            .resources()
+            .into_iter()
+            .filter_map(|r| r.cdi.map(|c| c.path))
+            .collect();
+        let dir = options.cdi_dir.clone();
+        let _ = tokio::task::spawn_blocking(move || crate::cdi::remove_stale(&dir, &keep)).await;
 
         if options.hot_reload {
             let watcher = reload::RegistryWatch::new(&options.registry)

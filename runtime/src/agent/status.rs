@@ -100,8 +100,13 @@ pub struct CdiStatus {
     pub named: u64,
     /// Containers given the module's answer itself: the spec would not have given them the same.
     pub unnamed: u64,
-    /// Why the spec could not be written, until it can.
+    /// Why devices are not named by CDI now (the spec cannot be written, its directory is not
+    /// trusted, another spec declares its kind), until they are again.
     pub error: Option<String>,
+    /// Files of its kind the agent did not write, found at its path (and replaced) or beside it
+    /// (and refused).
+    #[serde(default)]
+    pub foreign: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -174,6 +179,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                         named: c.naming.counts.named.load(Relaxed),
                         unnamed: c.naming.counts.unnamed.load(Relaxed),
                         error: c.written.error(),
+                        foreign: c.written.foreign.load(Relaxed),
                     }
                 }),
             }

@@ -5,7 +5,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use super::spec::{self, Spec, SpecDevice};
-use crate::kubelet::api::deviceplugin as api;
+use super::writer::FileId;
+use crate::device::{ContainerEdits, NodeFile, NodeKind};
+
+/// A device node as a container gets it: container path, host path, cgroup permissions, and the
+/// node itself (kind, numbers, mode, owner) as the host checked it.
+type Node = (String, String, String, Option<NodeFile>);
 
 /// What an answer does to a container, as sets: the same container whatever the order the
 /// module listed things in, or however often.
@@ -14,20 +19,15 @@ pub struct Edits {
     envs: BTreeMap<String, String>,
     /// Container path, host path, read-only.
     mounts: BTreeSet<(String, String, bool)>,
-    /// Container path, host path, permissions.
-    nodes: BTreeSet<(String, String, String)>,
+    nodes: BTreeSet<Node>,
 }
 
 impl Edits {
     /// The part of an Allocate answer a CDI spec can carry (annotations and the module's own CDI
     /// names stay in the answer).
-    pub fn of(answer: &api::ContainerAllocateResponse) -> Edits {
+    pub fn of(answer: &ContainerEdits) -> Edits {
         Edits {
-            envs: answer
-                .envs
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
+            envs: answer.envs.iter().cloned().collect(),
             mounts: answer
                 .mounts
                 .iter()
@@ -41,6 +41,7 @@ impl Edits {
                         d.container_path.clone(),
                         d.host_path.clone(),
                         d.permissions.clone(),
+                        d.file,
                     )
                 })
                 .collect(),
@@ -101,10 +102,19 @@ impl Edits {
             device_nodes: self
                 .nodes
                 .iter()
-                .map(|(path, host, permissions)| spec::DeviceNode {
+                .map(|(path, host, permissions, file)| spec::DeviceNode {
                     path: path.clone(),
                     host_path: (host != path).then(|| host.clone()),
                     permissions: (!permissions.is_empty()).then(|| permissions.clone()),
+                    kind: file.map(|f| match f.kind {
+                        NodeKind::Char => "c",
+                        NodeKind::Block => "b",
+                    }),
+                    major: file.map(|f| f.major),
+                    minor: file.map(|f| f.minor),
+                    file_mode: file.map(|f| f.mode),
+                    uid: file.map(|f| f.uid),
+                    gid: file.map(|f| f.gid),
                 })
                 .collect(),
             mounts: self
@@ -121,18 +131,34 @@ impl Edits {
 }
 
 /// A written spec, as Allocate consults it: which devices it names and what each gives a
-/// container.
+/// container, and which file on disk holds it.
 #[derive(Debug)]
 pub struct View {
     kind: String,
+    /// Where the spec is, and the file written there: a device is named only while it is still
+    /// that file.
+    path: std::path::PathBuf,
+    file: Option<FileId>,
     common: Edits,
     /// By physical device ID: its own edits, and the answer they came from.
-    devices: HashMap<String, (Edits, Arc<api::ContainerAllocateResponse>)>,
+    devices: HashMap<String, (Edits, Arc<ContainerEdits>)>,
 }
 
 impl View {
     pub fn kind(&self) -> &str {
         &self.kind
+    }
+
+    /// This view, of the spec written to `path` as `file`.
+    pub fn at(mut self, path: &std::path::Path, file: FileId) -> View {
+        self.path = path.to_owned();
+        self.file = Some(file);
+        self
+    }
+
+    /// Whether the file at the spec's path is still the one written (one `stat`).
+    pub fn on_disk(&self) -> bool {
+        self.file.is_some_and(|f| f.is_at(&self.path))
     }
 
     pub fn len(&self) -> usize {
@@ -145,7 +171,7 @@ impl View {
 
     /// Whether a runtime applying the spec's devices `ids` (physical, each once) gives a
     /// container exactly what `answer` (the module's answer for those devices) does.
-    pub fn covers(&self, ids: &[&str], answer: &api::ContainerAllocateResponse) -> bool {
+    pub fn covers(&self, ids: &[&str], answer: &ContainerEdits) -> bool {
         if ids.is_empty() {
             // Nothing to name (the kubelet never asks for nothing; an empty annotation would not
             // parse).
@@ -184,11 +210,8 @@ impl View {
 /// leave a device with no edits of its own (CDI refuses such a device). Devices whose ID is not
 /// a CDI device name, or whose answer holds nothing a spec can carry, are left out. None when no
 /// device is left.
-pub fn build(
-    kind: &str,
-    answers: &BTreeMap<String, Arc<api::ContainerAllocateResponse>>,
-) -> Option<(Spec, View)> {
-    let edits: Vec<(&String, Edits, &Arc<api::ContainerAllocateResponse>)> = answers
+pub fn build(kind: &str, answers: &BTreeMap<String, Arc<ContainerEdits>>) -> Option<(Spec, View)> {
+    let edits: Vec<(&String, Edits, &Arc<ContainerEdits>)> = answers
         .iter()
         .filter(|(id, _)| spec::is_device_name(id))
         .map(|(id, answer)| (id, Edits::of(answer), answer))
@@ -218,7 +241,7 @@ pub fn build(
     }
     let container_edits = common.to_spec();
     let spec = Spec {
-        version: spec::required_version(kind, &devices, &container_edits),
+        version: spec::required_version(&devices, &container_edits),
         kind: kind.to_owned(),
         devices,
         container_edits,
@@ -227,6 +250,8 @@ pub fn build(
         spec,
         View {
             kind: kind.to_owned(),
+            path: std::path::PathBuf::new(),
+            file: None,
             common,
             devices: view,
         },
@@ -237,29 +262,31 @@ pub fn build(
 mod tests {
     use super::*;
 
-    fn answer(node: &str, envs: &[(&str, &str)]) -> api::ContainerAllocateResponse {
-        api::ContainerAllocateResponse {
+    fn answer(node: &str, envs: &[(&str, &str)]) -> ContainerEdits {
+        let device = |path: &str, minor| crate::device::DeviceNode {
+            container_path: path.into(),
+            host_path: path.into(),
+            permissions: "rw".into(),
+            file: Some(NodeFile {
+                kind: NodeKind::Char,
+                major: 195,
+                minor,
+                mode: 0o660,
+                uid: 0,
+                gid: 44,
+            }),
+        };
+        ContainerEdits {
             envs: envs
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            devices: vec![
-                api::DeviceSpec {
-                    container_path: node.into(),
-                    host_path: node.into(),
-                    permissions: "rw".into(),
-                },
-                api::DeviceSpec {
-                    container_path: "/dev/ctl".into(),
-                    host_path: "/dev/ctl".into(),
-                    permissions: "rw".into(),
-                },
-            ],
+            devices: vec![device(node, 0), device("/dev/ctl", 255)],
             ..Default::default()
         }
     }
 
-    fn answers() -> BTreeMap<String, Arc<api::ContainerAllocateResponse>> {
+    fn answers() -> BTreeMap<String, Arc<ContainerEdits>> {
         [
             (
                 "gpu0",
@@ -289,6 +316,36 @@ mod tests {
     }
 
     #[test]
+    fn device_nodes_carry_the_host_nodes_kind_numbers_mode_and_owner() {
+        let (spec, view) = build("a.com/gpu", &answers()).unwrap();
+        let node = &spec.devices[0].container_edits.device_nodes[0];
+        assert_eq!(
+            (
+                node.kind,
+                node.major,
+                node.minor,
+                node.file_mode,
+                node.uid,
+                node.gid
+            ),
+            (
+                Some("c"),
+                Some(195),
+                Some(0),
+                Some(0o660),
+                Some(0),
+                Some(44)
+            )
+        );
+        // The same paths with another mode are another container: not covered.
+        let mut changed = answer("/dev/gpu0", &[("VISIBLE", "0"), ("DRIVER", "x")]);
+        if let Some(file) = changed.devices[0].file.as_mut() {
+            file.mode = 0o666;
+        }
+        assert!(!view.covers(&["gpu0"], &changed));
+    }
+
+    #[test]
     fn a_lone_device_keeps_its_edits() {
         let one: BTreeMap<_, _> = answers().into_iter().take(1).collect();
         let (spec, _) = build("a.com/gpu", &one).unwrap();
@@ -314,7 +371,7 @@ mod tests {
     fn several_devices_are_covered_when_the_answer_is_the_sum_of_theirs() {
         let mut plain = answers();
         for a in plain.values_mut() {
-            Arc::make_mut(a).envs.remove("VISIBLE");
+            Arc::make_mut(a).envs.retain(|(k, _)| k != "VISIBLE");
         }
         let (_, view) = build("a.com/gpu", &plain).unwrap();
         let mut both = answer("/dev/gpu0", &[("DRIVER", "x")]);

@@ -18,7 +18,7 @@ mod writer;
 
 pub use build::View;
 pub use strategy::{Counts, DeviceListStrategy, Naming, annotation_key};
-pub use writer::{SpecWriter, Written, remove_stale, spec_path};
+pub use writer::{FileId, SpecWriter, Written, remove_stale, spec_path};
 
 /// Where CDI spec files go unless `--cdi-dir` says otherwise: the directory runtimes read
 /// transient specs from.

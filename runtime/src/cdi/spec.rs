@@ -56,6 +56,21 @@ pub struct DeviceNode {
     /// cgroup access, `rwm` or a subset; the runtime's default when absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub permissions: Option<String>,
+    /// `c` or `b`, the node's numbers, its permission bits and owner: as the host node is, so
+    /// the runtime makes the container's node as a CRI `Device` entry would (without them
+    /// containerd 2.x gives it to the container's user, podman makes it 0666).
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub major: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub minor: Option<u64>,
+    #[serde(rename = "fileMode", skip_serializing_if = "Option::is_none")]
+    pub file_mode: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -70,12 +85,8 @@ pub struct Mount {
 
 /// The lowest `cdiVersion` that covers what `spec` uses, by the specification's changelog:
 /// 0.3.0 at least; 0.5.0 for device names that start with a digit and for device nodes whose
-/// host path differs; 0.6.0 for a class with a dot in it. Older runtimes read older versions.
-pub fn required_version(kind: &str, devices: &[SpecDevice], common: &Edits) -> &'static str {
-    let class = kind.split_once('/').map_or("", |(_, class)| class);
-    if class.contains('.') {
-        return "0.6.0";
-    }
+/// host path differs. Older runtimes read older versions; no class of ours needs 0.6.0.
+pub fn required_version(devices: &[SpecDevice], common: &Edits) -> &'static str {
     let digit_first = devices
         .iter()
         .any(|d| !d.name.starts_with(|c: char| c.is_ascii_alphabetic()));
@@ -92,26 +103,50 @@ pub fn required_version(kind: &str, devices: &[SpecDevice], common: &Edits) -> &
     }
 }
 
-/// The CDI kind for a served resource `vendor/class`: `devicelet.vendor/class`, or why it cannot
-/// be one (CDI is stricter than Kubernetes: a class starts with a letter).
+/// The CDI kind for a served resource `vendor/name`: `devicelet.<vendor>/<class>`, or why it
+/// cannot be one.
 ///
 /// Ours, not the resource name itself: a vendor's own tooling may write specs of kind
 /// `vendor/class` for the same devices (nvidia-ctk writes `nvidia.com/gpu=<uuid>`), and two
 /// specs naming one device make runtimes drop both, or shadow one.
+///
+/// The class is the name part spelled as every CDI library accepts it: letters, digits, `_` and
+/// `-`, a letter first (CDI 0.5, which podman 4.3 vendors, refuses a `.`). `_` becomes `__`,
+/// `.` becomes `_d`, and a name starting with a digit gets `n_` in front: `gpu` stays `gpu`,
+/// `gpu.shared` is `gpu_dshared`, `mig-1g.10gb` is `mig-1g_d10gb`. No two resource names get one
+/// kind: read left to right, a `_` is always followed by `_`, `d`, or (second, after the leading
+/// `n`) a digit, each from one source only.
 pub fn kind_of(resource: &str) -> Result<String, String> {
-    let Some((vendor, class)) = resource.split_once('/') else {
+    let Some((vendor, name)) = resource.split_once('/') else {
         return Err(format!("{resource:?} has no vendor domain"));
     };
     let vendor = format!("devicelet.{vendor}");
-    check_vendor_or_class("vendor", &vendor)?;
-    check_vendor_or_class("class", class)?;
+    check_vendor_or_class("vendor", &vendor, &['_', '-', '.'])?;
+    let class = class_of(name);
+    check_vendor_or_class("class", &class, &['_', '-'])?;
     Ok(format!("{vendor}/{class}"))
 }
 
-/// A vendor or class name: ASCII letters, digits, `_`, `-`, `.`; a letter first, a letter or
-/// digit last.
-fn check_vendor_or_class(what: &str, name: &str) -> Result<(), String> {
-    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+/// A resource's name part as a CDI class (see [`kind_of`]).
+fn class_of(name: &str) -> String {
+    let mut class = String::with_capacity(name.len() + 4);
+    if name.starts_with(|c: char| c.is_ascii_digit()) {
+        class.push_str("n_");
+    }
+    for c in name.chars() {
+        match c {
+            '_' => class.push_str("__"),
+            '.' => class.push_str("_d"),
+            c => class.push(c),
+        }
+    }
+    class
+}
+
+/// A vendor or class name: ASCII letters, digits and `extra`; a letter first, a letter or digit
+/// last.
+fn check_vendor_or_class(what: &str, name: &str, extra: &[char]) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || extra.contains(&c);
     if !name.starts_with(|c: char| c.is_ascii_alphabetic()) {
         return Err(format!("its CDI {what} {name:?} must start with a letter"));
     }
@@ -149,6 +184,12 @@ mod tests {
                     path: "/dev/x".into(),
                     host_path: host_path.map(Into::into),
                     permissions: None,
+                    kind: None,
+                    major: None,
+                    minor: None,
+                    file_mode: None,
+                    uid: None,
+                    gid: None,
                 }],
                 ..Edits::default()
             },
@@ -158,34 +199,50 @@ mod tests {
     #[test]
     fn the_version_is_the_lowest_that_covers_what_is_used() {
         let none = Edits::default();
+        assert_eq!(required_version(&[device("gpu0", None)], &none), "0.3.0");
+        assert_eq!(required_version(&[device("0", None)], &none), "0.5.0");
         assert_eq!(
-            required_version("a.com/x", &[device("gpu0", None)], &none),
-            "0.3.0"
-        );
-        assert_eq!(
-            required_version("a.com/x", &[device("0", None)], &none),
+            required_version(&[device("gpu0", Some("/dev/y"))], &none),
             "0.5.0"
-        );
-        assert_eq!(
-            required_version("a.com/x", &[device("gpu0", Some("/dev/y"))], &none),
-            "0.5.0"
-        );
-        assert_eq!(
-            required_version("a.com/x.shared", &[device("gpu0", None)], &none),
-            "0.6.0"
         );
     }
 
     #[test]
-    fn kinds_follow_the_cdi_grammar() {
+    fn kinds_follow_the_cdi_0_5_grammar_one_kind_per_resource() {
         assert_eq!(
             kind_of("nvidia.com/gpu").as_deref(),
             Ok("devicelet.nvidia.com/gpu")
         );
-        assert!(kind_of("devicelet.io/gpu.shared").is_ok());
-        let e = kind_of("devicelet.io/1gpu").unwrap_err();
-        assert!(e.contains("class \"1gpu\" must start with a letter"), "{e}");
+        assert_eq!(
+            kind_of("devicelet.io/gpu.shared").as_deref(),
+            Ok("devicelet.devicelet.io/gpu_dshared")
+        );
+        assert_eq!(
+            kind_of("nvidia.com/mig-1g.10gb").as_deref(),
+            Ok("devicelet.nvidia.com/mig-1g_d10gb")
+        );
+        assert_eq!(
+            kind_of("devicelet.io/1gpu").as_deref(),
+            Ok("devicelet.devicelet.io/n_1gpu")
+        );
         assert!(kind_of("fuse").is_err());
+        // Names that could collide under a careless escape each get their own class.
+        let names = [
+            "a_b", "a.b", "a__b", "a._b", "a_.b", "a_db", "a.db", "n_1", "n.1", "n1", "1", "n__1",
+            "a-b", "a_d", "a.d",
+        ];
+        let kinds: std::collections::BTreeSet<String> = names
+            .iter()
+            .map(|n| kind_of(&format!("x.io/{n}")).unwrap())
+            .collect();
+        assert_eq!(kinds.len(), names.len(), "{kinds:?}");
+        for kind in &kinds {
+            let class = kind.split_once('/').unwrap().1;
+            assert!(
+                !class.contains('.') && class.starts_with(|c: char| c.is_ascii_alphabetic()),
+                "{kind}"
+            );
+        }
     }
 
     #[test]

@@ -4,10 +4,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use super::build::View;
+use crate::device::ContainerEdits;
 use crate::kubelet::api::deviceplugin as api;
+use crate::kubelet::plugin_server::edits_to_wire;
 
 /// Which ways Allocate names a container's devices; any non-empty combination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,27 +93,34 @@ pub struct Counts {
 #[derive(Debug, Clone)]
 pub struct Naming {
     pub strategy: DeviceListStrategy,
-    /// The spec as last written; None while there is none.
+    /// The spec as last written; None while there is none (or it may not be named).
     pub view: watch::Receiver<Option<Arc<View>>>,
     /// The `cdi.k8s.io/` annotation key the resource's answers use.
     pub annotation_key: Arc<str>,
     pub counts: Arc<Counts>,
+    /// Wakes the spec writer when the file on disk is not the one it wrote.
+    pub recheck: Arc<Notify>,
 }
 
 impl Naming {
-    /// Shapes the module's `answer` for `ids` (physical device IDs, each once) per the strategy.
-    pub fn shape(
-        &self,
-        ids: &[&str],
-        answer: api::ContainerAllocateResponse,
-    ) -> api::ContainerAllocateResponse {
+    /// The kubelet's answer for the module's `answer` for `ids` (physical device IDs, each
+    /// once), shaped per the strategy: the devices named by CDI when the spec on disk, applied,
+    /// gives the container exactly what `answer` does; else `answer` itself.
+    pub fn shape(&self, ids: &[&str], answer: ContainerEdits) -> api::ContainerAllocateResponse {
         let view = self.view.borrow().clone();
-        let Some(view) = view.filter(|v| v.covers(ids, &answer)) else {
+        let view = view.filter(|v| v.covers(ids, &answer));
+        // The file is checked last and on every call: it is what the runtime will read.
+        let Some(view) = view.filter(|v| {
+            v.on_disk() || {
+                self.recheck.notify_one();
+                false
+            }
+        }) else {
             self.counts.unnamed.fetch_add(1, Ordering::Relaxed);
-            return answer;
+            return edits_to_wire(answer);
         };
         self.counts.named.fetch_add(1, Ordering::Relaxed);
-        let mut out = answer;
+        let mut out = edits_to_wire(answer);
         if !self.strategy.devices {
             out.envs.clear();
             out.mounts.clear();

@@ -1,17 +1,28 @@
 //! Keeps one resource's spec file in step with its devices: rewritten (atomically) whenever the
 //! prepared answers change, removed when the resource stops.
+//!
+//! A runtime applies whatever spec of our kind it finds, so the file is trusted only as far as
+//! we can tell it is ours:
+//! - nothing is written (and no device named) in a CDI directory that others than root and us
+//!   could change, or below one ([`crate::trust`]); Allocate then lists the module's answer;
+//! - Allocate names a device only while the file at the spec's path is the very file we wrote
+//!   (same inode, unchanged since: its ctime moves with any write, chmod or rename);
+//! - a file at our path that is not what we wrote is replaced by ours, and counted;
+//! - while another file in the directory declares our kind, no device is named (runtimes would
+//!   take both, or neither).
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::io::{Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use super::build::{self, View};
-use crate::kubelet::api::deviceplugin as api;
+use crate::device::ContainerEdits;
 use crate::kubelet::backend::DeviceBackend;
 use crate::kubelet::plugin_server::Snapshot;
 use crate::kubelet::prepared::Prepared;
@@ -19,6 +30,10 @@ use crate::kubelet::sharing::physical_id;
 
 /// Longest spec file name written as is; longer ones are named by a digest.
 const MAX_FILE_NAME: usize = 200;
+/// Largest spec file read back (ours, or another one checked for our kind).
+const MAX_SPEC: u64 = 4 << 20;
+/// How often the file and the directory are checked when nothing else wakes the writer.
+const RECHECK: Duration = Duration::from_secs(5);
 
 /// The spec file of the served resource `resource` (`vendor/class`), in `dir`:
 /// `devicelet_<vendor>_<class>.json` (a vendor domain has no `_`, so names never collide).
@@ -31,11 +46,40 @@ pub fn spec_path(dir: &Path, resource: &str) -> PathBuf {
     dir.join(format!("devicelet_{}.json", &digest[..32]))
 }
 
+/// Which file is at a path, and whether it changed: any write, chmod, chown or rename moves its
+/// ctime, which no one can set back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    dev: u64,
+    ino: u64,
+    ctime: (i64, i64),
+    size: u64,
+}
+
+impl FileId {
+    fn of(meta: &std::fs::Metadata) -> FileId {
+        FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+            size: meta.size(),
+        }
+    }
+
+    /// Whether the file at `path` is still this one (a symlink there is not).
+    pub fn is_at(&self, path: &Path) -> bool {
+        std::fs::symlink_metadata(path).is_ok_and(|m| FileId::of(&m) == *self)
+    }
+}
+
 /// Where a resource's spec stands, for status.
 #[derive(Debug, Default)]
 pub struct Written {
-    /// Why the last write failed, until one succeeds.
+    /// Why devices are not named by CDI now (the spec cannot be written, the directory is not
+    /// trusted, another spec declares our kind), until they are again.
     pub error: Mutex<Option<String>>,
+    /// Files of our kind we did not write, at our path or beside it: replaced, or refused.
+    pub foreign: AtomicU64,
 }
 
 impl Written {
@@ -62,6 +106,12 @@ pub struct SpecWriter<B> {
     pub prepared: Prepared,
     pub view: watch::Sender<Option<Arc<View>>>,
     pub written: Arc<Written>,
+    /// Wakes the writer at once: Allocate found the file on disk not as written.
+    pub recheck: Arc<Notify>,
+    /// Set once the spec names what the preparer's first round answered, or naming by CDI is
+    /// off for now: the resource registers only then, so the kubelet never checkpoints an
+    /// answer that lacks names it would have had a moment later.
+    pub settled: watch::Sender<bool>,
     /// Set when the resource goes away for good (dropped from the registry, its strategy
     /// changed): the spec is then removed. When the agent merely stops, the spec stays, since
     /// the kubelet restarts containers from the answers it checkpointed, CDI names included,
@@ -70,14 +120,26 @@ pub struct SpecWriter<B> {
     pub stop: watch::Receiver<bool>,
 }
 
-/// The file this writer put in place: its bytes, and which file it is (device and inode), so a
-/// file another writer replaced or something removed is noticed.
+/// The file this writer put in place: its bytes, and which file it is.
+#[derive(Clone)]
 struct OnDisk {
     bytes: Arc<Vec<u8>>,
-    file: (u64, u64),
+    file: FileId,
 }
 
-type Answers = BTreeMap<String, Arc<api::ContainerAllocateResponse>>;
+type Answers = BTreeMap<String, Arc<ContainerEdits>>;
+
+/// What a check of the directory and our file found.
+struct Checked {
+    /// Why nothing may be written or named there.
+    untrusted: Option<String>,
+    /// What is at our path now, when it is still what we wrote (perhaps touched).
+    ours: Option<OnDisk>,
+    /// Something is at our path that we did not write.
+    replaced: bool,
+    /// Another file declaring our kind.
+    foreign: Option<PathBuf>,
+}
 
 impl<B: DeviceBackend> SpecWriter<B> {
     /// Runs until the resource stops; removes the file then if the resource was retired.
@@ -85,62 +147,203 @@ impl<B: DeviceBackend> SpecWriter<B> {
         let mut progress = self.prepared.progress();
         let mut entries = Answers::new();
         let mut on_disk: Option<OnDisk> = None;
+        // Files beside ours already read and found not to declare our kind.
+        let known = Arc::new(Mutex::new(HashMap::<PathBuf, FileId>::new()));
+        // Foreign files already counted, so one file is counted once.
+        let mut counted: Option<PathBuf> = None;
         loop {
             // Rounds, not every answer: a round ends once every device has been asked, so a
             // start-up writes the spec once, not once per device.
-            progress.borrow_and_update();
+            let rounds = progress.borrow_and_update().rounds;
             let snapshot = self.devices.borrow_and_update().clone();
             let answers = self.prepared.current(&snapshot, self.backend.generation());
             let next = next_entries(&snapshot, &answers, self.shared, &entries);
-            let intact = match &on_disk {
-                Some(ours) => is_ours(&self.path, ours).await,
-                None => false,
-            };
-            if next != entries || !intact {
-                entries = next;
-                on_disk = self.write(&entries, on_disk, intact).await;
+            let checked = self.check(on_disk.clone(), known.clone()).await;
+            match checked.untrusted {
+                Some(why) => {
+                    self.refuse(why);
+                    on_disk = None;
+                }
+                None => {
+                    if checked.replaced {
+                        self.written.foreign.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            file = %self.path.display(),
+                            kind = self.kind,
+                            "the CDI spec at our path is not the one we wrote; writing ours over it"
+                        );
+                    }
+                    let intact = checked.ours.is_some();
+                    if next != entries || !intact {
+                        entries = next;
+                        on_disk = self.write(&entries, checked.ours).await;
+                    } else {
+                        // The same bytes, perhaps in a file touched or put back since: name
+                        // devices by the file as it is now.
+                        let moved = on_disk.as_ref().map(|o| o.file)
+                            != checked.ours.as_ref().map(|o| o.file);
+                        on_disk = checked.ours;
+                        if checked.foreign.is_none() && (moved || self.view.borrow().is_none()) {
+                            self.publish(&entries, on_disk.as_ref());
+                        }
+                    }
+                    if let Some(other) = &checked.foreign {
+                        if counted.as_ref() != Some(other) {
+                            self.written.foreign.fetch_add(1, Ordering::Relaxed);
+                            counted = Some(other.clone());
+                        }
+                        self.refuse(format!(
+                            "{} also declares kind {}: not naming devices by CDI while it is \
+                             there (runtimes would apply either, or refuse both)",
+                            other.display(),
+                            self.kind
+                        ));
+                    } else {
+                        counted = None;
+                    }
+                }
             }
-            let rounds = progress.borrow().rounds;
+            if rounds > 0 {
+                self.settled.send_replace(true);
+            }
             tokio::select! {
                 changed = progress.wait_for(|p| p.rounds != rounds) => if changed.is_err() { break },
                 changed = self.devices.changed() => if changed.is_err() { break },
+                () = self.recheck.notified() => {}
+                () = tokio::time::sleep(RECHECK) => {}
                 _ = self.stop.wait_for(|stop| *stop) => break,
             }
         }
         self.view.send_replace(None);
         if self.retired.load(Ordering::Relaxed) {
-            let path = self.path.clone();
-            let _ =
-                tokio::task::spawn_blocking(move || remove_unless_replaced(&path, on_disk)).await;
+            // Whatever is at our path goes with the resource: no one names its devices any more,
+            // and a runtime must not resolve old names to someone else's edits.
+            let (path, dir) = (self.path.clone(), self.path.parent().map(Path::to_owned));
+            let _ = tokio::task::spawn_blocking(move || {
+                if dir.is_some_and(|d| crate::trust::check_dir(&d).is_ok()) {
+                    remove(&path);
+                }
+            })
+            .await;
         }
     }
 
+    /// Makes the spec's directory if it is missing (as runtimes expect it: 0755), and says why
+    /// nothing may be written there if it cannot be trusted.
+    fn dir_trusted(&self) -> Result<(), String> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = self.path.parent().unwrap_or(Path::new("/"));
+        let made = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir);
+        if let Err(e) = made
+            && e.kind() != std::io::ErrorKind::AlreadyExists
+        {
+            return Err(format!("cannot write CDI specs in {}: {e}", dir.display()));
+        }
+        crate::trust::check_dir(dir).map_err(|e| match e {
+            crate::trust::Untrusted::Inspect { .. }
+            | crate::trust::Untrusted::NotADirectory { .. } => {
+                format!("cannot write CDI specs in {}: {e}", dir.display())
+            }
+            e => format!(
+                "not writing CDI specs in {}: {e}, so others could change what a runtime \
+                 applies; Allocate lists the devices instead ({})",
+                dir.display(),
+                e.fix()
+            ),
+        })
+    }
+
+    /// The directory's trust, what is at our path, and whether another file claims our kind.
+    async fn check(
+        &self,
+        ours: Option<OnDisk>,
+        known: Arc<Mutex<HashMap<PathBuf, FileId>>>,
+    ) -> Checked {
+        let untrusted = self.dir_trusted().err();
+        let (path, kind) = (self.path.clone(), self.kind.clone());
+        let run = move || {
+            if untrusted.is_some() {
+                return Checked {
+                    untrusted,
+                    ours: None,
+                    replaced: false,
+                    foreign: None,
+                };
+            }
+            let (ours, replaced) = match ours {
+                Some(ours) => match verify(&path, &ours) {
+                    Some(now) => (Some(now), false),
+                    None => (None, path.symlink_metadata().is_ok()),
+                },
+                None => (None, false),
+            };
+            let mut known = known.lock().unwrap_or_else(PoisonError::into_inner);
+            let foreign = foreign_spec(&path, &kind, &mut known);
+            Checked {
+                untrusted: None,
+                ours,
+                replaced,
+                foreign,
+            }
+        };
+        // The directory's check is a few stats; the rest reads files.
+        tokio::task::spawn_blocking(run)
+            .await
+            .unwrap_or_else(|e| Checked {
+                untrusted: Some(format!("checking the CDI directory failed: {e}")),
+                ours: None,
+                replaced: false,
+                foreign: None,
+            })
+    }
+
+    /// Names nothing, for `why`.
+    fn refuse(&self, why: String) {
+        if self.written.error().as_deref() != Some(why.as_str()) {
+            tracing::warn!(kind = self.kind, "{why}");
+        }
+        self.written.set_error(Some(why));
+        self.view.send_replace(None);
+    }
+
+    /// Publishes what the file on disk names, for Allocate.
+    fn publish(&self, entries: &Answers, on_disk: Option<&OnDisk>) {
+        let view = on_disk.and_then(|ours| {
+            build::build(&self.kind, entries).map(|(_, view)| view.at(&self.path, ours.file))
+        });
+        if view.is_some() {
+            self.written.set_error(None);
+        }
+        self.view.send_replace(view.map(Arc::new));
+    }
+
     /// Writes the spec for `entries` (removes ours when there are none) and publishes what the
-    /// file holds; returns what is on disk now. `intact`: `had` is still the file at the path.
-    async fn write(&self, entries: &Answers, had: Option<OnDisk>, intact: bool) -> Option<OnDisk> {
+    /// file holds; returns what is on disk now. `had`: our file, still in place.
+    async fn write(&self, entries: &Answers, had: Option<OnDisk>) -> Option<OnDisk> {
         let Some((spec, view)) = build::build(&self.kind, entries) else {
             // A spec with no devices is invalid: runtimes would report it.
             self.view.send_replace(None);
-            if let Some(ours) = had.filter(|_| intact) {
+            if had.is_some() {
                 let path = self.path.clone();
-                let _ =
-                    tokio::task::spawn_blocking(move || remove_unless_replaced(&path, Some(ours)))
-                        .await;
+                let _ = tokio::task::spawn_blocking(move || remove(&path)).await;
             }
             return None;
         };
         let text = match serde_json::to_vec_pretty(&spec) {
             Ok(text) => Arc::new(text),
             Err(e) => {
-                self.written
-                    .set_error(Some(format!("cannot encode the CDI spec: {e}")));
-                self.view.send_replace(None);
+                self.refuse(format!("cannot encode the CDI spec: {e}"));
                 return had;
             }
         };
-        if had.as_ref().is_some_and(|o| intact && o.bytes == text) {
-            self.view.send_replace(Some(Arc::new(view)));
-            return had;
+        if let Some(ours) = had.filter(|o| o.bytes == text) {
+            self.written.set_error(None);
+            self.view
+                .send_replace(Some(Arc::new(view.at(&self.path, ours.file))));
+            return Some(ours);
         }
         let path = self.path.clone();
         let to_write = text.clone();
@@ -150,35 +353,101 @@ impl<B: DeviceBackend> SpecWriter<B> {
         match result {
             Ok(file) => {
                 self.written.set_error(None);
-                self.view.send_replace(Some(Arc::new(view)));
+                self.view
+                    .send_replace(Some(Arc::new(view.at(&self.path, file))));
                 Some(OnDisk { bytes: text, file })
             }
             Err(e) => {
-                let message = format!("cannot write {}: {e}", self.path.display());
-                if self.written.error().as_deref() != Some(message.as_str()) {
-                    tracing::warn!(kind = self.kind, error = message, "CDI spec not written");
-                }
-                self.written.set_error(Some(message));
                 // What the file holds is no longer what Allocate would name: name nothing.
-                self.view.send_replace(None);
-                had
+                self.refuse(format!("cannot write {}: {e}", self.path.display()));
+                None
             }
         }
     }
 }
 
-/// Whether the file at `path` is still the one this writer put there.
-async fn is_ours(path: &Path, ours: &OnDisk) -> bool {
-    let path = path.to_owned();
-    let file = ours.file;
-    tokio::task::spawn_blocking(move || identity(&path).is_ok_and(|now| now == file))
-        .await
-        .unwrap_or(false)
+/// What is at `path` if it is what we wrote: the same file, or (touched, renamed back...) one
+/// holding exactly our bytes.
+fn verify(path: &Path, ours: &OnDisk) -> Option<OnDisk> {
+    if ours.file.is_at(path) {
+        return Some(ours.clone());
+    }
+    let (bytes, file) = read_spec(path).ok()?;
+    (bytes == *ours.bytes).then(|| OnDisk {
+        bytes: ours.bytes.clone(),
+        file,
+    })
 }
 
-fn identity(path: &Path) -> std::io::Result<(u64, u64)> {
-    let meta = std::fs::metadata(path)?;
-    Ok((meta.dev(), meta.ino()))
+/// A regular file's bytes (never through a symlink, never blocking on a FIFO), and which file
+/// they came from.
+fn read_spec(path: &Path) -> std::io::Result<(Vec<u8>, FileId)> {
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.len() > MAX_SPEC {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a regular file of a spec's size",
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    (&mut file).take(MAX_SPEC).read_to_end(&mut bytes)?;
+    Ok((bytes, FileId::of(&meta)))
+}
+
+/// Another file in our spec's directory that declares `kind`, if one does. `known` remembers the
+/// files already read that do not, so each is read again only once it changes.
+fn foreign_spec(ours: &Path, kind: &str, known: &mut HashMap<PathBuf, FileId>) -> Option<PathBuf> {
+    let dir = ours.parent()?;
+    let entries = std::fs::read_dir(dir).ok()?;
+    let mut seen = Vec::new();
+    let mut found = None;
+    for entry in entries.flatten().take(4096) {
+        let path = entry.path();
+        let spec_like = path
+            .extension()
+            .is_some_and(|e| e == "json" || e == "yaml" || e == "yml");
+        if path == ours || !spec_like {
+            continue;
+        }
+        seen.push(path.clone());
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let id = FileId::of(&meta);
+        if known.get(&path) == Some(&id) {
+            continue;
+        }
+        match read_spec(&path) {
+            Ok((bytes, _)) if declares(&bytes, kind) => {
+                found.get_or_insert(path);
+            }
+            _ => {
+                known.insert(path, id);
+            }
+        }
+    }
+    known.retain(|p, _| seen.contains(p));
+    found
+}
+
+/// Whether spec text (JSON or YAML) says `kind: <kind>`.
+fn declares(bytes: &[u8], kind: &str) -> bool {
+    if let Ok(json) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        return json.get("kind").and_then(|k| k.as_str()) == Some(kind);
+    }
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return false;
+    };
+    text.lines().any(|line| {
+        line.trim_start()
+            .strip_prefix("kind:")
+            .map(|v| v.trim().trim_matches(['"', '\'']))
+            == Some(kind)
+    })
 }
 
 /// The answer per physical device: this round's where there is one, else the one written last
@@ -186,7 +455,7 @@ fn identity(path: &Path) -> std::io::Result<(u64, u64)> {
 /// entry, so a container allocated it before can still be created).
 fn next_entries(
     snapshot: &Snapshot,
-    answers: &HashMap<String, Arc<api::ContainerAllocateResponse>>,
+    answers: &HashMap<String, Arc<ContainerEdits>>,
     shared: bool,
     last: &Answers,
 ) -> Answers {
@@ -216,12 +485,12 @@ fn next_entries(
 
 /// Temp file in the same directory, synced, world-readable (runtimes read it), renamed over the
 /// spec: a runtime never reads half a spec. The temp name does not end in `.json`, so a runtime
-/// scanning the directory meanwhile ignores it. Returns the new file's identity.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
+/// scanning the directory meanwhile ignores it. Returns the file now at the path, read back: it
+/// must hold what was written.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<FileId> {
     let dir = path
         .parent()
         .ok_or_else(|| std::io::Error::other("the spec path has no directory"))?;
-    std::fs::create_dir_all(dir)?;
     let mut file = tempfile::Builder::new()
         .prefix(".devicelet-")
         .suffix(".tmp")
@@ -230,20 +499,17 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<(u64, u64)> {
     file.as_file().sync_all()?;
     file.as_file()
         .set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    let meta = file.as_file().metadata()?;
     file.persist(path).map_err(|e| e.error)?;
-    Ok((meta.dev(), meta.ino()))
+    let (back, id) = read_spec(path)?;
+    if back != bytes {
+        return Err(std::io::Error::other(
+            "another file was put in its place as it was written",
+        ));
+    }
+    Ok(id)
 }
 
-/// Removes the spec of a resource that went away, unless another writer (a newer agent during
-/// a rolling upgrade) has replaced the file this one wrote. With none written by this writer
-/// (a spec left by an earlier run of the agent), whatever is at the path goes.
-fn remove_unless_replaced(path: &Path, ours: Option<OnDisk>) {
-    if let Some(ours) = ours
-        && identity(path).ok() != Some(ours.file)
-    {
-        return;
-    }
+fn remove(path: &Path) {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -252,8 +518,15 @@ fn remove_unless_replaced(path: &Path, ours: Option<OnDisk>) {
 }
 
 /// Removes the `devicelet_*.json` specs in `dir` that are not in `keep`: left by resources that
-/// went away while the agent was not running. Called once at start, after every module loaded.
+/// went away, or stopped using CDI, while the agent was not running. Called once at start,
+/// after every module loaded; nothing is touched in a directory others could change.
 pub fn remove_stale(dir: &Path, keep: &[PathBuf]) {
+    if let Err(e) = crate::trust::check_dir(dir) {
+        if !matches!(e, crate::trust::Untrusted::Inspect { .. }) {
+            tracing::warn!("not cleaning up CDI specs in {}: {e}", dir.display());
+        }
+        return;
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -291,26 +564,54 @@ mod tests {
     }
 
     #[test]
-    fn a_write_replaces_the_file_whole_and_removal_spares_a_newer_writer() {
+    fn a_file_is_ours_only_while_unchanged() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("cdi/devicelet_a.com_x.json");
+        std::fs::create_dir(path.parent().unwrap()).unwrap();
         let first = write_atomically(&path, b"same").unwrap();
-        let ours = |file| OnDisk {
-            bytes: Arc::new(b"same".to_vec()),
-            file,
-        };
-        // Another writer puts identical bytes in place: a different file all the same.
-        let newer = write_atomically(&path, b"same").unwrap();
-        assert_ne!(first, newer);
+        assert!(first.is_at(&path));
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names.len(), 1, "no temp file left: {names:?}");
-        remove_unless_replaced(&path, Some(ours(first)));
-        assert!(path.exists(), "the newer writer's spec stays");
-        remove_unless_replaced(&path, Some(ours(newer)));
-        assert!(!path.exists());
+        let ours = OnDisk {
+            bytes: Arc::new(b"same".to_vec()),
+            file: first,
+        };
+        // Replaced by other bytes: not ours.
+        std::fs::write(path.with_extension("new"), b"theirs").unwrap();
+        std::fs::rename(path.with_extension("new"), &path).unwrap();
+        assert!(!first.is_at(&path));
+        assert!(verify(&path, &ours).is_none());
+        // The same bytes in another file: ours again, under its new identity.
+        std::fs::write(path.with_extension("new"), b"same").unwrap();
+        std::fs::rename(path.with_extension("new"), &path).unwrap();
+        let again = verify(&path, &ours).expect("our bytes");
+        assert!(again.file.is_at(&path) && again.file != first);
+        // Changed in place: its ctime moved.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(!again.file.is_at(&path));
+    }
+
+    #[test]
+    fn another_file_of_our_kind_is_found_json_or_yaml() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = dir.path().join("devicelet_a.com_x.json");
+        std::fs::write(&ours, r#"{"kind":"devicelet.a.com/x"}"#).unwrap();
+        let other = dir.path().join("other.json");
+        std::fs::write(&other, r#"{"kind":"devicelet.a.com/xy"}"#).unwrap();
+        let mut known = HashMap::new();
+        assert_eq!(foreign_spec(&ours, "devicelet.a.com/x", &mut known), None);
+        assert_eq!(known.len(), 1, "remembered as not ours");
+        let yaml = dir.path().join("evil.yaml");
+        std::fs::write(&yaml, "cdiVersion: 0.3.0\nkind: \"devicelet.a.com/x\"\n").unwrap();
+        assert_eq!(
+            foreign_spec(&ours, "devicelet.a.com/x", &mut known),
+            Some(yaml.clone())
+        );
+        std::fs::remove_file(&yaml).unwrap();
+        assert_eq!(foreign_spec(&ours, "devicelet.a.com/x", &mut known), None);
     }
 
     #[test]

@@ -87,7 +87,13 @@ fn render(status: &Status) -> String {
                 c.unnamed
             );
             if let Some(e) = &c.error {
-                out += &format!("  CDI spec not written: {e}\n");
+                out += &format!("  CDI names not given: {e}\n");
+            }
+            if c.foreign > 0 {
+                out += &format!(
+                    "  CDI: {} spec file(s) of its kind found that the agent did not write\n",
+                    c.foreign
+                );
             }
         }
     }
@@ -182,6 +188,7 @@ mod tests {
                     named: 5,
                     unnamed: 1,
                     error: Some("cannot write it: read-only file system".into()),
+                    foreign: 1,
                 }),
             }],
             load_errors: Vec::new(),
@@ -203,8 +210,9 @@ mod tests {
         assert!(
             text.contains(
                 "  CDI (cdi-cri): /var/run/cdi/devicelet_ex.com_gpu.shared.json with 2 devices; 5 \
-                 containers named by CDI, 1 given the module's answer itself\n  CDI spec not \
-                 written: cannot write it: read-only file system\n"
+                 containers named by CDI, 1 given the module's answer itself\n  CDI names not \
+                 given: cannot write it: read-only file system\n  CDI: 1 spec file(s) of its \
+                 kind found that the agent did not write\n"
             ),
             "{text}"
         );

@@ -172,6 +172,13 @@ fn describe_cdi(
         crate::cdi::spec_path(dir, resource).display(),
         crate::cdi::annotation_key(resource)
     );
+    if !strategy.devices {
+        println!(
+            "    warning: only CDI names the devices; containerd before 1.7 ignores CDI names \
+             without a word and starts the container with no device: list \"devices\" too \
+             unless every node's runtime applies CDI"
+        );
+    }
     Ok(Some(kind))
 }
 
@@ -192,10 +199,7 @@ async fn print_cdi_spec(
         }
         match backend.allocate(resource, vec![d.id.clone()]).await {
             Ok(edits) => {
-                answers.insert(
-                    id.to_owned(),
-                    std::sync::Arc::new(crate::kubelet::plugin_server::edits_to_wire(edits)),
-                );
+                answers.insert(id.to_owned(), std::sync::Arc::new(edits));
             }
             Err(e) => failed.push(format!("{id}: {e}")),
         }

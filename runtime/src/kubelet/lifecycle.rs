@@ -39,6 +39,10 @@ pub struct Lifecycle<B> {
     pub kubelet_events: watch::Receiver<u64>,
     /// Flips once the first snapshot is in: nothing is served or registered before.
     pub ready: watch::Receiver<bool>,
+    /// For a resource whose devices are named by CDI: flips once its spec names what was first
+    /// prepared (or naming is off for now). Registering waits for it, so that no answer the
+    /// kubelet checkpoints lacks the names it would have had a moment later.
+    pub cdi_settled: Option<watch::Receiver<bool>>,
     pub stop: watch::Receiver<bool>,
     /// Counts successful registrations, for status and tests.
     pub registrations: watch::Sender<u32>,
@@ -128,6 +132,12 @@ impl<B: DeviceBackend> Lifecycle<B> {
         tokio::select! {
             _ = ready.wait_for(|r| *r) => {}
             _ = self.stop.wait_for(|s| *s) => return,
+        }
+        if let Some(mut settled) = self.cdi_settled.take() {
+            tokio::select! {
+                _ = settled.wait_for(|s| *s) => {}
+                _ = self.stop.wait_for(|s| *s) => return,
+            }
         }
         let mut bind_failures = 0u32;
         let mut refusals = 0u32;

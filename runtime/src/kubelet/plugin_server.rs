@@ -183,7 +183,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
     }
 
     /// The answer prepared for a lone device exactly as the snapshot lists it now.
-    fn prepared_answer(&self, ids: &[String]) -> Option<api::ContainerAllocateResponse> {
+    fn prepared_answer(&self, ids: &[String]) -> Option<ContainerEdits> {
         let [id] = ids else { return None };
         let snapshot = self.devices.borrow().clone();
         self.prepared
@@ -359,16 +359,15 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         for c in &requests {
             let answer = match self.prepared_answer(&c.devices_ids) {
                 Some(answer) => answer,
-                None => edits_to_wire(
-                    self.backend
-                        .allocate(&self.local, c.devices_ids.clone())
-                        .await
-                        .map_err(status)?,
-                ),
+                None => self
+                    .backend
+                    .allocate(&self.local, c.devices_ids.clone())
+                    .await
+                    .map_err(status)?,
             };
             container_responses.push(match &self.cdi {
                 Some(naming) => naming.shape(&self.physical(&c.devices_ids), answer),
-                None => answer,
+                None => edits_to_wire(answer),
             });
         }
         // Only what the kubelet is told succeeded goes into the ledger: a request that fails

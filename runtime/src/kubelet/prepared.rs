@@ -19,10 +19,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{Notify, watch};
 
-use super::api::deviceplugin as api;
 use super::backend::{BackendError, DeviceBackend};
-use super::plugin_server::{Snapshot, edits_to_wire, find};
-use crate::device::{Device, Health};
+use super::plugin_server::{Snapshot, find};
+use crate::device::{ContainerEdits, Device, Health};
 
 /// One resource's prepared answers, shared by its preparer and its server.
 #[derive(Clone)]
@@ -60,7 +59,7 @@ struct Entry {
 
 enum Kept {
     /// Shared with the CDI spec writer, which takes every answer each round.
-    Answer(Arc<api::ContainerAllocateResponse>),
+    Answer(Arc<ContainerEdits>),
     /// The module answered with an error: not asked again until the device or the module
     /// changes.
     Failed,
@@ -91,11 +90,7 @@ impl Prepared {
     }
 
     /// The answer prepared for `device` exactly as it is now, from the backend of `generation`.
-    pub fn answer(
-        &self,
-        device: &Device,
-        generation: u64,
-    ) -> Option<api::ContainerAllocateResponse> {
+    pub fn answer(&self, device: &Device, generation: u64) -> Option<ContainerEdits> {
         let answer = {
             let answers = self.lock();
             let entry = answers.by_id.get(&device.id)?;
@@ -115,7 +110,7 @@ impl Prepared {
         &self,
         snapshot: &[Device],
         generation: u64,
-    ) -> HashMap<String, Arc<api::ContainerAllocateResponse>> {
+    ) -> HashMap<String, Arc<ContainerEdits>> {
         let answers = self.lock();
         answers
             .by_id
@@ -209,7 +204,7 @@ impl Prepared {
         resource: &str,
         device: Device,
         generation: u64,
-        answer: Option<api::ContainerAllocateResponse>,
+        answer: Option<ContainerEdits>,
         current: &[Device],
     ) {
         let still = find(current, &device.id).is_some_and(|d| *d == device);
@@ -250,24 +245,28 @@ impl Prepared {
     }
 }
 
-/// Bytes an answer holds while kept: the message and every string in it.
-fn cost(a: &api::ContainerAllocateResponse) -> usize {
-    let pairs = |m: &HashMap<String, String>| {
+/// Bytes an answer holds while kept: the edits and every string in them.
+fn cost(a: &ContainerEdits) -> usize {
+    let pairs = |m: &[(String, String)]| {
         m.iter()
             .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
             .sum::<usize>()
     };
-    std::mem::size_of::<api::ContainerAllocateResponse>()
+    std::mem::size_of::<ContainerEdits>()
         + pairs(&a.envs)
         + pairs(&a.annotations)
         + a.mounts
             .iter()
-            .map(|m| std::mem::size_of::<api::Mount>() + m.container_path.len() + m.host_path.len())
+            .map(|m| {
+                std::mem::size_of::<crate::device::Mount>()
+                    + m.container_path.len()
+                    + m.host_path.len()
+            })
             .sum::<usize>()
         + a.devices
             .iter()
             .map(|d| {
-                std::mem::size_of::<api::DeviceSpec>()
+                std::mem::size_of::<crate::device::DeviceNode>()
                     + d.container_path.len()
                     + d.host_path.len()
                     + d.permissions.len()
@@ -275,7 +274,7 @@ fn cost(a: &api::ContainerAllocateResponse) -> usize {
             .sum::<usize>()
         + a.cdi_devices
             .iter()
-            .map(|c| std::mem::size_of::<api::CdiDevice>() + c.name.len())
+            .map(|c| std::mem::size_of::<String>() + c.len())
             .sum::<usize>()
 }
 
@@ -302,7 +301,7 @@ pub async fn prepare_answers<B: DeviceBackend>(
                 _ = stop.wait_for(|s| *s) => return,
             };
             let answer = match asked {
-                Ok(edits) => Some(edits_to_wire(edits)),
+                Ok(edits) => Some(edits),
                 Err(BackendError::Failed(_) | BackendError::Invalid(_)) => None,
                 // Down for now, the call not run (restarting after a crash): try again after the
                 // next enumeration.
@@ -466,7 +465,8 @@ mod tests {
         fn env(&self, d: &Device, generation: u64) -> Option<String> {
             self.prepared
                 .answer(d, generation)
-                .map(|a| a.envs["DEV"].clone())
+                .and_then(|a| a.envs.into_iter().find(|(k, _)| k == "DEV"))
+                .map(|(_, v)| v)
         }
     }
 
@@ -574,10 +574,10 @@ mod tests {
 
     #[tokio::test]
     async fn answers_past_the_budget_are_not_kept() {
-        let one = cost(&edits_to_wire(ContainerEdits {
+        let one = cost(&ContainerEdits {
             envs: vec![("DEV".into(), "d0@0".into())],
             ..ContainerEdits::default()
-        }));
+        });
         let fake = Fake::new(one * 2 + one / 2);
         let devices: Vec<Device> = (0..4)
             .map(|i| device(&format!("d{i}"), Health::Healthy, "40C"))

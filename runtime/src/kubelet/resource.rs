@@ -298,10 +298,14 @@ pub fn serve<B: DeviceBackend>(
     }
 
     let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut settled = None;
     let cdi = kind.map(|kind| {
         let (view_tx, view) = watch::channel(None);
+        let (settled_tx, settled_rx) = watch::channel(false);
+        settled = Some(settled_rx);
         let path = cdi::spec_path(at.cdi_dir, &name);
         let written = Arc::new(Written::default());
+        let recheck = Arc::new(Notify::new());
         tasks.push(tokio::spawn(
             SpecWriter {
                 backend: backend.clone(),
@@ -312,6 +316,8 @@ pub fn serve<B: DeviceBackend>(
                 prepared: prepared.clone(),
                 view: view_tx,
                 written: written.clone(),
+                recheck: recheck.clone(),
+                settled: settled_tx,
                 retired: retired.clone(),
                 stop: stop.clone(),
             }
@@ -324,6 +330,7 @@ pub fn serve<B: DeviceBackend>(
                 view,
                 annotation_key: cdi::annotation_key(&name).into(),
                 counts: Arc::default(),
+                recheck,
             },
             written,
         }
@@ -357,6 +364,7 @@ pub fn serve<B: DeviceBackend>(
             plugin,
             kubelet_events: at.kubelet_events.clone(),
             ready: ready.clone(),
+            cdi_settled: settled,
             stop,
             registrations: registrations_tx,
             route: at.route.clone(),

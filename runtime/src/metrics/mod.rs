@@ -297,6 +297,40 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
     for (name, help, f) in resource_counters {
         counters(registry, name, help, by_resource(f));
     }
+    let with_cdi = |f: &dyn Fn(&crate::agent::status::CdiStatus) -> u64| {
+        by_resource(&|r| r.cdi.as_ref().map_or(0, f))
+            .into_iter()
+            .zip(&status.resources)
+            .filter(|(_, r)| r.cdi.is_some())
+            .map(|(v, _)| v)
+            .collect::<Vec<_>>()
+    };
+    gauges(
+        registry,
+        "resource_cdi_naming",
+        "For a resource with a CDI strategy: 1 while Allocate may name its devices by CDI, 0 while it lists them instead (the spec cannot be written, its directory is not trusted, another spec declares its kind; `devicelet status` says why)",
+        with_cdi(&|c| u64::from(c.error.is_none())),
+    );
+    let cdi_counters: [Figure<crate::agent::status::CdiStatus>; 3] = [
+        (
+            "resource_cdi_named",
+            "Containers whose devices Allocate named by CDI",
+            &|c| c.named,
+        ),
+        (
+            "resource_cdi_unnamed",
+            "Containers of a CDI resource given the module's answer itself",
+            &|c| c.unnamed,
+        ),
+        (
+            "resource_cdi_foreign_specs",
+            "Spec files of the resource's CDI kind the agent did not write (replaced, or refused)",
+            &|c| c.foreign,
+        ),
+    ];
+    for (name, help, f) in cdi_counters {
+        counters(registry, name, help, with_cdi(f));
+    }
 
     let by_module = |f: &dyn Fn(&ModuleStatus) -> u64| {
         status

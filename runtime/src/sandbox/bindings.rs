@@ -129,6 +129,7 @@ impl From<wit::ContainerEdits> for ContainerEdits {
                     container_path: d.container_path,
                     host_path: d.host_path,
                     permissions: d.permissions,
+                    file: None,
                 })
                 .collect(),
             annotations: e.annotations,

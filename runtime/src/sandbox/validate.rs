@@ -8,11 +8,11 @@ use std::collections::HashSet;
 
 use std::path::Path;
 
-use cap_std::fs::FileTypeExt;
+use cap_std::fs::{FileTypeExt, MetadataExt};
 
 use super::host::paths::{granted, granted_exactly, real_path, real_path_and_metadata};
 use crate::config::Grants;
-use crate::device::{ContainerEdits, Device};
+use crate::device::{ContainerEdits, Device, NodeFile, NodeKind};
 
 pub use crate::device::{MAX_DEVICES, MAX_ID};
 const MAX_NUMA_NODES: usize = 64;
@@ -305,12 +305,24 @@ pub fn resolve_edits(
             ));
         }
         let kind = meta.file_type();
-        if !(kind.is_char_device() || kind.is_block_device()) {
+        let kind = if kind.is_char_device() {
+            NodeKind::Char
+        } else if kind.is_block_device() {
+            NodeKind::Block
+        } else {
             return Err(format!(
                 "device node {:?} is not a character or block device",
                 truncate(&d.host_path)
             ));
-        }
+        };
+        d.file = Some(NodeFile {
+            kind,
+            major: u64::from(libc::major(meta.rdev())),
+            minor: u64::from(libc::minor(meta.rdev())),
+            mode: meta.mode() & 0o7777,
+            uid: meta.uid(),
+            gid: meta.gid(),
+        });
         d.host_path = real;
     }
     for m in &mut edits.mounts {
@@ -436,6 +448,7 @@ mod tests {
                 container_path: p.into(),
                 host_path: p.into(),
                 permissions: "rw".into(),
+                file: None,
             }],
             ..Default::default()
         };

@@ -34,7 +34,9 @@
 //! - `"error"`: return `PluginError::Failed("requested failure")`;
 //! - `"memory"`: allocate and touch 1 MiB blocks, keeping them all, until allocation fails
 //!   (which traps); meant for `allocate`, accepted for every call;
-//! - `"unhealthy"`: like `"ok"`, but enumerate reports every device Unhealthy.
+//! - `"unhealthy"`: like `"ok"`, but enumerate reports every device Unhealthy;
+//! - `"slow"`: spin for 300 ms (by the monotonic clock), then behave like `"ok"`: a call that
+//!   takes its time but finishes well inside its deadline.
 //!
 //! Setting `prestart` or `preferred` at all (to any mode, `"ok"` included) makes the resource ask
 //! the kubelet for the call (`ResourceInfo::prestart` / `preferred_allocation`); leaving the key
@@ -66,6 +68,7 @@ enum Mode {
     Error,
     Memory,
     Unhealthy,
+    Slow,
 }
 
 #[derive(Debug, Deserialize)]
@@ -115,6 +118,13 @@ fn misbehave(call: &str, mode: Mode) -> Result<(), PluginError> {
         Mode::Trap => panic!("misbehaving: {call} traps as configured"),
         Mode::Loop => spin(),
         Mode::Memory => memory_bomb(),
+        Mode::Slow => {
+            let started = std::time::Instant::now();
+            while started.elapsed() < std::time::Duration::from_millis(300) {
+                std::hint::spin_loop();
+            }
+            Ok(())
+        }
     }
 }
 
