@@ -9,7 +9,7 @@
 //!   at most [`MAX_SEND_BUFFER`] plus the one message each is sending, a listener serves at most
 //!   `max_connections` at once (one more is closed at once), and a connection whose client stops
 //!   reading stops answering the server's pings and is closed within [`KEEPALIVE`] plus
-//!   [`KEEPALIVE_TIMEOUT`].
+//!   [`KEEPALIVE_TIMEOUT`]; one that sends nothing at all is closed after [`SILENCE`].
 //!
 //! It is tonic's own `Server::serve_with_incoming_shutdown`, written out over hyper's HTTP/2
 //! builder because tonic does not expose the per-stream send buffer.
@@ -17,11 +17,14 @@
 use std::future::Future;
 use std::io;
 use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_stream::{Stream, StreamExt};
@@ -42,6 +45,55 @@ pub const MAX_PLUGIN_CONNECTIONS: usize = 8;
 /// closes the connection: a client that stopped reading cannot hold what it left pending.
 pub const KEEPALIVE: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long a new connection may say nothing before it is closed: a client that connects and
+/// sends no bytes cannot hold a place (the kubelet starts talking at once).
+pub const SILENCE: Duration = Duration::from_secs(10);
+
+/// A connection that notes when it first receives bytes.
+struct Heard<S> {
+    inner: S,
+    heard: Arc<AtomicBool>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Heard<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        read
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Heard<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
 
 /// Serves `routes` on the connections of `incoming`, at most `max_connections` at once, until
 /// `shutdown`; then stops accepting, asks every connection to finish (HTTP/2 GOAWAY: requests in
@@ -77,7 +129,9 @@ pub async fn serve<I, IO>(
                 None => break,
                 Some(Ok(io)) => io,
                 Some(Err(e)) => {
-                    tracing::debug!("accepting a connection: {e}");
+                    // Out of file descriptors, say: don't spin on it.
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             };
@@ -85,13 +139,25 @@ pub async fn serve<I, IO>(
                 tracing::debug!("{max_connections} connections open: closing a new one");
                 continue;
             }
-            let io = TokioIo::new(Rewritten::server(io, LOCALHOST));
-            let connection = http.serve_connection(io, service.clone());
+            let heard = Arc::new(AtomicBool::new(false));
+            let io = Heard {
+                inner: Rewritten::server(io, LOCALHOST),
+                heard: heard.clone(),
+            };
+            let connection = http.serve_connection(TokioIo::new(io), service.clone());
             let mut stopping = stopping.clone();
             connections.spawn(async move {
                 let mut connection = pin!(connection);
+                let silent = async {
+                    tokio::time::sleep(SILENCE).await;
+                    if heard.load(Ordering::Relaxed) {
+                        std::future::pending::<()>().await;
+                    }
+                };
                 tokio::select! {
                     _ = connection.as_mut() => return,
+                    // It holds a place and says nothing: make room.
+                    () = silent => return,
                     _ = stopping.wait_for(|s| *s) => {}
                 }
                 connection.as_mut().graceful_shutdown();
@@ -295,6 +361,31 @@ mod tests {
         assert!(answered(&mut held[0]).await);
     }
 
+    /// Eight connections that never say a word would hold every place the kubelet has: each is
+    /// closed after [`SILENCE`], and a talking one never is.
+    #[tokio::test]
+    async fn a_connection_that_says_nothing_is_closed() {
+        let (_dir, path, _) = start(8);
+        let mut silent = UnixStream::connect(&path).await.unwrap();
+        let mut talking = UnixStream::connect(&path).await.unwrap();
+        talking.write_all(&opening()).await.unwrap();
+        // The server's own SETTINGS come first; then, at the end of the silence, the end.
+        let mut got = Vec::new();
+        tokio::time::timeout(SILENCE * 3, silent.read_to_end(&mut got))
+            .await
+            .expect("closed")
+            .unwrap();
+        let mut out = Vec::new();
+        call(
+            &mut out,
+            1,
+            "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+            None,
+        );
+        talking.write_all(&out).await.unwrap();
+        assert!(answered(&mut talking).await, "the talking one is served");
+    }
+
     /// The attack: one connection, huge flow-control windows, 64 ListAndWatch streams whose
     /// responses are never read. The server takes at most [`MAX_STREAMS`] of them and produces,
     /// per stream, only what its send buffer holds.
@@ -314,11 +405,12 @@ mod tests {
         conn.write_all(&out).await.unwrap();
         // Production stops once every buffer is full; without the bounds it runs on into the
         // hundreds of megabytes within that time.
-        let mut last = usize::MAX;
-        for _ in 0..200 {
+        let (mut last, mut still) = (usize::MAX, 0);
+        for _ in 0..400 {
             tokio::time::sleep(Duration::from_millis(50)).await;
             let now = plugin.snapshots.load(Ordering::SeqCst);
-            if now == last {
+            still = if now == last { still + 1 } else { 0 };
+            if still == 4 {
                 break;
             }
             last = now;

@@ -75,20 +75,37 @@ pub fn is_ours_or_root(uid: u32) -> bool {
 /// owned by root or us and writable by nobody else (sticky or not), and so is every directory
 /// above it, except that those may be sticky and writable by all.
 pub fn check_dir(dir: &Path) -> Result<(), Untrusted> {
+    let (path, owner) = check_dir_of_anyone(dir)?;
+    if !is_ours_or_root(owner) {
+        return Err(Untrusted::Owner {
+            path,
+            owner,
+            uid: euid(),
+        });
+    }
+    Ok(())
+}
+
+/// As [`check_dir`], but `dir` itself may belong to anyone (it must still be writable by its
+/// owner alone); returns its owner. Only that owner and root can then put anything in it: how
+/// `devicelet status`, run as root, tells an agent running as another user from an impostor.
+pub fn check_dir_of_anyone(dir: &Path) -> Result<(PathBuf, u32), Untrusted> {
     let dir = std::path::absolute(dir).map_err(inspect(dir))?;
     let real = std::fs::canonicalize(&dir).map_err(inspect(&dir))?;
     let meta = std::fs::metadata(&real).map_err(inspect(&real))?;
     if !meta.is_dir() {
         return Err(Untrusted::NotADirectory { path: dir });
     }
-    check_entry(&real, &meta, false)?;
-    check_above(&dir)?;
-    if real != dir {
-        check_above(&real)?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(Untrusted::Writable { path: real, mode });
     }
-    Ok(())
+    // Every directory the path passes through, as written and hop by hop through its symlinks,
+    // and every directory above where it leads.
+    walk(&dir, 0)?;
+    check_above(&real)?;
+    Ok((real, meta.uid()))
 }
-
 /// Creates `dir` (and what is missing above it) 0700 when it does not exist, then requires it to
 /// be ours, private and trusted ([`check_dir`]). One readable by others but writable by nobody
 /// else has its mode narrowed to 0700: only we could have put anything in it.
@@ -131,14 +148,43 @@ pub fn private_dir(dir: &Path) -> Result<(), Untrusted> {
     Ok(())
 }
 
-/// Every directory strictly above `path` (absolute), as written: a symlink on the way is not
-/// checked itself (its mode means nothing) but the directory holding it is.
+/// Most symlinks followed on one path, as the kernel's own limit.
+const MAX_HOPS: usize = 40;
+
+/// The directories above `path` (absolute) as written, and for each symlink on the way (`path`
+/// itself included) its owner and, recursively, the directories its target passes through: a
+/// symlink can be pointed elsewhere by whoever owns it or can write the directory holding it.
+fn walk(path: &Path, hops: usize) -> Result<(), Untrusted> {
+    for at in path.ancestors() {
+        let meta = std::fs::symlink_metadata(at).map_err(inspect(at))?;
+        if meta.file_type().is_symlink() {
+            if hops >= MAX_HOPS {
+                return Err(Untrusted::Inspect {
+                    path: at.to_owned(),
+                    source: io::Error::other("too many levels of symbolic links"),
+                });
+            }
+            if !is_ours_or_root(meta.uid()) {
+                return Err(Untrusted::Owner {
+                    path: at.to_owned(),
+                    owner: meta.uid(),
+                    uid: euid(),
+                });
+            }
+            let target = std::fs::read_link(at).map_err(inspect(at))?;
+            let base = at.parent().unwrap_or(Path::new("/"));
+            walk(&base.join(target), hops + 1)?;
+        } else if at != path {
+            check_entry(at, &meta, true)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every directory strictly above `path` (absolute, resolved).
 fn check_above(path: &Path) -> Result<(), Untrusted> {
     for dir in path.ancestors().skip(1) {
         let meta = std::fs::symlink_metadata(dir).map_err(inspect(dir))?;
-        if meta.file_type().is_symlink() {
-            continue;
-        }
         check_entry(dir, &meta, true)?;
     }
     Ok(())
@@ -224,6 +270,33 @@ mod tests {
         assert_eq!(check_dir(&swappable).unwrap_err().path(), open);
         mode(&open, 0o755);
         check_dir(&inner).unwrap();
+    }
+
+    #[test]
+    fn every_hop_of_a_symlink_chain_is_checked() {
+        // /safe/l1 -> /open/l2 -> /safe/state: the resolved path and the path as written are
+        // both trusted, but /open, which holds the second link, is not.
+        let tmp = tempfile::tempdir().unwrap();
+        let (safe, open) = (tmp.path().join("safe"), tmp.path().join("open"));
+        std::fs::create_dir_all(safe.join("state")).unwrap();
+        std::fs::create_dir(&open).unwrap();
+        mode(&open, 0o777);
+        std::os::unix::fs::symlink(safe.join("state"), open.join("l2")).unwrap();
+        std::os::unix::fs::symlink(open.join("l2"), safe.join("l1")).unwrap();
+        assert_eq!(check_dir(&safe.join("l1")).unwrap_err().path(), open);
+        mode(&open, 0o755);
+        check_dir(&safe.join("l1")).unwrap();
+        if euid() == 0 {
+            // A link another user owns can be pointed elsewhere by them (in a sticky directory
+            // they may even replace it).
+            let theirs = safe.join("theirs");
+            std::os::unix::fs::symlink(safe.join("state"), &theirs).unwrap();
+            std::os::unix::fs::lchown(&theirs, Some(65534), None).unwrap();
+            assert!(matches!(
+                check_dir(&theirs),
+                Err(Untrusted::Owner { owner: 65534, .. })
+            ));
+        }
     }
 
     #[test]

@@ -830,3 +830,31 @@ async fn a_spec_of_a_resource_no_longer_named_by_cdi_goes_at_start() {
     assert!(!path.exists(), "removed at start");
     agent.shutdown().await;
 }
+
+/// A device node whose mode changes after its answer was prepared (a driver reloaded, udev
+/// rules applied): the spec does not keep giving containers the old mode. Its answer is asked
+/// again and the spec rewritten with the node as it is now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_node_that_changes_is_not_named_with_its_old_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let host = node.tree.path("/dev/ttyUSB0");
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o660)).expect("chmod");
+    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
+    let spec = spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let mode = |spec: &serde_json::Value| {
+        spec["devices"][0]["containerEdits"]["deviceNodes"][0]["fileMode"].as_u64()
+    };
+    assert_eq!(mode(&spec), Some(0o660));
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    eventually("the spec to give the node's new mode", || {
+        std::fs::read(spec_path(&node, "devicelet.io/serial"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .is_some_and(|spec| mode(&spec) == Some(0o666))
+    })
+    .await;
+    agent.shutdown().await;
+}

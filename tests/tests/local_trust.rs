@@ -5,6 +5,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 
 use devicelet::agent::status;
 use devicelet::agent::{Agent, AgentOptions};
@@ -166,6 +167,106 @@ async fn a_cache_another_user_can_swap_is_never_loaded_from() {
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
     let names: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
     assert_eq!(names, ["devicelet.io/fuse10"]);
+    agent.shutdown().await;
+}
+
+/// The cache in use, and its path exchanged thousands of times with a directory holding another
+/// module's code filed under this module's key, owned by root like the real entries and with a
+/// matching digest, while registry edits make the agent load the module again and again (only
+/// root could do this to a trusted cache; it stands for any way the path might change under the
+/// agent). Every load comes from the directory the agent opened: the other code never runs, and
+/// nothing is written into the other directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_whose_path_is_swapped_while_in_use_loads_only_from_what_it_opened() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    // Not beside the registry: the agent watches that directory, and a storm of renames there
+    // would only delay the edits.
+    let cache = node.dir.path().join("c/cache");
+    let planted = node.dir.path().join("c/planted");
+    {
+        let engine = devicelet::sandbox::engine::new_engine().expect("engine");
+        let compiler = devicelet::sandbox::cache::CompileCache::open(&planted).expect("cache");
+        let hostile = std::fs::read(module_dir().join("hostile.wasm")).expect("hostile.wasm");
+        let generic = std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic");
+        let digest = devicelet::digest::sha256_hex(&generic);
+        compiler
+            .load(&engine, &hostile, &digest)
+            .expect("compiling the hostile module");
+    }
+    let listing = |dir: &Path| -> Vec<(String, Vec<u8>)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .expect("a directory")
+            .map(|e| {
+                let e = e.expect("an entry");
+                let bytes = std::fs::read(e.path()).expect("a file");
+                (e.file_name().to_string_lossy().into_owned(), bytes)
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let before = listing(&planted);
+
+    let cache_dir = cache.clone();
+    let agent = start(&node, &fuse("fuse0"), |o| o.cache_dir = Some(cache_dir)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse0", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("served");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = {
+        let (stop, a, b) = (stop.clone(), cache.clone(), planted.clone());
+        std::thread::spawn(move || {
+            let a = std::ffi::CString::new(a.to_str().expect("utf-8")).expect("no NUL");
+            let b = std::ffi::CString::new(b.to_str().expect("utf-8")).expect("no NUL");
+            let mut swaps = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // SAFETY: two valid NUL-terminated paths.
+                let done = unsafe {
+                    libc::renameat2(
+                        libc::AT_FDCWD,
+                        a.as_ptr(),
+                        libc::AT_FDCWD,
+                        b.as_ptr(),
+                        libc::RENAME_EXCHANGE,
+                    )
+                };
+                swaps += u64::from(done == 0);
+            }
+            swaps
+        })
+    };
+    for i in 1..=10 {
+        let name = format!("fuse{i}");
+        node.registry(&fuse(&name));
+        node.kubelet
+            .wait_until(&format!("devicelet.io/{name}"), WAIT, |r| {
+                r.allocatable == 2
+            })
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "the edited module, loaded again, does not serve: {e}; {:?} {:?}",
+                    agent.load_errors(),
+                    agent.reload_error()
+                )
+            });
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let swaps = swapper.join().expect("the swapper");
+    assert!(swaps >= 2000, "only {swaps} exchanges were made");
+    let stats = agent.cache_stats().expect("the cache is used");
+    assert!(stats.hits >= 10, "{stats:?}");
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    let names: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
+    assert_eq!(names, ["devicelet.io/fuse10"]);
+    // Whichever path it ends at, the planted directory is as it was.
+    let (now_planted, now_cache) = (listing(&planted), listing(&cache));
+    assert!(
+        now_planted == before || now_cache == before,
+        "the other directory was written to"
+    );
     agent.shutdown().await;
 }
 

@@ -177,8 +177,8 @@ pub fn method() -> Vec<String> {
          memory: one agent on the kubelet.sock route, one on the plugin-watcher route (its socket \
          in the simulator's watched `plugins_registry`, registered by the simulator's watcher); \
          tonic's client on each resource's socket (on the plugin-watcher route the registration \
-         socket itself, every connection through the `:authority` rewriter), 1000 warm-up calls \
-         each, then alternating batches of 500. The scrape row: generic-dev copied as 10 modules \
+         socket itself; on both, every connection through the `:authority` rewriter, as on every \
+         socket of the agent), 1000 warm-up calls each, then alternating batches of 500. The scrape row: generic-dev copied as 10 modules \
          of one resource each, `--metrics-addr` on 127.0.0.1; each sample opens a TCP \
          connection, sends `GET /metrics` and reads the answer to the end (the endpoint closes \
          the connection after one request), after 100 warm-up scrapes.",

@@ -155,7 +155,7 @@ pub fn serve_all(
 ) -> (RunningModule, Vec<String>) {
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
     let slot = Swappable::new(handle);
-    let resources = serve_planned(&slot, spec, &planned, at, &mut errors);
+    let resources = serve_planned(&slot, spec, host_root, &planned, at, &mut errors);
     (running(spec, host_root, slot, resources), errors)
 }
 
@@ -204,7 +204,14 @@ pub async fn upgrade(
         .filter(|(name, _)| !kept.iter().any(|r| r.served.name == *name))
         .collect();
     let mut resources = kept;
-    resources.extend(serve_planned(&slot, spec, &fresh, at, &mut errors));
+    resources.extend(serve_planned(
+        &slot,
+        spec,
+        host_root,
+        &fresh,
+        at,
+        &mut errors,
+    ));
     tracing::info!(
         module = spec.name,
         from = previous.digest(),
@@ -219,6 +226,7 @@ pub async fn upgrade(
 fn serve_planned(
     slot: &Swappable<ModuleHandle>,
     spec: &ModuleSpec,
+    host_root: &Path,
     planned: &[(String, ResourceInfo)],
     at: &Serving<'_>,
     errors: &mut Vec<String>,
@@ -233,6 +241,7 @@ fn serve_planned(
             allocation_policy: spec.allocation_policy,
             share: spec.sharing.rule(&info.name),
             device_list_strategy: spec.device_list_strategy,
+            host_root,
         };
         let backend = Shared::new(slot.clone(), spec.sharing.clone());
         match resource::serve(&backend, &owner, info, at) {

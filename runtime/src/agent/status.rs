@@ -252,7 +252,7 @@ pub(super) async fn serve(
         let mut conn = match accepted {
             // The socket is 0600, so only its owner and root can connect; checked again here
             // in case its mode is ever widened.
-            Ok((conn, _)) if trusted_peer(&conn).is_err() => continue,
+            Ok((conn, _)) if !peer_uid(&conn).is_ok_and(crate::trust::is_ours_or_root) => continue,
             Ok((conn, _)) => conn,
             Err(e) => {
                 // Out of file descriptors, say: don't spin on it.
@@ -270,12 +270,13 @@ pub(super) async fn serve(
 }
 
 /// Asks the agent whose state directory is `state_dir` for its status. The answer is trusted
-/// only from an agent running as root or as us, in a state directory nobody else can change:
-/// anyone who could put a socket of their own at that path could otherwise tell us anything.
+/// only from the state directory's owner (the agent's user) or root, in a directory nobody else
+/// can change: anyone who could put a socket of their own at that path could otherwise tell us
+/// anything.
 pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
     use anyhow::Context;
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    crate::trust::check_dir(state_dir).map_err(|e| {
+    let (_, agent) = crate::trust::check_dir_of_anyone(state_dir).map_err(|e| {
         anyhow::anyhow!(
             "not asking the agent in {}: {e}, so whoever can write there could answer in its \
              place ({})",
@@ -283,15 +284,17 @@ pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
             e.fix()
         )
     })?;
+    let trusted = |uid: u32| uid == 0 || uid == agent;
     let path = state_dir.join(STATUS_SOCKET);
     let meta = std::fs::symlink_metadata(&path)
         .with_context(|| format!("no agent answers at {}", path.display()))?;
     if !meta.file_type().is_socket() {
         anyhow::bail!("{} is not a socket", path.display());
     }
-    if !crate::trust::is_ours_or_root(meta.uid()) {
+    if !trusted(meta.uid()) {
         anyhow::bail!(
-            "{} belongs to uid {}, not to root or you: not trusting what answers there",
+            "{} belongs to uid {}, not to root or the state directory's owner (uid {agent}): not \
+             trusting what answers there",
             path.display(),
             meta.uid()
         );
@@ -299,7 +302,14 @@ pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
     let mut conn = UnixStream::connect(&path)
         .await
         .with_context(|| format!("no agent answers at {}", path.display()))?;
-    trusted_peer(&conn).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let peer = peer_uid(&conn).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if !trusted(peer) {
+        anyhow::bail!(
+            "{}: the process at the other end runs as uid {peer}, not as root or the state \
+             directory's owner (uid {agent}): not trusting it",
+            path.display()
+        );
+    }
     let mut body = Vec::new();
     (&mut conn).take(MAX_STATUS).read_to_end(&mut body).await?;
     serde_json::from_slice(&body)
@@ -309,19 +319,10 @@ pub async fn read(state_dir: &Path) -> anyhow::Result<Status> {
 /// Largest status document read (thousands of devices fit in a few MiB).
 const MAX_STATUS: u64 = 64 << 20;
 
-/// Ok when the process at the other end of `conn` runs as root or as us (`SO_PEERCRED`: the
-/// credentials it had when it connected, or when it started listening).
-fn trusted_peer(conn: &UnixStream) -> Result<(), String> {
-    let cred = conn
-        .peer_cred()
-        .map_err(|e| format!("cannot tell who is at the other end: {e}"))?;
-    if crate::trust::is_ours_or_root(cred.uid()) {
-        Ok(())
-    } else {
-        Err(format!(
-            "the process at the other end runs as uid {}, not as root or uid {}: not trusting it",
-            cred.uid(),
-            crate::trust::euid()
-        ))
-    }
+/// The uid of the process at the other end of `conn` (`SO_PEERCRED`: the credentials it had when
+/// it connected, or when it started listening).
+fn peer_uid(conn: &UnixStream) -> Result<u32, String> {
+    conn.peer_cred()
+        .map(|c| c.uid())
+        .map_err(|e| format!("cannot tell who is at the other end: {e}"))
 }

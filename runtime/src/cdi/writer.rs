@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 
 use super::build::{self, View};
-use crate::device::ContainerEdits;
+use crate::device::{ContainerEdits, NodeFile, NodeKind};
 use crate::kubelet::backend::DeviceBackend;
 use crate::kubelet::plugin_server::Snapshot;
 use crate::kubelet::prepared::Prepared;
@@ -112,6 +112,10 @@ pub struct SpecWriter<B> {
     /// off for now: the resource registers only then, so the kubelet never checkpoints an
     /// answer that lacks names it would have had a moment later.
     pub settled: watch::Sender<bool>,
+    /// Where the device nodes in the answers are: the spec's node facts are checked against
+    /// them, so a node whose numbers or owner changed (a driver reloaded) is not named with
+    /// stale ones.
+    pub host_root: PathBuf,
     /// Set when the resource goes away for good (dropped from the registry, its strategy
     /// changed): the spec is then removed. When the agent merely stops, the spec stays, since
     /// the kubelet restarts containers from the answers it checkpointed, CDI names included,
@@ -130,6 +134,7 @@ struct OnDisk {
 type Answers = BTreeMap<String, Arc<ContainerEdits>>;
 
 /// What a check of the directory and our file found.
+#[derive(Default)]
 struct Checked {
     /// Why nothing may be written or named there.
     untrusted: Option<String>,
@@ -139,6 +144,8 @@ struct Checked {
     replaced: bool,
     /// Another file declaring our kind.
     foreign: Option<PathBuf>,
+    /// Devices in the spec whose nodes are no longer as the spec says.
+    stale: Vec<String>,
 }
 
 impl<B: DeviceBackend> SpecWriter<B> {
@@ -155,10 +162,23 @@ impl<B: DeviceBackend> SpecWriter<B> {
             // Rounds, not every answer: a round ends once every device has been asked, so a
             // start-up writes the spec once, not once per device.
             let rounds = progress.borrow_and_update().rounds;
+            let checked = self.check(on_disk.clone(), &entries, known.clone()).await;
+            if !checked.stale.is_empty() {
+                tracing::info!(
+                    kind = self.kind,
+                    devices = ?checked.stale,
+                    "device nodes changed since their answers were prepared; asking again"
+                );
+                let shared = self.shared;
+                self.prepared.forget(|id| {
+                    let id = if shared { physical_id(id) } else { id };
+                    checked.stale.iter().any(|s| s == id)
+                });
+                entries.retain(|id, _| !checked.stale.contains(id));
+            }
             let snapshot = self.devices.borrow_and_update().clone();
             let answers = self.prepared.current(&snapshot, self.backend.generation());
             let next = next_entries(&snapshot, &answers, self.shared, &entries);
-            let checked = self.check(on_disk.clone(), known.clone()).await;
             match checked.untrusted {
                 Some(why) => {
                     self.refuse(why);
@@ -173,17 +193,18 @@ impl<B: DeviceBackend> SpecWriter<B> {
                             "the CDI spec at our path is not the one we wrote; writing ours over it"
                         );
                     }
-                    let intact = checked.ours.is_some();
+                    let foreign = checked.foreign.is_some();
+                    let intact = checked.ours.is_some() && checked.stale.is_empty();
                     if next != entries || !intact {
                         entries = next;
-                        on_disk = self.write(&entries, checked.ours).await;
+                        on_disk = self.write(&entries, checked.ours, !foreign).await;
                     } else {
                         // The same bytes, perhaps in a file touched or put back since: name
                         // devices by the file as it is now.
                         let moved = on_disk.as_ref().map(|o| o.file)
                             != checked.ours.as_ref().map(|o| o.file);
                         on_disk = checked.ours;
-                        if checked.foreign.is_none() && (moved || self.view.borrow().is_none()) {
+                        if !foreign && (moved || self.view.borrow().is_none()) {
                             self.publish(&entries, on_disk.as_ref());
                         }
                     }
@@ -228,49 +249,22 @@ impl<B: DeviceBackend> SpecWriter<B> {
         }
     }
 
-    /// Makes the spec's directory if it is missing (as runtimes expect it: 0755), and says why
-    /// nothing may be written there if it cannot be trusted.
-    fn dir_trusted(&self) -> Result<(), String> {
-        use std::os::unix::fs::DirBuilderExt;
-        let dir = self.path.parent().unwrap_or(Path::new("/"));
-        let made = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir);
-        if let Err(e) = made
-            && e.kind() != std::io::ErrorKind::AlreadyExists
-        {
-            return Err(format!("cannot write CDI specs in {}: {e}", dir.display()));
-        }
-        crate::trust::check_dir(dir).map_err(|e| match e {
-            crate::trust::Untrusted::Inspect { .. }
-            | crate::trust::Untrusted::NotADirectory { .. } => {
-                format!("cannot write CDI specs in {}: {e}", dir.display())
-            }
-            e => format!(
-                "not writing CDI specs in {}: {e}, so others could change what a runtime \
-                 applies; Allocate lists the devices instead ({})",
-                dir.display(),
-                e.fix()
-            ),
-        })
-    }
-
-    /// The directory's trust, what is at our path, and whether another file claims our kind.
+    /// The directory's trust, what is at our path, whether another file claims our kind, and
+    /// which devices of `entries` no longer match their nodes: file-system work, off the
+    /// agent's workers.
     async fn check(
         &self,
         ours: Option<OnDisk>,
+        entries: &Answers,
         known: Arc<Mutex<HashMap<PathBuf, FileId>>>,
     ) -> Checked {
-        let untrusted = self.dir_trusted().err();
-        let (path, kind) = (self.path.clone(), self.kind.clone());
+        let (path, kind, root) = (self.path.clone(), self.kind.clone(), self.host_root.clone());
+        let entries = entries.clone();
         let run = move || {
-            if untrusted.is_some() {
+            if let Err(why) = dir_trusted(&path) {
                 return Checked {
-                    untrusted,
-                    ours: None,
-                    replaced: false,
-                    foreign: None,
+                    untrusted: Some(why),
+                    ..Checked::default()
                 };
             }
             let (ours, replaced) = match ours {
@@ -281,22 +275,19 @@ impl<B: DeviceBackend> SpecWriter<B> {
                 None => (None, false),
             };
             let mut known = known.lock().unwrap_or_else(PoisonError::into_inner);
-            let foreign = foreign_spec(&path, &kind, &mut known);
             Checked {
                 untrusted: None,
                 ours,
                 replaced,
-                foreign,
+                foreign: foreign_spec(&path, &kind, &mut known),
+                stale: stale_nodes(&root, &entries),
             }
         };
-        // The directory's check is a few stats; the rest reads files.
         tokio::task::spawn_blocking(run)
             .await
             .unwrap_or_else(|e| Checked {
                 untrusted: Some(format!("checking the CDI directory failed: {e}")),
-                ours: None,
-                replaced: false,
-                foreign: None,
+                ..Checked::default()
             })
     }
 
@@ -320,9 +311,9 @@ impl<B: DeviceBackend> SpecWriter<B> {
         self.view.send_replace(view.map(Arc::new));
     }
 
-    /// Writes the spec for `entries` (removes ours when there are none) and publishes what the
-    /// file holds; returns what is on disk now. `had`: our file, still in place.
-    async fn write(&self, entries: &Answers, had: Option<OnDisk>) -> Option<OnDisk> {
+    /// Writes the spec for `entries` (removes ours when there are none) and, when `name`, publishes
+    /// what the file holds; returns what is on disk now. `had`: our file, still in place.
+    async fn write(&self, entries: &Answers, had: Option<OnDisk>, name: bool) -> Option<OnDisk> {
         let Some((spec, view)) = build::build(&self.kind, entries) else {
             // A spec with no devices is invalid: runtimes would report it.
             self.view.send_replace(None);
@@ -340,9 +331,11 @@ impl<B: DeviceBackend> SpecWriter<B> {
             }
         };
         if let Some(ours) = had.filter(|o| o.bytes == text) {
-            self.written.set_error(None);
-            self.view
-                .send_replace(Some(Arc::new(view.at(&self.path, ours.file))));
+            if name {
+                self.written.set_error(None);
+                self.view
+                    .send_replace(Some(Arc::new(view.at(&self.path, ours.file))));
+            }
             return Some(ours);
         }
         let path = self.path.clone();
@@ -352,9 +345,11 @@ impl<B: DeviceBackend> SpecWriter<B> {
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         match result {
             Ok(file) => {
-                self.written.set_error(None);
-                self.view
-                    .send_replace(Some(Arc::new(view.at(&self.path, file))));
+                if name {
+                    self.written.set_error(None);
+                    self.view
+                        .send_replace(Some(Arc::new(view.at(&self.path, file))));
+                }
                 Some(OnDisk { bytes: text, file })
             }
             Err(e) => {
@@ -364,6 +359,67 @@ impl<B: DeviceBackend> SpecWriter<B> {
             }
         }
     }
+}
+
+/// Makes the spec's directory if it is missing (as runtimes expect it: 0755), and says why
+/// nothing may be written there if it cannot be trusted.
+fn dir_trusted(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let made = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir);
+    if let Err(e) = made
+        && e.kind() != std::io::ErrorKind::AlreadyExists
+    {
+        return Err(format!("cannot write CDI specs in {}: {e}", dir.display()));
+    }
+    crate::trust::check_dir(dir).map_err(|e| match e {
+        crate::trust::Untrusted::Inspect { .. } | crate::trust::Untrusted::NotADirectory { .. } => {
+            format!("cannot write CDI specs in {}: {e}", dir.display())
+        }
+        e => format!(
+            "not writing CDI specs in {}: {e}, so others could change what a runtime applies; \
+             Allocate lists the devices instead ({})",
+            dir.display(),
+            e.fix()
+        ),
+    })
+}
+
+/// The devices of `entries` whose device nodes, under `root`, are no longer of the kind,
+/// numbers, mode and owner their answer recorded (or are gone).
+fn stale_nodes(root: &Path, entries: &Answers) -> Vec<String> {
+    use std::os::unix::fs::FileTypeExt;
+    let now = |path: &str| {
+        let meta = std::fs::symlink_metadata(root.join(path.trim_start_matches('/'))).ok()?;
+        let kind = if meta.file_type().is_char_device() {
+            NodeKind::Char
+        } else if meta.file_type().is_block_device() {
+            NodeKind::Block
+        } else {
+            return None;
+        };
+        Some(NodeFile {
+            kind,
+            major: u64::from(libc::major(meta.rdev())),
+            minor: u64::from(libc::minor(meta.rdev())),
+            mode: meta.mode() & 0o7777,
+            uid: meta.uid(),
+            gid: meta.gid(),
+        })
+    };
+    entries
+        .iter()
+        .filter(|(_, answer)| {
+            answer
+                .devices
+                .iter()
+                .any(|d| d.file.is_some_and(|f| now(&d.host_path) != Some(f)))
+        })
+        .map(|(id, _)| id.clone())
+        .collect()
 }
 
 /// What is at `path` if it is what we wrote: the same file, or (touched, renamed back...) one
@@ -398,35 +454,45 @@ fn read_spec(path: &Path) -> std::io::Result<(Vec<u8>, FileId)> {
     Ok((bytes, FileId::of(&meta)))
 }
 
-/// Another file in our spec's directory that declares `kind`, if one does. `known` remembers the
-/// files already read that do not, so each is read again only once it changes.
+/// Another file that declares `kind` where a runtime would read it beside ours: our spec's
+/// directory, and the transient directory that takes precedence over `/etc/cdi` when ours is
+/// that one. `known` remembers the files already read that do not, so each is read again only
+/// once it changes. Symlinks are followed, as runtimes follow them.
 fn foreign_spec(ours: &Path, kind: &str, known: &mut HashMap<PathBuf, FileId>) -> Option<PathBuf> {
     let dir = ours.parent()?;
-    let entries = std::fs::read_dir(dir).ok()?;
+    let mut dirs = vec![dir.to_owned()];
+    if dir == Path::new("/etc/cdi") {
+        dirs.push(PathBuf::from(super::DEFAULT_DIR));
+    }
     let mut seen = Vec::new();
     let mut found = None;
-    for entry in entries.flatten().take(4096) {
-        let path = entry.path();
-        let spec_like = path
-            .extension()
-            .is_some_and(|e| e == "json" || e == "yaml" || e == "yml");
-        if path == ours || !spec_like {
-            continue;
-        }
-        seen.push(path.clone());
-        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
         };
-        let id = FileId::of(&meta);
-        if known.get(&path) == Some(&id) {
-            continue;
-        }
-        match read_spec(&path) {
-            Ok((bytes, _)) if declares(&bytes, kind) => {
-                found.get_or_insert(path);
+        for entry in entries.flatten().take(4096) {
+            let path = entry.path();
+            let spec_like = path
+                .extension()
+                .is_some_and(|e| e == "json" || e == "yaml" || e == "yml");
+            if path == ours || !spec_like {
+                continue;
             }
-            _ => {
-                known.insert(path, id);
+            seen.push(path.clone());
+            let Ok(meta) = std::fs::metadata(&path) else {
+                continue;
+            };
+            let id = FileId::of(&meta);
+            if known.get(&path) == Some(&id) {
+                continue;
+            }
+            match crate::files::read_regular(&path, MAX_SPEC) {
+                Ok(bytes) if declares(&bytes, kind) => {
+                    found.get_or_insert(path);
+                }
+                _ => {
+                    known.insert(path, id);
+                }
             }
         }
     }
@@ -434,19 +500,19 @@ fn foreign_spec(ours: &Path, kind: &str, known: &mut HashMap<PathBuf, FileId>) -
     found
 }
 
-/// Whether spec text (JSON or YAML) says `kind: <kind>`.
+/// Whether spec text says its kind is `kind`: read as JSON when it is JSON; otherwise (YAML, in
+/// any of its styles) whenever `kind` appears as a token of its own, which may refuse a file
+/// that only mentions it, never miss one that declares it.
 fn declares(bytes: &[u8], kind: &str) -> bool {
     if let Ok(json) = serde_json::from_slice::<serde_json::Value>(bytes) {
         return json.get("kind").and_then(|k| k.as_str()) == Some(kind);
     }
-    let Ok(text) = std::str::from_utf8(bytes) else {
-        return false;
-    };
-    text.lines().any(|line| {
-        line.trim_start()
-            .strip_prefix("kind:")
-            .map(|v| v.trim().trim_matches(['"', '\'']))
-            == Some(kind)
+    let text = String::from_utf8_lossy(bytes);
+    let part = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/');
+    text.match_indices(kind).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + kind.len()..].chars().next();
+        !before.is_some_and(part) && !after.is_some_and(part)
     })
 }
 

@@ -19,18 +19,23 @@ pub struct RunArgs {
     /// The kubelet's PodResources socket, asked which pod holds which device.
     #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
     pub pod_resources_socket: PathBuf,
-    /// Where the allocation ledger and the status socket live (created 0700).
+    /// Where the allocation ledger and the status socket live (created 0700). It, and every
+    /// directory above it, must belong to root or the agent's user and be writable by nobody
+    /// else (sticky ones excepted), or the agent refuses to start.
     #[arg(long, default_value = "/var/lib/devicelet")]
     pub state_dir: PathBuf,
-    /// Where compiled modules are kept between starts (created 0700; must be ours and writable
-    /// by nobody else). Defaults to `cache` in the state directory: /var/lib/devicelet/cache.
+    /// Where compiled modules are kept between starts (created 0700; must be ours and, with
+    /// every directory above it, writable by nobody else, or it is not used and modules are
+    /// compiled in memory). Defaults to `cache` in the state directory: /var/lib/devicelet/cache.
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// How often the ledger is reconciled with PodResources, e.g. 30s.
     #[arg(long, default_value = "30s", value_parser = crate::config::parse_duration)]
     pub reconcile_interval: std::time::Duration,
     /// Where CDI spec files are written, for resources whose `device-list-strategy` uses CDI
-    /// (the directory container runtimes read transient specs from).
+    /// (the directory container runtimes read transient specs from). Nothing is written, and
+    /// Allocate lists devices instead, while it or a directory above it is writable by others
+    /// than root and the agent's user.
     #[arg(long, default_value = crate::cdi::DEFAULT_DIR)]
     pub cdi_dir: PathBuf,
     /// Ignore edits of the registry and module files until restarted.

@@ -166,7 +166,12 @@ pub fn forbidden_by_path(path: &str) -> Option<&'static str> {
     FORBIDDEN_MOUNTS
         .iter()
         .copied()
-        .find(|tree| reaches(path, tree, |part, name| part == name))
+        .find(|tree| forbidden_by_path_in(path, tree))
+}
+
+/// Whether the literal `path` lies in or above `tree`.
+pub fn forbidden_by_path_in(path: &str, tree: &str) -> bool {
+    reaches(path, tree, |part, name| part == name)
 }
 
 /// Whether a path `pattern` (absolute, `/`-separated) can match `tree`, a path above it, or a

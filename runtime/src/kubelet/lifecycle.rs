@@ -61,6 +61,10 @@ const LAST_RETRY: Duration = Duration::from_secs(2);
 /// but never answers must not hold a resource (or the agent's shutdown) forever.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The longest a resource named by CDI waits for its spec before registering anyway: the first
+/// round of prepared answers takes a module call per device, which a slow module can make long.
+const CDI_SETTLE_LIMIT: Duration = Duration::from_secs(60);
+
 /// How long to wait for the kubelet to drop its connections to our socket after the streams of
 /// a registration ended, before registering with other options anyway.
 const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
@@ -137,6 +141,11 @@ impl<B: DeviceBackend> Lifecycle<B> {
             tokio::select! {
                 _ = settled.wait_for(|s| *s) => {}
                 _ = self.stop.wait_for(|s| *s) => return,
+                () = tokio::time::sleep(CDI_SETTLE_LIMIT) => tracing::warn!(
+                    resource = self.resource,
+                    "its CDI spec is not written {CDI_SETTLE_LIMIT:?} after its first snapshot; \
+                     registering anyway (Allocate lists the devices it cannot name)"
+                ),
             }
         }
         let mut bind_failures = 0u32;

@@ -136,6 +136,15 @@ impl Prepared {
             .is_some_and(|e| matches!(e.kept, Kept::Answer(_)))
     }
 
+    /// Drops the answers of the devices `which` picks (by device ID): they are asked for again
+    /// at the preparer's next round.
+    pub fn forget(&self, which: impl Fn(&str) -> bool) {
+        let mut answers = self.lock();
+        answers.by_id.retain(|id, _| !which(id));
+        answers.bytes = answers.by_id.values().map(|e| e.bytes).sum();
+        self.publish_count(&answers);
+    }
+
     /// Follows the preparer.
     pub fn progress(&self) -> watch::Receiver<Progress> {
         self.progress.subscribe()

@@ -240,6 +240,9 @@ pub struct Owner<'a> {
     pub share: &'a ShareRule,
     /// How Allocate names devices to the runtime.
     pub device_list_strategy: DeviceListStrategy,
+    /// Where the device nodes its answers name are (`/` on a node): CDI specs are checked
+    /// against them.
+    pub host_root: &'a Path,
 }
 
 /// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
@@ -318,6 +321,7 @@ pub fn serve<B: DeviceBackend>(
                 written: written.clone(),
                 recheck: recheck.clone(),
                 settled: settled_tx,
+                host_root: spec.host_root.to_owned(),
                 retired: retired.clone(),
                 stop: stop.clone(),
             }

@@ -19,10 +19,10 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::net::TcpListener;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 /// What the endpoint reports; the agent implements it.
 pub trait Endpoints: Send + Sync + 'static {
@@ -68,25 +68,43 @@ pub async fn serve(
             }
         };
         let endpoints = endpoints.clone();
-        // Over a bound with no idle connection to make room, the new one is closed unanswered.
-        Open::admit(&open, peer.ip(), move |answering, seat| {
-            tokio::spawn(async move {
-                let _seat = seat;
-                let service = hyper::service::service_fn(move |request| {
-                    answering.store(true, Ordering::Relaxed);
-                    let response = respond(endpoints.as_ref(), &request);
-                    async move { Ok::<_, Infallible>(response) }
-                });
-                let connection = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(HEADER_TIMEOUT)
-                    .keep_alive(false)
-                    .serve_connection(TokioIo::new(stream), service);
-                let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
-            })
-            .abort_handle()
+        // Over a bound with no connection to make room, the new one is closed unanswered.
+        let Some(seat) = Open::admit(&open, peer.ip(), millis_since(*START)) else {
+            continue;
+        };
+        tokio::spawn(async move {
+            let (requested, closed) = (seat.requested.clone(), seat.close.clone());
+            let _seat = seat;
+            let service = hyper::service::service_fn(move |request| {
+                requested.store(millis_since(*START), Ordering::Relaxed);
+                let response = respond(endpoints.as_ref(), &request);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::select! {
+                _ = tokio::time::timeout(CONNECTION_LIFETIME, connection) => {}
+                () = closed.notified() => {}
+            }
         });
     }
+}
+
+/// How long a client may take to read its answer before its connection may make room for
+/// another: a probe's answer is a few bytes and is taken at once.
+const ANSWER_GRACE: Duration = Duration::from_secs(1);
+
+/// When the endpoint's clock started: request times are kept as milliseconds since.
+static START: std::sync::LazyLock<std::time::Instant> =
+    std::sync::LazyLock::new(std::time::Instant::now);
+
+fn millis_since(start: std::time::Instant) -> u64 {
+    u64::try_from(start.elapsed().as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 /// The open connections, oldest first.
@@ -101,15 +119,29 @@ struct OpenSet {
 
 struct Connection {
     ip: std::net::IpAddr,
-    /// Set once its request was read: it is being answered and is never evicted.
-    answering: Arc<AtomicBool>,
-    task: tokio::task::AbortHandle,
+    /// When its request was read (ms since [`START`]); 0 while none was.
+    requested: Arc<AtomicU64>,
+    /// Tells its task to close it.
+    close: Arc<Notify>,
 }
 
-/// A connection's place in [`Open`], given back when its task ends (or is aborted).
+impl Connection {
+    /// Whether it may make room for another: it has sent no request, or its client has not
+    /// taken its answer within [`ANSWER_GRACE`].
+    fn evictable(&self, now: u64) -> bool {
+        match self.requested.load(Ordering::Relaxed) {
+            0 => true,
+            at => now.saturating_sub(at) > ANSWER_GRACE.as_millis() as u64,
+        }
+    }
+}
+
+/// A connection's place in [`Open`], given back when its task ends.
 struct Seat {
     open: Arc<Open>,
     id: u64,
+    requested: Arc<AtomicU64>,
+    close: Arc<Notify>,
 }
 
 impl Open {
@@ -117,54 +149,48 @@ impl Open {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Makes room for a connection from `ip` and starts it with `start`; false (nothing
-    /// started) when a bound is reached and every connection counted against it is answering.
-    fn admit(
-        open: &Arc<Open>,
-        ip: std::net::IpAddr,
-        start: impl FnOnce(Arc<AtomicBool>, Seat) -> tokio::task::AbortHandle,
-    ) -> bool {
+    /// Makes room for a connection from `ip` and gives it a seat; None when a bound is reached
+    /// and no connection counted against it may make room. `now` is ms since [`START`].
+    fn admit(open: &Arc<Open>, ip: std::net::IpAddr, now: u64) -> Option<Seat> {
         let mut set = open.lock();
         let from_peer = set.by_age.values().filter(|c| c.ip == ip).count();
-        if from_peer >= MAX_PER_PEER && !set.evict_oldest_idle(Some(ip)) {
-            return false;
+        if from_peer >= MAX_PER_PEER && !set.evict(Some(ip), now) {
+            return None;
         }
-        if set.by_age.len() >= MAX_CONNECTIONS && !set.evict_oldest_idle(None) {
-            return false;
+        if set.by_age.len() >= MAX_CONNECTIONS && !set.evict(None, now) {
+            return None;
         }
         let id = set.next;
         set.next += 1;
-        let answering = Arc::new(AtomicBool::new(false));
-        let seat = Seat {
-            open: open.clone(),
-            id,
-        };
-        // Started under the lock: the task's seat cannot be given back before it is taken.
-        let task = start(answering.clone(), seat);
+        let (requested, close) = (Arc::new(AtomicU64::new(0)), Arc::new(Notify::new()));
         set.by_age.insert(
             id,
             Connection {
                 ip,
-                answering,
-                task,
+                requested: requested.clone(),
+                close: close.clone(),
             },
         );
-        true
+        Some(Seat {
+            open: open.clone(),
+            id,
+            requested,
+            close,
+        })
     }
 }
 
 impl OpenSet {
-    /// Closes one connection that has not sent its request: from `ip` when given, else from the
-    /// address holding the most such connections (the oldest address first among equals); of
-    /// those, the oldest. A probe from an address with few connections is thus never the one
-    /// closed while another address holds more.
-    fn evict_oldest_idle(&mut self, ip: Option<std::net::IpAddr>) -> bool {
-        let idle = |c: &Connection| !c.answering.load(Ordering::Relaxed);
+    /// Closes one connection that may make room: from `ip` when given, else from the address
+    /// holding the most such connections (the oldest address first among equals); of those, the
+    /// oldest. A probe from an address with few connections is thus never the one closed while
+    /// another address holds more.
+    fn evict(&mut self, ip: Option<std::net::IpAddr>, now: u64) -> bool {
         let from = match ip {
             Some(ip) => ip,
             None => {
                 let mut counts: Vec<(std::net::IpAddr, usize)> = Vec::new();
-                for c in self.by_age.values().filter(|c| idle(c)) {
+                for c in self.by_age.values().filter(|c| c.evictable(now)) {
                     match counts.iter_mut().find(|(ip, _)| *ip == c.ip) {
                         Some((_, n)) => *n += 1,
                         None => counts.push((c.ip, 1)),
@@ -180,12 +206,13 @@ impl OpenSet {
         let oldest = self
             .by_age
             .iter()
-            .find(|(_, c)| c.ip == from && idle(c))
+            .find(|(_, c)| c.ip == from && c.evictable(now))
             .map(|(id, _)| *id);
         let Some(connection) = oldest.and_then(|id| self.by_age.remove(&id)) else {
             return false;
         };
-        connection.task.abort();
+        // A permit is kept if its task is not waiting yet: it closes as soon as it looks.
+        connection.close.notify_one();
         true
     }
 }
@@ -281,6 +308,53 @@ mod tests {
             .body(())
             .expect("a request");
         respond(&Stub, &request)
+    }
+
+    #[test]
+    fn at_the_bound_idle_or_stalled_connections_make_room_never_a_fresh_answer() {
+        let open = Arc::new(Open::default());
+        let ip = |n: u8| std::net::IpAddr::from([10, 0, 0, n]);
+        let open_now = |seats: &[Seat]| {
+            let set = open.lock();
+            seats
+                .iter()
+                .filter(|s| set.by_age.contains_key(&s.id))
+                .count()
+        };
+        // 16 addresses fill the endpoint; each has sent its request at 1 ms and not read the
+        // answer since (a client with a closed window).
+        let mut stalled = Vec::new();
+        for n in 0..16 {
+            for _ in 0..MAX_PER_PEER {
+                let seat = Open::admit(&open, ip(n), 1).expect("room");
+                seat.requested.store(1, Ordering::Relaxed);
+                stalled.push(seat);
+            }
+        }
+        // While their answers are fresh, nothing makes room.
+        assert!(Open::admit(&open, ip(200), 500).is_none());
+        // Past the grace, a probe from the node's address takes the place of one of them.
+        let probe = Open::admit(&open, ip(200), 5_000).expect("the probe gets in");
+        assert_eq!(open_now(&stalled), MAX_CONNECTIONS - 1);
+        probe.requested.store(5_000, Ordering::Relaxed);
+        // Answered just now, the probe never makes room for newcomers from 50 more addresses:
+        // stalled and idle connections go, from whichever address holds the most.
+        let mut newcomers = Vec::new();
+        for n in 0..200u8 {
+            if let Some(seat) = Open::admit(&open, ip(100 + n % 50), 5_500) {
+                newcomers.push(seat);
+            }
+        }
+        assert_eq!(newcomers.len(), 200, "each made room for itself");
+        assert!(
+            open.lock().by_age.contains_key(&probe.id),
+            "the probe stays"
+        );
+        assert!(
+            open_now(&stalled) < MAX_CONNECTIONS / 2,
+            "stalled ones made room"
+        );
+        assert_eq!(open.lock().by_age.len(), MAX_CONNECTIONS);
     }
 
     #[test]

@@ -342,7 +342,17 @@ pub fn resolve_edits(
                 truncate(&real)
             ));
         }
-        if let Some(tree) = crate::config::forbidden_by_path(&real) {
+        // What only a `mounts` grant allows must stay clear of the forbidden trees, as the grant
+        // itself had to (sysfs and /dev have grants of their own).
+        let device_tree = granted(&grants.dev, &real) || granted(&grants.sysfs, &real);
+        if let Some(tree) = crate::config::forbidden_by_path(&real)
+            .filter(|_| !device_tree)
+            .or_else(|| {
+                (!device_tree)
+                    .then(|| forbidden_as_resolved(root, &real))
+                    .flatten()
+            })
+        {
             return Err(format!(
                 "mount of {:?} resolves to {:?}, in or above {tree}, which no module may hand to \
                  a container",
@@ -354,6 +364,28 @@ pub fn resolve_edits(
         m.host_path = real;
     }
     Ok(())
+}
+
+/// The forbidden tree `real` (a resolved logical path) lies in or above once the trees themselves
+/// are resolved under `root`: a node whose `/var/lib/kubelet` is a symlink to `/data/kubelet`
+/// must not hand out `/data`.
+fn forbidden_as_resolved(root: &Path, real: &str) -> Option<&'static str> {
+    crate::config::FORBIDDEN_MOUNTS
+        .iter()
+        .copied()
+        .find(|tree| {
+            std::fs::canonicalize(root.join(tree.trim_start_matches('/')))
+                .ok()
+                .and_then(|p| {
+                    p.strip_prefix(root)
+                        .ok()
+                        .and_then(|p| p.to_str())
+                        .map(|p| format!("/{p}"))
+                })
+                .is_some_and(|resolved| {
+                    resolved != *tree && crate::config::forbidden_by_path_in(real, &resolved)
+                })
+        })
 }
 
 /// A writable mount reached only through a `mounts` grant must be a granted directory itself: a
@@ -512,6 +544,27 @@ mod tests {
         }
         let mut fine = mount("/var/lib/nvidia");
         resolve_edits(&mut fine, &grants, root.path()).unwrap();
+
+        // A kubelet directory that is a symlink elsewhere: what it leads to is forbidden too.
+        let other = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(other.path().join("var/lib")).unwrap();
+        std::fs::create_dir_all(other.path().join("data/kubelet")).unwrap();
+        std::os::unix::fs::symlink("../../data/kubelet", other.path().join("var/lib/kubelet"))
+            .unwrap();
+        let data = Grants {
+            mounts: vec![glob::Pattern::new("/data").unwrap()],
+            ..Grants::default()
+        };
+        let e = resolve_edits(&mut mount("/data"), &data, other.path()).unwrap_err();
+        assert!(e.contains("in or above /var/lib/kubelet"), "{e}");
+
+        // sysfs and /dev have grants of their own: a read-only sysfs mount is fine.
+        std::fs::create_dir_all(root.path().join("sys/class/net")).unwrap();
+        let sysfs = Grants {
+            sysfs: vec![glob::Pattern::new("/sys/class/net").unwrap()],
+            ..Grants::default()
+        };
+        resolve_edits(&mut mount("/sys/class/net"), &sysfs, root.path()).unwrap();
     }
 
     #[test]
