@@ -64,6 +64,20 @@ pub struct NodeFile {
     pub gid: u32,
 }
 
+impl NodeFile {
+    /// From what `stat` says of a node: its device number `rdev` and its full `mode`.
+    pub fn new(kind: NodeKind, rdev: u64, mode: u32, uid: u32, gid: u32) -> NodeFile {
+        NodeFile {
+            kind,
+            major: u64::from(libc::major(rdev)),
+            minor: u64::from(libc::minor(rdev)),
+            mode: mode & 0o7777,
+            uid,
+            gid,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum NodeKind {
     Char,

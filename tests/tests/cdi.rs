@@ -535,29 +535,12 @@ fn lifted_edits_and_mounts_resolve_to_each_devices_own_answer() {
     )
     .unwrap();
     check_versions(dir.path());
-    let listed = |e: &ContainerEdits| Container {
-        envs: e.envs.iter().cloned().collect(),
-        nodes: e
-            .devices
-            .iter()
-            .map(|d| {
-                (
-                    d.container_path.clone(),
-                    d.host_path.clone(),
-                    d.permissions.clone(),
-                )
-            })
-            .collect(),
-        mounts: e
-            .mounts
-            .iter()
-            .map(|m| (m.container_path.clone(), m.host_path.clone(), m.read_only))
-            .collect(),
-    };
+    let listed =
+        |e: ContainerEdits| Container::listed(&devicelet::kubelet::plugin_server::edits_to_wire(e));
     for n in 0..2 {
         assert_eq!(
             resolve(dir.path(), &[format!("{kind}=gpu{n}")]),
-            listed(&answer(n))
+            listed(answer(n))
         );
     }
     let both = resolve(

@@ -5,7 +5,6 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 
 use devicelet::agent::status;
 use devicelet::agent::{Agent, AgentOptions};
@@ -45,6 +44,63 @@ fn open_dir(node: &Node) -> PathBuf {
 
 async fn start(node: &Node, modules: &str, adjust: impl FnOnce(&mut AgentOptions)) -> Agent {
     node.start_agent_with(modules, adjust).await
+}
+
+/// The hostile module, compiled as the agent would, filed in a compile cache at `dir` under
+/// generic-dev's digest: what would run if the agent ever loaded generic-dev from there.
+fn plant_hostile(dir: &Path) {
+    let compiler = devicelet::sandbox::cache::CompileCache::open(dir).expect("cache");
+    let engine = devicelet::sandbox::engine::new_engine().expect("engine");
+    let hostile = std::fs::read(module_dir().join("hostile.wasm")).expect("hostile.wasm");
+    let generic = std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic");
+    compiler
+        .load(&engine, &hostile, &devicelet::digest::sha256_hex(&generic))
+        .expect("compiling the hostile module");
+}
+
+/// `intruder swap a b`, started from `cmd`: exchanges the two paths until [`stop_swapping`].
+fn start_swapping(mut cmd: Command, a: &Path, b: &Path, stop: &Path) -> Child {
+    cmd.arg("swap")
+        .args([a, b, stop])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the swapper")
+}
+
+/// Stops the swapper; how many exchanges it made.
+fn stop_swapping(swapper: Child, stop: &Path) -> u64 {
+    std::fs::write(stop, "").expect("stop file");
+    let report = swapper.wait_with_output().expect("the swapper's report");
+    let text = String::from_utf8_lossy(&report.stdout);
+    text.split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {text:?}"))
+}
+
+/// Ten registry edits, each making the agent load generic-dev again (with a new resource name
+/// it serves once loaded).
+async fn reload_ten_times(node: &Node, agent: &Agent) {
+    for i in 1..=10 {
+        let name = format!("fuse{i}");
+        node.registry(&fuse(&name));
+        let served = node
+            .kubelet
+            .wait_until(&format!("devicelet.io/{name}"), WAIT, |r| {
+                r.allocatable == 2
+            })
+            .await;
+        if let Err(e) = served {
+            panic!(
+                "the edited module, loaded again, does not serve: {e}; {:?} {:?}",
+                agent.load_errors(),
+                agent.reload_error()
+            );
+        }
+    }
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    let names: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
+    assert_eq!(names, ["devicelet.io/fuse10"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,26 +148,17 @@ async fn a_cache_another_user_can_swap_is_never_loaded_from() {
     // The other user's directory: the hostile module, compiled as the agent would, filed under
     // generic-dev's digest.
     let planted = open.join("planted");
-    {
-        let staging = node.dir.path().join("staging");
-        let compiler = devicelet::sandbox::cache::CompileCache::open(&staging).expect("cache");
-        let engine = devicelet::sandbox::engine::new_engine().expect("engine");
-        let hostile = std::fs::read(module_dir().join("hostile.wasm")).expect("hostile.wasm");
-        let generic = std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic");
-        let digest = devicelet::digest::sha256_hex(&generic);
-        compiler
-            .load(&engine, &hostile, &digest)
-            .expect("compiling the hostile module");
-        std::fs::create_dir(&planted).expect("planted dir");
-        for entry in std::fs::read_dir(&staging).expect("staging") {
-            let from = entry.expect("entry").path();
-            let to = planted.join(from.file_name().expect("a name"));
-            std::fs::copy(&from, &to).expect("planting");
-            chmod(&to, 0o600);
-            std::os::unix::fs::chown(&to, Some(NOBODY), Some(NOBODY)).expect("chown");
-        }
-        std::os::unix::fs::chown(&planted, Some(NOBODY), Some(NOBODY)).expect("chown");
+    let staging = node.dir.path().join("staging");
+    plant_hostile(&staging);
+    std::fs::create_dir(&planted).expect("planted dir");
+    for entry in std::fs::read_dir(&staging).expect("staging") {
+        let from = entry.expect("entry").path();
+        let to = planted.join(from.file_name().expect("a name"));
+        std::fs::copy(&from, &to).expect("planting");
+        chmod(&to, 0o600);
+        std::os::unix::fs::chown(&to, Some(NOBODY), Some(NOBODY)).expect("chown");
     }
+    std::os::unix::fs::chown(&planted, Some(NOBODY), Some(NOBODY)).expect("chown");
 
     let cache_dir = cache.clone();
     let agent = start(&node, &fuse("fuse0"), |o| o.cache_dir = Some(cache_dir)).await;
@@ -132,41 +179,15 @@ async fn a_cache_another_user_can_swap_is_never_loaded_from() {
     // The cache directory exists (the agent made it): from now on the two are exchanged.
     assert!(cache.is_dir());
     let stop = node.dir.path().join("stop-swapping");
-    let swapper = intruder()
-        .args(["swap"])
-        .arg(&cache)
-        .arg(&planted)
-        .arg(&stop)
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the other user");
-    for i in 1..=10 {
-        let name = format!("fuse{i}");
-        node.registry(&fuse(&name));
-        node.kubelet
-            .wait_until(&format!("devicelet.io/{name}"), WAIT, |r| {
-                r.allocatable == 2
-            })
-            .await
-            .expect("the edited module, loaded again, serves");
-    }
-    std::fs::write(&stop, "").expect("stop file");
-    let report = swapper.wait_with_output().expect("the other user's report");
-    let text = String::from_utf8_lossy(&report.stdout);
-    let swaps: u64 = text
-        .split_whitespace()
-        .next()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no count in {text:?}"));
+    let swapper = start_swapping(intruder(), &cache, &planted, &stop);
+    reload_ten_times(&node, &agent).await;
+    let swaps = stop_swapping(swapper, &stop);
     assert!(swaps >= 2000, "only {swaps} exchanges were made");
     assert_eq!(
         agent.cache_stats(),
         None,
         "nothing was loaded from or written to the cache"
     );
-    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
-    let names: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
-    assert_eq!(names, ["devicelet.io/fuse10"]);
     agent.shutdown().await;
 }
 
@@ -184,16 +205,7 @@ async fn a_cache_whose_path_is_swapped_while_in_use_loads_only_from_what_it_open
     // would only delay the edits.
     let cache = node.dir.path().join("c/cache");
     let planted = node.dir.path().join("c/planted");
-    {
-        let engine = devicelet::sandbox::engine::new_engine().expect("engine");
-        let compiler = devicelet::sandbox::cache::CompileCache::open(&planted).expect("cache");
-        let hostile = std::fs::read(module_dir().join("hostile.wasm")).expect("hostile.wasm");
-        let generic = std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic");
-        let digest = devicelet::digest::sha256_hex(&generic);
-        compiler
-            .load(&engine, &hostile, &digest)
-            .expect("compiling the hostile module");
-    }
+    plant_hostile(&planted);
     let listing = |dir: &Path| -> Vec<(String, Vec<u8>)> {
         let mut files: Vec<_> = std::fs::read_dir(dir)
             .expect("a directory")
@@ -214,53 +226,19 @@ async fn a_cache_whose_path_is_swapped_while_in_use_loads_only_from_what_it_open
         .wait_until("devicelet.io/fuse0", WAIT, |r| r.allocatable == 2)
         .await
         .expect("served");
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let swapper = {
-        let (stop, a, b) = (stop.clone(), cache.clone(), planted.clone());
-        std::thread::spawn(move || {
-            let a = std::ffi::CString::new(a.to_str().expect("utf-8")).expect("no NUL");
-            let b = std::ffi::CString::new(b.to_str().expect("utf-8")).expect("no NUL");
-            let mut swaps = 0u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                // SAFETY: two valid NUL-terminated paths.
-                let done = unsafe {
-                    libc::renameat2(
-                        libc::AT_FDCWD,
-                        a.as_ptr(),
-                        libc::AT_FDCWD,
-                        b.as_ptr(),
-                        libc::RENAME_EXCHANGE,
-                    )
-                };
-                swaps += u64::from(done == 0);
-            }
-            swaps
-        })
-    };
-    for i in 1..=10 {
-        let name = format!("fuse{i}");
-        node.registry(&fuse(&name));
-        node.kubelet
-            .wait_until(&format!("devicelet.io/{name}"), WAIT, |r| {
-                r.allocatable == 2
-            })
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "the edited module, loaded again, does not serve: {e}; {:?} {:?}",
-                    agent.load_errors(),
-                    agent.reload_error()
-                )
-            });
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let swaps = swapper.join().expect("the swapper");
+    // As root: only root could do this to a cache the agent trusts.
+    let stop = node.dir.path().join("stop-swapping");
+    let swapper = start_swapping(
+        Command::new(env!("CARGO_BIN_EXE_intruder")),
+        &cache,
+        &planted,
+        &stop,
+    );
+    reload_ten_times(&node, &agent).await;
+    let swaps = stop_swapping(swapper, &stop);
     assert!(swaps >= 2000, "only {swaps} exchanges were made");
     let stats = agent.cache_stats().expect("the cache is used");
     assert!(stats.hits >= 10, "{stats:?}");
-    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
-    let names: Vec<String> = agent.resources().into_iter().map(|r| r.name).collect();
-    assert_eq!(names, ["devicelet.io/fuse10"]);
     // Whichever path it ends at, the planted directory is as it was.
     let (now_planted, now_cache) = (listing(&planted), listing(&cache));
     assert!(

@@ -401,14 +401,13 @@ fn stale_nodes(root: &Path, entries: &Answers) -> Vec<String> {
         } else {
             return None;
         };
-        Some(NodeFile {
+        Some(NodeFile::new(
             kind,
-            major: u64::from(libc::major(meta.rdev())),
-            minor: u64::from(libc::minor(meta.rdev())),
-            mode: meta.mode() & 0o7777,
-            uid: meta.uid(),
-            gid: meta.gid(),
-        })
+            meta.rdev(),
+            meta.mode(),
+            meta.uid(),
+            meta.gid(),
+        ))
     };
     entries
         .iter()

@@ -315,14 +315,13 @@ pub fn resolve_edits(
                 truncate(&d.host_path)
             ));
         };
-        d.file = Some(NodeFile {
+        d.file = Some(NodeFile::new(
             kind,
-            major: u64::from(libc::major(meta.rdev())),
-            minor: u64::from(libc::minor(meta.rdev())),
-            mode: meta.mode() & 0o7777,
-            uid: meta.uid(),
-            gid: meta.gid(),
-        });
+            meta.rdev(),
+            meta.mode(),
+            meta.uid(),
+            meta.gid(),
+        ));
         d.host_path = real;
     }
     for m in &mut edits.mounts {
