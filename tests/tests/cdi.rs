@@ -12,6 +12,8 @@ use devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse;
 use devicelet_simulator::Allocation;
 use devicelet_tests::{Node, WAIT, eventually, eventually_some, generic_dev, misbehaving};
 
+const SERIAL: &str = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
+
 const SERIAL_AND_FUSE: &str = r#"groups = [
   { name = "serial", paths = ["/dev/ttyUSB*"] },
   { name = "fuse", paths = ["/dev/fuse"], count = 2 },
@@ -662,16 +664,21 @@ async fn the_first_allocate_after_registration_already_names_cdi_devices() {
     agent.shutdown().await;
 }
 
+/// A node with one serial port, served by generic-dev with `cdi-cri` alone, its spec written.
+async fn serial_by_cdi() -> (Node, Agent) {
+    let node = Node::new().await;
+    node.add_char("/dev/ttyUSB0", 188, 0);
+    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", SERIAL)).await;
+    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    (node, agent)
+}
+
 /// Someone puts a spec of our kind at our path (here: mounting the host's `/etc` writable). The
 /// next Allocate does not name the device (the file is not the one written), and the writer puts
 /// ours back, counting the foreign one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_replaced_at_our_path_is_never_named_and_is_written_over() {
-    let node = Node::new().await;
-    node.add_char("/dev/ttyUSB0", 188, 0);
-    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
-    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
-    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let (node, agent) = serial_by_cdi().await;
     let path = spec_path(&node, "devicelet.io/serial");
     let ours = std::fs::read(&path).expect("our spec");
     let theirs = serde_json::json!({
@@ -724,11 +731,7 @@ async fn a_spec_replaced_at_our_path_is_never_named_and_is_written_over() {
 /// While it is there, no device is named; once it goes, they are again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_another_spec_declares_our_kind_no_device_is_named() {
-    let node = Node::new().await;
-    node.add_char("/dev/ttyUSB0", 188, 0);
-    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
-    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
-    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let (node, agent) = serial_by_cdi().await;
     let other = cdi_dir(&node).join("zz-other.yaml");
     std::fs::write(
         &other,
@@ -801,15 +804,11 @@ async fn a_cdi_dir_others_may_write_to_gets_no_spec_and_allocate_lists_the_devic
 /// still resolve, with the old edits. The next agent removes it at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spec_of_a_resource_no_longer_named_by_cdi_goes_at_start() {
-    let node = Node::new().await;
-    node.add_char("/dev/ttyUSB0", 188, 0);
-    let serial = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]"#;
-    let agent = start(&node, &generic_dev_with("\"cdi-cri\"", serial)).await;
-    spec_with(&node, &agent, "devicelet.io/serial", 1).await;
+    let (node, agent) = serial_by_cdi().await;
     agent.shutdown().await;
     let path = spec_path(&node, "devicelet.io/serial");
     assert!(path.exists(), "kept while no agent runs");
-    let agent = start(&node, &generic_dev_with("\"devices\"", serial)).await;
+    let agent = start(&node, &generic_dev_with("\"devices\"", SERIAL)).await;
     assert!(!path.exists(), "removed at start");
     agent.shutdown().await;
 }
