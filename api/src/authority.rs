@@ -128,8 +128,17 @@ impl<S> Rewritten<S> {
     ///     .unwrap();
     /// # }
     /// ```
+    ///
+    /// What a connection needs is decided on its first request: when that request's
+    /// `:authority` is one the server takes (absent, or a valid URI authority such as
+    /// `localhost`, what the kubelet's device manager sends), the connection is passed through
+    /// untouched from then on, costing nothing more; otherwise (the plugin watcher's socket path)
+    /// every request's header block is rewritten. A client has no reason to change authorities
+    /// between requests on one connection, and one that does only has its own request refused.
     pub fn server(stream: S, authority: &str) -> Self {
-        Self::new(stream, Side::Server, authority, Encoding::Literal)
+        let mut rewritten = Self::new(stream, Side::Server, authority, Encoding::Literal);
+        rewritten.rewriter.mode = Mode::Deciding;
+        rewritten
     }
 
     /// Wraps a stream dialed by an HTTP/2 client: requests written to it reach the server with
@@ -224,6 +233,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewritten<S> {
             return Pin::new(&mut this.inner).poll_read(cx, buf);
         }
         loop {
+            if this.rewriter.mode == Mode::Passing
+                && this.sent == this.out.len()
+                && this.raw_at >= this.raw_len
+            {
+                return Pin::new(&mut this.inner).poll_read(cx, buf);
+            }
             if this.sent < this.out.len() {
                 let n = buf.remaining().min(this.out.len() - this.sent);
                 buf.put_slice(&this.out[this.sent..this.sent + n]);
@@ -328,6 +343,7 @@ fn refused(why: &'static str) -> io::Error {
 /// fed with whatever the transport delivers, so frames may arrive split anywhere.
 struct Rewriter {
     authority: Box<[u8]>,
+    mode: Mode,
     decoder: Decoder<'static>,
     encoding: Encoding,
     state: State,
@@ -340,6 +356,17 @@ struct Rewriter {
     /// Field representations decoded since the caller last reset it; [`Rewriter::feed`] takes
     /// no more input from [`MAX_FIELDS`] on.
     decoded: usize,
+}
+
+/// Whether header blocks are rewritten.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Every block (what [`Rewriter::new`] makes).
+    Rewriting,
+    /// The first block decides (see [`Rewritten::server`]).
+    Deciding,
+    /// None: the first one needed nothing, and everything is passed through.
+    Passing,
 }
 
 #[derive(Clone, Copy)]
@@ -370,6 +397,7 @@ impl Rewriter {
         decoder.set_max_allowed_table_size(DEFAULT_TABLE);
         Self {
             authority: authority.into(),
+            mode: Mode::Rewriting,
             decoder,
             encoding,
             state: State::Preface(0),
@@ -465,7 +493,8 @@ impl Rewriter {
         let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
         let (kind, flags) = (h[3], h[4]);
         let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-        match (kind, &self.block) {
+        let kind_here = if self.mode == Mode::Passing { 0 } else { kind };
+        match (kind_here, &self.block) {
             (HEADERS, None) => {}
             (CONTINUATION, Some(block)) if block.stream == stream => {}
             (CONTINUATION, _) => return Err(refused("CONTINUATION without its HEADERS")),
@@ -539,13 +568,18 @@ impl Rewriter {
             authority,
             decoder,
             encoding,
+            mode,
             ..
         } = self;
         let mut encoded = Vec::new();
         let mut size = 0;
+        let mut sent = None;
         decoder
             .decode_with_cb(&block.fragment, |name, value| {
                 let value = if &*name == b":authority" {
+                    if *mode == Mode::Deciding {
+                        sent = Some(value.to_vec());
+                    }
                     &**authority
                 } else {
                     &*value
@@ -560,6 +594,20 @@ impl Rewriter {
             .map_err(|_| refused("undecodable request header block"))?;
         if size > MAX_LIST {
             return Err(refused("request header list over 64 KiB"));
+        }
+        if *mode == Mode::Deciding {
+            let takes = |a: &[u8]| {
+                std::str::from_utf8(a)
+                    .is_ok_and(|a| a.parse::<tonic::codegen::http::uri::Authority>().is_ok())
+            };
+            if sent.as_deref().is_none_or(takes) {
+                // The server takes it as sent: from here on the connection is passed through, so
+                // this block goes as it came, keeping the server's HPACK table the client's.
+                *mode = Mode::Passing;
+                encoded = block.fragment.clone();
+            } else {
+                *mode = Mode::Rewriting;
+            }
         }
         let mut rest = &encoded[..];
         let mut kind = HEADERS;
@@ -1092,6 +1140,35 @@ mod tests {
         assert_eq!(parse(&whole).len(), 3);
     }
 
+    /// The kubelet's device manager sends `localhost`: its connections are passed through byte
+    /// for byte, whatever comes after. One that starts with the socket's path is rewritten.
+    #[tokio::test]
+    async fn a_connection_whose_first_request_needs_nothing_is_passed_through() {
+        let mut grpc_go = Encoding::Indexed(Table::default());
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(
+            &request_block(&mut grpc_go, LOCALHOST, ""),
+            1,
+            false,
+        ));
+        input.extend(frame(0x0, END_STREAM, 1, b"hello"));
+        input.extend(frames(&request_block(&mut grpc_go, PATH, ""), 3, true));
+        assert_eq!(through_server(input.clone()).await.unwrap(), input);
+
+        let mut grpc_go = Encoding::Indexed(Table::default());
+        let mut input = PREFACE.to_vec();
+        input.extend(frames(&request_block(&mut grpc_go, PATH, ""), 1, true));
+        let out = through_server(input.clone()).await.unwrap();
+        assert_ne!(out, input);
+        let frames = parse(&out);
+        let block: Vec<u8> = frames.iter().flat_map(|f| f.payload.clone()).collect();
+        let fields = decode(&mut Decoder::new(), &block);
+        assert!(
+            fields.contains(&(":authority".to_string(), LOCALHOST.to_string())),
+            "{fields:?}"
+        );
+    }
+
     async fn refused_kind(input: Vec<u8>) -> io::ErrorKind {
         through_server(input).await.unwrap_err().kind()
     }
@@ -1122,6 +1199,13 @@ mod tests {
     fn big_entry() -> Vec<u8> {
         let mut block = Vec::new();
         put_literal(&mut block, 0x40, b"x-big", &[b'a'; 4000]);
+        block
+    }
+
+    /// A block of one field: `:authority` = the socket's path, as a literal the table keeps not.
+    fn path_authority() -> Vec<u8> {
+        let mut block = Vec::new();
+        put_literal(&mut block, 0x00, b":authority", PATH.as_bytes());
         block
     }
 
@@ -1193,6 +1277,9 @@ mod tests {
     /// The most amplifying input there is: each 25-byte frame expands to a 64 KiB block.
     fn hostile_input(blocks: usize) -> Vec<u8> {
         let mut input = PREFACE.to_vec();
+        // The socket's path first, as the plugin watcher sends it: the server side rewrites the
+        // connection from then on (one that needs nothing is passed through untouched).
+        input.extend(frames(&path_authority(), 1, false));
         input.extend(frames(&big_entry(), 1, false));
         for i in 0..blocks {
             input.extend(frames(&references(16), 2 * i as u32 + 3, false));
@@ -1251,7 +1338,8 @@ mod tests {
     async fn the_server_side_yields_between_decoding_budgets() {
         // Blocks of MAX_FIELDS Huffman-coded literals: the costliest to decode per byte.
         let block: Vec<u8> = [0x00, 0x81, 0x07, 0x81, 0x07].repeat(MAX_FIELDS);
-        let blocks = vec![block; 8];
+        let mut blocks = vec![path_authority()];
+        blocks.extend(vec![block; 8]);
         let want = rewritten(&blocks).unwrap();
         let mut input = PREFACE.to_vec();
         for (i, block) in blocks.iter().enumerate() {
