@@ -10,8 +10,8 @@
 //!   ([`crate::trust`]); it is created 0700 and must be ours. It is opened once, and every entry
 //!   is reached through that open directory, so no rename of a path above it can redirect us;
 //! - every file we load is a regular file owned by us, not group- or world-writable (a symlink is
-//!   refused), and what is deserialized are the very bytes read from that open file, never the
-//!   path opened again;
+//!   refused), and what is deserialized is that very open file (through `/proc/self/fd`), never
+//!   the path opened again;
 //! - next to each `.cwasm` lies `<name>.sha256`, the sha256 of the `.cwasm` we wrote. The sidecar
 //!   is put in place before the `.cwasm` (both written to a temporary file, synced and renamed),
 //!   and a `.cwasm` whose contents do not match its sidecar (truncated, garbage, missing sidecar)
@@ -229,24 +229,20 @@ impl CompileCache {
         };
         check_ours(&file).map_err(|e| format!("the .cwasm {e}"))?;
         let expected = self.read_sidecar(sidecar)?;
-        let mut bytes = Vec::new();
-        file.take(MAX_CWASM + 1)
-            .read_to_end(&mut bytes)
+        let mut hasher = Sha256::new();
+        let read = std::io::copy(&mut (&file).take(MAX_CWASM + 1), &mut hasher)
             .map_err(|e| format!("cannot read it: {e}"))?;
-        if bytes.len() as u64 > MAX_CWASM {
+        if read > MAX_CWASM {
             return Err(format!("it is over {MAX_CWASM} bytes"));
         }
-        let actual = sha256_hex(&bytes);
+        let actual = hex(&hasher.finalize());
         if actual != expected {
             return Err(format!(
                 "its sha256 is {actual} but {sidecar} says {expected}: truncated or corrupt"
             ));
         }
         let started = Instant::now();
-        // SAFETY: these are the bytes of a file this host wrote with `Component::serialize` (our
-        // uid, in a directory only we can change, read from the one open file whose owner and
-        // mode were checked), and they match the digest we recorded when writing it.
-        let component = unsafe { Component::deserialize(engine, &bytes) }
+        let component = deserialize_open(engine, &file)
             .map_err(|e| format!("wasmtime cannot deserialize it: {e:#}"))?;
         tracing::debug!(
             file = %self.path.join(cwasm).display(),
@@ -349,6 +345,30 @@ impl CompileCache {
             ),
         }
     }
+}
+
+/// The component in `file`, an open cache entry whose owner, mode and digest were checked.
+///
+/// Mapped through `/proc/self/fd`, which reaches the very inode `file` has open (never the
+/// path it was opened by), so its code is shared with the page cache instead of copied into the
+/// agent's own memory; read from `file` itself where `/proc` is not mounted.
+fn deserialize_open(engine: &Engine, file: &std::fs::File) -> wasmtime::Result<Component> {
+    use std::io::Seek;
+    use std::os::fd::AsRawFd;
+    let fd = format!("/proc/self/fd/{}", file.as_raw_fd());
+    if Path::new(&fd).exists() {
+        // SAFETY: the file is one this host wrote with `Component::serialize` (our uid, in a
+        // directory only we can change), its contents match the digest we recorded when writing
+        // it, and we never modify a cache file in place (entries are replaced by rename), so the
+        // mapping stays valid for as long as the component lives.
+        return unsafe { Component::deserialize_file(engine, &fd) };
+    }
+    let mut bytes = Vec::new();
+    let mut file = file;
+    file.seek(std::io::SeekFrom::Start(0))?;
+    file.take(MAX_CWASM).read_to_end(&mut bytes)?;
+    // SAFETY: as above, read from the same open file.
+    unsafe { Component::deserialize(engine, &bytes) }
 }
 
 /// A stable key for the engine's compilation settings: the same settings give the same key in
