@@ -673,6 +673,18 @@ async fn serial_by_cdi() -> (Node, Agent) {
     (node, agent)
 }
 
+/// Once the serial port's devices may be named by CDI again, one Allocate of it.
+async fn allocate_once_named_again(node: &Node, agent: &Agent) -> Allocation {
+    eventually("devices named again", || {
+        cdi_status(agent, "devicelet.io/serial").error.is_none()
+    })
+    .await;
+    node.kubelet
+        .allocate("devicelet.io/serial", 1)
+        .await
+        .expect("allocate")
+}
+
 /// Someone puts a spec of our kind at our path (here: mounting the host's `/etc` writable). The
 /// next Allocate does not name the device (the file is not the one written), and the writer puts
 /// ours back, counting the foreign one.
@@ -711,15 +723,7 @@ async fn a_spec_replaced_at_our_path_is_never_named_and_is_written_over() {
     .await;
     assert_eq!(cdi_status(&agent, "devicelet.io/serial").foreign, 1);
     node.kubelet.release(a.id);
-    eventually("devices named again", || {
-        cdi_status(&agent, "devicelet.io/serial").error.is_none()
-    })
-    .await;
-    let b = node
-        .kubelet
-        .allocate("devicelet.io/serial", 1)
-        .await
-        .expect("allocate");
+    let b = allocate_once_named_again(&node, &agent).await;
     assert_eq!(
         resolve(&cdi_dir(&node), &cdi_names(&b)).nodes,
         BTreeSet::from([("/dev/ttyUSB0".into(), "/dev/ttyUSB0".into(), "rw".into())])
@@ -752,15 +756,7 @@ async fn while_another_spec_declares_our_kind_no_device_is_named() {
     assert_eq!(cdi_status(&agent, "devicelet.io/serial").foreign, 1);
     node.kubelet.release(a.id);
     std::fs::remove_file(&other).expect("remove it");
-    eventually("devices named again", || {
-        cdi_status(&agent, "devicelet.io/serial").error.is_none()
-    })
-    .await;
-    let b = node
-        .kubelet
-        .allocate("devicelet.io/serial", 1)
-        .await
-        .expect("allocate");
+    let b = allocate_once_named_again(&node, &agent).await;
     assert_eq!(cdi_names(&b).len(), 1);
     agent.shutdown().await;
 }
