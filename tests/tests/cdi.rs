@@ -302,15 +302,22 @@ async fn an_unwritable_cdi_dir_is_reported_and_allocate_lists_the_devices_instea
         .wait_until("devicelet.io/serial", WAIT, |r| r.allocatable == 1)
         .await
         .expect("served all the same");
+    allocate_listed(&node).await;
+    assert_eq!(cdi_status(&agent, "devicelet.io/serial").unnamed, 1);
+    agent.shutdown().await;
+}
+
+/// One Allocate of the serial port, given the module's answer itself (its one device listed)
+/// rather than named by CDI.
+async fn allocate_listed(node: &Node) -> Allocation {
     let a = node
         .kubelet
         .allocate("devicelet.io/serial", 1)
         .await
         .expect("allocate");
-    assert!(a.response.cdi_devices.is_empty());
+    assert!(a.response.cdi_devices.is_empty(), "named: {a:?}");
     assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
-    assert_eq!(cdi_status(&agent, "devicelet.io/serial").unnamed, 1);
-    agent.shutdown().await;
+    a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -707,16 +714,8 @@ async fn a_spec_replaced_at_our_path_is_never_named_and_is_written_over() {
     std::fs::write(&staged, serde_json::to_vec(&theirs).unwrap()).expect("their spec");
     std::fs::rename(&staged, &path).expect("put over ours");
 
-    let a = node
-        .kubelet
-        .allocate("devicelet.io/serial", 1)
-        .await
-        .expect("allocate");
-    assert!(
-        a.response.cdi_devices.is_empty(),
-        "named in their file: {a:?}"
-    );
-    assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
+    // Not named in their file.
+    let a = allocate_listed(&node).await;
     eventually("our spec to be written back", || {
         std::fs::read(&path).is_ok_and(|now| now == ours)
     })
@@ -786,13 +785,7 @@ async fn a_cdi_dir_others_may_write_to_gets_no_spec_and_allocate_lists_the_devic
         "{error}"
     );
     assert!(!spec_path(&node, "devicelet.io/serial").exists());
-    let a = node
-        .kubelet
-        .allocate("devicelet.io/serial", 1)
-        .await
-        .expect("allocate");
-    assert!(a.response.cdi_devices.is_empty());
-    assert_eq!(a.response.devices.len(), 1, "the module's answer itself");
+    allocate_listed(&node).await;
     agent.shutdown().await;
 }
 

@@ -265,17 +265,21 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
     for (name, help, f) in resource_gauges {
         gauges(registry, name, help, by_resource(f));
     }
-    let shared: Vec<_> = by_resource(&physical_in_use)
-        .into_iter()
-        .zip(&status.resources)
-        .filter(|(_, r)| r.shared)
-        .map(|(v, _)| v)
-        .collect();
+    // A figure only some resources have: read off those alone.
+    let by_resource_if = |keep: &dyn Fn(&ResourceStatus) -> bool,
+                          f: &dyn Fn(&ResourceStatus) -> u64| {
+        by_resource(f)
+            .into_iter()
+            .zip(&status.resources)
+            .filter(|(_, r)| keep(r))
+            .map(|(v, _)| v)
+            .collect::<Vec<_>>()
+    };
     gauges(
         registry,
         "resource_replicas_in_use",
         "For a shared resource: physical devices with at least one replica allocated",
-        shared,
+        by_resource_if(&|r| r.shared, &physical_in_use),
     );
     let resource_counters: [Figure<ResourceStatus>; 3] = [
         (
@@ -298,12 +302,7 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
         counters(registry, name, help, by_resource(f));
     }
     let with_cdi = |f: &dyn Fn(&crate::agent::status::CdiStatus) -> u64| {
-        by_resource(&|r| r.cdi.as_ref().map_or(0, f))
-            .into_iter()
-            .zip(&status.resources)
-            .filter(|(_, r)| r.cdi.is_some())
-            .map(|(v, _)| v)
-            .collect::<Vec<_>>()
+        by_resource_if(&|r| r.cdi.is_some(), &|r| r.cdi.as_ref().map_or(0, f))
     };
     gauges(
         registry,
