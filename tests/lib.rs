@@ -68,6 +68,8 @@ pub fn module_dir() -> &'static Path {
                 "amd-gpu",
                 "-p",
                 "nvidia-gpu",
+                "-p",
+                "wit-0-1-0",
             ])
             .status()
             .expect("running cargo to build the guest modules");

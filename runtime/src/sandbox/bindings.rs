@@ -2,10 +2,11 @@
 //! the host's own types. A new WIT major version gets a sibling module here and nothing else in
 //! the host changes.
 
-/// Bindings for `devicelet:plugin@0.1`, generated from the frozen copy in `wit/v0.1/`.
+/// Bindings for `devicelet:plugin@0.1`, generated from the newest frozen copy, `wit/v0.1.1/`; modules
+/// built against an older 0.1.x link against them by semver.
 pub mod v0_1 {
     wasmtime::component::bindgen!({
-        path: "../wit/v0.1",
+        path: "../wit/v0.1.1",
         world: "device-plugin",
         exports: { default: async },
     });
@@ -18,14 +19,12 @@ use v0_1::wit;
 
 use crate::device::{ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo};
 
-/// The interfaces a v0.1 module may import, each linked only when granted. A module built
-/// against any `0.1.x` matches them: a minor version only adds, and wasmtime's linker resolves
-/// `@0.1.x` imports to the host's `@0.1.1` definitions by semver compatibility.
+/// The versions of the WIT package, read from the frozen folders under `wit/` by `build.rs`, and
+/// what the host makes of the version a module's imports and export name.
 pub mod imports {
-    /// The export every module must have.
-    pub const PLUGIN: &str = "devicelet:plugin/plugin@0.1.1";
-    /// The interface versions this host implements: `0.1.x`.
-    pub const COMPATIBLE: &str = "0.1.";
+    use semver::Version;
+
+    include!(concat!(env!("OUT_DIR"), "/wit_versions.rs"));
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Interface {
@@ -35,16 +34,54 @@ pub mod imports {
         Devnodes,
         /// Added in 0.1.1.
         Nvml,
+        /// The export every module must have.
+        Plugin,
     }
 
-    /// Which of our interfaces `import` names: None when it is not a `devicelet:plugin`
-    /// import at all, `Err` when it is one this host does not provide (an unknown interface, or
-    /// a version other than 0.1.x).
-    pub fn ours(import: &str) -> Option<Result<Interface, ()>> {
-        let rest = import.strip_prefix("devicelet:plugin/")?;
+    /// Why a `devicelet:plugin` name is not one this host provides.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Unsupported {
+        /// An interface no published version has.
+        Interface,
+        /// A version outside [`speaks`] (or no version at all).
+        Version(String),
+    }
+
+    /// The versions a module may be built against, as the operator reads it: `0.1.0 to 0.1.1`.
+    /// The oldest published version through [`LATEST`]: a minor version only adds, and wasmtime's
+    /// linker resolves an older `@0.1.x` import to the host's newer definition.
+    pub fn speaks() -> String {
+        format!("{} to {LATEST}", PUBLISHED[0])
+    }
+
+    /// Whether a module built against `version` links with this host: the same major (minor for
+    /// 0.x) as [`LATEST`], no newer than it, and no older than the first published version.
+    pub fn supported(version: &Version) -> bool {
+        let (Ok(oldest), Ok(latest)) = (Version::parse(PUBLISHED[0]), Version::parse(LATEST))
+        else {
+            return false;
+        };
+        let line = |v: &Version| {
+            if v.major == 0 {
+                (0, v.minor)
+            } else {
+                (v.major, 0)
+            }
+        };
+        version.pre.is_empty()
+            && line(version) == line(&latest)
+            && *version >= oldest
+            && *version <= latest
+    }
+
+    /// Which of our interfaces `name` (an import or export name) is: None when it is not a
+    /// `devicelet:plugin` name at all.
+    pub fn ours(name: &str) -> Option<Result<Interface, Unsupported>> {
+        let rest = name.strip_prefix("devicelet:plugin/")?;
         let (interface, version) = rest.split_once('@').unwrap_or((rest, ""));
-        if !version.starts_with(COMPATIBLE) {
-            return Some(Err(()));
+        match Version::parse(version) {
+            Ok(v) if supported(&v) => {}
+            _ => return Some(Err(Unsupported::Version(version.to_owned()))),
         }
         Some(match interface {
             "log" => Ok(Interface::Log),
@@ -52,7 +89,8 @@ pub mod imports {
             "sysfs" => Ok(Interface::Sysfs),
             "devnodes" => Ok(Interface::Devnodes),
             "nvml" => Ok(Interface::Nvml),
-            _ => Err(()),
+            "plugin" => Ok(Interface::Plugin),
+            _ => Err(Unsupported::Interface),
         })
     }
 
@@ -61,20 +99,73 @@ pub mod imports {
         use super::*;
 
         #[test]
-        fn any_0_1_x_import_matches_and_nothing_else() {
+        fn published_versions_match_and_later_or_other_lines_do_not() {
             assert_eq!(ours("devicelet:plugin/log@0.1.0"), Some(Ok(Interface::Log)));
-            assert_eq!(
-                ours("devicelet:plugin/sysfs@0.1.7"),
-                Some(Ok(Interface::Sysfs))
-            );
-            assert_eq!(ours("devicelet:plugin/sysfs@0.2.0"), Some(Err(())));
-            assert_eq!(ours("devicelet:plugin/sysfs@1.0.0"), Some(Err(())));
             assert_eq!(
                 ours("devicelet:plugin/nvml@0.1.1"),
                 Some(Ok(Interface::Nvml))
             );
-            assert_eq!(ours("devicelet:plugin/gpio@0.1.1"), Some(Err(())));
+            assert_eq!(
+                ours("devicelet:plugin/plugin@0.1.0"),
+                Some(Ok(Interface::Plugin))
+            );
+            // 0.1.7 is semver-compatible with 0.1.1 but newer than anything this host speaks:
+            // refused here, by name, rather than by wasmtime's link error later.
+            for version in ["0.1.7", "0.2.0", "1.0.0", "0.1.1-rc.1", "", "0.1"] {
+                assert_eq!(
+                    ours(&format!("devicelet:plugin/sysfs@{version}")),
+                    Some(Err(Unsupported::Version(version.into()))),
+                    "{version}"
+                );
+            }
+            assert_eq!(
+                ours("devicelet:plugin/gpio@0.1.1"),
+                Some(Err(Unsupported::Interface))
+            );
             assert_eq!(ours("wasi:io/streams@0.2.0"), None);
+            assert_eq!(speaks(), "0.1.0 to 0.1.1");
+        }
+
+        #[test]
+        fn bindings_are_generated_from_the_latest_frozen_folder() {
+            let source = include_str!("bindings.rs");
+            assert!(source.contains(&format!("path: \"../wit/v{LATEST}\"")));
+            assert_eq!(PLUGIN, format!("devicelet:plugin/plugin@{LATEST}"));
+        }
+
+        /// A published version is never edited (a module built against it must keep loading):
+        /// change the WIT by adding `wit/v<next>/`, then add its digest here.
+        #[test]
+        fn published_wit_is_never_edited() {
+            use sha2::{Digest, Sha256};
+            let frozen = [
+                (
+                    "0.1.0",
+                    "d9e8e5a4d8302c6682c13f5769effc7f79b430d7f60d43281d2702e203e33e1a",
+                ),
+                (
+                    "0.1.1",
+                    "2a163c1e5958df90e77e92ba568cd065db9a0b5f52e74fc63bea9d779faeda2b",
+                ),
+            ];
+            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");
+            assert_eq!(
+                PUBLISHED.len(),
+                frozen.len(),
+                "a version folder without a digest here"
+            );
+            for (version, expected) in frozen {
+                let path = root.join(format!("v{version}/plugin.wit"));
+                let text =
+                    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let actual = format!("{:x}", Sha256::digest(&text));
+                assert_eq!(
+                    actual,
+                    expected,
+                    "{} was edited after it was published",
+                    path.display()
+                );
+            }
         }
     }
 }

@@ -36,6 +36,14 @@ pub enum LoadError {
     UngrantedImport { module: String, import: String },
     #[error("module `{module}` imports `{import}`, which devicelet does not provide")]
     UnknownImport { module: String, import: String },
+    #[error(
+        "module `{module}` was built against devicelet:plugin@{wants}; this devicelet speaks {speaks} (rebuild the module with an SDK for one of those, or update devicelet)"
+    )]
+    UnsupportedVersion {
+        module: String,
+        wants: String,
+        speaks: String,
+    },
     #[error("module `{module}` does not export the devicelet plugin interface: {message}")]
     NotAPlugin { module: String, message: String },
     /// `init` failed; the call error names the module.

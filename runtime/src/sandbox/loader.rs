@@ -134,9 +134,9 @@ fn check_imports(
 ) -> Result<ModuleInterface, LoadError> {
     let ty = component.component_type();
     let exports: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
-    let Some(version) = exports
+    let Some(export) = exports
         .iter()
-        .find_map(|e| e.strip_prefix("devicelet:plugin/plugin@"))
+        .find(|e| e.starts_with("devicelet:plugin/plugin@"))
     else {
         return Err(LoadError::NotAPlugin {
             module: spec.name.clone(),
@@ -147,13 +147,14 @@ fn check_imports(
             ),
         });
     };
-    if !version.starts_with(imports::COMPATIBLE) {
-        return Err(LoadError::NotAPlugin {
-            module: spec.name.clone(),
-            message: format!(
-                "it implements devicelet:plugin@{version}; this devicelet supports 0.1.x"
-            ),
-        });
+    let version = export.trim_start_matches("devicelet:plugin/plugin@");
+    let unsupported = |version: &str| LoadError::UnsupportedVersion {
+        module: spec.name.clone(),
+        wants: version.to_owned(),
+        speaks: imports::speaks(),
+    };
+    if let Some(Err(imports::Unsupported::Version(v))) = imports::ours(export) {
+        return Err(unsupported(&v));
     }
     let mut seen = Vec::new();
     for (name, _) in ty.imports(engine) {
@@ -162,8 +163,9 @@ fn check_imports(
             Some(Ok(imports::Interface::Sysfs)) => !spec.grants.sysfs.is_empty(),
             Some(Ok(imports::Interface::Devnodes)) => !spec.grants.dev.is_empty(),
             Some(Ok(imports::Interface::Nvml)) => spec.grants.has_library(crate::config::NVML),
+            Some(Err(imports::Unsupported::Version(v))) => return Err(unsupported(&v)),
             None if name.starts_with("wasi:") => true,
-            Some(Err(())) | None => {
+            Some(Ok(imports::Interface::Plugin) | Err(imports::Unsupported::Interface)) | None => {
                 return Err(LoadError::UnknownImport {
                     module: spec.name.clone(),
                     import: name.to_owned(),

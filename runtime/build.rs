@@ -1,0 +1,71 @@
+//! Reads the published WIT versions from `wit/v<version>/plugin.wit`, so the host's version
+//! constants (the export name, the range it speaks) come from the frozen files themselves rather
+//! than being kept in sync by hand. A folder whose package line disagrees with its name fails the
+//! build: a published folder is never edited, a new version gets a new folder.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+fn main() {
+    let wit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");
+    println!("cargo:rerun-if-changed={}", wit.display());
+    let mut versions: Vec<((u64, u64, u64), String)> = Vec::new();
+    let entries = std::fs::read_dir(&wit).unwrap_or_else(|e| panic!("{}: {e}", wit.display()));
+    for entry in entries {
+        let entry = entry.unwrap_or_else(|e| panic!("{}: {e}", wit.display()));
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(version) = name.strip_prefix('v') else {
+            continue;
+        };
+        let file = entry.path().join("plugin.wit");
+        println!("cargo:rerun-if-changed={}", file.display());
+        let text =
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let package = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("package devicelet:plugin@"))
+            .and_then(|rest| rest.strip_suffix(';'))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{}: no `package devicelet:plugin@<version>;` line",
+                    file.display()
+                )
+            });
+        assert_eq!(
+            package,
+            version,
+            "{} declares devicelet:plugin@{package} but lives in v{version}/: a published version is frozen; add wit/v<new>/ instead",
+            file.display()
+        );
+        let parts: Vec<u64> = version
+            .split('.')
+            .map(|p| {
+                p.parse()
+                    .unwrap_or_else(|_| panic!("wit/{name}: not a version"))
+            })
+            .collect();
+        let [major, minor, patch] = parts[..] else {
+            panic!("wit/{name}: not major.minor.patch");
+        };
+        versions.push(((major, minor, patch), version.to_owned()));
+    }
+    versions.sort();
+    let latest = &versions.last().expect("wit/ holds no v<version>/ folder").1;
+    let mut out = String::new();
+    let list: Vec<String> = versions.iter().map(|(_, v)| format!("{v:?}")).collect();
+    writeln!(
+        out,
+        "pub const PUBLISHED: &[&str] = &[{}];",
+        list.join(", ")
+    )
+    .ok();
+    writeln!(out, "pub const LATEST: &str = {latest:?};").ok();
+    writeln!(
+        out,
+        "pub const PLUGIN: &str = \"devicelet:plugin/plugin@{latest}\";"
+    )
+    .ok();
+    let dest =
+        Path::new(&std::env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("wit_versions.rs");
+    std::fs::write(&dest, out).unwrap_or_else(|e| panic!("{}: {e}", dest.display()));
+}
