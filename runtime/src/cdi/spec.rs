@@ -127,6 +127,25 @@ pub fn kind_of(resource: &str) -> Result<String, String> {
     Ok(format!("{vendor}/{class}"))
 }
 
+/// Checks a fully qualified CDI device name, `vendor/class=device`, by the CDI grammar (vendor
+/// and class start with a letter and end with a letter or digit; the vendor may hold `-_.`, the
+/// class `-_`; the device as [`is_device_name`]). The one copy of that grammar: the specs the agent
+/// writes and the CDI names a module returns are both checked here.
+pub fn check_qualified_name(name: &str) -> Result<(), String> {
+    let (kind, device) = name
+        .split_once('=')
+        .ok_or_else(|| format!("{name:?} has no `=device` part"))?;
+    let (vendor, class) = kind
+        .split_once('/')
+        .ok_or_else(|| format!("{name:?} has no `vendor/` part"))?;
+    check_vendor_or_class("vendor", vendor, &['_', '-', '.'])?;
+    check_vendor_or_class("class", class, &['_', '-'])?;
+    if !is_device_name(device) {
+        return Err(format!("its CDI device name {device:?} is not valid"));
+    }
+    Ok(())
+}
+
 /// A resource's name part as a CDI class (see [`kind_of`]).
 fn class_of(name: &str) -> String {
     let mut class = String::with_capacity(name.len() + 4);
@@ -242,6 +261,23 @@ mod tests {
                 !class.contains('.') && class.starts_with(|c: char| c.is_ascii_alphabetic()),
                 "{kind}"
             );
+        }
+    }
+
+    #[test]
+    fn qualified_names_follow_the_cdi_grammar_in_every_part() {
+        assert_eq!(check_qualified_name("nvidia.com/gpu=GPU-1:0"), Ok(()));
+        // The sandbox's own copy of this grammar let a vendor or class start with a digit, which
+        // every CDI library refuses.
+        for bad in [
+            "1vendor.com/gpu=0",
+            "vendor.com/1gpu=0",
+            "vendor.com/g.pu=0",
+            "vendor.com/gpu=.",
+            "vendor.com=0",
+            "vendor.com/gpu",
+        ] {
+            assert!(check_qualified_name(bad).is_err(), "{bad}");
         }
     }
 

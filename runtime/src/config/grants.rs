@@ -2,7 +2,7 @@
 //! registry entry grants it, and grants are glob patterns over absolute paths so that an operator
 //! can say "the PCI devices" (`/sys/bus/pci/devices/*`) without listing every address.
 
-use glob::{MatchOptions, Pattern};
+use devicelet_rules::grants::{MATCH, Pattern};
 
 use super::error::RegistryError;
 use super::value::Node;
@@ -30,31 +30,7 @@ pub const NVML: &str = "nvml";
 /// registry naming another library is refused.
 pub const VENDOR_LIBRARIES: &[&str] = &[NVML];
 
-/// `*`, `?` and `[...]` never match `/`: a grant of `/sys/class/tty/*` must not reach
-/// `/sys/class/tty/ttyS0/device/driver/...`. Only `**` crosses directories, and only when the
-/// operator writes it.
-const MATCH: MatchOptions = MatchOptions {
-    case_sensitive: true,
-    require_literal_separator: true,
-    require_literal_leading_dot: false,
-};
-
 impl Grants {
-    /// Whether `path` (an absolute host path as the module names it, not prefixed by the host
-    /// root) is under one of the sysfs grants.
-    ///
-    /// A path that is not absolute and normalised (`.`, `..` or empty components) is refused
-    /// outright rather than matched: `*` matches `..`, so `/sys/x/*/../../etc` would otherwise
-    /// slip past `/sys/x/**`. Symlinks are the caller's to resolve before asking.
-    pub fn allows_sysfs(&self, path: &str) -> bool {
-        allows(&self.sysfs, path)
-    }
-
-    /// Whether `path` is under one of the /dev grants; see [`Grants::allows_sysfs`].
-    pub fn allows_dev(&self, path: &str) -> bool {
-        allows(&self.dev, path)
-    }
-
     /// Whether the vendor library `name` is granted.
     pub fn has_library(&self, name: &str) -> bool {
         self.libraries.iter().any(|l| l == name)
@@ -67,13 +43,6 @@ impl Grants {
             && self.mounts.is_empty()
             && self.libraries.is_empty()
     }
-}
-
-fn allows(patterns: &[Pattern], path: &str) -> bool {
-    normalized_absolute(path).is_ok()
-        && patterns
-            .iter()
-            .any(|pattern| pattern.matches_with(path, MATCH))
 }
 
 const KEYS: &[&str] = &["sysfs", "dev", "mounts", "libraries"];
@@ -251,7 +220,7 @@ fn pattern(text: &str, prefix: &str) -> Result<Pattern, (usize, String)> {
             format!("grant {text:?} is not under {prefix}: it must start with {prefix:?}"),
         ));
     }
-    normalized_absolute(text).map_err(|index| {
+    devicelet_rules::grants::normal(text).map_err(|index| {
         (
             index,
             format!(
@@ -268,25 +237,10 @@ fn pattern(text: &str, prefix: &str) -> Result<Pattern, (usize, String)> {
     })
 }
 
-/// `Ok` when `path` starts with `/` and every component is non-empty and neither `.` nor `..`;
-/// otherwise the character index of the first bad component.
-fn normalized_absolute(path: &str) -> Result<(), usize> {
-    let Some(rest) = path.strip_prefix('/') else {
-        return Err(0);
-    };
-    let mut index = 1;
-    for component in rest.split('/') {
-        if component.is_empty() || component == "." || component == ".." {
-            return Err(index);
-        }
-        index += component.chars().count() + 1;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use devicelet_rules::grants::granted;
 
     fn grants(sysfs: &[&str], dev: &[&str]) -> Grants {
         let compile = |patterns: &[&str], prefix| {
@@ -306,30 +260,36 @@ mod tests {
     #[test]
     fn star_stays_within_one_component() {
         let g = grants(&["/sys/bus/pci/devices/*"], &["/dev/fuse", "/dev/ttyUSB*"]);
-        assert!(g.allows_sysfs("/sys/bus/pci/devices/0000:00:1f.2"));
-        assert!(!g.allows_sysfs("/sys/bus/pci/devices/0000:00:1f.2/vendor"));
-        assert!(!g.allows_sysfs("/sys/bus/pci/devices"));
-        assert!(g.allows_dev("/dev/fuse"));
-        assert!(g.allows_dev("/dev/ttyUSB0"));
-        assert!(!g.allows_dev("/dev/ttyUSB0/x"));
-        assert!(!g.allows_dev("/dev/fuse2"));
+        assert!(granted(&g.sysfs, "/sys/bus/pci/devices/0000:00:1f.2"));
+        // Granting a path grants what is below it, as the host interfaces read it (the
+        // registry's own copy of this rule once matched the path alone and said no here).
+        assert!(granted(
+            &g.sysfs,
+            "/sys/bus/pci/devices/0000:00:1f.2/vendor"
+        ));
+        assert!(!granted(&g.sysfs, "/sys/bus/pci/devices0"));
+        assert!(!granted(&g.sysfs, "/sys/bus/pci/devices"));
+        assert!(granted(&g.dev, "/dev/fuse"));
+        assert!(granted(&g.dev, "/dev/ttyUSB0"));
+        assert!(granted(&g.dev, "/dev/ttyUSB0/x"));
+        assert!(!granted(&g.dev, "/dev/fuse2"));
         // sysfs grants say nothing about /dev and vice versa.
-        assert!(!g.allows_dev("/sys/bus/pci/devices/0000:00:1f.2"));
-        assert!(!g.allows_sysfs("/dev/fuse"));
-        assert!(!Grants::default().allows_dev("/dev/fuse"));
+        assert!(!granted(&g.dev, "/sys/bus/pci/devices/0000:00:1f.2"));
+        assert!(!granted(&g.sysfs, "/dev/fuse"));
+        assert!(!granted(&Grants::default().dev, "/dev/fuse"));
         assert!(Grants::default().is_empty());
     }
 
     #[test]
     fn double_star_crosses_directories_but_not_upwards() {
         let g = grants(&["/sys/class/net/**"], &["/dev/*"]);
-        assert!(g.allows_sysfs("/sys/class/net/eth0/address"));
-        assert!(!g.allows_sysfs("/sys/class/net/../../../etc/shadow"));
-        assert!(!g.allows_dev("/dev/.."));
-        assert!(!g.allows_dev("/dev/."));
-        assert!(!g.allows_dev("/dev//fuse"));
-        assert!(!g.allows_dev("dev/fuse"));
-        assert!(g.allows_dev("/dev/fuse"));
+        assert!(granted(&g.sysfs, "/sys/class/net/eth0/address"));
+        assert!(!granted(&g.sysfs, "/sys/class/net/../../../etc/shadow"));
+        assert!(!granted(&g.dev, "/dev/.."));
+        assert!(!granted(&g.dev, "/dev/."));
+        assert!(!granted(&g.dev, "/dev//fuse"));
+        assert!(!granted(&g.dev, "dev/fuse"));
+        assert!(granted(&g.dev, "/dev/fuse"));
     }
 
     #[test]

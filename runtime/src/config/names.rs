@@ -72,11 +72,8 @@ pub(super) fn normalize_sha256(digest: &str) -> Result<String, (usize, String)> 
     Ok(digest.to_ascii_lowercase())
 }
 
-/// One RFC 1123 label; on failure, the character index at fault and why.
+/// One RFC 1123 label of at most 63 characters; on failure, the character index at fault and why.
 fn check_label(label: &str) -> Result<(), (usize, String)> {
-    if label.is_empty() {
-        return Err((0, "it is empty".to_string()));
-    }
     let length = label.chars().count();
     if length > LABEL_MAX {
         return Err((
@@ -84,20 +81,7 @@ fn check_label(label: &str) -> Result<(), (usize, String)> {
             format!("{length} characters is longer than {LABEL_MAX}"),
         ));
     }
-    if let Some((index, c)) = label
-        .chars()
-        .enumerate()
-        .find(|(_, c)| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-'))
-    {
-        return Err((index, format!("{c:?} is not allowed")));
-    }
-    if label.starts_with('-') {
-        return Err((0, "it must not start with '-'".to_string()));
-    }
-    if label.ends_with('-') {
-        return Err((length - 1, "it must not end with '-'".to_string()));
-    }
-    Ok(())
+    devicelet_api::names::label_error(label).map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

@@ -114,15 +114,21 @@ path = "/opt/devicelet/usb.wasm"
         generic.allocation_policy,
         crate::policy::AllocationPolicy::Distributed
     );
-    let patterns = |ps: &[glob::Pattern]| {
+    let patterns = |ps: &[devicelet_rules::grants::Pattern]| {
         ps.iter()
             .map(|p| p.as_str().to_string())
             .collect::<Vec<_>>()
     };
     assert_eq!(patterns(&generic.grants.sysfs), ["/sys/bus/pci/devices/*"]);
     assert_eq!(patterns(&generic.grants.dev), ["/dev/fuse", "/dev/ttyUSB*"]);
-    assert!(generic.grants.allows_dev("/dev/ttyUSB3"));
-    assert!(!generic.grants.allows_dev("/dev/ttyS0"));
+    assert!(devicelet_rules::grants::granted(
+        &generic.grants.dev,
+        "/dev/ttyUSB3"
+    ));
+    assert!(!devicelet_rules::grants::granted(
+        &generic.grants.dev,
+        "/dev/ttyS0"
+    ));
     assert_eq!(
         generic.config,
         json!({
@@ -169,7 +175,10 @@ fn inline_module_tables_are_accepted() {
     let text =
         "module = [{ name = \"a\", path = \"a.wasm\", grants = { dev = [\"/dev/fuse\"] } }]\n";
     let registry = parse(text).unwrap();
-    assert!(registry.modules[0].grants.allows_dev("/dev/fuse"));
+    assert!(devicelet_rules::grants::granted(
+        &registry.modules[0].grants.dev,
+        "/dev/fuse"
+    ));
 }
 
 #[test]

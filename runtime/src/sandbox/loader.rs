@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use wasmtime::Engine;
-use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::component::{Component, Linker};
 
 use super::bindings::imports;
-use super::bindings::v0_1::{DevicePluginPre, devicelet::plugin};
+use super::bindings::v0_1::DevicePluginPre;
 use super::cache::CompileCache;
 use super::error::LoadError;
 use super::host::HostState;
@@ -187,17 +187,18 @@ fn check_imports(
 }
 
 fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState>> {
-    let mut linker = Linker::new(engine);
+    use super::host::{Devnodes, Log, Nvml, Sysfs};
+    let mut linker = Linker::<HostState>::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
-    plugin::log::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+    Log::add_to_linker(&mut linker, |s| &mut s.log)?;
     if !grants.sysfs.is_empty() {
-        plugin::sysfs::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+        Sysfs::add_to_linker(&mut linker, |s| &mut s.sysfs)?;
     }
     if !grants.dev.is_empty() {
-        plugin::devnodes::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+        Devnodes::add_to_linker(&mut linker, |s| &mut s.devnodes)?;
     }
     if grants.has_library(crate::config::NVML) {
-        plugin::nvml::add_to_linker::<_, HasSelf<_>>(&mut linker, |s| s)?;
+        Nvml::add_to_linker(&mut linker, |s| &mut s.nvml)?;
     }
     Ok(linker)
 }

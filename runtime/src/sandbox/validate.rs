@@ -103,12 +103,7 @@ pub fn chosen_ids(chosen: &[String], allowed: &[String], size: usize) -> Result<
 }
 
 fn is_normal_absolute(path: &str) -> bool {
-    path.starts_with('/')
-        && path.len() <= 4096
-        && path
-            .split('/')
-            .skip(1)
-            .all(|c| !c.is_empty() && c != "." && c != "..")
+    path.len() <= 4096 && devicelet_rules::grants::normal(path).is_ok()
 }
 
 fn is_env_name(name: &str) -> bool {
@@ -120,58 +115,14 @@ fn is_env_name(name: &str) -> bool {
         && name.len() <= 256
 }
 
-/// Annotation keys are Kubernetes qualified names: optional `prefix/` (a DNS subdomain) and a
-/// 1–63 character name.
+/// Annotation keys are Kubernetes qualified names.
 fn is_annotation_key(key: &str) -> bool {
-    let (prefix, name) = match key.rsplit_once('/') {
-        Some((p, n)) => (Some(p), n),
-        None => (None, key),
-    };
-    let name_ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        && name
-            .bytes()
-            .next()
-            .is_some_and(|b| b.is_ascii_alphanumeric())
-        && name
-            .bytes()
-            .last()
-            .is_some_and(|b| b.is_ascii_alphanumeric());
-    let prefix_ok = prefix.is_none_or(|p| {
-        !p.is_empty()
-            && p.len() <= 253
-            && p.split('.').all(|l| {
-                !l.is_empty()
-                    && l.bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            })
-    });
-    name_ok && prefix_ok
+    devicelet_api::names::is_qualified_name(key)
 }
 
-/// A fully qualified CDI device name, `vendor.com/class=name`, by the CDI grammar: each part
-/// starts and ends with a letter or digit; the vendor may hold `-_.`, the class `-_`, the device
-/// name `-_.:` in between (so never `.` or `..`).
+/// A fully qualified CDI device name, `vendor.com/class=name`, by the CDI grammar.
 fn is_cdi_name(name: &str) -> bool {
-    let Some((kind, device)) = name.split_once('=') else {
-        return false;
-    };
-    let Some((vendor, class)) = kind.split_once('/') else {
-        return false;
-    };
-    let part = |s: &str, extra: &[u8]| {
-        let b = s.as_bytes();
-        !b.is_empty()
-            && b.len() <= 253
-            && b[0].is_ascii_alphanumeric()
-            && b[b.len() - 1].is_ascii_alphanumeric()
-            && b.iter()
-                .all(|c| c.is_ascii_alphanumeric() || extra.contains(c))
-    };
-    part(vendor, b"-_.") && part(class, b"-_") && part(device, b"-_.:")
+    name.len() <= 253 && crate::cdi::spec::check_qualified_name(name).is_ok()
 }
 
 /// Container edits: device nodes inside the module's /dev grants, mounts inside its grants,
@@ -581,12 +532,16 @@ mod tests {
         };
         assert!(edits(&cdi("nvidia.com/gpu=0"), &grants()).is_ok());
         assert!(edits(&cdi("not-qualified"), &grants()).is_err());
+        // Checked by the CDI spec's own grammar (this copy once let a vendor start with a digit).
+        assert!(edits(&cdi("1vendor.com/gpu=0"), &grants()).is_err());
         let ann = |k: &str| ContainerEdits {
             annotations: vec![(k.into(), "v".into())],
             ..Default::default()
         };
         assert!(edits(&ann("devicelet.io/holder"), &grants()).is_ok());
         assert!(edits(&ann("not a key!"), &grants()).is_err());
+        // Kubernetes' qualified-name rule (this copy once skipped the label-edge check).
+        assert!(edits(&ann("-x.io/key"), &grants()).is_err());
     }
 
     #[test]

@@ -51,27 +51,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::rc::Rc;
 
-use glob::{MatchOptions, Pattern};
+use devicelet_rules::grants::{Pattern, WALK, granted, leads_to_grant};
 
 use crate::ResourceInfo;
 use crate::{ContainerEdits, Device, FsError, Level, NodeInfo, NodeKind, Plugin, PluginError};
 
-/// Grants match as the agent matches them: `*` never crosses a `/`.
-const GRANT: MatchOptions = MatchOptions {
-    case_sensitive: true,
-    require_literal_separator: true,
-    require_literal_leading_dot: false,
-};
-
-/// `/dev` globs as the agent walks them: `*` matches no leading dot.
-const WALK: MatchOptions = MatchOptions {
-    case_sensitive: true,
-    require_literal_separator: true,
-    require_literal_leading_dot: true,
-};
-
-/// Largest sysfs read, as the agent's.
-const MAX_READ: usize = 64 * 1024;
 /// Most symlinks followed in one path, as Linux's.
 const MAX_LINKS: usize = 40;
 
@@ -357,7 +341,10 @@ impl FakeHost {
         self.check(&self.sysfs, path, false)?;
         let real = self.resolve("/sys", path, true)?;
         match self.entry(&real) {
-            Some(Entry::File(bytes)) => Ok(bytes.into_iter().take(MAX_READ).collect()),
+            Some(Entry::File(bytes)) => Ok(bytes
+                .into_iter()
+                .take(devicelet_rules::grants::MAX_SYSFS_READ)
+                .collect()),
             Some(_) => Err(FsError::Io(format!("{path} is not a regular file"))),
             None => Err(FsError::NotFound),
         }
@@ -489,44 +476,22 @@ pub struct DevListEntry {
 }
 
 /// Parses a fixture's `dev.list`: `c <major>:<minor> /dev/<path>` or `b ...` per line, `#`
-/// comments and blank lines ignored. The error names the line.
+/// comments and blank lines ignored. The error names the line. The agent's fixture trees are read
+/// by the same parser.
 pub fn parse_dev_list(text: &str) -> Result<Vec<DevListEntry>, String> {
-    let mut nodes = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.split('#').next().unwrap_or_default().trim();
-        if line.is_empty() {
-            continue;
-        }
-        let bad = || {
-            format!(
-                "line {}: expected `c <major>:<minor> /dev/<path>` (or `b`), got {line:?}",
-                n + 1
-            )
-        };
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        let [kind, numbers, path] = parts.as_slice() else {
-            return Err(bad());
-        };
-        let kind = match *kind {
-            "c" => NodeKind::Character,
-            "b" => NodeKind::Block,
-            _ => return Err(bad()),
-        };
-        let (major, minor) = numbers.split_once(':').ok_or_else(bad)?;
-        let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) else {
-            return Err(bad());
-        };
-        if !path.starts_with("/dev/") || !is_normal(path) {
-            return Err(bad());
-        }
-        nodes.push(DevListEntry {
-            path: (*path).to_owned(),
-            kind,
-            major,
-            minor,
-        });
-    }
-    Ok(nodes)
+    use devicelet_rules::dev_list::{self, Kind};
+    Ok(dev_list::parse(text)?
+        .into_iter()
+        .map(|e| DevListEntry {
+            path: e.path,
+            kind: match e.kind {
+                Kind::Char => NodeKind::Character,
+                Kind::Block => NodeKind::Block,
+            },
+            major: e.major,
+            minor: e.minor,
+        })
+        .collect())
 }
 
 /// A module using sysfs or /dev without any grant of that kind: the agent would not load it.
@@ -538,26 +503,7 @@ fn no_grant(area: &str) -> FsError {
 }
 
 fn is_normal(path: &str) -> bool {
-    path.strip_prefix('/').is_some_and(|rest| {
-        rest.split('/')
-            .all(|c| !c.is_empty() && c != "." && c != "..")
-    })
-}
-
-fn granted(grants: &[Pattern], path: &str) -> bool {
-    Path::new(path).ancestors().any(|p| {
-        p.to_str()
-            .is_some_and(|p| grants.iter().any(|g| g.matches_with(p, GRANT)))
-    })
-}
-
-fn leads_to_grant(grants: &[Pattern], dir: &str) -> bool {
-    let dir = dir.trim_end_matches('/');
-    grants.iter().any(|g| {
-        g.as_str()
-            .strip_prefix(dir)
-            .is_some_and(|rest| rest.starts_with('/'))
-    })
+    devicelet_rules::grants::normal(path).is_ok()
 }
 
 thread_local! {

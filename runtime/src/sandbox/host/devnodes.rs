@@ -8,24 +8,22 @@
 use std::path::Path;
 
 use cap_std::fs::{Dir, FileTypeExt, MetadataExt};
-use glob::{MatchOptions, Pattern};
+use devicelet_rules::grants::{Pattern, WALK};
 
-use super::HostState;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use wasmtime::component::{HasSelf, Linker};
+
 use super::paths::{Beneath, beneath, check, granted};
 use super::sysfs::fs_error;
-use crate::sandbox::bindings::v0_1::devicelet::plugin::devnodes::{Host, NodeInfo, NodeKind};
+use crate::sandbox::bindings::v0_1::devicelet::plugin::devnodes::{self, Host, NodeInfo, NodeKind};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::types::FsError;
 
 /// Most paths one glob may return.
 const MAX_MATCHES: usize = 4096;
 /// Most directory entries one glob may look at.
 pub(crate) const MAX_WALK: usize = 65_536;
-
-const MATCH: MatchOptions = MatchOptions {
-    case_sensitive: true,
-    require_literal_separator: true,
-    require_literal_leading_dot: true,
-};
 
 /// Linux's `dev_t` encoding (glibc's `gnu_dev_major`/`gnu_dev_minor`).
 fn major_minor(dev: u64) -> (u32, u32) {
@@ -97,7 +95,7 @@ impl Walk<'_> {
             }
             let Ok(entry) = entry else { continue };
             if let Some(name) = entry.file_name().to_str()
-                && pattern.matches_with(name, MATCH)
+                && pattern.matches_with(name, WALK)
             {
                 names.push(name.to_owned());
             }
@@ -113,14 +111,32 @@ impl Walk<'_> {
     }
 }
 
-impl HostState {
-    fn dev(&self, path: &str) -> Result<Beneath, FsError> {
-        check(&self.grants.dev, path, false).map_err(|e| FsError::Denied(e.to_string()))?;
+/// Everything `devnodes` can touch: the host root's `/dev`, within these grants.
+pub struct Devnodes {
+    host_root: Arc<PathBuf>,
+    grants: Vec<Pattern>,
+}
+
+impl Devnodes {
+    pub(super) fn new(host_root: Arc<PathBuf>, grants: Vec<Pattern>) -> Self {
+        Devnodes { host_root, grants }
+    }
+
+    /// Linked only for a module granted some /dev path.
+    pub fn add_to_linker<T: Send + 'static>(
+        linker: &mut Linker<T>,
+        view: fn(&mut T) -> &mut Devnodes,
+    ) -> wasmtime::Result<()> {
+        devnodes::add_to_linker::<T, HasSelf<Devnodes>>(linker, view)
+    }
+
+    fn open(&self, path: &str) -> Result<Beneath, FsError> {
+        check(&self.grants, path, false).map_err(|e| FsError::Denied(e.to_string()))?;
         beneath(&self.host_root, path).map_err(fs_error)
     }
 }
 
-impl Host for HostState {
+impl Host for Devnodes {
     fn glob(&mut self, pattern: String) -> Result<Vec<String>, FsError> {
         if let Some(why) = bad_pattern(&pattern) {
             return Err(FsError::Denied(why));
@@ -143,7 +159,7 @@ impl Host for HostState {
             .map(|rel| format!("/dev/{rel}"))
             // A match must be granted, and what it points to must stay inside /dev (a dangling
             // link is shown; `stat` then reports it not found).
-            .filter(|logical| granted(&self.grants.dev, logical))
+            .filter(|logical| granted(&self.grants, logical))
             .filter(|logical| {
                 let rel = Path::new(&logical["/dev/".len()..]);
                 match dev.metadata(rel) {
@@ -157,7 +173,7 @@ impl Host for HostState {
     }
 
     fn stat(&mut self, path: String) -> Result<NodeInfo, FsError> {
-        let at = self.dev(&path)?;
+        let at = self.open(&path)?;
         let meta = at.dir.metadata(&at.rel).map_err(fs_error)?;
         let kind = if meta.file_type().is_char_device() {
             NodeKind::Character

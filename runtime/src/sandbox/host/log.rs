@@ -1,15 +1,39 @@
 //! `devicelet:plugin/log`: a module's log lines become tracing events tagged with its name,
 //! under the same rate limit as its stdout and stderr.
 
-use super::HostState;
-use crate::sandbox::bindings::v0_1::devicelet::plugin::log::{Host, Level};
+use std::sync::Arc;
+
+use wasmtime::component::{HasSelf, Linker};
+
+use super::output::ModuleOutput;
+use crate::sandbox::bindings::v0_1::devicelet::plugin::log::{self, Host, Level};
 
 /// Longest log line kept; the rest is cut so a module cannot flood the agent's log.
 const MAX_LINE: usize = 4096;
 
-impl Host for HostState {
+/// What `log` sees: the module's name and its output allowance.
+pub struct Log {
+    module: Arc<str>,
+    gate: ModuleOutput,
+}
+
+impl Log {
+    pub(super) fn new(module: Arc<str>, gate: ModuleOutput) -> Self {
+        Log { module, gate }
+    }
+
+    /// Always linked: every module may log.
+    pub fn add_to_linker<T: Send + 'static>(
+        linker: &mut Linker<T>,
+        view: fn(&mut T) -> &mut Log,
+    ) -> wasmtime::Result<()> {
+        log::add_to_linker::<T, HasSelf<Log>>(linker, view)
+    }
+}
+
+impl Host for Log {
     fn log(&mut self, level: Level, message: String) {
-        if !self.log_gate.admit() {
+        if !self.gate.admit() {
             return;
         }
         let mut message = message;

@@ -1,5 +1,6 @@
-//! The host interfaces a module may import. Each is linked only when the registry grants it, and
-//! every call checks its path against the grants again.
+//! The host interfaces a module may import. Each owns its state (what it may touch, nothing more),
+//! has its own `add_to_linker`, and is linked only when the registry grants it; every call checks
+//! its path against the grants again.
 
 mod devnodes;
 mod log;
@@ -9,5 +10,9 @@ pub mod paths;
 mod state;
 mod sysfs;
 
+pub use devnodes::Devnodes;
+pub use log::Log;
+pub use nvml::Nvml;
 pub use output::OutputBudget;
 pub use state::HostState;
+pub use sysfs::Sysfs;

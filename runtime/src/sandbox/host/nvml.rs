@@ -4,10 +4,14 @@
 //! bounds it and a GPU that hangs NVML strands only this module's cell. The conversions between
 //! [`crate::nvml`]'s types and the WIT ones live here and nowhere else.
 
-use super::HostState;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use wasmtime::component::{HasSelf, Linker};
+
 use crate::nvml::{self, NvmlError as E};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::nvml::{
-    Event, EventBatch, EventKind, Gpu, Host, Link, MigDevice, NvmlError, TopologyLevel,
+    self as wit, Event, EventBatch, EventKind, Gpu, Host, Link, MigDevice, NvmlError, TopologyLevel,
 };
 
 /// Most events one read returns; the log itself holds at most this many.
@@ -23,16 +27,35 @@ fn error(e: E) -> NvmlError {
     }
 }
 
-impl HostState {
+/// Everything `nvml` can touch: the node's NVML (present only for a module granted it), and the
+/// host root, where MIG devices' caps nodes are looked up.
+pub struct Nvml {
+    host_root: Arc<PathBuf>,
+    node: Option<Arc<nvml::NvmlNode>>,
+}
+
+impl Nvml {
+    pub(super) fn new(host_root: Arc<PathBuf>, node: Option<Arc<nvml::NvmlNode>>) -> Self {
+        Nvml { host_root, node }
+    }
+
+    /// Linked only for a module granted `libraries = ["nvml"]`.
+    pub fn add_to_linker<T: Send + 'static>(
+        linker: &mut Linker<T>,
+        view: fn(&mut T) -> &mut Nvml,
+    ) -> wasmtime::Result<()> {
+        wit::add_to_linker::<T, HasSelf<Nvml>>(linker, view)
+    }
+
     fn nvml(&self) -> Result<&nvml::NvmlNode, NvmlError> {
         // Only linked when granted, and a granted module always has a node; this is the belt.
-        self.nvml
+        self.node
             .as_deref()
             .ok_or_else(|| NvmlError::Unavailable("nvml is not granted to this module".into()))
     }
 }
 
-impl Host for HostState {
+impl Host for Nvml {
     fn device_count(&mut self) -> Result<u32, NvmlError> {
         self.nvml()?.device_count().map_err(error)
     }

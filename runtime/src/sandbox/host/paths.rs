@@ -7,13 +7,8 @@ use std::path::{Path, PathBuf};
 
 use cap_std::ambient_authority;
 use cap_std::fs::Dir;
-use glob::{MatchOptions, Pattern};
-
-const MATCH: MatchOptions = MatchOptions {
-    case_sensitive: true,
-    require_literal_separator: true,
-    require_literal_leading_dot: false,
-};
+use devicelet_rules::grants::{Denied, Pattern};
+pub use devicelet_rules::grants::{granted, granted_exactly, leads_to_grant};
 
 /// Why a path was refused, for the module's `fs-error.denied`.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -26,48 +21,12 @@ pub enum PathError {
     Escapes(String),
 }
 
-/// Whether `path` or one of its ancestors matches one of `grants`.
-pub fn granted(grants: &[Pattern], path: &str) -> bool {
-    Path::new(path).ancestors().any(|p| {
-        p.to_str()
-            .is_some_and(|p| grants.iter().any(|g| g.matches_with(p, MATCH)))
-    })
-}
-
-/// Whether `path` itself (not only an ancestor) matches one of `grants`.
-pub fn granted_exactly(grants: &[Pattern], path: &str) -> bool {
-    grants.iter().any(|g| g.matches_with(path, MATCH))
-}
-
-/// Whether some grant lies strictly below `dir`, so listing it may reveal granted entries.
-pub fn leads_to_grant(grants: &[Pattern], dir: &str) -> bool {
-    let dir = dir.trim_end_matches('/');
-    grants.iter().any(|g| {
-        g.as_str()
-            .strip_prefix(dir)
-            .is_some_and(|rest| rest.starts_with('/'))
-    })
-}
-
-/// Absolute, with no empty, `.` or `..` components: `Path::components` would quietly drop `.`
-/// and `//`, and a glob's `*` matches them, so they are refused here rather than normalised.
-fn is_normal(path: &str) -> bool {
-    path.strip_prefix('/').is_some_and(|rest| {
-        rest.split('/')
-            .all(|c| !c.is_empty() && c != "." && c != "..")
-    })
-}
-
-/// Checks a logical path a module asked for: normal, and granted (or, when `listing`, a
-/// directory with a grant below it).
+/// Checks a logical path a module asked for ([`devicelet_rules::grants::check`]), naming it in the error.
 pub fn check(grants: &[Pattern], path: &str, listing: bool) -> Result<(), PathError> {
-    if !is_normal(path) {
-        return Err(PathError::NotNormal(path.to_owned()));
-    }
-    if !(granted(grants, path) || listing && leads_to_grant(grants, path)) {
-        return Err(PathError::NotGranted(path.to_owned()));
-    }
-    Ok(())
+    devicelet_rules::grants::check(grants, path, listing).map_err(|e| match e {
+        Denied::NotNormal(_) => PathError::NotNormal(path.to_owned()),
+        Denied::NotGranted => PathError::NotGranted(path.to_owned()),
+    })
 }
 
 /// A checked logical path, opened as the tree it starts in (the host root's `/sys` or `/dev`)
@@ -134,23 +93,6 @@ mod tests {
 
     fn pats(p: &[&str]) -> Vec<Pattern> {
         p.iter().map(|p| Pattern::new(p).unwrap()).collect()
-    }
-
-    #[test]
-    fn a_grant_covers_its_subtree_but_not_its_siblings() {
-        let g = pats(&["/sys/bus/pci/devices/*"]);
-        assert!(granted(&g, "/sys/bus/pci/devices/0000:01:00.0"));
-        assert!(granted(&g, "/sys/bus/pci/devices/0000:01:00.0/vendor"));
-        assert!(!granted(&g, "/sys/bus/usb/devices/1-1"));
-        assert!(!granted(&g, "/sys/bus/pci"));
-    }
-
-    #[test]
-    fn listing_a_parent_of_a_grant_is_allowed() {
-        let g = pats(&["/sys/bus/pci/devices/*"]);
-        assert!(leads_to_grant(&g, "/sys/bus/pci/devices"));
-        assert!(leads_to_grant(&g, "/sys/bus"));
-        assert!(!leads_to_grant(&g, "/sys/class"));
     }
 
     #[test]

@@ -1,4 +1,6 @@
-//! What one module's store holds: its identity, its grants, its WASI context and its limits.
+//! What one module's store holds: its limits, its WASI context, and one state per host interface.
+//! Each interface sees only its own state (the linker hands it `&mut` that field, as
+//! wasmtime-wasi-config does), so `sysfs` cannot reach the NVML handle or the /dev grants.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,14 +16,11 @@ use crate::config::Grants;
 const MAX_HANDLES: usize = 1024;
 
 pub struct HostState {
-    pub(crate) module: Arc<str>,
-    pub(crate) host_root: Arc<PathBuf>,
-    pub(crate) grants: Arc<Grants>,
     pub(crate) limits: StoreLimits,
-    /// NVML, for a module granted it.
-    pub(crate) nvml: Option<Arc<crate::nvml::NvmlNode>>,
-    /// The `log` interface shares the stdout/stderr allowance.
-    pub(super) log_gate: super::output::ModuleOutput,
+    pub(crate) log: super::log::Log,
+    pub(crate) sysfs: super::sysfs::Sysfs,
+    pub(crate) devnodes: super::devnodes::Devnodes,
+    pub(crate) nvml: super::nvml::Nvml,
     wasi: WasiCtx,
     table: ResourceTable,
 }
@@ -46,12 +45,12 @@ impl HostState {
             .allow_udp(false)
             .allow_ip_name_lookup(false);
         HostState {
-            module,
-            host_root,
-            grants,
             limits,
-            nvml,
-            log_gate,
+            // The `log` interface shares the stdout/stderr allowance.
+            log: super::log::Log::new(module, log_gate),
+            sysfs: super::sysfs::Sysfs::new(host_root.clone(), grants.sysfs.clone()),
+            devnodes: super::devnodes::Devnodes::new(host_root.clone(), grants.dev.clone()),
+            nvml: super::nvml::Nvml::new(host_root, nvml),
             wasi: wasi.build(),
             table: {
                 let mut table = ResourceTable::new();

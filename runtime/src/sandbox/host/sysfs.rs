@@ -6,16 +6,18 @@
 //! whose driver hangs — blocks only the module's own cell (see `sandbox::cell`).
 
 use std::io::Read;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use cap_std::fs::{OpenOptions, OpenOptionsExt};
+use devicelet_rules::grants::Pattern;
+use wasmtime::component::{HasSelf, Linker};
 
-use super::HostState;
 use super::paths::{Beneath, PathError, beneath, check, escaped, granted, leads_to_grant};
-use crate::sandbox::bindings::v0_1::devicelet::plugin::sysfs::Host;
+use crate::sandbox::bindings::v0_1::devicelet::plugin::sysfs::{self, Host};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::types::FsError;
 
-/// Largest sysfs read handed to a module; sysfs attributes are a page at most.
-const MAX_READ: u64 = 1 << 20;
+const MAX_READ: u64 = devicelet_rules::grants::MAX_SYSFS_READ as u64;
 /// Most directory entries one listing looks at; `/sys/bus/pci/devices` on a big node has a few
 /// hundred.
 pub(super) const MAX_ENTRIES: usize = 65_536;
@@ -34,16 +36,34 @@ fn denied(e: PathError) -> FsError {
     FsError::Denied(e.to_string())
 }
 
-impl HostState {
-    fn sysfs(&self, path: &str, listing: bool) -> Result<Beneath, FsError> {
-        check(&self.grants.sysfs, path, listing).map_err(denied)?;
+/// Everything `sysfs` can touch: the host root's `/sys`, within these grants.
+pub struct Sysfs {
+    host_root: Arc<PathBuf>,
+    grants: Vec<Pattern>,
+}
+
+impl Sysfs {
+    pub(super) fn new(host_root: Arc<PathBuf>, grants: Vec<Pattern>) -> Self {
+        Sysfs { host_root, grants }
+    }
+
+    /// Linked only for a module granted some sysfs path.
+    pub fn add_to_linker<T: Send + 'static>(
+        linker: &mut Linker<T>,
+        view: fn(&mut T) -> &mut Sysfs,
+    ) -> wasmtime::Result<()> {
+        sysfs::add_to_linker::<T, HasSelf<Sysfs>>(linker, view)
+    }
+
+    fn open(&self, path: &str, listing: bool) -> Result<Beneath, FsError> {
+        check(&self.grants, path, listing).map_err(denied)?;
         beneath(&self.host_root, path).map_err(fs_error)
     }
 }
 
-impl Host for HostState {
+impl Host for Sysfs {
     fn read(&mut self, path: String) -> Result<Vec<u8>, FsError> {
-        let at = self.sysfs(&path, false)?;
+        let at = self.open(&path, false)?;
         let mut options = OpenOptions::new();
         options
             .read(true)
@@ -60,7 +80,7 @@ impl Host for HostState {
     }
 
     fn list(&mut self, path: String) -> Result<Vec<String>, FsError> {
-        let at = self.sysfs(&path, true)?;
+        let at = self.open(&path, true)?;
         let base = path.trim_end_matches('/');
         let mut names = Vec::new();
         for entry in at
@@ -74,7 +94,7 @@ impl Host for HostState {
                 continue;
             };
             let child = format!("{base}/{name}");
-            if granted(&self.grants.sysfs, &child) || leads_to_grant(&self.grants.sysfs, &child) {
+            if granted(&self.grants, &child) || leads_to_grant(&self.grants, &child) {
                 names.push(name);
             }
         }
@@ -83,7 +103,7 @@ impl Host for HostState {
     }
 
     fn read_link(&mut self, path: String) -> Result<String, FsError> {
-        let at = self.sysfs(&path, false)?;
+        let at = self.open(&path, false)?;
         let target = at.dir.read_link_contents(&at.rel).map_err(fs_error)?;
         target
             .into_os_string()
