@@ -1,10 +1,14 @@
 //! Reading the files an operator names (the registry, module files): only regular files, and
 //! only up to a size, so a path that names a FIFO, a device node or something huge is a clear
-//! error instead of a hung or bloated agent.
+//! error instead of a hung or bloated agent. And writing the agent's own files (the ledger, CDI
+//! specs, compile-cache entries) one way, with one durability.
 
-use std::io::{self, Read};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt as _};
 
 /// Largest registry file read.
 pub const MAX_REGISTRY: u64 = 1 << 20;
@@ -54,9 +58,99 @@ pub fn read_regular(path: &Path, max: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The prefix of the temporary names [`write_atomically`] uses for `name`: a dot (hidden, and
+/// not ending in `.json`, so a CDI runtime scanning the directory skips it), then the name.
+pub fn temp_prefix(name: &str) -> String {
+    format!(".{name}.tmp-")
+}
+
+/// Replaces `name` in `dir` with `bytes` so that a reader sees the old file or the new one, never
+/// part of one, and a power cut after return keeps the new one: a temp file created exclusively
+/// (never through a symlink) with exactly `mode`, written, fsynced, renamed over `name`, and the
+/// directory fsynced. A failed write leaves no temp file behind.
+pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8], mode: u32) -> io::Result<()> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let temp = format!(
+        "{}{}-{nanos}-{}",
+        temp_prefix(name),
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut options = OpenOptions::new();
+    options
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW);
+    let mut file = dir.open_with(&temp, &options)?.into_std();
+    let written = file
+        // The umask may have taken bits away; state the mode exactly.
+        .set_permissions(std::fs::Permissions::from_mode(mode))
+        .and_then(|()| file.write_all(bytes))
+        .and_then(|()| file.sync_all())
+        .and_then(|()| dir.rename(&temp, dir, name));
+    if let Err(e) = written {
+        let _ = dir.remove_file(&temp);
+        return Err(e);
+    }
+    sync_dir(dir)
+}
+
+/// Makes the directory's entries (a rename, a removal) durable.
+pub fn sync_dir(dir: &Dir) -> io::Result<()> {
+    #[cfg(test)]
+    tests::DIR_SYNCS.with(|n| n.set(n.get() + 1));
+    // A `Dir` handle may be an `O_PATH` descriptor, which fsync refuses: sync the directory
+    // opened for reading through it.
+    dir.open(".")?.sync_all()
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Directory fsyncs on this thread, so a writer's test can see that it made its rename
+        /// durable.
+        pub static DIR_SYNCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// How many directory fsyncs `f` made on this thread.
+    pub fn dir_syncs_during(f: impl FnOnce()) -> usize {
+        let before = DIR_SYNCS.with(|n| n.get());
+        f();
+        DIR_SYNCS.with(|n| n.get()) - before
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_the_file_with_the_exact_mode_and_leaves_no_temp() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open_ambient_dir(tmp.path(), cap_std::ambient_authority()).unwrap();
+        std::fs::write(tmp.path().join("spec.json"), "old").unwrap();
+        let syncs =
+            dir_syncs_during(|| write_atomically(&dir, "spec.json", b"new", 0o644).unwrap());
+        assert_eq!(syncs, 1, "the rename is made durable");
+        assert_eq!(std::fs::read(tmp.path().join("spec.json")).unwrap(), b"new");
+        let mode = std::fs::metadata(tmp.path().join("spec.json"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, 0o644);
+        let names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["spec.json"]);
+        // A name that cannot be replaced (a directory) fails, and no temp file is left.
+        std::fs::create_dir(tmp.path().join("busy")).unwrap();
+        std::fs::write(tmp.path().join("busy/x"), "x").unwrap();
+        assert!(write_atomically(&dir, "busy", b"x", 0o600).is_err());
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2);
+    }
 
     #[test]
     fn fifos_directories_and_oversized_files_are_refused() {

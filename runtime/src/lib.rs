@@ -4,6 +4,7 @@
 //! The host/guest seam is [`sandbox::bindings`]; the kubelet lifecycle lives in [`kubelet`].
 
 pub mod agent;
+pub mod backoff;
 pub mod cdi;
 pub mod cli;
 pub mod config;

@@ -12,8 +12,8 @@
 //!   take both, or neither).
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -548,23 +548,18 @@ fn next_entries(
     next
 }
 
-/// Temp file in the same directory, synced, world-readable (runtimes read it), renamed over the
-/// spec: a runtime never reads half a spec. The temp name does not end in `.json`, so a runtime
-/// scanning the directory meanwhile ignores it. Returns the file now at the path, read back: it
-/// must hold what was written.
+/// Written by [`crate::files::write_atomically`], world-readable (runtimes read it): a runtime
+/// never reads half a spec, and the temp name does not end in `.json`, so a runtime scanning the
+/// directory meanwhile ignores it. Returns the file now at the path, read back: it must hold what
+/// was written.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<FileId> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| std::io::Error::other("the spec path has no directory"))?;
-    let mut file = tempfile::Builder::new()
-        .prefix(".devicelet-")
-        .suffix(".tmp")
-        .tempfile_in(dir)?;
-    file.write_all(bytes)?;
-    file.as_file().sync_all()?;
-    file.as_file()
-        .set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    file.persist(path).map_err(|e| e.error)?;
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(std::io::Error::other(
+            "the spec path has no directory or file name",
+        ));
+    };
+    let dir = cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())?;
+    crate::files::write_atomically(&dir, name, bytes, 0o644)?;
     let (back, id) = read_spec(path)?;
     if back != bytes {
         return Err(std::io::Error::other(
@@ -615,6 +610,7 @@ pub fn remove_stale(dir: &Path, keep: &[PathBuf]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn spec_files_are_named_by_kind_and_never_too_long() {
@@ -633,7 +629,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("cdi/devicelet_a.com_x.json");
         std::fs::create_dir(path.parent().unwrap()).unwrap();
-        let first = write_atomically(&path, b"same").unwrap();
+        let mut first = None;
+        let syncs = crate::files::tests::dir_syncs_during(|| {
+            first = Some(write_atomically(&path, b"same").unwrap());
+        });
+        // The rename is made durable (this writer once skipped the directory's fsync).
+        assert_eq!(syncs, 1);
+        let first = first.unwrap();
         assert!(first.is_at(&path));
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()

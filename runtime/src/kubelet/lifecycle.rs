@@ -23,6 +23,7 @@ use super::backend::DeviceBackend;
 use super::plugin_server::ResourcePlugin;
 use super::route::{RegistrationState, Route, WatcherRegistration};
 use super::{connections, registration, uds};
+use crate::backoff::Backoff;
 
 /// What the lifecycle needs to serve and register one resource.
 pub struct Lifecycle<B> {
@@ -149,7 +150,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             }
         }
         let mut bind_failures = 0u32;
-        let mut refusals = 0u32;
+        let mut refusals = Backoff::new(REFUSED_RETRY, REFUSED_RETRY_MAX);
         // Connections to a server left behind on a lost place.
         let mut stale: Option<watch::Receiver<usize>> = None;
         loop {
@@ -269,7 +270,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
         notices: &mut mpsc::Receiver<RegistrationStatus>,
         connections: &watch::Receiver<usize>,
         place: &mut Option<Place>,
-        refusals: &mut u32,
+        refusals: &mut Backoff,
     ) -> Over {
         enum Event {
             Notice(RegistrationStatus),
@@ -309,7 +310,8 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 }) => {
                     self.state.set_registered(true);
                     self.registrations.send_modify(|n| *n += 1);
-                    (retry_at, *refusals) = (None, 0);
+                    retry_at = None;
+                    refusals.reset();
                     tracing::info!(
                         resource = self.resource,
                         socket = %self.socket().display(),
@@ -322,9 +324,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     // The kubelet retries a registration its plugin watcher refused, but not
                     // one its device manager failed (it counts the socket as handled): if it
                     // has not registered us after a backoff, a new file makes it try again.
-                    let backoff = REFUSED_RETRY
-                        .saturating_mul(1 << (*refusals).min(5))
-                        .min(REFUSED_RETRY_MAX);
+                    let backoff = refusals.current();
                     retry_at.get_or_insert(tokio::time::Instant::now() + backoff);
                     tracing::warn!(
                         resource = self.resource,
@@ -332,7 +332,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     );
                 }
                 Event::Retry => {
-                    *refusals += 1;
+                    refusals.failed();
                     return Over::Refused;
                 }
                 Event::Check => {}
@@ -432,7 +432,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
     /// socket, and registering a socket that is gone can never succeed: that sends us back to
     /// serving.
     async fn register(&mut self) -> Registration {
-        let mut delay = FIRST_RETRY;
+        let mut slow = Backoff::new(FIRST_RETRY, LAST_RETRY);
         let mut complained = false;
         let started = tokio::time::Instant::now();
         loop {
@@ -470,13 +470,15 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 }
             }
             // A new kubelet.sock wakes us at once; otherwise back off.
+            let delay = if started.elapsed() < FAST_PHASE {
+                FIRST_RETRY
+            } else {
+                slow.failed()
+            };
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = changed(&mut self.kubelet_events) => {}
                 _ = self.stop.wait_for(|s| *s) => return Registration::Stopped,
-            }
-            if started.elapsed() >= FAST_PHASE {
-                delay = (delay * 2).min(LAST_RETRY);
             }
         }
     }

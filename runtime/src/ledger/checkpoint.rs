@@ -1,17 +1,16 @@
 //! The on-disk checkpoint: `state_dir/ledger.json`, written atomically.
 //!
 //! Format: compact JSON, `{"version":1,"next_id":N,"entries":[Entry,...]}`, mode 0600, in a 0700
-//! directory. A write goes to a uniquely named temp file in the same directory, is fsynced,
-//! renamed over `ledger.json`, and the directory is fsynced, so a crash at any point leaves
-//! either the old or the new checkpoint, never a partial one. A file that does not parse, has
+//! directory. Written by [`crate::files::write_atomically`] (temp file, fsync, rename, fsync the
+//! directory), so a crash at any point leaves either the old or the new checkpoint, never a
+//! partial one. A file that does not parse, has
 //! another version, or whose ids are inconsistent is renamed aside to
 //! `ledger.json.corrupt-<unix millis>` and the ledger starts empty.
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, Write as _};
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::fs::{self, DirBuilder};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
@@ -30,8 +29,12 @@ const DIR_MODE: u32 = 0o700;
 /// Largest checkpoint read: [`super::MAX_ENTRIES`] entries of many devices each fit well within.
 const MAX_FILE: u64 = 64 << 20;
 const FILE_MODE: u32 = 0o600;
-/// Temp files are `ledger.json.tmp-<pid>-<nanos>-<seq>`.
-const TEMP_PREFIX: &str = "ledger.json.tmp-";
+/// Temp files are `.ledger.json.tmp-<pid>-<nanos>-<seq>` ([`crate::files::temp_prefix`]).
+fn temp_prefix() -> String {
+    crate::files::temp_prefix(FILE_NAME)
+}
+/// What agents before the shared atomic write named their temp files; still cleaned up.
+const OLD_TEMP_PREFIX: &str = "ledger.json.tmp-";
 /// A temp file older than this was left by a crash (a checkpoint takes milliseconds); another
 /// agent sharing the directory during a rolling upgrade may own a younger one.
 const STALE_TEMP_AGE: Duration = Duration::from_secs(60);
@@ -154,27 +157,16 @@ impl Store {
         })
     }
 
-    /// Writes `bytes` atomically: temp file, fsync, rename over the checkpoint, fsync the dir.
+    /// Writes `bytes` atomically ([`crate::files::write_atomically`]).
     pub fn save(&self, bytes: &[u8]) -> Result<(), LedgerError> {
-        let (temp, file) = create_temp(&self.dir)?;
-        let written = write_and_sync(file, bytes)
-            .map_err(|e| LedgerError::io("write", &temp, e))
-            .and_then(|()| {
-                fs::rename(&temp, &self.file).map_err(|e| LedgerError::io("rename", &temp, e))
-            });
-        if let Err(e) = written {
-            if let Err(rm) = fs::remove_file(&temp) {
-                debug!(file = %temp.display(), error = %rm, "cannot remove ledger temp file");
-            }
-            return Err(e);
-        }
-        sync_dir(&self.dir)
+        open_dir(&self.dir)
+            .and_then(|dir| crate::files::write_atomically(&dir, FILE_NAME, bytes, FILE_MODE))
+            .map_err(|e| LedgerError::io("write", &self.file, e))
     }
 }
 
-fn write_and_sync(mut file: File, bytes: &[u8]) -> io::Result<()> {
-    file.write_all(bytes)?;
-    file.sync_all()
+fn open_dir(dir: &Path) -> io::Result<cap_std::fs::Dir> {
+    cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())
 }
 
 fn ensure_dir(dir: &Path) -> Result<(), LedgerError> {
@@ -194,51 +186,19 @@ fn ensure_dir(dir: &Path) -> Result<(), LedgerError> {
     }
 }
 
-/// A new, exclusively created temp file in `dir`, mode 0600.
-fn create_temp(dir: &Path) -> Result<(PathBuf, File), LedgerError> {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let pid = std::process::id();
-    let mut attempt = 0;
-    loop {
-        let nanos = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("{TEMP_PREFIX}{pid}-{nanos}-{seq}"));
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(FILE_MODE)
-            .open(&path)
-        {
-            Ok(file) => {
-                // The umask may have taken bits away; state it exactly.
-                if let Err(e) = file.set_permissions(fs::Permissions::from_mode(FILE_MODE)) {
-                    drop(file);
-                    let _ = fs::remove_file(&path);
-                    return Err(LedgerError::io("chmod", &path, e));
-                }
-                return Ok((path, file));
-            }
-            // Two agents in separate pid namespaces may share a pid; try another name.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 8 => attempt += 1,
-            Err(e) => return Err(LedgerError::io("create", &path, e)),
-        }
-    }
-}
-
 fn sync_dir(dir: &Path) -> Result<(), LedgerError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
+    open_dir(dir)
+        .and_then(|d| crate::files::sync_dir(&d))
         .map_err(|e| LedgerError::io("fsync directory", dir, e))
 }
 
-/// Best effort: removes `ledger.json.tmp-*` files older than [`STALE_TEMP_AGE`].
+/// Best effort: removes ledger temp files older than [`STALE_TEMP_AGE`].
 fn remove_stale_temps(dir: &Path) {
     let Ok(read) = fs::read_dir(dir) else { return };
+    let prefix = temp_prefix();
     for entry in read.flatten() {
-        if !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !(name.starts_with(&prefix) || name.starts_with(OLD_TEMP_PREFIX)) {
             continue;
         }
         let age = entry
@@ -262,7 +222,7 @@ pub(crate) fn temp_files(dir: &Path) -> Vec<String> {
     fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(TEMP_PREFIX))
+        .filter(|n| n.starts_with(&temp_prefix()))
         .collect()
 }
 
@@ -364,14 +324,14 @@ mod tests {
     #[test]
     fn stale_temp_files_are_removed_young_ones_kept() {
         let tmp = tempfile::tempdir().unwrap();
-        let old = tmp.path().join(format!("{TEMP_PREFIX}1-2-3"));
-        let young = tmp.path().join(format!("{TEMP_PREFIX}4-5-6"));
+        let old = tmp.path().join(format!("{}1-2-3", temp_prefix()));
+        let young = tmp.path().join(format!("{}4-5-6", temp_prefix()));
         let other = tmp.path().join("unrelated");
         for p in [&old, &young, &other] {
             fs::write(p, b"{").unwrap();
         }
         let past = SystemTime::now() - Duration::from_secs(3600);
-        File::options()
+        fs::File::options()
             .write(true)
             .open(&old)
             .unwrap()

@@ -25,7 +25,7 @@
 //! Failing to write the cache is logged and otherwise ignored: the cache only saves time.
 
 use std::hash::{Hash, Hasher};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -286,53 +286,21 @@ impl CompileCache {
         Ok(digest.to_owned())
     }
 
-    /// Writes the entry: both files to temporaries (0600, synced), the sidecar renamed into place
-    /// first, then the `.cwasm`, then the directory synced.
+    /// Writes the entry, each file by [`crate::files::write_atomically`] (0600): the sidecar
+    /// first, then the `.cwasm`, so a `.cwasm` never sits beside a stale digest.
     fn store(&self, component: &Component, cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
         let bytes = component
             .serialize()
             .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
         let digest = sha256_hex(&bytes);
-        let code = self.temp_file(&bytes)?;
-        let sum = self.temp_file(format!("{digest}\n").as_bytes())?;
-        let placed = self
-            .dir
-            .rename(&sum, &self.dir, sidecar)
-            .and_then(|()| self.dir.rename(&code, &self.dir, cwasm));
-        if let Err(e) = placed {
-            self.remove_if_present(&sum);
-            self.remove_if_present(&code);
-            return Err(e.into());
-        }
-        self.dir.try_clone()?.into_std_file().sync_all()?;
+        crate::files::write_atomically(
+            &self.dir,
+            sidecar,
+            format!("{digest}\n").as_bytes(),
+            0o600,
+        )?;
+        crate::files::write_atomically(&self.dir, cwasm, &bytes, 0o600)?;
         Ok(())
-    }
-
-    /// A new, exclusively created file in the cache (0600, synced) holding `contents`; its name.
-    fn temp_file(&self, contents: &[u8]) -> std::io::Result<String> {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        let name = format!(
-            ".tmp-{}-{nanos}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        );
-        let mut options = OpenOptions::new();
-        options
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW);
-        let mut file = self.dir.open_with(&name, &options)?.into_std();
-        let written = file.write_all(contents).and_then(|()| file.sync_all());
-        if let Err(e) = written {
-            self.remove_if_present(&name);
-            return Err(e);
-        }
-        Ok(name)
     }
 
     fn remove_if_present(&self, name: &str) {

@@ -538,18 +538,17 @@ fn spawn_cell<S: 'static>(
 /// When a crashed module may be instantiated again, and how long the next wait will be.
 struct Backoff {
     retry_at: Option<Instant>,
-    next: Duration,
+    waits: crate::backoff::Backoff,
 }
 
 impl Backoff {
     fn crashed(&mut self) {
-        self.retry_at = Some(Instant::now() + self.next);
-        self.next = (self.next * 2).min(MAX_BACKOFF);
+        self.retry_at = Some(Instant::now() + self.waits.failed());
     }
 
     fn succeeded(&mut self) {
         self.retry_at = None;
-        self.next = FIRST_BACKOFF;
+        self.waits.reset();
     }
 }
 
@@ -564,7 +563,7 @@ async fn serve<S>(
     let mut occupant: Option<S> = None;
     let mut backoff = Backoff {
         retry_at: None,
-        next: FIRST_BACKOFF,
+        waits: crate::backoff::Backoff::new(FIRST_BACKOFF, MAX_BACKOFF),
     };
     let mut instantiated_before = false;
     while let Some(job) = jobs.recv().await {
