@@ -17,5 +17,6 @@ pub mod ledger;
 pub mod metrics;
 pub mod nvml;
 pub mod policy;
+pub mod resource;
 pub mod sandbox;
 pub mod trust;

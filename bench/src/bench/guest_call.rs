@@ -14,10 +14,10 @@ use super::report::Row;
 use super::stats::Samples;
 use devicelet::agent::start_module;
 use devicelet::config::Registry;
+use devicelet::sandbox::checks;
 use devicelet::sandbox::engine;
 use devicelet::sandbox::loader::load;
 use devicelet::sandbox::module::instantiate;
-use devicelet::sandbox::validate;
 use devicelet_simulator::SimConfig;
 
 const CALLS: usize = 10_000;
@@ -88,7 +88,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 .to_owned();
         }
         let started = Instant::now();
-        validate::resolve_edits(&mut edits, &spec.grants, &registry.host_root)
+        checks::resolve_edits(&mut edits, &spec.grants, &registry.host_root)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         resolving.push(started.elapsed());
     }

@@ -68,8 +68,8 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
 /// IDs), replica 0 of every device but those on node 7 held, a must-include replica, 8 wanted.
 fn policy_alone(s: &Settings) -> Row {
     use devicelet::device::{Device, Health};
-    use devicelet::kubelet::sharing::physical_id;
     use devicelet::policy::preferred::{Spread, Usage, choose};
+    use devicelet::policy::sharing::physical_id;
     let mut devices: Vec<Device> = (0..64)
         .flat_map(|gpu: i64| {
             (0..4).map(move |r| Device {

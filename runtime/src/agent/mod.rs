@@ -5,9 +5,9 @@
 //! broken vendor module never takes the node's other device types down.
 
 mod dev_watch;
+mod ledger_sync;
 mod modules;
 mod probes;
-mod reconcile;
 mod reload;
 pub mod status;
 
@@ -30,7 +30,7 @@ use crate::sandbox::cache::{CacheStats, CompileCache};
 use crate::sandbox::engine;
 
 pub use crate::kubelet::resource::{ServedResource, qualify};
-use crate::kubelet::{dir_watch, resource};
+use crate::kubelet::{resource, restart_watch};
 pub use modules::{plan, start_module};
 
 /// Where the agent serves, what it serves and where it keeps its state.
@@ -257,7 +257,7 @@ pub struct Agent {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     tasks: JoinSet<()>,
-    _kubelet_watch: dir_watch::KubeletWatch,
+    _kubelet_watch: restart_watch::KubeletWatch,
     metrics_addr: Option<std::net::SocketAddr>,
 }
 
@@ -289,7 +289,7 @@ impl Agent {
         remove_stale_sockets(socket_dir, &instance);
         // Our sockets' directory: on the kubelet.sock route also where a restarted kubelet
         // shows itself.
-        let kubelet_watch = dir_watch::watch_plugin_dir(socket_dir)
+        let kubelet_watch = restart_watch::watch_plugin_dir(socket_dir)
             .with_context(|| format!("watching {}", socket_dir.display()))?;
         if let Some(dir) = &options.state_dir {
             // What is kept there is trusted because of where it is: the ledger, the compile
@@ -385,7 +385,7 @@ impl Agent {
             shared.watch_loop("ledger writer", task);
         }
         if let Some(socket) = options.pod_resources.clone() {
-            let task = tasks.spawn(reconcile::run(
+            let task = tasks.spawn(ledger_sync::run(
                 shared.clone(),
                 socket,
                 options.reconcile_interval,

@@ -10,19 +10,20 @@ use wasmtime::Engine;
 use crate::config::ModuleSpec;
 use crate::config::{MAX_RESOURCES, MAX_RESOURCES_PER_MODULE};
 use crate::device::ResourceInfo;
-use crate::kubelet::backend::Swappable;
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
-use crate::kubelet::sharing::Shared;
 use crate::nvml::Libraries;
+use crate::policy::sharing::Replicated;
+use crate::resource::backend::Upkeep;
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::home::Home;
 use crate::sandbox::loader::load;
+use crate::sandbox::slot::ModuleSlot;
 use crate::sandbox::{LoadError, ModuleHandle};
 
 pub struct RunningModule {
     pub spec: ModuleSpec,
     /// The module version answering, swapped in place by an upgrade.
-    pub slot: Swappable<ModuleHandle>,
+    pub slot: ModuleSlot,
     pub resources: Vec<RunningResource>,
     /// Pokes the resources' device watchers when nodes under the /dev grants change.
     _dev_watch: Option<notify::RecommendedWatcher>,
@@ -43,11 +44,7 @@ impl RunningModule {
     }
 }
 
-async fn stop_resources(
-    resources: Vec<RunningResource>,
-    slot: &Swappable<ModuleHandle>,
-    retire: bool,
-) {
+async fn stop_resources(resources: Vec<RunningResource>, slot: &ModuleSlot, retire: bool) {
     for r in &resources {
         if retire {
             r.retire();
@@ -154,7 +151,7 @@ pub fn serve_all(
     taken: &BTreeMap<String, String>,
 ) -> (RunningModule, Vec<String>) {
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
-    let slot = Swappable::new(handle);
+    let slot = ModuleSlot::new(handle);
     let resources = serve_planned(&slot, spec, host_root, &planned, at, &mut errors);
     (running(spec, host_root, slot, resources), errors)
 }
@@ -224,7 +221,7 @@ pub async fn upgrade(
 }
 
 fn serve_planned(
-    slot: &Swappable<ModuleHandle>,
+    slot: &ModuleSlot,
     spec: &ModuleSpec,
     host_root: &Path,
     planned: &[(String, ResourceInfo)],
@@ -243,8 +240,9 @@ fn serve_planned(
             device_list_strategy: spec.device_list_strategy,
             host_root,
         };
-        let backend = Shared::new(slot.clone(), spec.sharing.clone());
-        match resource::serve(&backend, &owner, info, at) {
+        let backend = Replicated::new(slot.clone(), spec.sharing.clone());
+        let upkeep: Arc<dyn Upkeep> = Arc::new(slot.clone());
+        match resource::serve(&backend, &upkeep, &owner, info, at) {
             Ok(r) => resources.push(r),
             Err(message) => errors.push(
                 LoadError::Invalid {
@@ -261,7 +259,7 @@ fn serve_planned(
 fn running(
     spec: &ModuleSpec,
     host_root: &Path,
-    slot: Swappable<ModuleHandle>,
+    slot: ModuleSlot,
     resources: Vec<RunningResource>,
 ) -> RunningModule {
     let pokes: Vec<_> = resources.iter().map(|r| r.poke.clone()).collect();

@@ -4,7 +4,7 @@
 //! A resource whose registry entry asks for a CDI `device-list-strategy` gets one spec file in
 //! the CDI directory (`--cdi-dir`): its kind is the served resource name, with one CDI device per
 //! physical device built from the module's answer for that device alone (the answers prepared
-//! ahead, `kubelet::prepared`), and the edits every device shares lifted to the spec's top
+//! ahead, `resource::prepared`), and the edits every device shares lifted to the spec's top
 //! level. Allocate then names the devices (`cdi_devices`, or a `cdi.k8s.io/` annotation)
 //! instead of, or as well as, listing their edits; but only when applying the written spec gives
 //! the container exactly what the module answered for that request. Otherwise (a device not in

@@ -8,8 +8,6 @@ use tokio::sync::{Notify, watch};
 
 use super::build::View;
 use crate::device::ContainerEdits;
-use crate::kubelet::api::deviceplugin as api;
-use crate::kubelet::plugin_server::edits_to_wire;
 
 /// Which ways Allocate names a container's devices; any non-empty combination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,10 +101,11 @@ pub struct Naming {
 }
 
 impl Naming {
-    /// The kubelet's answer for the module's `answer` for `ids` (physical device IDs, each
+    /// What a container gets for the module's `answer` for `ids` (physical device IDs, each
     /// once), shaped per the strategy: the devices named by CDI when the spec on disk, applied,
-    /// gives the container exactly what `answer` does; else `answer` itself.
-    pub fn shape(&self, ids: &[&str], answer: ContainerEdits) -> api::ContainerAllocateResponse {
+    /// gives the container exactly what `answer` does; else `answer` itself. Front-end neutral:
+    /// the caller turns it into its wire answer.
+    pub fn shape(&self, ids: &[&str], answer: ContainerEdits) -> ContainerEdits {
         let view = self.view.borrow().clone();
         let view = view.filter(|v| v.covers(ids, &answer));
         // The file is checked last and on every call: it is what the runtime will read.
@@ -117,10 +116,10 @@ impl Naming {
             }
         }) else {
             self.counts.unnamed.fetch_add(1, Ordering::Relaxed);
-            return edits_to_wire(answer);
+            return answer;
         };
         self.counts.named.fetch_add(1, Ordering::Relaxed);
-        let mut out = edits_to_wire(answer);
+        let mut out = answer;
         if !self.strategy.devices {
             out.envs.clear();
             out.mounts.clear();
@@ -129,11 +128,10 @@ impl Naming {
         let names: Vec<String> = ids.iter().map(|id| view.name(id)).collect();
         if self.strategy.cdi_annotations {
             out.annotations
-                .insert(self.annotation_key.to_string(), names.join(","));
+                .push((self.annotation_key.to_string(), names.join(",")));
         }
         if self.strategy.cdi_cri {
-            out.cdi_devices
-                .extend(names.into_iter().map(|name| api::CdiDevice { name }));
+            out.cdi_devices.extend(names);
         }
         out
     }

@@ -23,10 +23,10 @@ use tokio::sync::{Notify, watch};
 
 use super::build::{self, View};
 use crate::device::{ContainerEdits, NodeFile, NodeKind};
-use crate::kubelet::backend::DeviceBackend;
-use crate::kubelet::plugin_server::Snapshot;
-use crate::kubelet::prepared::Prepared;
-use crate::kubelet::sharing::physical_id;
+use crate::policy::sharing::physical_id;
+use crate::resource::backend::Upkeep;
+use crate::resource::prepared::Prepared;
+use crate::resource::snapshot::Snapshot;
 
 /// Longest spec file name written as is; longer ones are named by a digest.
 const MAX_FILE_NAME: usize = 200;
@@ -96,8 +96,9 @@ impl Written {
 }
 
 /// What the writer follows and where it writes.
-pub struct SpecWriter<B> {
-    pub backend: B,
+pub struct SpecWriter {
+    /// Whose version says which prepared answers are current.
+    pub upkeep: Arc<dyn Upkeep>,
     pub kind: String,
     pub path: PathBuf,
     /// The resource's devices are replicas: the spec names their physical devices.
@@ -148,7 +149,7 @@ struct Checked {
     stale: Vec<String>,
 }
 
-impl<B: DeviceBackend> SpecWriter<B> {
+impl SpecWriter {
     /// Runs until the resource stops; removes the file then if the resource was retired.
     pub async fn run(mut self) {
         let mut progress = self.prepared.progress();
@@ -177,7 +178,7 @@ impl<B: DeviceBackend> SpecWriter<B> {
                 entries.retain(|id, _| !checked.stale.contains(id));
             }
             let snapshot = self.devices.borrow_and_update().clone();
-            let answers = self.prepared.current(&snapshot, self.backend.generation());
+            let answers = self.prepared.current(&snapshot, self.upkeep.generation());
             let next = next_entries(&snapshot, &answers, self.shared, &entries);
             match checked.untrusted {
                 Some(why) => {

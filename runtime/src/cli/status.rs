@@ -139,7 +139,7 @@ fn replicas_in_use(devices: &[status::DeviceStatus]) -> String {
     let mut per_device: std::collections::BTreeMap<&str, (usize, usize)> = Default::default();
     for d in devices {
         let counts = per_device
-            .entry(crate::kubelet::sharing::physical_id(&d.id))
+            .entry(crate::policy::sharing::physical_id(&d.id))
             .or_default();
         counts.1 += 1;
         counts.0 += usize::from(d.allocated);

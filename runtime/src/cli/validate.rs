@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use crate::agent::{plan, start_module};
 use crate::config::Registry;
 use crate::device::{Device, Health};
-use crate::kubelet::backend::DeviceBackend;
+use crate::resource::backend::DeviceBackend;
 use crate::sandbox::engine::new_engine;
 
 #[derive(clap::Args, Debug)]
@@ -73,7 +73,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             failures += 1;
             println!("  error: {e}");
         }
-        let shared = crate::kubelet::sharing::Shared::new(module.clone(), spec.sharing.clone());
+        let shared = crate::policy::sharing::Replicated::new(module.clone(), spec.sharing.clone());
         for (name, info) in planned {
             let rule = spec.sharing.rule(&info.name);
             let who =
@@ -193,7 +193,7 @@ async fn print_cdi_spec(
     let mut answers = BTreeMap::new();
     let mut failed = Vec::new();
     for d in devices.iter().filter(|d| d.health == Health::Healthy) {
-        let id = crate::kubelet::sharing::physical_id(&d.id);
+        let id = crate::policy::sharing::physical_id(&d.id);
         if answers.contains_key(id) {
             continue;
         }

@@ -47,7 +47,7 @@ pub struct ModuleSpec {
     pub sha256: Option<String>,
     /// Whether the host asks the module's `allocate` for each healthy device alone ahead of time
     /// and answers the kubelet's single-device Allocates from those answers while the device is
-    /// unchanged (`kubelet::prepared`). Off: every Allocate calls the module.
+    /// unchanged (`resource::prepared`). Off: every Allocate calls the module.
     pub allocate_ahead: bool,
     /// Who answers GetPreferredAllocation for the module's resources.
     pub allocation_policy: crate::policy::AllocationPolicy,

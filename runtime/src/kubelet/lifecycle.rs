@@ -19,11 +19,11 @@ use super::api::deviceplugin::{
 };
 use super::api::pluginregistration::{RegistrationStatus, registration_server::RegistrationServer};
 use super::api::serve;
-use super::backend::DeviceBackend;
 use super::plugin_server::ResourcePlugin;
 use super::route::{RegistrationState, Route, WatcherRegistration};
 use super::{connections, registration, uds};
 use crate::backoff::Backoff;
+use crate::resource::backend::DeviceBackend;
 
 /// What the lifecycle needs to serve and register one resource.
 pub struct Lifecycle<B> {
@@ -393,7 +393,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
         let plugin = self.plugin.clone();
         let (mut stop, mut server_stopped) = (self.stop.clone(), server_stopped);
         let resource = self.resource.clone();
-        let serving = self.plugin.backend().serving_place();
+        let serving = self.plugin.upkeep().serving_place();
         let runtime = serving
             .as_ref()
             .map_or_else(tokio::runtime::Handle::current, |p| p.runtime.clone());

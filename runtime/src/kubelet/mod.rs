@@ -14,14 +14,11 @@
 
 pub use devicelet_api as api;
 pub use devicelet_api::{names, uds};
-pub mod backend;
 mod connections;
-pub mod dir_watch;
 pub mod lifecycle;
 pub mod plugin_server;
-pub mod prepared;
+pub mod podresources;
 pub mod registration;
 pub mod resource;
+pub mod restart_watch;
 pub mod route;
-pub mod sharing;
-pub mod watcher;

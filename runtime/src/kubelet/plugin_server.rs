@@ -11,25 +11,14 @@ use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 
 use super::api::deviceplugin as api;
-use super::backend::{BackendError, DeviceBackend};
-use super::prepared::Prepared;
-use super::sharing::physical_id;
 use crate::cdi::Naming;
 use crate::device::{ContainerEdits, Device, Health};
 use crate::ledger::Ledger;
+use crate::policy::sharing::physical_id;
 use crate::policy::{Preferred, preferred};
-
-/// The device set the kubelet sees: replaced as a whole whenever anything in it changes. Sorted
-/// by ID (the watcher sorts each one), so [`find`] is a binary search.
-pub type Snapshot = Arc<Vec<Device>>;
-
-/// The device with this ID in a snapshot (sorted by ID).
-pub fn find<'a>(snapshot: &'a [Device], id: &str) -> Option<&'a Device> {
-    snapshot
-        .binary_search_by(|d| d.id.as_str().cmp(id))
-        .ok()
-        .map(|at| &snapshot[at])
-}
+use crate::resource::backend::{BackendError, DeviceBackend, Upkeep};
+use crate::resource::prepared::Prepared;
+use crate::resource::snapshot::{Snapshot, find};
 
 /// What a resource's server follows: its options, the registration its streams belong to, its
 /// devices, and the agent's stop.
@@ -46,6 +35,9 @@ pub struct Watches {
     pub shared: bool,
     /// How Allocate names devices by CDI, when the resource's strategy uses CDI.
     pub cdi: Option<Naming>,
+    /// Where the backend lives: its version (prepared answers of an older one are stale) and
+    /// the runtime to serve on.
+    pub upkeep: Arc<dyn Upkeep>,
 }
 
 /// What the kubelet reaches through one socket.
@@ -67,6 +59,7 @@ pub struct ResourcePlugin<B> {
     preferred: watch::Receiver<Preferred>,
     shared: bool,
     cdi: Option<Naming>,
+    upkeep: Arc<dyn Upkeep>,
 }
 
 impl<B: Clone> Clone for ResourcePlugin<B> {
@@ -84,6 +77,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             preferred: self.preferred.clone(),
             shared: self.shared,
             cdi: self.cdi.clone(),
+            upkeep: self.upkeep.clone(),
         }
     }
 }
@@ -139,8 +133,8 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         )))
     }
 
-    pub fn backend(&self) -> &B {
-        &self.backend
+    pub fn upkeep(&self) -> &dyn Upkeep {
+        &*self.upkeep
     }
 
     pub fn new(resource: &str, local: &str, backend: B, ledger: Ledger, watches: Watches) -> Self {
@@ -153,6 +147,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             preferred,
             shared,
             cdi,
+            upkeep,
         } = watches;
         ResourcePlugin {
             resource: resource.into(),
@@ -167,6 +162,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             preferred,
             shared,
             cdi,
+            upkeep,
         }
     }
 
@@ -187,7 +183,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         let [id] = ids else { return None };
         let snapshot = self.devices.borrow().clone();
         self.prepared
-            .answer(find(&snapshot, id)?, self.backend.generation())
+            .answer(find(&snapshot, id)?, self.upkeep.generation())
     }
 }
 
@@ -365,10 +361,10 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
                     .await
                     .map_err(status)?,
             };
-            container_responses.push(match &self.cdi {
+            container_responses.push(edits_to_wire(match &self.cdi {
                 Some(naming) => naming.shape(&self.physical(&c.devices_ids), answer),
-                None => edits_to_wire(answer),
-            });
+                None => answer,
+            }));
         }
         // Only what the kubelet is told succeeded goes into the ledger: a request that fails
         // part-way leaves no entry for its first containers.
@@ -485,6 +481,7 @@ mod tests {
                 preferred: watch::channel(Preferred::Module).1,
                 shared: false,
                 cdi: None,
+                upkeep: Arc::new(crate::resource::backend::Unkept),
             },
         );
         (plugin, calls, devices_tx, stop_tx)

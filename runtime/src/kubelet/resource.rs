@@ -1,4 +1,5 @@
-//! Serving one resource: its device watcher and its lifecycle with the kubelet.
+//! Serving one resource through the device-plugin API: its core (`resource::core`: devices,
+//! prepared answers, CDI spec), then its gRPC server and its lifecycle with the kubelet.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -7,18 +8,20 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
 use super::api::deviceplugin::DevicePluginOptions;
-use super::backend::DeviceBackend;
 use super::lifecycle::Lifecycle;
 use super::names;
-use super::plugin_server::{ResourcePlugin, Snapshot, Watches};
-use super::prepared::{self, Prepared};
+use super::plugin_server::{ResourcePlugin, Watches};
 use super::route::{RegistrationState, Route};
-use super::watcher::{self, Signals};
-use crate::cdi::{self, DeviceListStrategy, Naming, SpecWriter, Written};
+use crate::cdi::{self, DeviceListStrategy};
 use crate::config::ShareRule;
 use crate::device::ResourceInfo;
 use crate::ledger::Ledger;
 use crate::policy::{AllocationPolicy, Preferred};
+use crate::resource::backend::{DeviceBackend, Upkeep};
+pub use crate::resource::core::CdiServed;
+use crate::resource::core::{self, CdiSpec, CoreSpec};
+use crate::resource::prepared::Prepared;
+use crate::resource::snapshot::Snapshot;
 
 /// A resource the agent serves, as others (status, tests) may observe it.
 #[derive(Debug, Clone)]
@@ -42,14 +45,6 @@ pub struct ServedResource {
     pub shared: bool,
     /// Its CDI spec, when its device-list strategy uses CDI.
     pub cdi: Option<CdiServed>,
-}
-
-/// A resource's CDI spec file and how Allocate has named its devices.
-#[derive(Debug, Clone)]
-pub struct CdiServed {
-    pub path: PathBuf,
-    pub naming: Naming,
-    pub written: Arc<Written>,
 }
 
 /// A served resource and what stops it.
@@ -117,13 +112,13 @@ impl RunningResource {
 
     /// Ends its ListAndWatch stream (the kubelet sees allocatable drop to 0), stops serving and
     /// removes its socket.
-    pub async fn stop(self, backend: &impl DeviceBackend) {
+    pub async fn stop(self, upkeep: &dyn Upkeep) {
         self.signal_stop();
         for task in self.tasks {
             let _ = task.await;
         }
         let _ = std::fs::remove_file(&self.served.socket);
-        backend.release(&self.local);
+        upkeep.release(&self.local);
     }
 }
 
@@ -168,7 +163,7 @@ pub fn served_name(
     info: &ResourceInfo,
     share: &ShareRule,
 ) -> Result<String, String> {
-    let name = super::sharing::served_name(servable_name(resource_domain, info)?, share);
+    let name = crate::policy::sharing::served_name(servable_name(resource_domain, info)?, share);
     names::validate_resource_name(&name)
         .map_err(|e| format!("is shared as an invalid resource name: {e}"))?;
     Ok(name)
@@ -245,10 +240,12 @@ pub struct Owner<'a> {
     pub host_root: &'a Path,
 }
 
-/// Serves `info` from `backend`: a device watcher (whose first enumeration runs in its own task)
-/// and a lifecycle that serves and registers once that first snapshot is in.
+/// Serves `info` from `backend` (which lives where `upkeep` says): a device watcher (whose first
+/// enumeration runs in its own task) and a lifecycle that serves and registers once that first
+/// snapshot is in.
 pub fn serve<B: DeviceBackend>(
     backend: &B,
+    upkeep: &Arc<dyn Upkeep>,
     spec: &Owner<'_>,
     info: &ResourceInfo,
     at: &Serving<'_>,
@@ -269,76 +266,34 @@ pub fn serve<B: DeviceBackend>(
     let (streams_tx, streams) = watch::channel(0u64);
     let (stop_tx, stop) = watch::channel(false);
 
-    // The first enumeration runs in the watcher's task: a slow module delays only its own
-    // registration, never the agent's start-up or another module.
-    let (devices_tx, devices) = watch::channel(Snapshot::default());
-    let (ready_tx, ready) = watch::channel(false);
-    let poke = Arc::new(Notify::new());
-    let enumerated = Arc::new(Notify::new());
-    let watcher = tokio::spawn(watcher::watch_devices(
-        backend.clone(),
-        info.name.clone(),
-        spec.health_interval,
-        devices_tx,
-        Signals {
-            ready: ready_tx,
-            poke: poke.clone(),
-            enumerated: enumerated.clone(),
-            stop: stop.clone(),
-        },
-    ));
-    let prepared = Prepared::default();
-    let mut tasks = vec![watcher];
-    if spec.allocate_ahead {
-        tasks.push(tokio::spawn(prepared::prepare_answers(
-            backend.clone(),
-            info.name.clone(),
-            devices.clone(),
-            enumerated,
-            prepared.clone(),
-            stop.clone(),
-        )));
-    }
-
-    let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut settled = None;
-    let cdi = kind.map(|kind| {
-        let (view_tx, view) = watch::channel(None);
-        let (settled_tx, settled_rx) = watch::channel(false);
-        settled = Some(settled_rx);
-        let path = cdi::spec_path(at.cdi_dir, &name);
-        let written = Arc::new(Written::default());
-        let recheck = Arc::new(Notify::new());
-        tasks.push(tokio::spawn(
-            SpecWriter {
-                backend: backend.clone(),
-                kind: kind.clone(),
-                path: path.clone(),
-                shared,
-                devices: devices.clone(),
-                prepared: prepared.clone(),
-                view: view_tx,
-                written: written.clone(),
-                recheck: recheck.clone(),
-                settled: settled_tx,
-                host_root: spec.host_root.to_owned(),
-                retired: retired.clone(),
-                stop: stop.clone(),
-            }
-            .run(),
-        ));
-        CdiServed {
-            path,
-            naming: Naming {
-                strategy: spec.device_list_strategy,
-                view,
-                annotation_key: cdi::annotation_key(&name).into(),
-                counts: Arc::default(),
-                recheck,
-            },
-            written,
-        }
+    let cdi = kind.map(|kind| CdiSpec {
+        kind,
+        path: cdi::spec_path(at.cdi_dir, &name),
+        strategy: spec.device_list_strategy,
     });
+    let core::Core {
+        devices,
+        ready,
+        poke,
+        prepared,
+        cdi,
+        cdi_settled,
+        retired,
+        mut tasks,
+    } = core::start(
+        backend,
+        upkeep,
+        CoreSpec {
+            name: &name,
+            local: &info.name,
+            health_interval: spec.health_interval,
+            allocate_ahead: spec.allocate_ahead,
+            shared,
+            cdi,
+            host_root: spec.host_root.to_owned(),
+        },
+        &stop,
+    );
 
     let plugin = ResourcePlugin::new(
         &name,
@@ -354,6 +309,7 @@ pub fn serve<B: DeviceBackend>(
             preferred,
             shared,
             cdi: cdi.as_ref().map(|c| c.naming.clone()),
+            upkeep: upkeep.clone(),
         },
     );
     let (registrations_tx, registrations) = watch::channel(0);
@@ -368,7 +324,7 @@ pub fn serve<B: DeviceBackend>(
             plugin,
             kubelet_events: at.kubelet_events.clone(),
             ready: ready.clone(),
-            cdi_settled: settled,
+            cdi_settled,
             stop,
             registrations: registrations_tx,
             route: at.route.clone(),

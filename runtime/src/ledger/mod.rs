@@ -7,19 +7,19 @@
 //! disk. A crash inside that window loses the newest entries from the file, and the next
 //! reconciliation adopts them back from the kubelet. The kubelet
 //! never says when a container ends (KUBELET.md §9), so the agent periodically asks its
-//! PodResources `List` ([`podresources::list_pods`]) and [reconciles](Ledger::reconcile): entries
+//! PodResources `List` (`kubelet::podresources`, which turns the answer into [`Held`] records) and
+//! [reconciles](Ledger::reconcile): entries
 //! are attributed to the container holding their devices, entries of ended containers are freed,
 //! and allocations the kubelet knows but the ledger lost are adopted. [`Ledger::holders`] then
 //! says which pod holds which device, for status output and sharing policies.
 //!
 //! Layout: `entry` (the records), `state` (the in-memory set and its queries),
-//! `checkpoint` (the file format and atomic writes), `reconcile` (the `List` semantics),
-//! [`podresources`] (the client), `error`.
+//! `checkpoint` (the file format), `reconcile` (the attribution rules), `error`. The ledger names
+//! no kubelet wire type: the device-plugin front end converts at its edge.
 
 mod checkpoint;
 mod entry;
 mod error;
-pub mod podresources;
 mod reconcile;
 mod state;
 
@@ -30,14 +30,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime};
 
-use crate::kubelet::api::podresources::ListPodResourcesResponse;
 use checkpoint::Store;
 use state::State;
 
 pub use checkpoint::{FILE_NAME, VERSION};
 pub use entry::{Entry, Holder};
 pub use error::LedgerError;
-pub use reconcile::ReconcileReport;
+pub use reconcile::{Held, ReconcileReport};
 
 /// How long a record may wait for its checkpoint; records arriving meanwhile share it.
 pub const FLUSH_DELAY: Duration = Duration::from_millis(20);
@@ -283,12 +282,12 @@ impl Ledger {
     /// `&|r| names.iter().any(|n| n == r)`.
     pub fn reconcile(
         &self,
-        pods: &ListPodResourcesResponse,
+        held: &[Held],
         grace: Duration,
         ours: &dyn Fn(&str) -> bool,
     ) -> ReconcileReport {
         let mut locked = self.lock();
-        let report = locked.state.reconcile(pods, grace, SystemTime::now(), ours);
+        let report = locked.state.reconcile(held, grace, SystemTime::now(), ours);
         if report.changed() {
             locked.version += 1;
             drop(locked);

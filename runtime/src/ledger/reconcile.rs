@@ -29,7 +29,6 @@ use std::time::{Duration, SystemTime};
 
 use super::entry::{Entry, Holder};
 use super::state::State;
-use crate::kubelet::api::podresources::ListPodResourcesResponse;
 
 /// What one reconciliation pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -65,46 +64,14 @@ impl fmt::Display for ReconcileReport {
     }
 }
 
-/// The devices of one resource one container holds, per the `List` answer.
-struct Held {
-    holder: Holder,
-    resource: String,
+/// The devices of one resource one holder holds, as the front end learned it (the device-plugin
+/// front end: from the kubelet's PodResources `List`, `kubelet::podresources::held`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub holder: Holder,
+    pub resource: String,
     /// Deduplicated, in the answer's order.
-    device_ids: Vec<String>,
-}
-
-fn held_devices(pods: &ListPodResourcesResponse) -> Vec<Held> {
-    let mut held = Vec::new();
-    for pod in &pods.pod_resources {
-        for container in &pod.containers {
-            let first = held.len();
-            for devices in &container.devices {
-                let at = held[first..]
-                    .iter()
-                    .position(|h: &Held| h.resource == devices.resource_name)
-                    .map(|i| first + i);
-                let at = at.unwrap_or_else(|| {
-                    held.push(Held {
-                        holder: Holder {
-                            namespace: pod.namespace.clone(),
-                            pod: pod.name.clone(),
-                            container: container.name.clone(),
-                        },
-                        resource: devices.resource_name.clone(),
-                        device_ids: Vec::new(),
-                    });
-                    held.len() - 1
-                });
-                for id in &devices.device_ids {
-                    if !held[at].device_ids.contains(id) {
-                        held[at].device_ids.push(id.clone());
-                    }
-                }
-            }
-        }
-    }
-    held.retain(|h| !h.device_ids.is_empty());
-    held
+    pub device_ids: Vec<String>,
 }
 
 /// The index in `held` of the container holding `entry`, if any.
@@ -129,18 +96,17 @@ impl State {
     /// One pass as the module describes, at time `now`.
     pub(crate) fn reconcile(
         &mut self,
-        pods: &ListPodResourcesResponse,
+        held: &[Held],
         grace: Duration,
         now: SystemTime,
         ours: &dyn Fn(&str) -> bool,
     ) -> ReconcileReport {
-        let held = held_devices(pods);
         let mut report = ReconcileReport::default();
 
         // 1 and 2: attribute or free.
         let mut kept: Vec<(Entry, Option<usize>)> = Vec::with_capacity(self.entries.len());
         for mut entry in std::mem::take(&mut self.entries) {
-            match holder_of(&entry, &held) {
+            match holder_of(&entry, held) {
                 Some(at) => {
                     if entry.holder.as_ref() != Some(&held[at].holder) {
                         entry.holder = Some(held[at].holder.clone());

@@ -7,7 +7,9 @@ use std::time::{Duration, SystemTime};
 
 use super::checkpoint::temp_files;
 use super::*;
-use crate::kubelet::api::podresources::{ContainerDevices, ContainerResources, PodResources};
+use crate::kubelet::api::podresources::{
+    ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+};
 
 const FUSE: &str = "devicelet.io/fuse";
 const GPU: &str = "vendor.com/gpu";
@@ -54,10 +56,11 @@ fn pod(ns: &str, name: &str, containers: &[(&str, Devices)]) -> PodResources {
     }
 }
 
-fn list(pods: Vec<PodResources>) -> ListPodResourcesResponse {
-    ListPodResourcesResponse {
+/// What the device-plugin front end makes of a `List` answer with these pods.
+fn list(pods: Vec<PodResources>) -> Vec<Held> {
+    crate::kubelet::podresources::held(&ListPodResourcesResponse {
         pod_resources: pods,
-    }
+    })
 }
 
 fn only_fuse(r: &str) -> bool {

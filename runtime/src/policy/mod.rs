@@ -2,6 +2,7 @@
 //! device snapshot, free of WebAssembly and of gRPC, so they are tested and measured alone.
 
 pub mod preferred;
+pub mod sharing;
 pub mod topology;
 
 /// Who answers a resource's GetPreferredAllocation, as the registry's `allocation-policy` says.

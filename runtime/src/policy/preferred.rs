@@ -69,7 +69,7 @@ pub fn choose(
         return chosen;
     }
     let need = size - chosen.len();
-    let device = |id: &str| crate::kubelet::plugin_server::find(snapshot, id);
+    let device = |id: &str| crate::resource::snapshot::find(snapshot, id);
 
     // Each NUMA node seen gets a bit; a device's mask is the nodes it sits on (0: none known).
     let mut bits: BTreeMap<i64, u32> = BTreeMap::new();
@@ -298,7 +298,7 @@ mod tests {
         chosen
             .iter()
             .flat_map(|id| {
-                crate::kubelet::plugin_server::find(snapshot, id)
+                crate::resource::snapshot::find(snapshot, id)
                     .unwrap()
                     .numa_nodes
                     .clone()
@@ -405,7 +405,7 @@ mod tests {
 
     fn shared(in_use: &[(&'static str, usize)]) -> Usage<'static> {
         Usage {
-            physical: Some(crate::kubelet::sharing::physical_id),
+            physical: Some(crate::policy::sharing::physical_id),
             in_use: in_use.iter().copied().collect(),
         }
     }
@@ -429,7 +429,7 @@ mod tests {
         let two = choose(&snapshot, &all, &[], 2, Spread::Distributed, &shared(&[]));
         let gpus: HashSet<&str> = two
             .iter()
-            .map(|id| crate::kubelet::sharing::physical_id(id))
+            .map(|id| crate::policy::sharing::physical_id(id))
             .collect();
         assert_eq!(gpus.len(), 2, "{two:?}");
     }

@@ -1,6 +1,6 @@
 //! What the host keeps of a module's answers, charged to the module.
 //!
-//! Every per-item rule in [`super::validate`] can hold and still add up to gigabytes: 16,384
+//! Every per-item rule in [`super::checks`] can hold and still add up to gigabytes: 16,384
 //! devices with 64 attributes of a kilobyte each. The agent serves every device type on the node,
 //! and an OOM kill of it takes them all down, so each module's answers are charged against its
 //! `host-memory` budget, with a cap per device too. An answer over budget is refused like any
@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::validate::Violation;
+use super::checks::Violation;
 use crate::device::Device;
 
 /// Most bytes one device's entry may take: an ID, NUMA nodes and a few attributes fit many times.
@@ -38,7 +38,7 @@ pub fn cost(devices: &[Device]) -> Result<usize, Violation> {
 }
 
 /// What of a resource the host keeps: its snapshot, and the Allocate answers prepared ahead of
-/// time for its devices (`kubelet::prepared`).
+/// time for its devices (`resource::prepared`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kept {
     Devices,

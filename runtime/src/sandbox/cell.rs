@@ -63,7 +63,7 @@ pub enum Failure {
         message: String,
         init_error: Option<PluginError>,
     },
-    /// The module answered, but its answer broke a rule (see `validate`).
+    /// The module answered, but its answer broke a rule (see `checks`).
     Violation(String),
     /// The job never reached the module (backing off after crashes, module failed).
     Unavailable(String),

@@ -27,7 +27,7 @@ pub struct LoadedModule {
     pub(crate) grants: Arc<Grants>,
     pub(crate) pre: DevicePluginPre<HostState>,
     /// The log allowance all its instances share.
-    pub(crate) output: Arc<crate::sandbox::host::OutputBudget>,
+    pub(crate) output: Arc<crate::sandbox::host::OutputAllowance>,
     /// NVML as this node has it, for a module granted `nvml`.
     pub(crate) nvml: Option<Arc<NvmlNode>>,
     /// sha256 of the `.wasm` file, lowercase hex: tells a hot reload whether the file changed.

@@ -1,18 +1,18 @@
 //! Running vendor modules: the wasmtime engine, the host/guest seam, the host interfaces a
 //! module may be granted, and the cells that run each module's instances.
 
-pub mod backend;
 pub mod bindings;
 pub mod budget;
 pub mod cache;
 pub mod cell;
+pub mod checks;
 pub mod engine;
 pub mod error;
 pub mod home;
 pub mod host;
 pub mod loader;
 pub mod module;
-pub mod validate;
+pub mod slot;
 
 pub use crate::device::{
     ContainerEdits, Device, DeviceNode, Health, Mount, PluginError, ResourceInfo,

@@ -16,10 +16,10 @@ use wasmtime::{Store, StoreLimitsBuilder};
 use super::bindings::v0_1::{DevicePlugin, wit};
 use super::budget::Budget;
 use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture};
+use super::checks;
 use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
 use super::loader::{LoadedModule, ModuleInterface};
-use super::validate;
 use crate::config::Grants;
 use crate::device::{ContainerEdits, Device, PluginError, ResourceInfo};
 
@@ -38,7 +38,7 @@ struct Counters {
 pub struct ModuleStats {
     pub traps: u64,
     pub deadlines: u64,
-    /// Answers refused because they broke a rule (see [`super::validate`]).
+    /// Answers refused because they broke a rule (see [`super::checks`]).
     pub violations: u64,
     /// Errors the module reported itself.
     pub errors: u64,
@@ -183,7 +183,7 @@ pub struct ModuleHandle {
     health: Lane<Instance>,
     fate: Arc<Fate>,
     budget: Arc<Budget>,
-    output: Arc<super::host::OutputBudget>,
+    output: Arc<super::host::OutputAllowance>,
     nvml: Option<Arc<crate::nvml::NvmlNode>>,
     observer: Arc<std::sync::OnceLock<CallObserver>>,
 }
@@ -361,7 +361,7 @@ impl ModuleHandle {
                 // Reading sysfs is file-system work: it runs in the cell.
                 move |found| {
                     let mut devices: Vec<Device> = found.into_iter().map(Device::from).collect();
-                    validate::devices(&devices)?;
+                    checks::devices(&devices)?;
                     topology.fill(&mut devices, &root);
                     Ok(devices)
                 },
@@ -419,8 +419,8 @@ impl ModuleHandle {
                 // Resolving device nodes and mount sources is file-system work: it runs in the cell.
                 move |edits| {
                     let mut edits = ContainerEdits::from(edits);
-                    validate::edits(&edits, &grants)?;
-                    validate::resolve_edits(&mut edits, &grants, &root)?;
+                    checks::edits(&edits, &grants)?;
+                    checks::resolve_edits(&mut edits, &grants, &root)?;
                     Ok(edits)
                 },
             )
@@ -471,7 +471,7 @@ impl ModuleHandle {
                             .await
                     })
                 },
-                move |chosen| validate::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
+                move |chosen| checks::chosen_ids(&chosen, &offered, size_limit).map(|()| chosen),
             )
             .await;
         call.done(result)
@@ -508,7 +508,7 @@ impl ModuleHandle {
     fn check(
         &self,
         call: CallKind,
-        verdict: Result<(), validate::Violation>,
+        verdict: Result<(), checks::Violation>,
     ) -> Result<(), CallError> {
         verdict.map_err(|message| {
             self.stats.violations.fetch_add(1, Ordering::Relaxed);
@@ -552,7 +552,7 @@ impl ModuleHandle {
                 -> LocalBoxFuture<'a, wasmtime::Result<Result<T, wit::PluginError>>>
             + Send
             + 'static,
-        C: FnOnce(T) -> Result<U, validate::Violation> + Send + 'static,
+        C: FnOnce(T) -> Result<U, checks::Violation> + Send + 'static,
     {
         let answer = lane
             .call(deadline, move |i| {

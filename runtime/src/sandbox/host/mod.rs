@@ -13,6 +13,6 @@ mod sysfs;
 pub use devnodes::Devnodes;
 pub use log::Log;
 pub use nvml::Nvml;
-pub use output::OutputBudget;
+pub use output::OutputAllowance;
 pub use state::HostState;
 pub use sysfs::Sysfs;

@@ -27,14 +27,14 @@ struct Limiter {
 
 /// A module's log allowance, shared by all its instances (both cells, and every instance made
 /// after a crash), so neither a second cell nor trapping on purpose buys more lines.
-pub struct OutputBudget {
+pub struct OutputAllowance {
     limiter: Mutex<Limiter>,
     dropped: std::sync::atomic::AtomicU64,
 }
 
-impl Default for OutputBudget {
+impl Default for OutputAllowance {
     fn default() -> Self {
-        OutputBudget {
+        OutputAllowance {
             limiter: Mutex::new(Limiter {
                 tokens: BURST,
                 at: Instant::now(),
@@ -45,7 +45,7 @@ impl Default for OutputBudget {
     }
 }
 
-impl OutputBudget {
+impl OutputAllowance {
     /// Lines dropped over the rate since the module was loaded.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(std::sync::atomic::Ordering::Relaxed)
@@ -57,12 +57,12 @@ impl OutputBudget {
 pub struct ModuleOutput {
     module: Arc<str>,
     stream: &'static str,
-    budget: Arc<OutputBudget>,
+    budget: Arc<OutputAllowance>,
 }
 
 impl ModuleOutput {
     /// The stdout and stderr of `module`, drawing on its one allowance.
-    pub fn pair(module: Arc<str>, budget: Arc<OutputBudget>) -> (ModuleOutput, ModuleOutput) {
+    pub fn pair(module: Arc<str>, budget: Arc<OutputAllowance>) -> (ModuleOutput, ModuleOutput) {
         let limiter = budget;
         let out = ModuleOutput {
             module,

@@ -33,7 +33,7 @@ impl HostState {
         host_root: Arc<PathBuf>,
         grants: Arc<Grants>,
         limits: StoreLimits,
-        output: Arc<super::output::OutputBudget>,
+        output: Arc<super::output::OutputAllowance>,
         nvml: Option<Arc<crate::nvml::NvmlNode>>,
     ) -> Self {
         let (stdout, stderr) = super::output::ModuleOutput::pair(module.clone(), output);

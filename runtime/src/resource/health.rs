@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 
 use super::backend::DeviceBackend;
-use super::plugin_server::Snapshot;
+use super::snapshot::Snapshot;
 use crate::device::{Device, Health};
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.

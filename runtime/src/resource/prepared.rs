@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{Notify, watch};
 
-use super::backend::{BackendError, DeviceBackend};
-use super::plugin_server::{Snapshot, find};
+use super::backend::{BackendError, DeviceBackend, Upkeep};
+use super::snapshot::{Snapshot, find};
 use crate::device::{ContainerEdits, Device, Health};
 
 /// One resource's prepared answers, shared by its preparer and its server.
@@ -167,9 +167,9 @@ impl Prepared {
     /// Starts a round: drops every entry that no longer holds (device gone or changed, another
     /// module version), charges what is left to the budget (dropping it all when the devices
     /// have grown into the room it took), and returns the Healthy devices to ask for, in order.
-    fn begin_round<B: DeviceBackend>(
+    fn begin_round(
         &self,
-        backend: &B,
+        upkeep: &dyn Upkeep,
         resource: &str,
         snapshot: &[Device],
         generation: u64,
@@ -188,11 +188,11 @@ impl Prepared {
                 .retain(|_, e| !matches!(e.kept, Kept::OverBudget));
         }
         answers.bytes = answers.by_id.values().map(|e| e.bytes).sum();
-        if let Err(why) = backend.keep_answers(resource, answers.bytes) {
+        if let Err(why) = upkeep.keep_answers(resource, answers.bytes) {
             tracing::debug!(resource, "dropping the prepared Allocate answers: {why}");
             answers.by_id.clear();
             answers.bytes = 0;
-            let _ = backend.keep_answers(resource, 0);
+            let _ = upkeep.keep_answers(resource, 0);
         }
         self.publish_count(&answers);
         if answers.stopped == Some(generation) {
@@ -207,9 +207,9 @@ impl Prepared {
 
     /// Keeps what the module answered for `device`, if the device and the module are still as
     /// they were when it was asked.
-    fn store<B: DeviceBackend>(
+    fn store(
         &self,
-        backend: &B,
+        upkeep: &dyn Upkeep,
         resource: &str,
         device: Device,
         generation: u64,
@@ -217,7 +217,7 @@ impl Prepared {
         current: &[Device],
     ) {
         let still = find(current, &device.id).is_some_and(|d| *d == device);
-        if backend.generation() != generation || !still {
+        if upkeep.generation() != generation || !still {
             return;
         }
         let mut answers = self.lock();
@@ -226,7 +226,7 @@ impl Prepared {
             Some(answer) => {
                 let bytes = cost(&answer);
                 let total = answers.bytes.saturating_add(bytes);
-                match backend.keep_answers(resource, total) {
+                match upkeep.keep_answers(resource, total) {
                     Ok(()) => (Kept::Answer(Arc::new(answer)), bytes),
                     Err(why) => {
                         tracing::debug!(resource, "not keeping more Allocate answers: {why}");
@@ -290,6 +290,7 @@ fn cost(a: &ContainerEdits) -> usize {
 /// Prepares answers for `resource` whenever `wake` fires (after every enumeration), until `stop`.
 pub async fn prepare_answers<B: DeviceBackend>(
     backend: B,
+    upkeep: Arc<dyn Upkeep>,
     resource: String,
     devices: watch::Receiver<Snapshot>,
     wake: Arc<Notify>,
@@ -302,8 +303,8 @@ pub async fn prepare_answers<B: DeviceBackend>(
             _ = stop.wait_for(|s| *s) => return,
         }
         let snapshot = devices.borrow().clone();
-        let generation = backend.generation();
-        for device in prepared.begin_round(&backend, &resource, &snapshot, generation) {
+        let generation = upkeep.generation();
+        for device in prepared.begin_round(&*upkeep, &resource, &snapshot, generation) {
             let id = device.id.clone();
             let asked = tokio::select! {
                 asked = backend.allocate(&resource, vec![id.clone()]) => asked,
@@ -328,7 +329,7 @@ pub async fn prepare_answers<B: DeviceBackend>(
                 }
             };
             let current = devices.borrow().clone();
-            prepared.store(&backend, &resource, device, generation, answer, &current);
+            prepared.store(&*upkeep, &resource, device, generation, answer, &current);
         }
         prepared.round_done();
     }
@@ -399,7 +400,9 @@ mod tests {
                 ..ContainerEdits::default()
             })
         }
+    }
 
+    impl Upkeep for Fake {
         fn generation(&self) -> u64 {
             self.version.load(Ordering::SeqCst)
         }
@@ -437,6 +440,7 @@ mod tests {
             let prepared = Prepared::default();
             tokio::spawn(prepare_answers(
                 backend.clone(),
+                Arc::new(backend.clone()),
                 "r".into(),
                 devices_rx,
                 wake.clone(),

@@ -1,10 +1,12 @@
-//! What the kubelet side needs from whatever knows the devices: the one seam between serving the
-//! kubelet and running vendor code.
+//! What the resource core needs from whatever knows the devices: the one seam between serving a
+//! resource and running vendor code.
 //!
-//! Everything in `kubelet/` is written against [`DeviceBackend`] and knows nothing of
-//! WebAssembly; `sandbox::ModuleHandle` implements it. As in Intel's device-plugin framework, the
-//! mandatory part is small (enumerate, allocate); preferred allocation and prestart have defaults
-//! and are only called when the resource asked for them in its options.
+//! Two parts. [`DeviceBackend`] is the calls, four of them as in Intel's device-plugin framework:
+//! enumerate and allocate are mandatory; preferred allocation and prestart have defaults and are
+//! only called when the resource asked for them in its options. [`Upkeep`] is what the core asks
+//! of the place the backend lives (its memory budget, its version, its runtime), kept apart so
+//! that a decorator over the calls (sharing) never has to forward it. The sandbox's module slot
+//! implements both; the core and the front ends know nothing of WebAssembly.
 
 use std::future::Future;
 
@@ -77,7 +79,11 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
         let _ = (resource, ids);
         std::future::ready(Ok(()))
     }
+}
 
+/// Where a backend lives, as the resource core sees it. Every method has a default for a backend
+/// that lives nowhere special ([`Unkept`]).
+pub trait Upkeep: Send + Sync + 'static {
     /// Changes whenever the backend's answers may change for reasons other than its devices (a new
     /// module version swapped in): Allocate answers prepared before are then stale.
     fn generation(&self) -> u64 {
@@ -103,6 +109,11 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     }
 }
 
+/// A backend with no budget, no versions and no runtime of its own.
+pub struct Unkept;
+
+impl Upkeep for Unkept {}
+
 /// A runtime to serve a resource on, and when to leave it.
 pub struct ServingPlace {
     pub runtime: tokio::runtime::Handle,
@@ -111,105 +122,4 @@ pub struct ServingPlace {
     pub lost: tokio::sync::watch::Receiver<bool>,
     /// Held by whoever serves there, so the place lives as long as its servers.
     pub keep_alive: std::sync::Arc<dyn std::any::Any + Send + Sync>,
-}
-
-/// A backend that can be replaced under a running resource: an upgrade swaps the new module
-/// version in behind the same socket, registration and ListAndWatch stream, so the kubelet never
-/// sees the resource go away. A call in flight finishes on the backend it started on.
-pub struct Swappable<B> {
-    name: std::sync::Arc<str>,
-    current: std::sync::Arc<std::sync::RwLock<std::sync::Arc<B>>>,
-    /// How many times a new backend was swapped in: the [`DeviceBackend::generation`].
-    swaps: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl<B> Clone for Swappable<B> {
-    fn clone(&self) -> Self {
-        Swappable {
-            name: self.name.clone(),
-            current: self.current.clone(),
-            swaps: self.swaps.clone(),
-        }
-    }
-}
-
-impl<B: DeviceBackend> Swappable<B> {
-    pub fn new(backend: B) -> Self {
-        Swappable {
-            name: backend.name().into(),
-            current: std::sync::Arc::new(std::sync::RwLock::new(std::sync::Arc::new(backend))),
-            swaps: std::sync::Arc::default(),
-        }
-    }
-
-    /// The backend answering now.
-    pub fn current(&self) -> std::sync::Arc<B> {
-        self.current
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    /// Puts `next` in place for every later call; returns the one it replaces.
-    pub fn replace(&self, next: B) -> std::sync::Arc<B> {
-        let mut slot = self
-            .current
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let previous = std::mem::replace(&mut *slot, std::sync::Arc::new(next));
-        self.swaps
-            .fetch_add(1, std::sync::atomic::Ordering::Release);
-        previous
-    }
-}
-
-impl<B: DeviceBackend> DeviceBackend for Swappable<B> {
-    /// The name the backend had when this slot was made: an upgrade keeps the module's name.
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
-        self.current().enumerate(resource).await
-    }
-
-    async fn allocate(
-        &self,
-        resource: &str,
-        ids: Vec<String>,
-    ) -> Result<ContainerEdits, BackendError> {
-        self.current().allocate(resource, ids).await
-    }
-
-    async fn preferred(
-        &self,
-        resource: &str,
-        available: Vec<String>,
-        must_include: Vec<String>,
-        size: u32,
-    ) -> Result<Vec<String>, BackendError> {
-        self.current()
-            .preferred(resource, available, must_include, size)
-            .await
-    }
-
-    async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
-        self.current().prestart(resource, ids).await
-    }
-
-    fn generation(&self) -> u64 {
-        self.swaps.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
-        self.current().keep_answers(resource, bytes)
-    }
-
-    fn release(&self, resource: &str) {
-        self.current().release(resource);
-    }
-
-    fn serving_place(&self) -> Option<ServingPlace> {
-        self.current().serving_place()
-    }
 }

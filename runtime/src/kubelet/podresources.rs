@@ -4,10 +4,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::error::LedgerError;
 use crate::kubelet::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use crate::kubelet::api::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
 use crate::kubelet::uds;
+use crate::ledger::{Held, Holder, LedgerError};
 
 /// How long [`list_pods`] waits for the kubelet, connection included.
 pub const LIST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -51,6 +51,43 @@ pub async fn list_pods_within(
             socket: socket.to_owned(),
             after: timeout,
         })?
+}
+
+/// Who holds which devices of which resource, from a PodResources `List` answer: a container's
+/// devices of one resource are the union of all its `ContainerDevices` of that resource (the
+/// kubelet reports one per device and per NUMA node).
+pub fn held(pods: &ListPodResourcesResponse) -> Vec<Held> {
+    let mut held = Vec::new();
+    for pod in &pods.pod_resources {
+        for container in &pod.containers {
+            let first = held.len();
+            for devices in &container.devices {
+                let at = held[first..]
+                    .iter()
+                    .position(|h: &Held| h.resource == devices.resource_name)
+                    .map(|i| first + i);
+                let at = at.unwrap_or_else(|| {
+                    held.push(Held {
+                        holder: Holder {
+                            namespace: pod.namespace.clone(),
+                            pod: pod.name.clone(),
+                            container: container.name.clone(),
+                        },
+                        resource: devices.resource_name.clone(),
+                        device_ids: Vec::new(),
+                    });
+                    held.len() - 1
+                });
+                for id in &devices.device_ids {
+                    if !held[at].device_ids.contains(id) {
+                        held[at].device_ids.push(id.clone());
+                    }
+                }
+            }
+        }
+    }
+    held.retain(|h| !h.device_ids.is_empty());
+    held
 }
 
 #[cfg(test)]

@@ -2,17 +2,18 @@
 //! (`<id>::<n>`), with the health and topology of the device, while the module only ever sees
 //! physical IDs.
 //!
-//! A [`Shared`] backend wraps the module's: `enumerate` is expanded, the IDs of `allocate` and
-//! `prestart` are mapped back to physical ones (each once), and the rest passes through. The
+//! A [`Replicated`] backend wraps the module's: `enumerate` is expanded, the IDs of `allocate` and
+//! `prestart` are mapped back to physical ones (each once), and `preferred` is the host's. The
+//! backend's upkeep (budget, version, runtime) is not a call and does not pass through here. The
 //! kubelet side then needs nothing special: snapshots, ID checks, prepared answers and the ledger
 //! work on replica IDs like on any others. Preferred allocation for a shared resource is always
 //! the host's, which knows from the ledger how many replicas of each device are in use.
 
 use std::sync::Arc;
 
-use super::backend::{BackendError, DeviceBackend, ServingPlace};
 use crate::config::{ShareRule, Sharing};
 use crate::device::{ContainerEdits, Device, MAX_DEVICES, MAX_ID};
+use crate::resource::backend::{BackendError, DeviceBackend};
 
 /// Separates a physical device ID from its replica number.
 pub const REPLICA_SEPARATOR: &str = "::";
@@ -37,14 +38,14 @@ pub fn served_name(name: String, rule: &ShareRule) -> String {
 
 /// A module's backend with its resources shared as the registry says.
 #[derive(Clone)]
-pub struct Shared<B> {
+pub struct Replicated<B> {
     inner: B,
     sharing: Arc<Sharing>,
 }
 
-impl<B: DeviceBackend> Shared<B> {
+impl<B: DeviceBackend> Replicated<B> {
     pub fn new(inner: B, sharing: Sharing) -> Self {
-        Shared {
+        Replicated {
             inner,
             sharing: Arc::new(sharing),
         }
@@ -111,7 +112,7 @@ fn physical(ids: &[String]) -> Vec<String> {
     out
 }
 
-impl<B: DeviceBackend> DeviceBackend for Shared<B> {
+impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
     fn name(&self) -> &str {
         self.inner.name()
     }
@@ -165,22 +166,6 @@ impl<B: DeviceBackend> DeviceBackend for Shared<B> {
             None => ids,
         };
         self.inner.prestart(resource, ids).await
-    }
-
-    fn generation(&self) -> u64 {
-        self.inner.generation()
-    }
-
-    fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
-        self.inner.keep_answers(resource, bytes)
-    }
-
-    fn release(&self, resource: &str) {
-        self.inner.release(resource);
-    }
-
-    fn serving_place(&self) -> Option<ServingPlace> {
-        self.inner.serving_place()
     }
 }
 
@@ -242,7 +227,7 @@ mod tests {
     #[tokio::test]
     async fn replicas_are_advertised_and_the_module_sees_physical_ids_once() {
         let module = Module::default();
-        let shared = Shared::new(
+        let shared = Replicated::new(
             module.clone(),
             Sharing {
                 default: rule(3),
@@ -270,7 +255,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_for_more_than_one_can_be_refused() {
-        let shared = Shared::new(
+        let shared = Replicated::new(
             Module::default(),
             Sharing {
                 default: ShareRule {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::Shared;
-use crate::ledger::podresources;
+use crate::kubelet::podresources;
 
 pub async fn run(
     shared: Arc<Shared>,
@@ -41,7 +41,9 @@ pub async fn run(
         let ours: Vec<String> = shared.resources().into_iter().map(|r| r.name).collect();
         let report = shared
             .ledger
-            .reconcile(&pods, grace, &|r| ours.iter().any(|n| n == r));
+            .reconcile(&podresources::held(&pods), grace, &|r| {
+                ours.iter().any(|n| n == r)
+            });
         shared.metrics.reconciled(Some(&report));
         tracing::debug!(%report, "ledger reconciled with PodResources");
     }

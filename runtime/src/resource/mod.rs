@@ -1,0 +1,86 @@
+//! The resource core: what serving one resource means whatever API serves it. The backend seam
+//! ([`backend::DeviceBackend`], implemented by the sandbox), the device watcher that turns
+//! enumerations into [`snapshot`]s with health ([`health`]), and the Allocate answers prepared
+//! ahead of time ([`prepared`]), held as the host's own `device::ContainerEdits`. Nothing here
+//! names a kubelet wire type or wasmtime: the device-plugin front end (`kubelet/`) and a second
+//! front end would both be built on these.
+
+pub mod backend;
+pub mod core;
+pub mod health;
+pub mod prepared;
+pub mod snapshot;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Lines of non-test code, in the top-level folders of `src/` that `folder` accepts (files
+    /// directly in `src/` have folder ""), that contain one of `patterns`.
+    fn lines_naming(folder: impl Fn(&str) -> bool, patterns: &[&str]) -> Vec<String> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut found = Vec::new();
+        let mut dirs = vec![src.clone()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                let rel = path
+                    .strip_prefix(&src)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let top = rel.split_once('/').map_or("", |(top, _)| top);
+                if !folder(top) || rel.ends_with("tests.rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+                for (n, line) in code.lines().enumerate() {
+                    let comment = line.trim_start().starts_with("//");
+                    if !comment && patterns.iter().any(|p| line.contains(p)) {
+                        found.push(format!("{rel}:{}: {}", n + 1, line.trim()));
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// The kubelet's wire types stay in the device-plugin front end (`kubelet/`) and the command
+    /// line that drives the kubelet simulator (`cli/`): the core, the sandbox, the ledger, CDI and
+    /// the policies are written against the host's own types, so a second front end reuses them
+    /// as they are. Test code may build wire values to feed a front end's conversion.
+    #[test]
+    fn no_kubelet_wire_type_outside_the_front_ends() {
+        let wire = [
+            "api::deviceplugin",
+            "api::podresources",
+            "api::pluginregistration",
+        ];
+        let found = lines_naming(|top| top != "kubelet" && top != "cli", &wire);
+        assert!(
+            found.is_empty(),
+            "wire types outside kubelet/ and cli/:\n{}",
+            found.join("\n")
+        );
+    }
+
+    /// WebAssembly stays in the sandbox (and the agent that starts it): the core and the front
+    /// ends serve whatever implements the backend trait.
+    #[test]
+    fn no_wasmtime_in_the_core_or_the_front_end() {
+        let core = [
+            "resource", "kubelet", "ledger", "cdi", "policy", "nvml", "config", "metrics",
+        ];
+        let found = lines_naming(|top| core.contains(&top), &["wasmtime"]);
+        assert!(
+            found.is_empty(),
+            "wasmtime outside the sandbox:\n{}",
+            found.join("\n")
+        );
+    }
+}
