@@ -11,6 +11,8 @@ guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p misbehaving 
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
 cargo clippy --target wasm32-wasip2 "${guests[@]}" -- -D warnings
 cargo clippy --all-targets -- -D warnings
+# The agent alone, without the simulator and fixture trees (`devicelet` feature `simulator`).
+cargo clippy -p devicelet --no-default-features -- -D warnings
 cargo test
 # The guests' logic runs on the host too, against the SDK's test kit (a fake node).
 cargo test "${guests[@]}"

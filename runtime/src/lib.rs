@@ -11,6 +11,7 @@ pub mod config;
 pub mod device;
 pub mod digest;
 pub mod files;
+#[cfg(feature = "simulator")]
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;

@@ -1,9 +1,12 @@
 //! The `devicelet` command line.
 
+#[cfg(feature = "simulator")]
 mod demo;
 mod run;
+#[cfg(feature = "simulator")]
 pub mod simulate;
 mod status;
+#[cfg(feature = "simulator")]
 mod try_module;
 mod validate;
 
@@ -75,11 +78,14 @@ pub enum Command {
     /// Show what a running agent serves: resources, devices, health and holders.
     Status(status::StatusArgs),
     /// Run the built-in kubelet simulator, for trying a module locally.
+    #[cfg(feature = "simulator")]
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
+    #[cfg(feature = "simulator")]
     Demo(demo::DemoArgs),
     /// One module against a fixture node and the simulator: registration, snapshots, an
     /// allocation, then the fixture watched for changes.
+    #[cfg(feature = "simulator")]
     Try(try_module::TryArgs),
 }
 
@@ -88,8 +94,11 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => run::run(args).await,
         Command::Validate(args) => validate::run(args).await,
         Command::Status(args) => status::run(args).await,
+        #[cfg(feature = "simulator")]
         Command::Simulate(args) => simulate::run(args).await,
+        #[cfg(feature = "simulator")]
         Command::Demo(args) => demo::run(args).await,
+        #[cfg(feature = "simulator")]
         Command::Try(args) => try_module::run(args).await,
     }
 }
