@@ -69,6 +69,39 @@ pub fn temp_prefix(name: &str) -> String {
 /// (never through a symlink) with exactly `mode`, written, fsynced, renamed over `name`, and the
 /// directory fsynced. A failed write leaves no temp file behind.
 pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_all_atomically(dir, &[(name, bytes)], mode)
+}
+
+/// [`write_atomically`] for several files that belong together: every temp file is written and
+/// fsynced first, then they are renamed into place in the order given, one right after the
+/// other, and the directory is fsynced once. A reader sees each file old or new, and the window
+/// in which some are new and others old is two renames long, not a write.
+pub fn write_all_atomically(dir: &Dir, files: &[(&str, &[u8])], mode: u32) -> io::Result<()> {
+    let mut temps = Vec::with_capacity(files.len());
+    for (name, bytes) in files {
+        match write_temp(dir, name, bytes, mode) {
+            Ok(temp) => temps.push(temp),
+            Err(e) => {
+                for temp in &temps {
+                    let _ = dir.remove_file(temp);
+                }
+                return Err(e);
+            }
+        }
+    }
+    for (i, ((name, _), temp)) in files.iter().zip(&temps).enumerate() {
+        if let Err(e) = dir.rename(temp, dir, name) {
+            for temp in &temps[i..] {
+                let _ = dir.remove_file(temp);
+            }
+            return Err(e);
+        }
+    }
+    sync_dir(dir)
+}
+
+/// A new temp file beside `name` holding `bytes` (exactly `mode`, fsynced); its name.
+fn write_temp(dir: &Dir, name: &str, bytes: &[u8], mode: u32) -> io::Result<String> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -91,13 +124,12 @@ pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8], mode: u32) -> io::R
         // The umask may have taken bits away; state the mode exactly.
         .set_permissions(std::fs::Permissions::from_mode(mode))
         .and_then(|()| file.write_all(bytes))
-        .and_then(|()| file.sync_all())
-        .and_then(|()| dir.rename(&temp, dir, name));
+        .and_then(|()| file.sync_all());
     if let Err(e) = written {
         let _ = dir.remove_file(&temp);
         return Err(e);
     }
-    sync_dir(dir)
+    Ok(temp)
 }
 
 /// Makes the directory's entries (a rename, a removal) durable.

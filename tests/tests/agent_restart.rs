@@ -36,7 +36,7 @@ async fn holder_of(node: &Node, device: &str) -> Option<String> {
         .flat_map(|r| &r.devices)
         .find(|d| d.id == device)
         .and_then(|d| d.holder.as_ref())
-        .map(|h| format!("{}/{}/{}", h.namespace, h.pod, h.container))
+        .map(|h| h.to_string())
 }
 
 async fn wait_for_holder(node: &Node, device: &str) -> String {

@@ -283,12 +283,8 @@ async fn a_finished_pod_frees_its_devices_in_the_ledger() {
     .await;
     let holder = holder_of(&agent).expect("holder");
     assert_eq!(
-        (
-            holder.namespace.as_str(),
-            holder.pod.as_str(),
-            holder.container.as_str()
-        ),
-        ("team-a", "trainer", "main")
+        holder,
+        devicelet::ledger::Holder::container("team-a", "trainer", "main")
     );
 
     node.kubelet.terminate_pod("team-a", "trainer");

@@ -156,7 +156,7 @@ pub fn method() -> Vec<String> {
          `ModuleHandle::allocate` is timed twice: from the bench's runtime (a hop to the \
          module's home thread and back) and from a task on the home thread itself, as the \
          resource's gRPC server calls it. The resolution row times \
-         `validate::resolve_edits` on the module's answer (open the /dev tree, canonicalize \
+         `checks::resolve_edits` on the module's answer (open the /dev tree, canonicalize \
          the node beneath it, stat it).",
         "8: the agent in the bench process with generic-dev (fuse × 10) and two misbehaving \
          modules whose enumerate spins (a sysfs switch file, read at every enumerate) until its \

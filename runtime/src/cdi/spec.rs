@@ -129,8 +129,9 @@ pub fn kind_of(resource: &str) -> Result<String, String> {
 
 /// Checks a fully qualified CDI device name, `vendor/class=device`, by the CDI grammar (vendor
 /// and class start with a letter and end with a letter or digit; the vendor may hold `-_.`, the
-/// class `-_`; the device as [`is_device_name`]). The one copy of that grammar: the specs the agent
-/// writes and the CDI names a module returns are both checked here.
+/// class `-_`; the device as [`is_device_name`]). The one copy of that grammar: the CDI names a
+/// module returns are checked here, and the agent's own kinds ([`kind_of`]) follow the same
+/// vendor and class rule.
 pub fn check_qualified_name(name: &str) -> Result<(), String> {
     let (kind, device) = name
         .split_once('=')

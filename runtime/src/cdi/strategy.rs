@@ -127,6 +127,8 @@ impl Naming {
         }
         let names: Vec<String> = ids.iter().map(|id| view.name(id)).collect();
         if self.strategy.cdi_annotations {
+            // Ours replaces one of the module's under the same key, as the kubelet's map would.
+            out.annotations.retain(|(k, _)| **k != *self.annotation_key);
             out.annotations
                 .push((self.annotation_key.to_string(), names.join(",")));
         }

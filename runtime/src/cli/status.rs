@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::agent::status::{self, Status};
+use crate::ledger::Holder;
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
@@ -68,7 +69,15 @@ fn render(status: &Status) -> String {
         for d in &r.devices {
             let health = if d.healthy { "Healthy" } else { "Unhealthy" };
             let holder = match (&d.holder, d.allocated) {
-                (Some(h), _) => format!("{}/{} container {}", h.namespace, h.pod, h.container),
+                (
+                    Some(Holder::Container {
+                        namespace,
+                        pod,
+                        container,
+                    }),
+                    _,
+                ) => format!("{namespace}/{pod} container {container}"),
+                (Some(claim), _) => claim.to_string(),
                 (None, true) => "allocated, pod not yet known".into(),
                 (None, false) => "free".into(),
             };

@@ -68,11 +68,7 @@ pub fn held(pods: &ListPodResourcesResponse) -> Vec<Held> {
                     .map(|i| first + i);
                 let at = at.unwrap_or_else(|| {
                     held.push(Held {
-                        holder: Holder {
-                            namespace: pod.namespace.clone(),
-                            pod: pod.name.clone(),
-                            container: container.name.clone(),
-                        },
+                        holder: Holder::container(&pod.namespace, &pod.name, &container.name),
                         resource: devices.resource_name.clone(),
                         device_ids: Vec::new(),
                     });

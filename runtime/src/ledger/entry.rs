@@ -16,21 +16,54 @@ pub struct Entry {
     /// When the entry was made, at millisecond precision (the checkpoint stores unix millis).
     #[serde(with = "unix_millis")]
     pub allocated_at: SystemTime,
-    /// The container holding the devices, once the PodResources `List` has shown it.
+    /// Who holds the devices, once the front end has learned it (the device-plugin front end:
+    /// from the PodResources `List`).
     pub holder: Option<Holder>,
 }
 
-/// A container as the PodResources API names it.
+/// Who an allocation belongs to: a container (the device-plugin API allocates per container) or
+/// a resource claim (Dynamic Resource Allocation prepares per claim). Written untagged, so a
+/// container reads and writes exactly as checkpoints before claims existed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Holder {
-    pub namespace: String,
-    pub pod: String,
-    pub container: String,
+#[serde(untagged)]
+pub enum Holder {
+    /// A container, as the PodResources API names it.
+    Container {
+        namespace: String,
+        pod: String,
+        container: String,
+    },
+    /// A ResourceClaim, by namespace, name and UID (a claim deleted and made again under the same
+    /// name is another claim).
+    Claim {
+        namespace: String,
+        claim: String,
+        uid: String,
+    },
+}
+
+impl Holder {
+    pub fn container(namespace: &str, pod: &str, container: &str) -> Holder {
+        Holder::Container {
+            namespace: namespace.into(),
+            pod: pod.into(),
+            container: container.into(),
+        }
+    }
 }
 
 impl std::fmt::Display for Holder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}", self.namespace, self.pod, self.container)
+        match self {
+            Holder::Container {
+                namespace,
+                pod,
+                container,
+            } => write!(f, "{namespace}/{pod}/{container}"),
+            Holder::Claim {
+                namespace, claim, ..
+            } => write!(f, "{namespace} claim {claim}"),
+        }
     }
 }
 
@@ -78,11 +111,7 @@ mod tests {
             resource: "devicelet.io/fuse".into(),
             device_ids: vec!["fuse-0".into()],
             allocated_at: UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
-            holder: Some(Holder {
-                namespace: "ns".into(),
-                pod: "p".into(),
-                container: "c".into(),
-            }),
+            holder: Some(Holder::container("ns", "p", "c")),
         };
         let json = serde_json::to_value(&entry).unwrap();
         assert_eq!(
@@ -100,6 +129,23 @@ mod tests {
             UNIX_EPOCH + Duration::from_millis(1_700_000_000_123)
         );
         assert_eq!(to_millis(UNIX_EPOCH - Duration::from_secs(1)), 0);
+    }
+
+    #[test]
+    fn a_container_holder_is_written_as_before_claims_and_a_claim_round_trips() {
+        // The checkpoint format of every agent before claims existed.
+        let old = r#"{"id":1,"resource":"r","device_ids":["a"],"allocated_at":5,"holder":{"namespace":"ns","pod":"p","container":"c"}}"#;
+        let e: Entry = serde_json::from_str(old).unwrap();
+        assert_eq!(e.holder, Some(Holder::container("ns", "p", "c")));
+        assert_eq!(serde_json::to_string(&e).unwrap(), old);
+        let claim = Holder::Claim {
+            namespace: "ns".into(),
+            claim: "gpu-claim".into(),
+            uid: "0b5e".into(),
+        };
+        let json = serde_json::to_string(&claim).unwrap();
+        assert_eq!(serde_json::from_str::<Holder>(&json).unwrap(), claim);
+        assert_eq!(claim.to_string(), "ns claim gpu-claim");
     }
 
     #[test]

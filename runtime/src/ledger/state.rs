@@ -119,11 +119,7 @@ mod tests {
     use super::*;
 
     fn holder(pod: &str) -> Holder {
-        Holder {
-            namespace: "ns".into(),
-            pod: pod.into(),
-            container: "c".into(),
-        }
+        Holder::container("ns", pod, "c")
     }
 
     #[test]

@@ -20,11 +20,7 @@ fn ids(ids: &[&str]) -> Vec<String> {
 }
 
 fn holder(ns: &str, pod: &str, container: &str) -> Holder {
-    Holder {
-        namespace: ns.into(),
-        pod: pod.into(),
-        container: container.into(),
-    }
+    Holder::container(ns, pod, container)
 }
 
 /// (resource, device ids) pairs of one container.

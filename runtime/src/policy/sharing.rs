@@ -5,7 +5,7 @@
 //! A [`Replicated`] backend wraps the module's: `enumerate` is expanded, the IDs of `allocate` and
 //! `prestart` are mapped back to physical ones (each once), and `preferred` is the host's. The
 //! backend's upkeep (budget, version, runtime) is not a call and does not pass through here. The
-//! kubelet side then needs nothing special: snapshots, ID checks, prepared answers and the ledger
+//! core and the front ends then need nothing special: snapshots, ID checks, prepared answers and the ledger
 //! work on replica IDs like on any others. Preferred allocation for a shared resource is always
 //! the host's, which knows from the ledger how many replicas of each device are in use.
 

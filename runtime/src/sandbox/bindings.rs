@@ -47,31 +47,50 @@ pub mod imports {
         Version(String),
     }
 
-    /// The versions a module may be built against, as the operator reads it: `0.1.0 to 0.1.1`.
-    /// The oldest published version through [`LATEST`]: a minor version only adds, and wasmtime's
-    /// linker resolves an older `@0.1.x` import to the host's newer definition.
-    pub fn speaks() -> String {
-        format!("{} to {LATEST}", PUBLISHED[0])
+    /// The semver line a version belongs to: the major, or the minor for 0.x. Versions on one
+    /// line only add to each other.
+    fn line(v: &Version) -> (u64, u64) {
+        if v.major == 0 {
+            (0, v.minor)
+        } else {
+            (v.major, 0)
+        }
     }
 
-    /// Whether a module built against `version` links with this host: the same major (minor for
-    /// 0.x) as [`LATEST`], no newer than it, and no older than the first published version.
+    /// The oldest published version on [`LATEST`]'s line.
+    fn oldest() -> Option<Version> {
+        let latest = Version::parse(LATEST).ok()?;
+        PUBLISHED
+            .iter()
+            .filter_map(|v| Version::parse(v).ok())
+            .filter(|v| line(v) == line(&latest))
+            .min()
+    }
+
+    /// The versions a module may be built against, as the operator reads it: `0.1.0 to 0.1.1`.
+    /// The oldest published version on the latest's line through [`LATEST`]: a minor version
+    /// only adds, and wasmtime's linker resolves an older `@0.1.x` import to the host's newer
+    /// definition.
+    pub fn speaks() -> String {
+        match oldest() {
+            Some(oldest) if oldest.to_string() != LATEST => format!("{oldest} to {LATEST}"),
+            _ => LATEST.to_owned(),
+        }
+    }
+
+    /// Whether a module built against `version` links with this host: on [`LATEST`]'s line, no
+    /// newer than it, no older than the first published version on that line. Build metadata
+    /// (`+...`) says nothing about the interface and is ignored; a pre-release is refused.
     pub fn supported(version: &Version) -> bool {
-        let (Ok(oldest), Ok(latest)) = (Version::parse(PUBLISHED[0]), Version::parse(LATEST))
-        else {
+        let (Some(oldest), Ok(latest)) = (oldest(), Version::parse(LATEST)) else {
             return false;
         };
-        let line = |v: &Version| {
-            if v.major == 0 {
-                (0, v.minor)
-            } else {
-                (v.major, 0)
-            }
-        };
+        let mut version = version.clone();
+        version.build = semver::BuildMetadata::EMPTY;
         version.pre.is_empty()
-            && line(version) == line(&latest)
-            && *version >= oldest
-            && *version <= latest
+            && line(&version) == line(&latest)
+            && version >= oldest
+            && version <= latest
     }
 
     /// Which of our interfaces `name` (an import or export name) is: None when it is not a

@@ -286,20 +286,20 @@ impl CompileCache {
         Ok(digest.to_owned())
     }
 
-    /// Writes the entry, each file by [`crate::files::write_atomically`] (0600): the sidecar
-    /// first, then the `.cwasm`, so a `.cwasm` never sits beside a stale digest.
+    /// Writes the entry by [`crate::files::write_all_atomically`] (0600): both files written
+    /// first, then the sidecar renamed into place and the `.cwasm` right after it, so a `.cwasm`
+    /// never sits beside a stale digest, and another agent sharing the cache sees a sidecar
+    /// without its `.cwasm` only between two renames.
     fn store(&self, component: &Component, cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
         let bytes = component
             .serialize()
             .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
-        let digest = sha256_hex(&bytes);
-        crate::files::write_atomically(
+        let sum = format!("{}\n", sha256_hex(&bytes));
+        crate::files::write_all_atomically(
             &self.dir,
-            sidecar,
-            format!("{digest}\n").as_bytes(),
+            &[(sidecar, sum.as_bytes()), (cwasm, &bytes)],
             0o600,
         )?;
-        crate::files::write_atomically(&self.dir, cwasm, &bytes, 0o600)?;
         Ok(())
     }
 

@@ -122,7 +122,7 @@ fn is_annotation_key(key: &str) -> bool {
 
 /// A fully qualified CDI device name, `vendor.com/class=name`, by the CDI grammar.
 fn is_cdi_name(name: &str) -> bool {
-    name.len() <= 253 && crate::cdi::spec::check_qualified_name(name).is_ok()
+    name.len() <= MAX_VALUE && crate::cdi::spec::check_qualified_name(name).is_ok()
 }
 
 /// Container edits: device nodes inside the module's /dev grants, mounts inside its grants,

@@ -150,7 +150,11 @@ fn check_imports(
     let version = export.trim_start_matches("devicelet:plugin/plugin@");
     let unsupported = |version: &str| LoadError::UnsupportedVersion {
         module: spec.name.clone(),
-        wants: version.to_owned(),
+        wants: if version.is_empty() {
+            "(no version)".to_owned()
+        } else {
+            version.to_owned()
+        },
         speaks: imports::speaks(),
     };
     if let Some(Err(imports::Unsupported::Version(v))) = imports::ours(export) {

@@ -51,7 +51,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::rc::Rc;
 
-use devicelet_rules::grants::{Pattern, WALK, granted, leads_to_grant};
+use devicelet_rules::grants::{Denied, Pattern, WALK, granted, leads_to_grant};
 
 use crate::ResourceInfo;
 use crate::{ContainerEdits, Device, FsError, Level, NodeInfo, NodeKind, Plugin, PluginError};
@@ -324,17 +324,12 @@ impl FakeHost {
                 "sysfs"
             }));
         }
-        if !is_normal(path) {
-            return Err(FsError::Denied(format!(
-                "{path} is not an absolute, normalised path"
-            )));
-        }
-        if !(granted(grants, path) || listing && leads_to_grant(grants, path)) {
-            return Err(FsError::Denied(format!(
-                "{path} is outside the module's grants"
-            )));
-        }
-        Ok(())
+        devicelet_rules::grants::check(grants, path, listing).map_err(|e| {
+            FsError::Denied(match e {
+                Denied::NotNormal(_) => format!("{path} is not an absolute, normalised path"),
+                Denied::NotGranted => format!("{path} is outside the module's grants"),
+            })
+        })
     }
 
     pub(crate) fn sysfs_read(&self, path: &str) -> Result<Vec<u8>, FsError> {
@@ -742,6 +737,22 @@ mod tests {
                 sysfs::read("/sys/bus/pci/devices/0000:09:00.0/vendor"),
                 Err(FsError::NotFound)
             );
+        });
+    }
+
+    #[test]
+    fn a_sysfs_read_is_cut_where_the_agents_is() {
+        // The kit once cut reads at 64 KiB while the agent hands over up to 1 MiB: a module
+        // reading a big attribute passed its tests and saw other bytes on a node.
+        let big = vec![b'x'; devicelet_rules::grants::MAX_SYSFS_READ + 4096];
+        let host = Rc::new(
+            FakeHost::new()
+                .grant_sysfs("/sys/class/big")
+                .file("/sys/class/big/blob", &big),
+        );
+        with_host(&host, || {
+            let read = sysfs::read("/sys/class/big/blob").unwrap();
+            assert_eq!(read.len(), devicelet_rules::grants::MAX_SYSFS_READ);
         });
     }
 
