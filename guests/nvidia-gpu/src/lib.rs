@@ -6,7 +6,8 @@
 //!   the same resource; with `"mixed"` each MIG profile is a resource of its own (`mig-1g.10gb`).
 //! - **Allocate.** `NVIDIA_VISIBLE_DEVICES` (the default) or CDI names for the specs NVIDIA's
 //!   container toolkit generates (`nvidia.com/gpu=<id>`), the device nodes (`/dev/nvidia<minor>`,
-//!   `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`, and the `nvidia-caps` nodes of a MIG device),
+//!   and those of `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools` and `nvidia-modeset` present, and
+//!   the `nvidia-caps` nodes of a MIG device, without which its Allocate fails),
 //!   and with MPS the pipe directory, mounted.
 //! - **Health.** XID errors and double-bit ECC events make a GPU Unhealthy at once (the agent
 //!   wakes `enumerate` when one arrives), except the XIDs in `ignored-xids` (application errors
@@ -54,10 +55,14 @@ use devicelet_sdk::{
 
 use config::{Config, MigStrategy, Visible};
 
-const CONTROL_NODES: [(&str, bool); 3] = [
-    ("/dev/nvidiactl", true),
-    ("/dev/nvidia-uvm", false),
-    ("/dev/nvidia-uvm-tools", false),
+/// The driver's control nodes, handed to every container that has them. Each is optional, as in
+/// NVIDIA's plugin: a node without `nvidia-modeset` (no display driver) or, briefly, without
+/// `nvidia-uvm` still serves CUDA.
+const CONTROL_NODES: [&str; 4] = [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
 ];
 
 /// One schedulable unit: a whole GPU, or one MIG device of it.
@@ -74,6 +79,15 @@ struct Unit {
 impl Unit {
     fn uuid(&self) -> &str {
         self.mig.as_ref().map_or(&self.gpu.uuid, |m| &m.uuid)
+    }
+
+    /// The product name as NVML gives it for the unit: a MIG device's is its GPU's with the
+    /// profile (`NVIDIA A100-SXM4-80GB MIG 1g.10gb`).
+    fn name(&self) -> String {
+        match &self.mig {
+            None => self.gpu.name.clone(),
+            Some(mig) => format!("{} MIG {}", self.gpu.name, mig.profile),
+        }
     }
 }
 
@@ -287,7 +301,7 @@ impl Plugin for NvidiaGpu {
                 let mut device = Device::new(unit.id.clone(), self.health(unit))
                     .attribute("uuid", unit.uuid())
                     .attribute("index", unit.gpu.index.to_string())
-                    .attribute("name", unit.gpu.name.clone())
+                    .attribute("name", unit.name())
                     .attribute("pci-address", short_bus_id(&unit.gpu.pci_bus_id));
                 match &unit.mig {
                     None => {
@@ -387,20 +401,29 @@ impl Plugin for NvidiaGpu {
 /// The device nodes a container needs for these units: the control nodes, each GPU's own, and a
 /// MIG device's capability nodes.
 fn device_nodes(mut edits: ContainerEdits, units: &[&Unit]) -> Result<ContainerEdits, PluginError> {
-    for (path, required) in CONTROL_NODES {
-        match devnodes::stat(path) {
-            Ok(_) => edits = edits.device(path, path, "rw"),
-            Err(e) if required => {
-                return Err(PluginError::Failed(format!("{path}: {e:?}")));
-            }
-            Err(_) => {}
+    for path in CONTROL_NODES {
+        if devnodes::stat(path).is_ok() {
+            edits = edits.device(path, path, "rw");
         }
     }
     let mut paths = BTreeSet::new();
     for unit in units {
         paths.insert(format!("/dev/nvidia{}", unit.gpu.minor));
-        for minor in unit.mig.iter().flat_map(|m| &m.caps_minors) {
-            paths.insert(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
+        if let Some(mig) = &unit.mig {
+            // Without its capability nodes a MIG device cannot be opened in the container: fail
+            // the allocation, as NVIDIA's plugin does, rather than hand over a device that looks
+            // allocated and does not work.
+            if mig.caps_minors.is_empty() {
+                return Err(PluginError::Failed(format!(
+                    "MIG device {} has no nvidia-caps minors: the host read none from \
+                     /proc/driver/nvidia-caps/mig-minors (is the driver's MIG support loaded, and \
+                     is /proc/driver/nvidia-caps visible to the agent?)",
+                    mig.uuid
+                )));
+            }
+            for minor in &mig.caps_minors {
+                paths.insert(format!("/dev/nvidia-caps/nvidia-cap{minor}"));
+            }
         }
     }
     for path in paths {

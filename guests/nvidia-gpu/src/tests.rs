@@ -109,7 +109,8 @@ fn a_container_gets_visible_devices_and_its_nodes() {
         vec![("NVIDIA_VISIBLE_DEVICES".into(), format!("{a},{b}"))]
     );
     let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
-    // nvidia-uvm-tools is absent on this node, so it is left out rather than refused.
+    // nvidia-uvm-tools and nvidia-modeset are absent on this node, so they are left out rather
+    // than refused.
     assert_eq!(
         nodes,
         [
@@ -127,6 +128,33 @@ fn a_container_gets_visible_devices_and_its_nodes() {
     let edits = cdi.allocate("gpu", &[&a]).unwrap();
     assert_eq!(edits.cdi_devices, vec![format!("nvidia.com/gpu={a}")]);
     assert!(edits.envs.is_empty() && edits.devices.is_empty());
+}
+
+#[test]
+fn control_nodes_are_optional_and_modeset_is_handed_over_when_present() {
+    let a = uuid(0);
+    // No nvidiactl at all: NVIDIA's plugin still allocates, and so do we.
+    let mut bare = FakeHost::new()
+        .grant_dev("/dev/nvidia*")
+        .grant_nvml(eight())
+        .char_device("/dev/nvidia0", 195, 0);
+    let mut gpus = Harness::<NvidiaGpu>::init(bare, "{}").unwrap();
+    let edits = gpus.allocate("gpu", &[&a]).unwrap();
+    let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(nodes, ["/dev/nvidia0"]);
+    bare = node(eight()).char_device("/dev/nvidia-modeset", 195, 254);
+    let mut gpus = Harness::<NvidiaGpu>::init(bare, "{}").unwrap();
+    let edits = gpus.allocate("gpu", &[&a]).unwrap();
+    let nodes: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
+    assert_eq!(
+        nodes,
+        [
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-modeset",
+            "/dev/nvidia0"
+        ]
+    );
 }
 
 #[test]
@@ -214,6 +242,18 @@ fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
         nodes.contains(&"/dev/nvidia-caps/nvidia-cap13"),
         "{nodes:?}"
     );
+    let names: Vec<String> = gpus
+        .enumerate("gpu")
+        .unwrap()
+        .into_iter()
+        .filter_map(|d| {
+            d.attributes
+                .into_iter()
+                .find(|(k, _)| k == "name")
+                .map(|(_, v)| v)
+        })
+        .collect();
+    assert_eq!(names[0], "NVIDIA A100-SXM4-80GB MIG 1g.10gb");
     let e = Harness::<NvidiaGpu>::init(mig_node("1g.10gb", true), r#"{"mig-strategy": "single"}"#)
         .err()
         .unwrap();
@@ -222,6 +262,19 @@ fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("use \"mixed\""), "{e}");
+}
+
+#[test]
+fn a_mig_device_without_caps_minors_is_refused_clearly() {
+    let mut a = gpu(0);
+    a.mig_enabled = true;
+    let mut uncapped = mig(1, "1g.10gb", [0, 0]);
+    uncapped.caps_minors.clear();
+    let nvml = FakeNvml::new().with_gpu(a).with_mig_device(0, uncapped);
+    let mut gpus = Harness::<NvidiaGpu>::init(node(nvml), r#"{"mig-strategy": "single"}"#).unwrap();
+    let id = gpus.enumerate("gpu").unwrap()[0].id.clone();
+    let e = gpus.allocate("gpu", &[&id]).unwrap_err();
+    assert!(e.to_string().contains("no nvidia-caps minors"), "{e}");
 }
 
 #[test]
