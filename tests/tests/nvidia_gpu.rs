@@ -190,6 +190,61 @@ async fn critical_events_make_one_gpu_unhealthy_at_once_while_the_others_keep_al
     assert_eq!(module.stats.traps + module.stats.deadlines, 0);
 }
 
+/// NVML's event wait fails with GPU_IS_LOST, naming no GPU, once a watched GPU is lost. The agent
+/// asks each GPU which one it is: that one turns Unhealthy, the others never do (a failed wait
+/// counted as missed events would make every GPU suspect for the quiet period). When it comes
+/// back it is registered for events again, so its next fault is seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_lost_while_watched_affects_only_itself_and_is_watched_again_when_found() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("100ms", "quiet-period = \"500ms\"", ""),
+    )
+    .await;
+    watching_eight(&node, &gpus).await;
+    gpus.inject("lost 3");
+    let after = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| {
+            r.devices
+                .iter()
+                .any(|d| d.id == uuid(3) && d.health == "Unhealthy")
+        })
+        .await
+        .expect("GPU 3 unhealthy");
+    for i in (0..8).filter(|&i| i != 3) {
+        assert_eq!(health_of(&after.devices, &uuid(i)), "Healthy", "GPU {i}");
+    }
+    let nvml = devicelet::nvml::open(&gpus.library);
+    eventually("the event thread watches the other seven", || {
+        nvml.watched_gpus() == 7
+    })
+    .await;
+    let a = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 7)
+        .await
+        .expect("the other seven allocate");
+    assert!(!a.device_ids.contains(&uuid(3)));
+    node.kubelet.release(a.id);
+
+    gpus.inject("found 3");
+    eventually("GPU 3 is watched again", || nvml.watched_gpus() == 8).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("GPU 3 healthy again");
+    gpus.inject("dbe 3");
+    let faulted = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 7)
+        .await
+        .expect("GPU 3's next fault is seen");
+    assert_eq!(health_of(&faulted.devices, &uuid(3)), "Unhealthy");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_recovers_after_the_quiet_period_once_nvml_answers_again() {
     let (node, gpus) = gpu_node(&eight_gpus()).await;

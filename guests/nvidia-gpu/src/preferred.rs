@@ -175,8 +175,8 @@ fn best_effort(scores: &[Vec<u64>], must: &[usize], size: usize) -> Option<Vec<u
     let holds_must = |set: &[Option<usize>]| {
         set.iter().all(Option::is_some) && must.iter().all(|&m| set.contains(&Some(m)))
     };
-    let mut best: Option<(u64, Vec<Vec<Option<usize>>>)> = None;
-    let mut sets: Vec<Vec<Option<usize>>> = Vec::new();
+    let mut best: Option<(u64, Vec<Set>)> = None;
+    let mut sets: Vec<Set> = Vec::new();
     split(&slots, size, padding, &mut sets, &mut |partition| {
         if !partition.iter().any(|set| holds_must(set)) {
             return;
@@ -187,7 +187,7 @@ fn best_effort(scores: &[Vec<u64>], must: &[usize], size: usize) -> Option<Vec<u
         }
     });
     let (_, partition) = best?;
-    let mut pick: Option<(u64, &Vec<Option<usize>>)> = None;
+    let mut pick: Option<(u64, &Set)> = None;
     for set in partition.iter().filter(|set| holds_must(set)) {
         let value = set_score(set);
         if pick.is_none_or(|(b, _)| value > b) {
@@ -197,6 +197,9 @@ fn best_effort(scores: &[Vec<u64>], must: &[usize], size: usize) -> Option<Vec<u
     pick.map(|(_, set)| set.iter().flatten().copied().collect())
 }
 
+/// A set of slots: a GPU's index into the pool, or None for padding.
+type Set = Vec<Option<usize>>;
+
 /// Calls `each` with every split of `slots` into sets of `size`, each set led by the first slot
 /// left (so no split is seen twice in another order). A set holds no padding or all of it, as in
 /// go-gpuallocator: spreading empty slots over several sets only describes smaller requests.
@@ -204,8 +207,8 @@ fn split(
     slots: &[Option<usize>],
     size: usize,
     padding: usize,
-    sets: &mut Vec<Vec<Option<usize>>>,
-    each: &mut dyn FnMut(&[Vec<Option<usize>>]),
+    sets: &mut Vec<Set>,
+    each: &mut dyn FnMut(&[Set]),
 ) {
     if slots.is_empty() {
         each(sets);

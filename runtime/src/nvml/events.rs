@@ -23,6 +23,19 @@ pub const CAPACITY: usize = 4096;
 const WAIT_MS: u32 = 1000;
 /// Pause before setting the event set up again after NVML failed it.
 const RETRY: Duration = Duration::from_secs(5);
+/// While some GPU could not be registered (lost, or not answering), how often the event set is
+/// set up again, so a GPU that comes back is watched again.
+const RESCAN: Duration = Duration::from_secs(5);
+/// A pause between two set-ups without a gap, so a set that fails at once cannot spin.
+const RESET: Duration = Duration::from_millis(100);
+
+/// Why the event thread set its events up again without a gap in what it saw.
+enum Again {
+    /// A watched GPU was lost: its event was recorded; the set is rebuilt without it.
+    Lost,
+    /// Some GPU was not registered: try again, in case it came back.
+    Rescan,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventKind {
@@ -159,13 +172,19 @@ pub(super) fn start(nvml: &'static Nvml, log: Arc<EventLog>) {
         .name("nvml-events".into())
         .spawn(move || {
             loop {
-                if let Err(e) = watch(nvml, &log) {
-                    tracing::warn!("NVML events: {e}; setting the event set up again in 5s");
+                match watch(nvml, &log) {
+                    // Set up again at once: no event went unseen but the few of the moment it
+                    // takes, so this is no gap (a gap would make every GPU suspect).
+                    Ok(Again::Lost | Again::Rescan) => std::thread::sleep(RESET),
+                    Err(e) => {
+                        tracing::warn!("NVML events: {e}; setting the event set up again in 5s");
+                        // Events may have been lost meanwhile: modules count a gap as missed
+                        // events.
+                        log.watched.store(0, Ordering::Relaxed);
+                        log.gap();
+                        std::thread::sleep(RETRY);
+                    }
                 }
-                // Events may have been lost meanwhile: modules count a gap as missed events.
-                log.watched.store(0, Ordering::Relaxed);
-                log.gap();
-                std::thread::sleep(RETRY);
             }
         });
     if let Err(e) = spawned {
@@ -177,13 +196,17 @@ fn critical() -> EventTypes {
     EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR
 }
 
-/// Registers every GPU that supports critical events, then waits for events until NVML fails.
-/// A GPU that cannot be registered (lost, no event support) is skipped, never the others.
-fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<(), Nv> {
+/// Registers every GPU that supports critical events, then waits for events until NVML fails,
+/// a watched GPU is lost, or (while some GPU is not registered) [`RESCAN`] passes. A GPU that
+/// cannot be registered (lost, no event support) is skipped, never the others.
+fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<Again, Nv> {
+    let started = std::time::Instant::now();
+    let count = nvml.device_count()?;
     // The handle each event names, with its GPU's UUID read now: a GPU that fell off the bus can
     // no longer be asked for it.
     let mut gpus: Vec<(nvml_wrapper::Device<'static>, EventTypes, usize, Arc<str>)> = Vec::new();
-    for index in 0..nvml.device_count()? {
+    let mut unwatched = 0;
+    for index in 0..count {
         let found = nvml.device_by_index(index).and_then(|device| {
             let types = device.supported_event_types()? & critical();
             let uuid: Arc<str> = device.uuid()?.into();
@@ -201,7 +224,10 @@ fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<(), Nv> {
                 let handle = unsafe { device.handle() } as usize;
                 gpus.push((device, types, handle, uuid));
             }
-            Err(e) => tracing::warn!(index, "NVML events: not watching GPU {index}: {e}"),
+            Err(e) => {
+                unwatched += 1;
+                tracing::debug!(index, "NVML events: not watching GPU {index}: {e}");
+            }
         }
     }
     let mut set = nvml.create_event_set()?;
@@ -227,11 +253,35 @@ fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<(), Nv> {
     }
     log.watched.store(watched.len() as u32, Ordering::Relaxed);
     tracing::debug!(gpus = watched.len(), "NVML event thread watching");
+    unwatched += gpus.len() - watched.len();
     loop {
         match set.wait(WAIT_MS) {
             Ok(data) => record(log, &watched, data),
             Err(Nv::Timeout) => {}
+            // NVML does not say which GPU: ask each watched one. Only those that answer lost
+            // turn Unhealthy; if none does, the wait failed for some other reason.
+            Err(Nv::GpuLost) => {
+                let lost: Vec<&Arc<str>> = gpus
+                    .iter()
+                    .filter(|(device, _, handle, _)| {
+                        watched.iter().any(|(w, _)| w == handle)
+                            && matches!(device.uuid(), Err(Nv::GpuLost))
+                    })
+                    .map(|(_, _, _, uuid)| uuid)
+                    .collect();
+                if lost.is_empty() {
+                    return Err(Nv::GpuLost);
+                }
+                for uuid in lost {
+                    tracing::warn!(gpu = &**uuid, "NVML: GPU lost");
+                    log.push(uuid.clone(), EventKind::Xid(79));
+                }
+                return Ok(Again::Lost);
+            }
             Err(e) => return Err(e),
+        }
+        if unwatched > 0 && started.elapsed() >= RESCAN {
+            return Ok(Again::Rescan);
         }
     }
 }

@@ -479,7 +479,8 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
 
 /// Delivers the set's next event, waiting up to `timeout_ms` (reading the control file every
 /// few milliseconds, without holding the lock), else `TIMEOUT`. Answers while the node is hung,
-/// and for lost GPUs: the XID that reports a GPU gone arrives before it is.
+/// and for lost GPUs: the XID that reports a GPU gone arrives before it is, and once delivered,
+/// a set watching a lost GPU fails every wait with `GPU_IS_LOST`, as NVML's does.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
     set: nvmlEventSet_t,

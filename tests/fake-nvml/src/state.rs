@@ -345,9 +345,11 @@ impl State {
     }
 
     /// The next event `set` has not yet delivered, if one was injected.
+    /// The next event the set watches, once every earlier one is delivered; then, as NVML's
+    /// wait does, `GPU_IS_LOST` while a GPU the set watches is lost (without saying which).
     pub fn next_event(&mut self, set: nvmlEventSet_t) -> Result<Option<Event>> {
         let id = self.set_id(set)?;
-        let log = &self.log;
+        let (log, lost) = (&self.log, &self.lost);
         let Some(set) = self.sets.get_mut(&id) else {
             return Err(code::INVALID_ARGUMENT);
         };
@@ -360,6 +362,9 @@ impl State {
             if wanted {
                 return Ok(Some(event));
             }
+        }
+        if set.watches.iter().any(|&(gpu, _, _)| lost[gpu]) {
+            return Err(code::GPU_IS_LOST);
         }
         Ok(None)
     }
