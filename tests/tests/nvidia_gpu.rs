@@ -503,7 +503,7 @@ async fn an_nvml_call_that_hangs_cuts_off_only_the_nvidia_module() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_nvml_the_module_says_so_and_the_others_serve() {
+async fn without_nvml_the_gpu_resource_waits_with_no_devices_and_the_others_serve() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let modules = format!(
@@ -519,13 +519,64 @@ async fn without_nvml_the_module_says_so_and_the_others_serve() {
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
         .expect("the other module serves");
-    let errors = agent.load_errors();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(errors[0].contains("nvidia-gpu"), "{}", errors[0]);
-    assert!(errors[0].contains("no NVML on this node"), "{}", errors[0]);
+    let gpus = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.snapshots > 0)
+        .await
+        .expect("nvidia.com/gpu registers while NVML is missing");
+    assert!(gpus.devices.is_empty(), "{:?}", gpus.devices);
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    let why = agent.ready().expect_err("not ready while waiting for NVML");
     assert!(
-        errors[0].contains("no-driver/libnvidia-ml.so.1"),
-        "{}",
-        errors[0]
+        why.contains("module `nvidia-gpu` is waiting for NVML"),
+        "{why}"
+    );
+    assert!(why.contains("no-driver/libnvidia-ml.so.1"), "{why}");
+    let module = devicelet_tests::module_status(&agent, "nvidia-gpu");
+    assert!(
+        matches!(&module.nvml, Some(devicelet::nvml::Availability::Unavailable(w)) if w.contains("no-driver")),
+        "{:?}",
+        module.nvml
+    );
+    let metrics = devicelet_tests::parse_metrics(&agent.metrics());
+    assert_eq!(
+        devicelet_tests::metric(
+            &metrics,
+            "devicelet_module_nvml_ready",
+            &[("module", "nvidia-gpu")]
+        ),
+        Some(0.0)
+    );
+}
+
+/// The GPU Operator's driver container installs NVML after the agent started: the agent keeps
+/// opening it, and the GPUs appear as soon as it answers, with no registry edit and no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_installed_after_the_agent_started_is_picked_up_without_a_restart() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let later = gpus.library.with_extension("installing");
+    std::fs::rename(&gpus.library, &later).expect("hide the library");
+    let agent = start(&node, &gpus, &registry("1h", "", "")).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.snapshots > 0)
+        .await
+        .expect("nvidia.com/gpu registers with no GPUs");
+    assert!(agent.ready().is_err());
+    std::fs::rename(&later, &gpus.library).expect("install the library");
+    let served = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("the GPUs appear once NVML answers");
+    assert_eq!(served.devices.len(), 8);
+    eventually("the agent is ready", || agent.ready().is_ok()).await;
+    let module = devicelet_tests::module_status(&agent, "nvidia-gpu");
+    assert!(
+        matches!(
+            module.nvml,
+            Some(devicelet::nvml::Availability::Ready { gpus: 8, .. })
+        ),
+        "{:?}",
+        module.nvml
     );
 }

@@ -229,6 +229,13 @@ impl NvidiaGpu {
         if !self.resources.iter().any(|r| r == resource) {
             return Err(PluginError::UnknownResource(resource.into()));
         }
+        // Before NVML has ever answered (the driver is not installed yet), there are no GPUs to
+        // list; the agent keeps trying and wakes `enumerate` when NVML is ready.
+        if self.seen.is_empty()
+            && let Err(NvmlError::Unavailable(_)) = nvml::device_count()
+        {
+            return Ok(Vec::new());
+        }
         Ok(self
             .scan()?
             .into_iter()
@@ -250,7 +257,19 @@ impl Plugin for NvidiaGpu {
             critical: HashMap::new(),
             links: None,
         };
-        let units = module.scan()?;
+        // Without NVML yet, serve the GPU resource with no devices: the agent keeps opening NVML
+        // and wakes `enumerate` when it answers. MIG profiles (mixed) are known only then, so
+        // their resources appear when the module next starts.
+        let units = match nvml::device_count() {
+            Err(NvmlError::Unavailable(why)) => {
+                devicelet_sdk::warn!(
+                    "no NVML yet ({why}): serving {} with no GPUs until it answers",
+                    module.config.resource
+                );
+                Vec::new()
+            }
+            _ => module.scan()?,
+        };
         let mut resources = vec![module.config.resource.clone()];
         let profiles: BTreeSet<&str> = units
             .iter()

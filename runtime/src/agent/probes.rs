@@ -73,6 +73,14 @@ pub(super) fn ready(shared: &Shared) -> Result<(), String> {
                 module.spec.name
             ));
         }
+        if let Some(crate::nvml::Availability::Unavailable(why)) =
+            module.handle().nvml().map(|n| n.availability())
+        {
+            missing.push(format!(
+                "module `{}` is waiting for NVML: {why}",
+                module.spec.name
+            ));
+        }
         for r in &module.resources {
             if !r.served.registration.registered() {
                 missing.push(format!(

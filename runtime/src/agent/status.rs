@@ -65,6 +65,9 @@ pub struct ModuleStatus {
     pub host_memory: u64,
     #[serde(default)]
     pub host_memory_limit: u64,
+    /// For a module granted NVML: whether NVML answers, or why not yet (the agent keeps trying).
+    #[serde(default)]
+    pub nvml: Option<crate::nvml::Availability>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +139,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 failed: handle.failure(),
                 host_memory: used as u64,
                 host_memory_limit: limit as u64,
+                nvml: handle.nvml().map(|n| n.availability()),
             }
         })
         .collect();

@@ -45,6 +45,15 @@ fn render(status: &Status) -> String {
             m.host_memory,
             m.host_memory_limit
         );
+        match &m.nvml {
+            Some(crate::nvml::Availability::Ready { driver, gpus }) => {
+                out += &format!("  NVML ready: driver {driver}, {gpus} GPU(s)\n");
+            }
+            Some(crate::nvml::Availability::Unavailable(why)) => {
+                out += &format!("  waiting for NVML (tried again until it answers): {why}\n");
+            }
+            None => {}
+        }
         if let Some(failed) = &m.failed {
             out += &format!("  FAILED: {failed}\n");
         }

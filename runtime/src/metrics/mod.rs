@@ -403,6 +403,23 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
     for (name, help, f) in module_gauges {
         gauges(registry, name, help, by_module(f));
     }
+    let with_nvml: Vec<_> = status
+        .modules
+        .iter()
+        .filter_map(|m| {
+            let ready = matches!(m.nvml.as_ref()?, crate::nvml::Availability::Ready { .. });
+            let labels = ModuleLabels {
+                module: m.name.clone(),
+            };
+            Some((labels, u64::from(ready)))
+        })
+        .collect();
+    gauges(
+        registry,
+        "module_nvml_ready",
+        "For a module granted NVML: 1 once NVML answers, 0 while the agent is still opening it (`devicelet status` says why)",
+        with_nvml,
+    );
 
     if let Some(cache) = &status.cache {
         registry.register(

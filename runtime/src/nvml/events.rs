@@ -138,6 +138,11 @@ impl EventLog {
         self.poke();
     }
 
+    /// Wakes every subscriber's health check, as an event would (NVML just became ready).
+    pub(super) fn wake(&self) {
+        self.poke();
+    }
+
     fn poke(&self) {
         let subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
         for pokes in subscribers.iter().filter_map(Weak::upgrade) {

@@ -1,8 +1,9 @@
 //! NVML on this node, for the modules the registry grants `libraries = ["nvml"]`.
 //!
-//! The library is opened once per process and path ([`open`]), on a thread of its own with a
-//! time limit, so a missing driver or a half-initialised one that never answers becomes a clear
-//! state ([`Availability::Unavailable`]) rather than a crash or a hung agent. Queries
+//! The library is opened once per process and path ([`open`]), on a thread of its own that keeps
+//! trying until NVML answers, so a missing driver or a half-initialised one that never answers is
+//! a clear state ([`Availability::Unavailable`], with why) rather than a crash or a hung agent,
+//! and a driver installed later is picked up. Queries
 //! ([`NvmlNode::gpu`] and friends) are plain blocking calls: the `nvml` host interface makes them
 //! from the asking module's cell, under its deadline, so a GPU that hangs NVML hangs that module
 //! only. One event thread per node buffers critical events ([`events`]) and wakes the granted
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel as NvTopology;
@@ -33,7 +34,7 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// How long `nvmlInit` may take. A healthy driver answers in well under a second; one wedged by
 /// a sick GPU may never answer, and the agent must still serve every other module.
 const INIT_LIMIT: Duration = Duration::from_secs(10);
-/// How long a failed open is remembered before a module load tries again.
+/// The longest wait between two attempts to open NVML.
 const RETRY: Duration = Duration::from_secs(30);
 
 /// The vendor libraries the agent opens for modules, by where to find them.
@@ -133,105 +134,121 @@ pub struct Link {
     pub nvlinks: u32,
 }
 
-/// NVML as opened from one library path: ready with its event log, or unavailable.
+/// NVML as opened from one library path: ready with its event log, or not yet, with why.
 pub struct NvmlNode {
     library: PathBuf,
-    nvml: Result<&'static Nvml, String>,
-    availability: Availability,
+    /// Set once, when an init succeeds; never unset (the library stays loaded for the process).
+    nvml: OnceLock<&'static Nvml>,
+    /// Why the last attempt failed, until one succeeds.
+    availability: Mutex<Availability>,
     events: Arc<events::EventLog>,
-    /// When a failed open may be tried again; None when ready, or when init never returned.
-    retry_after: Option<Instant>,
 }
 
-/// Opens NVML from `library`, once per process and path; later calls return the same node. A
-/// library that was missing or failed to initialise is tried again by a call [`RETRY`] later (a
-/// driver container may install it after the agent started); one whose init never returned is
-/// not, since that init still holds the library. Blocks up to [`INIT_LIMIT`]: call it from a
-/// blocking thread.
+/// Opens NVML from `library`, once per process and path; later calls return the same node. The
+/// node keeps trying on a thread of its own until NVML answers: a library missing or failing
+/// (the GPU Operator's driver container installs it after the agent started) is tried again
+/// after 1 s, doubling to [`RETRY`]; an init that does not return is waited for as long as it
+/// takes, never started twice at once. When NVML becomes ready, the granted modules' health
+/// checks are woken, so their devices appear at once. Blocks up to [`INIT_LIMIT`] for the first
+/// attempt: call it from a blocking thread.
 pub fn open(library: &Path) -> Arc<NvmlNode> {
     static NODES: OnceLock<Mutex<HashMap<PathBuf, Arc<NvmlNode>>>> = OnceLock::new();
     let nodes = NODES.get_or_init(Default::default);
-    // Held while initialising: a second module asking for the same library waits for the first
-    // answer instead of starting a second init.
+    // Held while the first attempt runs: a second module asking for the same library waits for
+    // its answer instead of reading "not tried yet".
     let mut nodes = nodes.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(node) = nodes.get(library)
-        && node.retry_after.is_none_or(|at| Instant::now() < at)
-    {
+    if let Some(node) = nodes.get(library) {
         return node.clone();
     }
-    let node = Arc::new(NvmlNode::init(library));
+    let node = Arc::new(NvmlNode {
+        library: library.to_owned(),
+        nvml: OnceLock::new(),
+        availability: Mutex::new(Availability::Unavailable("not opened yet".into())),
+        events: Arc::default(),
+    });
+    let (tx, rx) = mpsc::channel();
+    let opener = node.clone();
+    let spawned = std::thread::Builder::new()
+        .name("nvml-open".into())
+        .spawn(move || opener.keep_opening(tx));
+    match spawned {
+        Err(e) => node.set_unavailable(format!("cannot start the NVML thread: {e}")),
+        Ok(_) => {
+            if rx.recv_timeout(INIT_LIMIT).is_err() {
+                node.set_unavailable(format!(
+                    "nvmlInit in {} did not return within {}s (the driver may be wedged); still \
+                     waiting for it",
+                    library.display(),
+                    INIT_LIMIT.as_secs()
+                ));
+            }
+        }
+    }
     nodes.insert(library.to_owned(), node.clone());
     node
 }
 
 impl NvmlNode {
-    fn init(library: &Path) -> NvmlNode {
-        let (tx, rx) = mpsc::channel();
-        let path = library.to_owned();
-        let spawned = std::thread::Builder::new()
-            .name("nvml-init".into())
-            .spawn(move || {
-                let result = Nvml::builder()
-                    .lib_path(path.as_os_str())
-                    .init()
-                    .map(|nvml| {
-                        let driver = nvml.sys_driver_version().unwrap_or_default();
-                        let gpus = nvml.device_count().unwrap_or(0);
-                        (nvml, driver, gpus)
-                    });
-                // The receiver is gone when init overran its limit; nothing to tell then.
-                let _ = tx.send(result);
-            });
-        let mut retry_after = Some(Instant::now() + RETRY);
-        let opened = match spawned {
-            Err(e) => Err(format!("cannot start the NVML init thread: {e}")),
-            Ok(_) => match rx.recv_timeout(INIT_LIMIT) {
-                Ok(Ok((nvml, driver, gpus))) => {
-                    retry_after = None;
-                    Ok((&*Box::leak(Box::new(nvml)), driver, gpus))
+    /// Tries to initialise NVML until it works; tells `first` after the first attempt.
+    fn keep_opening(self: Arc<Self>, first: mpsc::Sender<()>) {
+        let mut waits = crate::backoff::Backoff::new(Duration::from_secs(1), RETRY);
+        let mut first = Some(first);
+        let mut said = String::new();
+        loop {
+            let attempt = Nvml::builder()
+                .lib_path(self.library.as_os_str())
+                .init()
+                .map(|nvml| {
+                    let driver = nvml.sys_driver_version().unwrap_or_default();
+                    let gpus = nvml.device_count().unwrap_or(0);
+                    (nvml, driver, gpus)
+                });
+            match attempt {
+                Ok((nvml, driver, gpus)) => {
+                    let nvml: &'static Nvml = Box::leak(Box::new(nvml));
+                    let _ = self.nvml.set(nvml);
+                    events::start(nvml, self.events.clone());
+                    tracing::info!(library = %self.library.display(), driver, gpus, "NVML ready");
+                    *self.availability.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Availability::Ready { driver, gpus };
+                    if let Some(first) = first.take() {
+                        let _ = first.send(());
+                    }
+                    // Modules that asked while it was not ready look again now.
+                    self.events.wake();
+                    return;
                 }
-                Ok(Err(e)) => Err(describe_init_error(library, e)),
-                Err(_) => Err({
-                    retry_after = None;
-                    format!(
-                        "nvmlInit in {} did not return within {}s (the driver may be wedged)",
-                        library.display(),
-                        INIT_LIMIT.as_secs()
-                    )
-                }),
-            },
-        };
-        let events = Arc::new(events::EventLog::default());
-        let nvml = opened
-            .as_ref()
-            .map(|(nvml, _, _)| *nvml)
-            .map_err(Clone::clone);
-        let availability = match opened {
-            Ok((nvml, driver, gpus)) => {
-                events::start(nvml, events.clone());
-                tracing::info!(library = %library.display(), driver, gpus, "NVML ready");
-                Availability::Ready { driver, gpus }
+                Err(e) => {
+                    let why = describe_init_error(&self.library, e);
+                    if why != said {
+                        tracing::warn!("no NVML on this node yet: {why}; trying again");
+                        said = why.clone();
+                    }
+                    self.set_unavailable(why);
+                    if let Some(first) = first.take() {
+                        let _ = first.send(());
+                    }
+                    std::thread::sleep(waits.failed());
+                }
             }
-            Err(ref why) => {
-                tracing::warn!("no NVML on this node: {why}");
-                Availability::Unavailable(why.clone())
-            }
-        };
-        NvmlNode {
-            library: library.to_owned(),
-            nvml,
-            availability,
-            events,
-            retry_after,
         }
+    }
+
+    fn set_unavailable(&self, why: String) {
+        *self.availability.lock().unwrap_or_else(|p| p.into_inner()) =
+            Availability::Unavailable(why);
     }
 
     pub fn library(&self) -> &Path {
         &self.library
     }
 
-    pub fn availability(&self) -> &Availability {
-        &self.availability
+    /// Ready, or why not (yet): the node keeps trying until NVML answers.
+    pub fn availability(&self) -> Availability {
+        self.availability
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// GPUs the event thread is watching for critical events (0 until it has registered them).
@@ -240,10 +257,13 @@ impl NvmlNode {
     }
 
     fn nvml(&self) -> Result<&'static Nvml, NvmlError> {
-        self.nvml
-            .as_ref()
-            .copied()
-            .map_err(|why| NvmlError::Unavailable(why.clone()))
+        match self.nvml.get() {
+            Some(nvml) => Ok(nvml),
+            None => Err(NvmlError::Unavailable(match self.availability() {
+                Availability::Unavailable(why) => why,
+                Availability::Ready { .. } => "not opened yet".into(),
+            })),
+        }
     }
 
     pub fn device_count(&self) -> Result<u32, NvmlError> {
