@@ -549,6 +549,48 @@ async fn without_nvml_the_gpu_resource_waits_with_no_devices_and_the_others_serv
     );
 }
 
+/// The driver's kernel module loads after the agent started: `nvmlInit` fails with "driver not
+/// loaded" until it does, and the agent keeps trying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_loaded_after_the_agent_started_is_retried_until_nvml_answers() {
+    let mut fixture = eight_gpus();
+    fixture["init"] = json!("driver-not-loaded");
+    let (node, gpus) = gpu_node(&fixture).await;
+    let agent = start(&node, &gpus, &registry("1h", "", "")).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.snapshots > 0)
+        .await
+        .expect("nvidia.com/gpu registers with no GPUs");
+    let why = agent.ready().expect_err("waiting for NVML");
+    assert!(why.contains("driver"), "{why}");
+    let nvml_json = gpus.library.with_file_name("nvml.json");
+    std::fs::write(&nvml_json, eight_gpus().to_string()).expect("the driver loads");
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("the GPUs appear once NVML answers");
+}
+
+/// An `nvmlInit` slower than the 10 s a module load waits for it is not given up on: the GPUs
+/// appear when it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nvml_init_slower_than_the_load_limit_is_waited_for_and_then_served() {
+    let mut fixture = eight_gpus();
+    fixture["init-delay-ms"] = json!(12_000);
+    let (node, gpus) = gpu_node(&fixture).await;
+    let agent = start(&node, &gpus, &registry("1h", "", "")).await;
+    let module = devicelet_tests::module_status(&agent, "nvidia-gpu");
+    assert!(
+        matches!(&module.nvml, Some(devicelet::nvml::Availability::Unavailable(w)) if w.contains("did not return within 10s")),
+        "{:?}",
+        module.nvml
+    );
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("the GPUs appear once the slow init returns");
+}
+
 /// The GPU Operator's driver container installs NVML after the agent started: the agent keeps
 /// opening it, and the GPUs appear as soon as it answers, with no registry edit and no restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

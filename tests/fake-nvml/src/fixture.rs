@@ -20,6 +20,9 @@ pub struct Fixture {
     /// How `nvmlInit` behaves on this node.
     #[serde(default)]
     pub init: InitMode,
+    /// How long a successful `nvmlInit` takes, as with a driver still settling.
+    #[serde(default)]
+    pub init_delay_ms: u64,
     #[serde(default)]
     pub gpus: Vec<Gpu>,
 }

@@ -147,6 +147,11 @@ pub fn init() -> nvmlReturn_t {
         return code::DRIVER_NOT_LOADED;
     };
     match fixture.init {
+        InitMode::Ok if fixture.init_delay_ms > 0 => {
+            drop(state);
+            std::thread::sleep(Duration::from_millis(fixture.init_delay_ms));
+            state = lock();
+        }
         InitMode::Ok => {}
         InitMode::DriverNotLoaded => return code::DRIVER_NOT_LOADED,
         InitMode::NoPermission => return code::NO_PERMISSION,
