@@ -91,6 +91,19 @@ async fn watching_eight(node: &Node, gpus: &FakeGpus) {
     .await;
 }
 
+/// Eight GPUs, every one watched for events, healthy again 500 ms after a critical event.
+async fn eight_watched_recovering_quickly() -> (Node, FakeGpus, devicelet::agent::Agent) {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let agent = start(
+        &node,
+        &gpus,
+        &registry("100ms", "quiet-period = \"500ms\"", ""),
+    )
+    .await;
+    watching_eight(&node, &gpus).await;
+    (node, gpus, agent)
+}
+
 fn numa(d: &Device) -> Vec<i64> {
     d.topology
         .iter()
@@ -196,14 +209,7 @@ async fn critical_events_make_one_gpu_unhealthy_at_once_while_the_others_keep_al
 /// back it is registered for events again, so its next fault is seen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_lost_while_watched_affects_only_itself_and_is_watched_again_when_found() {
-    let (node, gpus) = gpu_node(&eight_gpus()).await;
-    let _agent = start(
-        &node,
-        &gpus,
-        &registry("100ms", "quiet-period = \"500ms\"", ""),
-    )
-    .await;
-    watching_eight(&node, &gpus).await;
+    let (node, gpus, _agent) = eight_watched_recovering_quickly().await;
     gpus.inject("lost 3");
     let after = node
         .kubelet
@@ -247,14 +253,7 @@ async fn a_gpu_lost_while_watched_affects_only_itself_and_is_watched_again_when_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_recovers_after_the_quiet_period_once_nvml_answers_again() {
-    let (node, gpus) = gpu_node(&eight_gpus()).await;
-    let _agent = start(
-        &node,
-        &gpus,
-        &registry("100ms", "quiet-period = \"500ms\"", ""),
-    )
-    .await;
-    watching_eight(&node, &gpus).await;
+    let (node, gpus, _agent) = eight_watched_recovering_quickly().await;
     gpus.inject("xid 3 79");
     gpus.inject("lost 3");
     node.kubelet
