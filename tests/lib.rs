@@ -497,3 +497,16 @@ pub async fn scrape(addr: std::net::SocketAddr) -> Vec<Sample> {
     assert_eq!(status, 200, "{body}");
     parse_metrics(&body)
 }
+
+/// Waits until `ready` devices of `resource` have their Allocate answer prepared ahead of time.
+pub async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, ready: usize) {
+    let mut progress = agent
+        .resource(resource)
+        .expect("served")
+        .prepared
+        .progress();
+    tokio::time::timeout(WAIT, progress.wait_for(|p| p.ready == ready))
+        .await
+        .expect("answers prepared in time")
+        .expect("the preparer runs");
+}

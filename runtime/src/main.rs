@@ -1,11 +1,26 @@
 use clap::Parser;
 use devicelet::cli::{self, Cli};
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// Async workers: the agent's own work (gRPC servers, health watchers, the ledger, metrics) never
+/// blocks and is light, and module code runs on threads of its own, so two suffice on any node;
+/// tokio's default (one per core) would be 16 idle threads on a 16-core GPU node.
+const WORKERS: usize = 2;
+/// How long an idle blocking-pool thread (compiles, file writes) stays before it ends.
+const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     cli::init_logging(&cli.log, cli.log_format);
-    match cli::main(cli).await {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKERS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .enable_all()
+        .build();
+    let result = match runtime {
+        Ok(runtime) => runtime.block_on(cli::main(cli)),
+        Err(e) => Err(anyhow::Error::from(e).context("starting the async runtime")),
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -165,3 +165,96 @@ fn ledger_entry(node: &Node) -> Option<serde_json::Value> {
         _ => None,
     }
 }
+
+/// The threads of process `pid`, by name.
+fn threads(pid: u32) -> Vec<(String, std::path::PathBuf)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| {
+            let name = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            Some((name.trim().to_owned(), task.path()))
+        })
+        .collect()
+}
+
+fn context_switches(task: &std::path::Path) -> u64 {
+    let status = std::fs::read_to_string(task.join("status")).unwrap_or_default();
+    status
+        .lines()
+        .filter(|l| l.contains("ctxt_switches"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_agent_holds_two_workers_no_compiler_threads_and_no_ticking_timer() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let registry = node.registry(
+        &generic_dev(FUSE).replace("health-interval = \"100ms\"", "health-interval = \"1h\""),
+    );
+    let mut agent = spawn_agent(&node, &registry);
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("served");
+    // Idle: every answer prepared (no module call is left to make), and the cold start's
+    // compiler threads gone.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let status = status::read(&node.state_dir()).await.ok();
+        let prepared = status.is_some_and(|s| {
+            s.resources
+                .iter()
+                .all(|r| !r.devices.is_empty() && r.devices.iter().all(|d| d.prepared))
+        });
+        if prepared {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "answers never prepared"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    devicelet_tests::eventually("the compiler's threads to end", || {
+        !threads(agent.id())
+            .iter()
+            .any(|(name, _)| name.starts_with("compile-"))
+    })
+    .await;
+    // tokio names its blocking threads as its workers; those end after 2 s idle, the two
+    // workers never.
+    devicelet_tests::eventually("two async workers and no blocking thread", || {
+        let tokio = threads(agent.id())
+            .iter()
+            .filter(|(name, _)| name.starts_with("tokio-"))
+            .count();
+        tokio == 2
+    })
+    .await;
+    let named = threads(agent.id());
+    let (_, epoch) = named
+        .iter()
+        .find(|(name, _)| name == "devicelet-epoch")
+        .expect("the epoch ticker");
+    // With no guest code running the ticker is parked: over a window of 30 ticks it does not
+    // wake once.
+    let before = context_switches(epoch);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(
+        context_switches(epoch),
+        before,
+        "the ticker woke while idle"
+    );
+    // And it ticks again for the next guest call: a two-device Allocate asks the module.
+    node.kubelet
+        .allocate("devicelet.io/fuse", 2)
+        .await
+        .expect("allocated");
+    agent.kill().expect("kill");
+    let _ = agent.wait();
+}

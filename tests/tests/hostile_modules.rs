@@ -211,7 +211,8 @@ async fn an_infinite_loop_in_any_export_is_cut_at_the_deadline() {
     still_serves_fuse_after_ready(&node).await;
     agent.shutdown().await;
 
-    // enumerate: registered with no devices; prestart and preferred: the allocation fails.
+    // enumerate: registered with no devices; prestart: the allocation fails; preferred: the
+    // host's own choice stands in (the kubelet would fail the admission on an error).
     for (call, config) in [
         ("enumerate", "enumerate = \"loop\""),
         ("prestart", "prestart = \"loop\""),
@@ -232,6 +233,11 @@ async fn an_infinite_loop_in_any_export_is_cut_at_the_deadline() {
             .expect("registered");
         if call == "enumerate" {
             assert_eq!(bad.capacity, 0);
+        } else if call == "preferred" {
+            node.kubelet
+                .allocate("devicelet.io/bad", 1)
+                .await
+                .expect("a looping preferred leaves the host's choice in its place");
         } else {
             let msg = node
                 .kubelet

@@ -587,18 +587,6 @@ async fn misbehaving_env(agent: &devicelet::agent::Agent, resource: &str, ids: &
     allocate_on_socket(agent, resource, ids).await.envs["MISBEHAVING_DEVICES"].clone()
 }
 
-async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, ready: usize) {
-    let mut progress = agent
-        .resource(resource)
-        .expect("served")
-        .prepared
-        .progress();
-    tokio::time::timeout(WAIT, progress.wait_for(|p| p.ready == ready))
-        .await
-        .expect("answers prepared in time")
-        .expect("the preparer runs");
-}
-
 fn allocate_calls(agent: &devicelet::agent::Agent) -> u64 {
     devicelet_tests::module_status(agent, "flaky")
         .stats
@@ -609,7 +597,7 @@ fn allocate_calls(agent: &devicelet::agent::Agent) -> u64 {
 async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() {
     let node = Node::new().await;
     let agent = node.start_agent(&bad_with_switch()).await;
-    prepared_answers(&agent, "devicelet.io/bad", 2).await;
+    devicelet_tests::prepared_answers(&agent, "devicelet.io/bad", 2).await;
     let prepared = allocate_calls(&agent);
     assert_eq!(prepared, 2, "one call per healthy device, ahead of time");
 
@@ -638,14 +626,14 @@ async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() 
         .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 0)
         .await
         .expect("unhealthy");
-    prepared_answers(&agent, "devicelet.io/bad", 0).await;
+    devicelet_tests::prepared_answers(&agent, "devicelet.io/bad", 0).await;
     allocate_on_socket(&agent, "devicelet.io/bad", &["dev-1"]).await;
     assert_eq!(allocate_calls(&agent), prepared + 2);
 
     node.tree
         .write_file("/sys/testing/switch", "ok")
         .expect("switch");
-    prepared_answers(&agent, "devicelet.io/bad", 2).await;
+    devicelet_tests::prepared_answers(&agent, "devicelet.io/bad", 2).await;
     let calls = allocate_calls(&agent);
     assert_eq!(calls, prepared + 4, "healthy again: prepared again");
     allocate_on_socket(&agent, "devicelet.io/bad", &["dev-0"]).await;
@@ -676,7 +664,7 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let agent = node.start_agent(&generic_dev(FUSE)).await;
-    prepared_answers(&agent, "devicelet.io/fuse", 2).await;
+    devicelet_tests::prepared_answers(&agent, "devicelet.io/fuse", 2).await;
     let permissions = |a: devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse| {
         a.devices[0].permissions.clone()
     };

@@ -464,7 +464,7 @@ async fn cdi_names_for_the_nvidia_toolkit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_nvml_call_that_hangs_cuts_off_only_the_nvidia_module() {
+async fn a_hung_nvml_zeroes_no_gpu_and_holds_no_kubelet_call_past_its_deadline() {
     let (node, gpus) = gpu_node(&eight_gpus()).await;
     node.add_char("/dev/fuse", 10, 229);
     let modules = format!(
@@ -472,20 +472,57 @@ async fn an_nvml_call_that_hangs_cuts_off_only_the_nvidia_module() {
         registry(
             "100ms",
             "",
-            "health-deadline = \"200ms\"\ncall-deadline = \"200ms\"\n"
+            "health-deadline = \"200ms\"\ncall-deadline = \"500ms\"\n"
         ),
         generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 4 }]"#)
     );
     let agent = start(&node, &gpus, &modules).await;
-    node.kubelet
+    let before = node
+        .kubelet
         .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
         .await
         .expect("eight GPUs");
+    devicelet_tests::prepared_answers(&agent, "nvidia.com/gpu", 8).await;
+    let deadlines = devicelet_tests::module_status(&agent, "nvidia-gpu")
+        .stats
+        .deadlines;
+
+    // Every NVML device query now blocks until `unhang`.
     gpus.inject("hang");
-    node.kubelet
-        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 0)
+    eventually("three enumerations to stall", || {
+        devicelet_tests::module_status(&agent, "nvidia-gpu")
+            .stats
+            .deadlines
+            >= deadlines + 3
+    })
+    .await;
+    let during = node.kubelet.resource("nvidia.com/gpu").expect("served");
+    assert_eq!(during.allocatable, 8, "a stall is not a fault");
+    assert_eq!(
+        during.snapshots, before.snapshots,
+        "no snapshot was sent while NVML stalled"
+    );
+
+    // Preferred allocation (from what its instance learnt at init) and a one-GPU Allocate
+    // (answered from the answer prepared for it) need no NVML: answered while it hangs.
+    let one = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 1)
         .await
-        .expect("the GPUs unhealthy while NVML hangs");
+        .expect("a prepared answer while NVML hangs");
+    assert_eq!(one.device_ids.len(), 1);
+    // Two GPUs: the module is asked, its NVML query stalls, and the call fails at its deadline
+    // with the reason, its instance kept and no cell abandoned.
+    let two = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 2)
+        .await
+        .expect_err("NVML hangs")
+        .to_string();
+    assert!(
+        two.contains("missed its 500ms deadline in allocate: NVML did not answer"),
+        "{two}"
+    );
     for _ in 0..3 {
         node.kubelet
             .allocate("devicelet.io/fuse", 1)
@@ -493,12 +530,19 @@ async fn an_nvml_call_that_hangs_cuts_off_only_the_nvidia_module() {
             .expect("the other module keeps allocating");
     }
     let stuck = devicelet_tests::module_status(&agent, "nvidia-gpu");
-    assert!(stuck.stats.deadlines > 0, "{:?}", stuck.stats);
+    assert_eq!(stuck.stats.abandoned_cells, 0, "{:?}", stuck.stats);
+    assert_eq!(stuck.stats.traps, 0, "{:?}", stuck.stats);
+
     gpus.inject("unhang");
-    node.kubelet
-        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+    let two = node
+        .kubelet
+        .allocate("nvidia.com/gpu", 2)
         .await
-        .expect("the GPUs back once NVML answers");
+        .expect("two GPUs once NVML answers");
+    assert_eq!(two.device_ids.len(), 2);
+    let after = node.kubelet.resource("nvidia.com/gpu").expect("served");
+    assert_eq!(after.capacity, 8);
+    agent.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -36,7 +36,6 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         spec,
         &registry.host_root,
         &Default::default(),
-        None,
     )
     .await?;
     let mut through_cell = Vec::new();
@@ -50,30 +49,6 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         }
     }
     let through_cell = Samples::new(through_cell);
-
-    // The same calls made from the module's home thread, as its resources' servers make them:
-    // no thread hop, so what is left is the lane's bookkeeping, the guest and the answer checks.
-    let home = handle.home().context("the kubelet cell has a home")?;
-    let (n, warmup) = (s.n(CALLS), s.n(WARMUP));
-    let on_home = {
-        let (handle, ids) = (handle.clone(), ids.clone());
-        home.handle()
-            .spawn(async move {
-                let mut samples = Vec::with_capacity(n);
-                for i in 0..warmup + n {
-                    let started = Instant::now();
-                    let edits = handle.allocate("fuse", ids.clone()).await?;
-                    let took = started.elapsed();
-                    std::hint::black_box(edits);
-                    if i >= warmup {
-                        samples.push(took);
-                    }
-                }
-                Ok::<_, anyhow::Error>(samples)
-            })
-            .await??
-    };
-    let on_home = Samples::new(on_home);
 
     // Resolving the answer's device node beneath the grants, alone.
     let answer = handle.allocate("fuse", ids.clone()).await?;
@@ -98,19 +73,11 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     Ok(vec![
         Row::info(
             format!(
-                "7. Guest call: host → generic-dev `allocate` through the module's cell \
-                 (`ModuleHandle::allocate`; {} calls)",
+                "7. Guest call: host → generic-dev `allocate` through the module's cell, from \
+                 the agent's runtime as its servers call it (`ModuleHandle::allocate`; {} calls)",
                 through_cell.len()
             ),
             through_cell.summary(false),
-        ),
-        Row::info(
-            format!(
-                "7. Guest call: the same, called from the module's home thread as its servers \
-                 call it (no thread hop; {} calls)",
-                on_home.len()
-            ),
-            on_home.summary(false),
         ),
         Row::info(
             format!(

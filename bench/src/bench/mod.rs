@@ -153,9 +153,9 @@ pub fn method() -> Vec<String> {
         "7: in the bench process, no gRPC: `ModuleHandle::allocate` (the module's kubelet cell: \
          a channel to its thread, deadline, answer validation), and the generated wasmtime \
          binding's `call_allocate` on a store set up as a cell sets one up. \
-         `ModuleHandle::allocate` is timed twice: from the bench's runtime (a hop to the \
-         module's home thread and back) and from a task on the home thread itself, as the \
-         resource's gRPC server calls it. The resolution row times \
+         `ModuleHandle::allocate` is timed from the bench's runtime, as the resource's gRPC \
+         server on the agent's runtime calls it (a hop to the cell's thread and back). The \
+         resolution row times \
          `checks::resolve_edits` on the module's answer (open the /dev tree, canonicalize \
          the node beneath it, stat it).",
         "8: the agent in the bench process with generic-dev (fuse × 10) and two misbehaving \

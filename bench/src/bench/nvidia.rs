@@ -1,6 +1,7 @@
 //! Benchmark 9: the NVIDIA module over the fake NVML library (`tests/fake-nvml`, loaded through
-//! the agent's real dlopen path): a critical NVML event → the new snapshot at the kubelet, and
-//! GetPreferredAllocation on 8 GPUs in two NVLink islands answered by the module.
+//! the agent's real dlopen path): a critical NVML event → the new snapshot at the kubelet,
+//! GetPreferredAllocation on 8 GPUs in two NVLink islands answered by the module, and the
+//! kubelet's calls while NVML hangs.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -13,7 +14,8 @@ use super::node::{Node, WAIT};
 use super::report::Row;
 use super::stats::{Samples, duration};
 use devicelet::kubelet::api::deviceplugin::{
-    ContainerPreferredAllocationRequest, PreferredAllocationRequest,
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
+    PreferredAllocationRequest,
 };
 use devicelet_simulator::SimConfig;
 
@@ -22,6 +24,11 @@ const RESOURCE: &str = "nvidia.com/gpu";
 const QUIET: Duration = Duration::from_millis(150);
 const EVENTS: usize = 40;
 const EVENT_TARGET: Duration = Duration::from_millis(50);
+/// Calls of each kind timed with NVML healthy, and again with it hung.
+const HUNG_CALLS: usize = 2_000;
+/// The module's call deadline in this benchmark (the default).
+const DEADLINE: Duration = Duration::from_secs(2);
+const HUNG_TARGET: Duration = Duration::from_millis(2);
 
 fn fixture() -> String {
     let bus = |i: u32| format!("00000000:{:02X}:00.0", 0x07 + i * 0x10);
@@ -117,10 +124,11 @@ quiet-period = "{}ms"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let rows = vec![
+    let mut rows = vec![
         event_to_snapshot(s, &node, &gpus).await?,
         preferred(s, &node).await?,
     ];
+    rows.extend(while_hung(s, &node, &gpus, &agent).await?);
     agent.shutdown().await;
     Ok(rows)
 }
@@ -201,4 +209,164 @@ async fn preferred(s: &Settings, node: &Node) -> anyhow::Result<Row> {
         "p99 ≤ 1 ms",
         samples.p99() <= Duration::from_millis(1),
     ))
+}
+
+/// The kubelet's quick calls, with NVML healthy and then hung: one-GPU Allocates (answered from
+/// the answers prepared ahead of time) alternating with GetPreferredAllocation, on one
+/// connection. While hung, a two-GPU Allocate on that same connection is stuck in NVML at every
+/// moment (one after another, each failing at the module's deadline), as when the kubelet admits
+/// a pod while the driver is wedged.
+async fn while_hung(
+    s: &Settings,
+    node: &Node,
+    gpus: &Gpus,
+    agent: &devicelet::agent::Agent,
+) -> anyhow::Result<Vec<Row>> {
+    let mut progress = agent
+        .resource(RESOURCE)
+        .context("the resource vanished")?
+        .prepared
+        .progress();
+    tokio::time::timeout(WAIT, progress.wait_for(|p| p.ready == 8))
+        .await
+        .context("answers never prepared")??;
+    let ids: Vec<String> = node
+        .sim
+        .resource(RESOURCE)
+        .context("the resource vanished")?
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    let client = node.client(RESOURCE).await?;
+    let (healthy_allocate, healthy_preferred) = quick_calls(s, &client, &ids).await?;
+
+    gpus.inject("hang")?;
+    let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stuck = {
+        let (mut client, pair) = (client.clone(), ids[..2].to_vec());
+        let over = over.clone();
+        tokio::spawn(async move {
+            let mut longest = Duration::ZERO;
+            let mut failed = 0usize;
+            while !over.load(std::sync::atomic::Ordering::SeqCst) {
+                let started = Instant::now();
+                let answer = client
+                    .allocate(AllocateRequest {
+                        container_requests: vec![ContainerAllocateRequest {
+                            devices_ids: pair.clone(),
+                        }],
+                    })
+                    .await;
+                longest = longest.max(started.elapsed());
+                if answer.is_err() {
+                    failed += 1;
+                }
+            }
+            (failed, longest)
+        })
+    };
+    // The first two-GPU Allocate is inside NVML now.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (hung_allocate, hung_preferred) = quick_calls(s, &client, &ids).await?;
+    over.store(true, std::sync::atomic::Ordering::SeqCst);
+    gpus.inject("unhang")?;
+    let (stuck_failed, stuck_longest) = stuck.await?;
+
+    let label = |what: &str, hung: bool, n: usize| {
+        format!(
+            "9. {what}, NVML {} ({n} calls alternating on one connection{})",
+            if hung { "hung" } else { "healthy" },
+            if hung {
+                format!(
+                    "; meanwhile {stuck_failed} two-GPU Allocates stuck in NVML on the same \
+                     connection failed, the longest after {}",
+                    duration(stuck_longest)
+                )
+            } else {
+                String::new()
+            }
+        )
+    };
+    let summary = |samples: &Samples| {
+        format!(
+            "{}, max {}",
+            samples.summary(false),
+            duration(samples.max())
+        )
+    };
+    let judged = |what: &str, samples: &Samples| {
+        Row::judged(
+            label(what, true, samples.len()),
+            summary(samples),
+            format!(
+                "p99 ≤ {}, none past the {} deadline",
+                duration(HUNG_TARGET),
+                duration(DEADLINE)
+            ),
+            samples.p99() <= HUNG_TARGET
+                && samples.max() < DEADLINE
+                && stuck_longest < DEADLINE + Duration::from_millis(100),
+        )
+    };
+    Ok(vec![
+        Row::info(
+            label(
+                "Allocate of one GPU (prepared answer)",
+                false,
+                healthy_allocate.len(),
+            ),
+            summary(&healthy_allocate),
+        ),
+        judged("Allocate of one GPU (prepared answer)", &hung_allocate),
+        Row::info(
+            label(
+                "GetPreferredAllocation, size 2",
+                false,
+                healthy_preferred.len(),
+            ),
+            summary(&healthy_preferred),
+        ),
+        judged("GetPreferredAllocation, size 2", &hung_preferred),
+    ])
+}
+
+/// One-GPU Allocates (each GPU in turn) alternating with GetPreferredAllocation of 2.
+async fn quick_calls(
+    s: &Settings,
+    client: &devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient<
+        tonic::transport::Channel,
+    >,
+    ids: &[String],
+) -> anyhow::Result<(Samples, Samples)> {
+    let mut client = client.clone();
+    let (mut allocates, mut preferreds) = (Vec::new(), Vec::new());
+    let warmup = s.n(100);
+    for i in 0..warmup + s.n(HUNG_CALLS) {
+        let started = Instant::now();
+        client
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: vec![ids[i % ids.len()].clone()],
+                }],
+            })
+            .await?;
+        let allocate = started.elapsed();
+        let started = Instant::now();
+        client
+            .get_preferred_allocation(PreferredAllocationRequest {
+                container_requests: vec![ContainerPreferredAllocationRequest {
+                    available_device_i_ds: ids.to_vec(),
+                    must_include_device_i_ds: Vec::new(),
+                    allocation_size: 2,
+                }],
+            })
+            .await?;
+        let preferred = started.elapsed();
+        if i >= warmup {
+            allocates.push(allocate);
+            preferreds.push(preferred);
+        }
+    }
+    Ok((Samples::new(allocates), Samples::new(preferreds)))
 }

@@ -104,7 +104,8 @@ pub struct NvidiaGpu {
     /// period. Kept as an end, computed from the event's age, because an instance's clock starts
     /// when the instance does and cannot express times before it.
     critical: HashMap<String, Instant>,
-    /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred`.
+    /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred` (at init
+    /// when NVML answers then), so that the kubelet's GetPreferredAllocation needs no NVML call.
     links: Option<preferred::Scores>,
 }
 
@@ -225,6 +226,22 @@ impl NvidiaGpu {
         }
     }
 
+    /// Reads the links between the GPUs seen, keeping them when every pair answered; returns
+    /// them when some did not (to use once, and read again next time).
+    fn read_links(&mut self) -> Option<preferred::Scores> {
+        if self.seen.is_empty() {
+            return None;
+        }
+        let indexes: Vec<u32> = self.seen.keys().copied().collect();
+        let (scores, complete) = preferred::Scores::read(&indexes);
+        if complete {
+            self.links = Some(scores);
+            None
+        } else {
+            Some(scores)
+        }
+    }
+
     fn units_of(&mut self, resource: &str) -> Result<Vec<Unit>, PluginError> {
         if !self.resources.iter().any(|r| r == resource) {
             return Err(PluginError::UnknownResource(resource.into()));
@@ -268,8 +285,18 @@ impl Plugin for NvidiaGpu {
                 );
                 Vec::new()
             }
-            _ => module.scan()?,
+            // NVML too slow to answer now (a driver busy or recovering): the GPUs appear at the
+            // first enumeration it answers.
+            Err(e) => {
+                devicelet_sdk::warn!(
+                    "NVML did not answer at start ({e:?}): serving {} with no GPUs until it does",
+                    module.config.resource
+                );
+                Vec::new()
+            }
+            Ok(_) => module.scan()?,
         };
+        let _ = module.read_links();
         let mut resources = vec![module.config.resource.clone()];
         let profiles: BTreeSet<&str> = units
             .iter()
@@ -394,17 +421,17 @@ impl Plugin for NvidiaGpu {
         if self.seen.is_empty() {
             self.scan()?;
         }
-        if self.links.is_none() {
-            let indexes: Vec<u32> = self.seen.keys().copied().collect();
-            self.links = Some(preferred::Scores::read(&indexes));
-        }
+        let partial = match self.links {
+            Some(_) => None,
+            None => self.read_links(),
+        };
+        let empty = preferred::Scores::default();
+        let scores = self.links.as_ref().or(partial.as_ref()).unwrap_or(&empty);
         let index_of: HashMap<String, u32> = self
             .seen
             .values()
             .map(|(gpu, _)| (self.config.id(gpu, None), gpu.index))
             .collect();
-        let empty = preferred::Scores::default();
-        let scores = self.links.as_ref().unwrap_or(&empty);
         Ok(preferred::choose(
             available,
             must_include,

@@ -23,20 +23,26 @@ const MAX_PARTITIONS: u64 = 50_000;
 pub struct Scores(HashMap<(u32, u32), u64>);
 
 impl Scores {
-    /// NVLinks dominate; among equal links, the nearer common PCIe ancestor wins.
-    pub fn read(indexes: &[u32]) -> Scores {
+    /// NVLinks dominate; among equal links, the nearer common PCIe ancestor wins. The bool says
+    /// whether every pair was read: a pair NVML did not answer for (lost, or NVML stalled)
+    /// scores 0 this time, and the scores are worth reading again.
+    pub fn read(indexes: &[u32]) -> (Scores, bool) {
         let mut scores = HashMap::new();
+        let mut complete = true;
         for (i, &a) in indexes.iter().enumerate() {
             for &b in &indexes[i + 1..] {
                 let score = match nvml::topology(a, b) {
                     Ok(link) => u64::from(link.nvlinks) * 100 + level_score(link.level),
-                    Err(_) => 0,
+                    Err(_) => {
+                        complete = false;
+                        0
+                    }
                 };
                 scores.insert((a, b), score);
                 scores.insert((b, a), score);
             }
         }
-        Scores(scores)
+        (Scores(scores), complete)
     }
 
     pub fn between(&self, a: u32, b: u32) -> u64 {

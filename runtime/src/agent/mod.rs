@@ -180,18 +180,12 @@ impl Shared {
     }
 
     async fn start_module(&self, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
-        // An upgrade's new version moves into the running version's home, beside the servers.
-        let home = self
-            .lock_modules()
-            .get(&spec.name)
-            .and_then(|m| m.handle().home());
         let handle = match modules::start_module(
             &self.engine,
             self.usable_cache(),
             spec,
             host_root,
             &self.libraries,
-            home,
         )
         .await
         {
@@ -458,18 +452,6 @@ impl Agent {
 
     pub fn ledger(&self) -> &Ledger {
         &self.shared.ledger
-    }
-
-    /// Marks `module`'s home thread lost, as its watchdog does when a cell there is stuck in a
-    /// host call (which a test cannot provoke on demand); false if no such module runs.
-    #[doc(hidden)]
-    pub fn lose_home_of(&self, module: &str) -> bool {
-        let home = self
-            .shared
-            .lock_modules()
-            .get(module)
-            .and_then(|m| m.handle().home());
-        home.map(|h| h.lose()).is_some()
     }
 
     /// What `devicelet status` shows.

@@ -15,7 +15,6 @@ use crate::nvml::Libraries;
 use crate::policy::sharing::Replicated;
 use crate::resource::backend::Upkeep;
 use crate::sandbox::cache::CompileCache;
-use crate::sandbox::home::Home;
 use crate::sandbox::loader::load;
 use crate::sandbox::slot::ModuleSlot;
 use crate::sandbox::{LoadError, ModuleHandle};
@@ -64,7 +63,6 @@ pub async fn start_module(
     spec: &ModuleSpec,
     host_root: &Path,
     libraries: &Libraries,
-    home: Option<Arc<Home>>,
 ) -> Result<ModuleHandle, LoadError> {
     let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
     let libraries = libraries.clone();
@@ -76,7 +74,7 @@ pub async fn start_module(
         module: spec.name.clone(),
         message: format!("loader panicked: {e}"),
     })??;
-    ModuleHandle::start_at(loaded, home).await
+    ModuleHandle::start(loaded).await
 }
 
 /// Which of a module's declared resources `run` serves, under which names, and why the others

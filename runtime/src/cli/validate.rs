@@ -31,15 +31,15 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let mut taken = BTreeMap::new();
     let libraries = args.libraries.libraries();
     for spec in &registry.modules {
-        let module =
-            match start_module(&engine, None, spec, &registry.host_root, &libraries, None).await {
-                Ok(module) => module,
-                Err(e) => {
-                    failures += 1;
-                    println!("error: {e}");
-                    continue;
-                }
-            };
+        let module = match start_module(&engine, None, spec, &registry.host_root, &libraries).await
+        {
+            Ok(module) => module,
+            Err(e) => {
+                failures += 1;
+                println!("error: {e}");
+                continue;
+            }
+        };
         println!("module `{}` ({}): loaded", spec.name, spec.path.display());
         let interface = module.interface();
         let host: Vec<&str> = interface

@@ -70,10 +70,6 @@ const CDI_SETTLE_LIMIT: Duration = Duration::from_secs(60);
 /// a registration ended, before registering with other options anyway.
 const DISCONNECT_WAIT: Duration = Duration::from_secs(5);
 
-/// After a move, how long the old server's connections get to close before we register on the
-/// new place anyway (a stuck thread never closes them).
-const MOVE_DRAIN: Duration = Duration::from_millis(500);
-
 /// After the kubelet reports a failed registration on the plugin-watcher route, how long to
 /// wait for it to succeed by itself before serving on a new file; doubled per failure in a row.
 const REFUSED_RETRY: Duration = Duration::from_secs(2);
@@ -88,22 +84,9 @@ enum Over {
     Stopped,
     KubeletRestarted,
     OptionsChanged,
-    /// The backend's serving place was lost (its thread got stuck): serve at its new place.
-    Moved,
-    /// The connections to a server left on a lost place closed, after we registered again
-    /// elsewhere: a kubelet before kubernetes#135437 may take that for the end of the new
-    /// registration, so register once more.
-    StaleClosed,
     /// On the plugin-watcher route: the kubelet reported a failed registration and has not
     /// registered us since.
     Refused,
-}
-
-/// The place the server runs on now: the signal that it was lost.
-struct Place {
-    lost: watch::Receiver<bool>,
-    /// Keeps the place's thread alive while our server is on it.
-    _keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 enum Registration {
@@ -151,8 +134,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
         }
         let mut bind_failures = 0u32;
         let mut refusals = Backoff::new(REFUSED_RETRY, REFUSED_RETRY_MAX);
-        // Connections to a server left behind on a lost place.
-        let mut stale: Option<watch::Receiver<usize>> = None;
         loop {
             if *self.stop.borrow() {
                 return;
@@ -160,8 +141,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
             let (server_stop, server_stopped) = watch::channel(false);
             let (open, connections) = watch::channel(0usize);
             let (notify, mut notices) = mpsc::channel(NOTICES);
-            let mut place = None;
-            if let Err(e) = self.start_server(server_stopped, open, notify, &mut place) {
+            if let Err(e) = self.start_server(server_stopped, open, notify) {
                 if bind_failures == 0 {
                     tracing::error!(resource = self.resource, "cannot serve: {e}; retrying");
                 }
@@ -174,41 +154,27 @@ impl<B: DeviceBackend> Lifecycle<B> {
             bind_failures = 0;
             let watched = matches!(self.route, Route::PluginWatcher(_));
             let over = if watched {
-                self.via_plugin_watcher(&mut notices, &connections, &mut place, &mut refusals)
+                self.via_plugin_watcher(&mut notices, &connections, &mut refusals)
                     .await
             } else {
-                self.via_kubelet_socket(&connections, &mut place, &mut stale)
-                    .await
+                self.via_kubelet_socket(&connections).await
             };
             self.state.set_registered(false);
             let _ = server_stop.send(true);
             match over {
                 Over::Stopped => return,
-                Over::Moved => {
-                    tracing::warn!(
-                        resource = self.resource,
-                        "its module's thread is stuck; serving and registering again on a new one"
-                    );
-                    // If the old thread still runs, its streams end and the kubelet lets go of
-                    // them before the new registration; if it is stuck, they cannot, and their
-                    // late end triggers one more registration (`Over::StaleClosed`).
-                    self.streams.send_modify(|n| *n += 1);
-                    if !all_closed_within(&connections, MOVE_DRAIN).await {
-                        stale = Some(connections);
-                    }
-                }
                 Over::OptionsChanged => tracing::info!(
                     resource = self.resource,
                     "the module's new version asks for other calls; serving on a new socket file for the plugin watcher"
                 ),
-                Over::KubeletRestarted | Over::StaleClosed if !watched => {
+                Over::KubeletRestarted if !watched => {
                     self.state.kubelet_restarted();
                     tracing::info!(
                         resource = self.resource,
                         "kubelet restarted; serving and registering again"
                     )
                 }
-                Over::KubeletRestarted | Over::StaleClosed => {}
+                Over::KubeletRestarted => {}
                 Over::Refused => tracing::info!(
                     resource = self.resource,
                     "serving on a new file for the plugin watcher to register"
@@ -219,12 +185,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
 
     /// Registers on this server until the kubelet restarts or we stop; options changed by an
     /// upgrade are registered again on the same socket.
-    async fn via_kubelet_socket(
-        &mut self,
-        connections: &watch::Receiver<usize>,
-        place: &mut Option<Place>,
-        stale: &mut Option<watch::Receiver<usize>>,
-    ) -> Over {
+    async fn via_kubelet_socket(&mut self, connections: &watch::Receiver<usize>) -> Over {
         loop {
             let registered_with = match self.register().await {
                 Registration::Accepted(identity) => identity,
@@ -238,17 +199,12 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 Registration::Stopped => return Over::Stopped,
             };
             self.state.set_registered(true);
-            match self
-                .wait_until_over(registered_with, connections, place, stale)
-                .await
-            {
-                reason @ (Over::OptionsChanged | Over::StaleClosed) => {
-                    if matches!(reason, Over::OptionsChanged) {
-                        tracing::info!(
-                            resource = self.resource,
-                            "the module's new version asks for other calls; registering again"
-                        );
-                    }
+            match self.wait_until_over(registered_with, connections).await {
+                Over::OptionsChanged => {
+                    tracing::info!(
+                        resource = self.resource,
+                        "the module's new version asks for other calls; registering again"
+                    );
                     // End this registration's streams and let the kubelet disconnect it
                     // before it sees the next one.
                     self.state.set_registered(false);
@@ -269,7 +225,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
         &mut self,
         notices: &mut mpsc::Receiver<RegistrationStatus>,
         connections: &watch::Receiver<usize>,
-        place: &mut Option<Place>,
         refusals: &mut Backoff,
     ) -> Over {
         enum Event {
@@ -277,7 +232,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
             Check,
             Stop,
             Options,
-            Moved,
             Retry,
         }
         let mut listening = true;
@@ -299,7 +253,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 _ = tokio::time::sleep(RECHECK) => Event::Check,
                 _ = self.stop.wait_for(|s| *s) => Event::Stop,
                 _ = changed(&mut self.options) => Event::Options,
-                () = place_lost(place) => Event::Moved,
                 _ = changed(&mut streams) => Event::Check,
                 _ = sleep_until(retry), if retry.is_some() => Event::Retry,
             };
@@ -346,7 +299,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
                     }
                     return Over::OptionsChanged;
                 }
-                Event::Moved => return Over::Moved,
             }
             if *streams.borrow() == 0 {
                 self.state.set_registered(false);
@@ -378,14 +330,14 @@ impl<B: DeviceBackend> Lifecycle<B> {
         }
     }
 
-    /// Serves on the backend's serving place (so calls reach it without a thread hop), or on
-    /// this runtime.
+    /// Serves on the agent's runtime, never on a thread that runs module code: a vendor call
+    /// that blocks its thread (a hung driver) must not stall the kubelet's connection, so every
+    /// call still ends at its deadline and answers kept by the host are still given.
     fn start_server(
         &self,
         server_stopped: watch::Receiver<bool>,
         open: watch::Sender<usize>,
         notices: mpsc::Sender<RegistrationStatus>,
-        place: &mut Option<Place>,
     ) -> std::io::Result<()> {
         std::fs::create_dir_all(self.route.socket_dir(&self.plugin_dir))?;
         let listener = uds::bind(&self.socket())?;
@@ -393,14 +345,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
         let plugin = self.plugin.clone();
         let (mut stop, mut server_stopped) = (self.stop.clone(), server_stopped);
         let resource = self.resource.clone();
-        let serving = self.plugin.upkeep().serving_place();
-        let runtime = serving
-            .as_ref()
-            .map_or_else(tokio::runtime::Handle::current, |p| p.runtime.clone());
-        *place = serving.map(|p| Place {
-            lost: p.lost,
-            _keep: p.keep_alive,
-        });
         let watcher = match &self.route {
             Route::KubeletSocket => None,
             Route::PluginWatcher(_) => Some(RegistrationServer::new(WatcherRegistration {
@@ -409,7 +353,7 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 notices,
             })),
         };
-        runtime.spawn(async move {
+        tokio::spawn(async move {
             let routes = Routes::new(DevicePluginServer::new(plugin));
             let routes = match watcher {
                 Some(watcher) => routes.add_service(watcher),
@@ -494,8 +438,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
         &mut self,
         registered_with: Option<(u64, u64)>,
         connections: &watch::Receiver<usize>,
-        place: &mut Option<Place>,
-        stale: &mut Option<watch::Receiver<usize>>,
     ) -> Over {
         let mut replaced_since: Option<tokio::time::Instant> = None;
         let mut connections = connections.clone();
@@ -511,11 +453,6 @@ impl<B: DeviceBackend> Lifecycle<B> {
                 _ = tokio::time::sleep(recheck) => {}
                 _ = self.stop.wait_for(|s| *s) => return Over::Stopped,
                 _ = changed(&mut self.options) => return Over::OptionsChanged,
-                () = place_lost(place) => return Over::Moved,
-                () = stale_closed(stale) => {
-                    *stale = None;
-                    return Over::StaleClosed;
-                }
                 _ = changed(&mut connections) => {}
             }
             // The kubelet holds a connection for as long as it streams from us: with none, it
@@ -554,28 +491,6 @@ async fn all_closed_within(connections: &watch::Receiver<usize>, within: Duratio
     tokio::time::timeout(within, connections.wait_for(|n| *n == 0))
         .await
         .is_ok_and(|r| r.is_ok())
-}
-
-/// Resolves when the place is lost (or its signal is gone, which only a lost place's end
-/// explains); never without a place.
-async fn place_lost(place: &mut Option<Place>) {
-    match place {
-        Some(p) => {
-            let _ = p.lost.wait_for(|lost| *lost).await;
-        }
-        None => std::future::pending().await,
-    }
-}
-
-/// Resolves once every connection to a server left on a lost place has closed; never without
-/// one.
-async fn stale_closed(stale: &mut Option<watch::Receiver<usize>>) {
-    match stale {
-        Some(open) => {
-            let _ = open.wait_for(|n| *n == 0).await;
-        }
-        None => std::future::pending().await,
-    }
 }
 
 /// Resolves when the value changes (the next directory event, new options, a connection opened

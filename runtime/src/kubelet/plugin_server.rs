@@ -86,6 +86,34 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
     /// The kubelet only ever names devices we advertised, each once (an Unhealthy one included:
     /// it reuses devices of a finished init container whatever their health). Anything else is
     /// refused before the module sees it, naming the offending IDs.
+    /// The host's own preferred allocation for one container request (sharing-aware: replicas
+    /// of a device in use count against it).
+    fn host_choice(
+        &self,
+        request: &api::ContainerPreferredAllocationRequest,
+        size: u32,
+        spread: preferred::Spread,
+    ) -> Vec<String> {
+        let snapshot = self.devices.borrow().clone();
+        let holders;
+        let mut usage = preferred::Usage::default();
+        if self.shared {
+            holders = self.ledger.holders(&self.resource);
+            usage.physical = Some(physical_id);
+            for (id, _) in &holders {
+                *usage.in_use.entry(physical_id(id)).or_default() += 1;
+            }
+        }
+        preferred::choose(
+            &snapshot,
+            &request.available_device_i_ds,
+            &request.must_include_device_i_ds,
+            usize::try_from(size).unwrap_or(usize::MAX),
+            spread,
+            &usage,
+        )
+    }
+
     fn known(&self, ids: &[String]) -> Result<(), Status> {
         self.known_or(ids, &[])
     }
@@ -298,36 +326,30 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
             self.known(&c.available_device_i_ds)?;
             self.known(&c.must_include_device_i_ds)?;
             let ids = match who {
-                Preferred::Host(spread) => {
-                    let snapshot = self.devices.borrow().clone();
-                    let holders;
-                    let mut usage = preferred::Usage::default();
-                    if self.shared {
-                        holders = self.ledger.holders(&self.resource);
-                        usage.physical = Some(physical_id);
-                        for (id, _) in &holders {
-                            *usage.in_use.entry(physical_id(id)).or_default() += 1;
+                Preferred::Host(spread) => self.host_choice(&c, size, spread),
+                Preferred::Module => {
+                    let asked = self
+                        .backend
+                        .preferred(
+                            &self.local,
+                            c.available_device_i_ds.clone(),
+                            c.must_include_device_i_ds.clone(),
+                            size,
+                        )
+                        .await;
+                    match asked {
+                        Ok(ids) => ids,
+                        // The kubelet fails the pod's admission on an error here, for what is
+                        // only a hint: the host's own choice stands in.
+                        Err(e) => {
+                            tracing::warn!(
+                                resource = &*self.resource,
+                                "{e}; answered with the host's packed choice instead"
+                            );
+                            self.host_choice(&c, size, preferred::Spread::Packed)
                         }
                     }
-                    preferred::choose(
-                        &snapshot,
-                        &c.available_device_i_ds,
-                        &c.must_include_device_i_ds,
-                        usize::try_from(size).unwrap_or(usize::MAX),
-                        spread,
-                        &usage,
-                    )
                 }
-                Preferred::Module => self
-                    .backend
-                    .preferred(
-                        &self.local,
-                        c.available_device_i_ds,
-                        c.must_include_device_i_ds,
-                        size,
-                    )
-                    .await
-                    .map_err(status)?,
                 Preferred::Off => {
                     return Err(Status::failed_precondition(format!(
                         "{} does not offer preferred allocation",

@@ -4,13 +4,15 @@
 //! trying until NVML answers, so a missing driver or a half-initialised one that never answers is
 //! a clear state ([`Availability::Unavailable`], with why) rather than a crash or a hung agent,
 //! and a driver installed later is picked up. Queries
-//! ([`NvmlNode::gpu`] and friends) are plain blocking calls: the `nvml` host interface makes them
-//! from the asking module's cell, under its deadline, so a GPU that hangs NVML hangs that module
-//! only. One event thread per node buffers critical events ([`events`]) and wakes the granted
+//! ([`NvmlNode::gpu`] and friends) are plain blocking calls, which the `nvml` host interface
+//! hands to the node's query thread ([`asker`]) and waits for only until the asking call's
+//! deadline: a GPU that hangs NVML makes calls fail at their deadlines, and never holds a
+//! module's thread past them. One event thread per node buffers critical events ([`events`]) and wakes the granted
 //! modules' health checks.
 //!
 //! Nothing here knows wasmtime: `sandbox::host::nvml` turns these types into the WIT ones.
 
+mod asker;
 mod caps;
 pub mod events;
 mod profile;
@@ -19,7 +21,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::TopologyLevel as NvTopology;
@@ -65,6 +67,23 @@ pub enum NvmlError {
     NotSupported,
     #[error("{0}")]
     Failed(String),
+    /// NVML did not answer before the asking call's deadline; `stuck_for`: how long the query
+    /// NVML is busy with has been running, when it is busy.
+    #[error("{}", stall_message(*.waited, *.stuck_for))]
+    Stalled {
+        waited: Duration,
+        stuck_for: Option<Duration>,
+    },
+}
+
+fn stall_message(waited: Duration, stuck_for: Option<Duration>) -> String {
+    let mut message = format!("NVML did not answer within {waited:.1?}");
+    if let Some(stuck) = stuck_for {
+        message.push_str(&format!(
+            " (one query has been waiting on it for {stuck:.1?})"
+        ));
+    }
+    message
 }
 
 impl From<Nv> for NvmlError {
@@ -142,6 +161,7 @@ pub struct NvmlNode {
     /// Why the last attempt failed, until one succeeds.
     availability: Mutex<Availability>,
     events: Arc<events::EventLog>,
+    asker: asker::Asker,
 }
 
 /// Opens NVML from `library`, once per process and path; later calls return the same node. The
@@ -165,6 +185,7 @@ pub fn open(library: &Path) -> Arc<NvmlNode> {
         nvml: OnceLock::new(),
         availability: Mutex::new(Availability::Unavailable("not opened yet".into())),
         events: Arc::default(),
+        asker: asker::Asker::new(),
     });
     let (tx, rx) = mpsc::channel();
     let opener = node.clone();
@@ -264,6 +285,18 @@ impl NvmlNode {
                 Availability::Ready { .. } => "not opened yet".into(),
             })),
         }
+    }
+
+    /// Runs `query` on the node's query thread, waiting for it until `until` at most.
+    pub fn ask<T, F>(self: &Arc<Self>, until: Instant, query: F) -> Result<T, NvmlError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&NvmlNode) -> Result<T, NvmlError> + Send + 'static,
+    {
+        // Not ready: answered here, without a trip to the thread.
+        self.nvml()?;
+        let node = self.clone();
+        self.asker.ask(until, move || query(&node))
     }
 
     pub fn device_count(&self) -> Result<u32, NvmlError> {

@@ -101,25 +101,9 @@ pub trait Upkeep: Send + Sync + 'static {
     fn release(&self, resource: &str) {
         let _ = resource;
     }
-
-    /// Where to serve this backend's resources so that a call reaches it without a hop between
-    /// threads. None: on the caller's runtime.
-    fn serving_place(&self) -> Option<ServingPlace> {
-        None
-    }
 }
 
-/// A backend with no budget, no versions and no runtime of its own.
+/// A backend with no budget and no versions.
 pub struct Unkept;
 
 impl Upkeep for Unkept {}
-
-/// A runtime to serve a resource on, and when to leave it.
-pub struct ServingPlace {
-    pub runtime: tokio::runtime::Handle,
-    /// Flips to true when the place is lost (its thread got stuck): serve again at the
-    /// backend's new place.
-    pub lost: tokio::sync::watch::Receiver<bool>,
-    /// Held by whoever serves there, so the place lives as long as its servers.
-    pub keep_alive: std::sync::Arc<dyn std::any::Any + Send + Sync>,
-}

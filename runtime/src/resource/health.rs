@@ -1,14 +1,26 @@
 //! Keeping one resource's device snapshot current: re-enumerate at the module's interval and
 //! publish a new snapshot only when something changed.
+//!
+//! A failed enumeration is evidence against the devices (they are reported Unhealthy); one that
+//! ran out of time is not. A vendor library that stalls (NVML on a busy or recovering driver)
+//! says nothing about any one device, so the last snapshot stands while enumerations keep
+//! missing their deadline, for up to [`STALL_LIMIT`]; only a backend that has not answered in
+//! all that time has its devices reported Unhealthy.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 
-use super::backend::DeviceBackend;
+use super::backend::{BackendError, DeviceBackend};
 use super::snapshot::Snapshot;
 use crate::device::{Device, Health};
+
+/// How long enumerations may keep missing their deadline before the devices are reported
+/// Unhealthy: long enough for a driver to come back from a reset or a burst of slow queries, short
+/// enough that a wedged one stops pods being sent to its devices.
+pub const STALL_LIMIT: Duration = Duration::from_secs(300);
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.
 async fn initial(backend: &impl DeviceBackend, resource: &str) -> Vec<Device> {
@@ -77,6 +89,17 @@ pub async fn watch_devices<B: DeviceBackend>(
     devices: watch::Sender<Snapshot>,
     signals: Signals,
 ) {
+    watch_with_limit(backend, resource, interval, devices, signals, STALL_LIMIT).await;
+}
+
+async fn watch_with_limit<B: DeviceBackend>(
+    backend: B,
+    resource: String,
+    interval: Duration,
+    devices: watch::Sender<Snapshot>,
+    signals: Signals,
+    stall_limit: Duration,
+) {
     let Signals {
         ready,
         poke,
@@ -94,6 +117,8 @@ pub async fn watch_devices<B: DeviceBackend>(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     let mut failing = false;
+    // When enumerations started missing their deadline, while they keep doing so.
+    let mut stalled_since: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -106,11 +131,25 @@ pub async fn watch_devices<B: DeviceBackend>(
         };
         let next = match found {
             Ok(found) => {
-                if failing {
+                if failing || stalled_since.is_some() {
                     tracing::info!(module = backend.name(), resource, "enumerate works again");
                     failing = false;
+                    stalled_since = None;
                 }
                 sorted(found)
+            }
+            Err(e @ BackendError::Deadline(_))
+                if stalled_since.is_none_or(|since| since.elapsed() < stall_limit) =>
+            {
+                if stalled_since.is_none() {
+                    tracing::warn!(
+                        resource,
+                        "{e}; keeping its last snapshot while it is slow (devices turn Unhealthy \
+                         only if it stays so for {stall_limit:?})"
+                    );
+                    stalled_since = Some(Instant::now());
+                }
+                continue;
             }
             Err(e) => {
                 if !failing {
@@ -128,6 +167,112 @@ pub async fn watch_devices<B: DeviceBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    type Answer = Result<Vec<Device>, BackendError>;
+
+    /// Answers enumerate from a script, one entry per call; the last entry repeats. Counts calls.
+    #[derive(Clone)]
+    struct Scripted {
+        script: Arc<Mutex<VecDeque<Answer>>>,
+        calls: watch::Sender<usize>,
+    }
+
+    impl DeviceBackend for Scripted {
+        fn name(&self) -> &str {
+            "scripted"
+        }
+
+        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+            self.calls.send_modify(|n| *n += 1);
+            let mut script = self.script.lock().unwrap();
+            if script.len() > 1 {
+                script.pop_front().unwrap()
+            } else {
+                script.front().cloned().unwrap()
+            }
+        }
+
+        async fn allocate(
+            &self,
+            _: &str,
+            _: Vec<String>,
+        ) -> Result<crate::device::ContainerEdits, BackendError> {
+            Err(BackendError::Failed("not asked here".into()))
+        }
+    }
+
+    /// Runs a watcher over `script` (every 5 ms) until it has enumerated `calls` times, and
+    /// returns every snapshot the kubelet's streams were woken for after the first.
+    async fn published(
+        script: Vec<Result<Vec<Device>, BackendError>>,
+        calls: usize,
+        stall_limit: Duration,
+    ) -> Vec<Vec<Device>> {
+        let backend = Scripted {
+            script: Arc::new(Mutex::new(script.into())),
+            calls: watch::Sender::new(0),
+        };
+        let mut counted = backend.calls.subscribe();
+        let (devices, mut snapshot) = watch::channel(Snapshot::default());
+        let (stop_tx, stop) = watch::channel(false);
+        let signals = Signals {
+            ready: watch::Sender::new(false),
+            poke: Arc::default(),
+            enumerated: Arc::default(),
+            stop,
+        };
+        let watcher = tokio::spawn(watch_with_limit(
+            backend,
+            "r".into(),
+            Duration::from_millis(5),
+            devices,
+            signals,
+            stall_limit,
+        ));
+        let mut seen = Vec::new();
+        snapshot.changed().await.unwrap();
+        snapshot.borrow_and_update();
+        loop {
+            tokio::select! {
+                _ = snapshot.changed() => seen.push(snapshot.borrow_and_update().to_vec()),
+                _ = counted.wait_for(|n| *n >= calls) => break,
+            }
+        }
+        let _ = stop_tx.send(true);
+        watcher.await.unwrap();
+        seen
+    }
+
+    fn slow() -> Result<Vec<Device>, BackendError> {
+        Err(BackendError::Deadline("missed its deadline".into()))
+    }
+
+    #[tokio::test]
+    async fn a_stall_keeps_the_last_snapshot_and_a_failure_does_not() {
+        let healthy = vec![device("a", Health::Healthy, "40C")];
+        let seen = published(vec![Ok(healthy.clone()), slow()], 6, STALL_LIMIT).await;
+        assert!(seen.is_empty(), "stalls changed nothing: {seen:?}");
+        let failed = Err(BackendError::Failed("no such device".into()));
+        let seen = published(vec![Ok(healthy), slow(), failed], 4, STALL_LIMIT).await;
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(
+            seen[0][0].health,
+            Health::Unhealthy,
+            "a failure is evidence"
+        );
+    }
+
+    #[tokio::test]
+    async fn stalls_past_the_limit_turn_the_devices_unhealthy() {
+        let healthy = vec![device("a", Health::Healthy, "40C")];
+        let limit = Duration::from_millis(30);
+        // 5 ms apart, the twentieth enumeration comes well past the limit.
+        let seen = published(vec![Ok(healthy), slow()], 20, limit).await;
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(seen[0][0].health, Health::Unhealthy);
+    }
 
     fn device(id: &str, health: Health, attribute: &str) -> Device {
         Device {

@@ -365,7 +365,7 @@ impl Hasher for Sha256Hasher {
 
 fn compile(engine: &Engine, wasm: &[u8], digest: &str) -> wasmtime::Result<Component> {
     let started = Instant::now();
-    let component = Component::from_binary(engine, wasm)?;
+    let component = super::compiler::compile(engine, wasm)?;
     tracing::debug!(
         module = digest,
         elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,

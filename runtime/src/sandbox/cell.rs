@@ -6,13 +6,15 @@
 //! stuck on a sick device) blocks only that thread.
 //!
 //! A [`Lane`] is what callers hold: it sends each job to its current cell and waits for the
-//! answer. A job may wait its deadline to start and then runs with its whole deadline as budget,
-//! cut off by the cell itself, so a busy module is not mistaken for a hung one; the caller's own
+//! answer, never past the call's deadline: the time a job waits for the cell counts, so a caller
+//! (the kubelet, through a gRPC server on the agent's runtime) always has its answer or its
+//! error at the deadline. The cell cuts a running job off at that same end; the caller's own
 //! wait is only a backstop. When a job overruns its end by [`STUCK_GRACE`] without the cell
 //! noticing (the thread is blocked in a syscall that epoch interruption cannot stop), the cell is
-//! abandoned: its thread is left to finish or die with
-//! the blocked call, and a fresh cell takes the next job. Abandoned cells are bounded per module
-//! ([`MAX_ABANDONED`]); past the bound the module is failed until it is loaded again.
+//! abandoned: its thread is left to finish or die with the blocked call, and a fresh cell takes
+//! the next job; a job merely queued behind a long one is not a sign of anything. Abandoned cells
+//! are bounded per module ([`MAX_ABANDONED`]); past the bound the module is failed until it is
+//! loaded again.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,7 +26,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::engine::EPOCH_TICK;
-use super::home::Home;
 use crate::device::PluginError;
 
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
@@ -69,15 +70,18 @@ pub enum Failure {
     Unavailable(String),
     /// The job did not finish within its deadline (or waited too long to start).
     Deadline,
+    /// A host call the job made stopped waiting at the deadline (a vendor library that did not
+    /// answer, as NVML on a wedged driver): slow, not broken, so the instance is kept.
+    Stalled(String),
     /// The cell did not cut the job off: the caller's backstop fired.
     Overran,
 }
 
 struct Job<S> {
     id: u64,
-    /// A job still queued then is dropped unrun: its caller has gone.
-    start_by: Instant,
-    budget: Duration,
+    /// When the caller's deadline is over: a job still queued then is dropped unrun, and a
+    /// running one is cut off.
+    end: Instant,
     /// Whether the caller still waits for the answer.
     wanted: Box<dyn Fn() -> bool + Send>,
     work: Work<S>,
@@ -170,9 +174,6 @@ struct LaneInner<S> {
     fate: Arc<Fate>,
     next_id: AtomicU64,
     state: Mutex<LaneState<S>>,
-    /// For a lane living in a home: the home of its current cell (a stuck cell takes its home
-    /// down, and the next cell opens a new one). None: every cell is a thread of its own.
-    home: Mutex<Option<Arc<Home>>>,
 }
 
 /// A stream of jobs for one module, served by one cell at a time. Clones share the lane.
@@ -189,8 +190,8 @@ impl<S> Clone for Lane<S> {
 }
 
 impl<S: 'static> Lane<S> {
-    /// A lane whose first cell starts now; the cell instantiates on its first job, within
-    /// `init_deadline`.
+    /// A lane whose first cell (a thread of its own) starts now; the cell instantiates on its
+    /// first job, within `init_deadline`.
     pub fn new(
         module: Arc<str>,
         label: &'static str,
@@ -198,30 +199,8 @@ impl<S: 'static> Lane<S> {
         init_deadline: Duration,
         fate: Arc<Fate>,
     ) -> std::io::Result<Lane<S>> {
-        Self::new_at(module, label, factory, init_deadline, fate, None)
-    }
-
-    /// A lane whose cells live in `home` (see `home.rs`) when given. Its calls' callers may
-    /// then run on that same thread, so a watchdog on the caller's runtime (not the home's)
-    /// checks for a stuck cell, as no backstop on a blocked thread could.
-    pub fn new_at(
-        module: Arc<str>,
-        label: &'static str,
-        factory: Factory<S>,
-        init_deadline: Duration,
-        fate: Arc<Fate>,
-        home: Option<Arc<Home>>,
-    ) -> std::io::Result<Lane<S>> {
-        let cell = spawn_cell(
-            &module,
-            label,
-            factory.clone(),
-            (init_deadline, &fate),
-            0,
-            home.as_ref(),
-        )?;
-        let watched = home.is_some();
-        let lane = Lane {
+        let cell = spawn_cell(&module, label, factory.clone(), (init_deadline, &fate), 0)?;
+        Ok(Lane {
             inner: Arc::new(LaneInner {
                 module,
                 label,
@@ -233,50 +212,13 @@ impl<S: 'static> Lane<S> {
                     cell: Some(cell),
                     generation: 0,
                 }),
-                home: Mutex::new(home),
             }),
-        };
-        if watched && let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(watchdog(Arc::downgrade(&lane.inner)));
-        }
-        Ok(lane)
+        })
     }
 
-    /// The home the lane's cell lives in now, if it lives in one. A lane whose home was lost
-    /// (another cell there got stuck) moves to a new one first.
-    pub fn home(&self) -> Option<Arc<Home>> {
-        self.leave_lost_home();
-        self.inner
-            .home
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// If the lane's home is lost through no fault of this lane's cell, moves the lane to a new
-    /// home (no strike against the module).
-    fn leave_lost_home(&self) {
-        let lost = self
-            .inner
-            .home
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .is_some_and(|h| h.is_lost());
-        if lost {
-            let generation = self
-                .inner
-                .state
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .generation;
-            self.replace_cell(generation, false);
-        }
-    }
-
-    /// Runs `work` on the lane's cell. The job may wait `deadline` to start and then runs with
-    /// `deadline` as its budget (plus the instantiation, when the cell needs a fresh instance);
-    /// the caller never waits longer than that.
+    /// Runs `work` on the lane's cell and answers within `deadline` of now, whatever the cell
+    /// does: the wait for the cell, a fresh instance's init (after a crash) and the run all
+    /// count against it.
     pub async fn call<T, F>(&self, deadline: Duration, f: F) -> Result<T, Failure>
     where
         T: Send + 'static,
@@ -285,7 +227,6 @@ impl<S: 'static> Lane<S> {
         if let Some(reason) = self.inner.fate.failed() {
             return Err(Failure::Unavailable(reason));
         }
-        self.leave_lost_home();
         let cell = {
             let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
             state.cell.clone()
@@ -296,7 +237,7 @@ impl<S: 'static> Lane<S> {
             ));
         };
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let start_by = Instant::now() + deadline;
+        let end = Instant::now() + deadline;
         let (reply_tx, mut reply) = oneshot::channel::<Result<T, Failure>>();
         // Whichever of `work` and `refuse` the cell runs answers the caller.
         let reply_tx = Arc::new(Mutex::new(Some(reply_tx)));
@@ -324,13 +265,12 @@ impl<S: 'static> Lane<S> {
         });
         let job = Job {
             id,
-            start_by,
-            budget: deadline,
+            end,
             wanted,
             work,
             refuse,
         };
-        match tokio::time::timeout_at(start_by, cell.jobs.send(job)).await {
+        match tokio::time::timeout_at(end, cell.jobs.send(job)).await {
             Err(_) => return Err(self.start_timed_out(&cell)),
             Ok(Err(_)) => {
                 // The cell's thread is gone (it panicked): a fresh cell takes the next call.
@@ -339,21 +279,26 @@ impl<S: 'static> Lane<S> {
             }
             Ok(Ok(())) => {}
         }
-        // The cell itself cuts the job off at its budget once it starts, so this wait is only a
-        // backstop for a cell that cannot (its thread blocked in a host call): the latest the job
-        // can start, plus a fresh instance's init, plus its run.
-        let backstop = start_by + self.inner.init_deadline + deadline + ANSWER_SLACK;
-        match tokio::time::timeout_at(backstop, &mut reply).await {
+        // The cell itself cuts the job off at `end`, so this wait is only a backstop for a cell
+        // that cannot (its thread blocked in a host call, or still busy with an earlier job).
+        match tokio::time::timeout_at(end + ANSWER_SLACK, &mut reply).await {
             Ok(Ok(result)) => result,
             // Dropped unrun (too late to start), or cut off at its deadline.
             Ok(Err(_)) => Err(Failure::Deadline),
             Err(_) => {
-                // Whatever holds the cell overran its end; if it still does a grace period on,
-                // the cell is stuck and is abandoned.
-                if let Some((running, until)) = cell.running.get() {
-                    self.watch_for_stuck(cell, running, until + STUCK_GRACE);
+                // Whatever holds the cell is past our end. If it is past its own by the grace,
+                // the cell is stuck and is abandoned now; if it is still within it, it is looked
+                // at again then.
+                let running = cell.running.get();
+                if cell.running.stuck(None) {
+                    self.abandon(cell.generation);
+                } else if let Some((job, until)) = running {
+                    self.watch_for_stuck(cell, job, until + STUCK_GRACE);
                 }
-                Err(Failure::Overran)
+                match running {
+                    Some((job, _)) if job == id => Err(Failure::Overran),
+                    _ => Err(Failure::Deadline),
+                }
             }
         }
     }
@@ -380,43 +325,15 @@ impl<S: 'static> Lane<S> {
         Failure::Deadline
     }
 
+    /// Replaces the cell of `generation` (if still current) with a fresh one; it counts against
+    /// the module.
     fn abandon(&self, generation: u64) {
-        self.replace_cell(generation, true);
-    }
-
-    /// Replaces the cell of `generation` (if still current) with a fresh one, in a new home for
-    /// a home lane. `stuck`: its own job got stuck, which counts against the module and loses
-    /// its home for every lane there; otherwise it is leaving a home another lane lost.
-    fn replace_cell(&self, generation: u64, stuck: bool) {
         let inner = &self.inner;
         let mut state = inner.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.generation != generation || state.cell.is_none() {
             return;
         }
-        if !stuck {
-            // Another caller may have moved the lane already: only a lane still in a lost home
-            // leaves it.
-            let still_lost = inner
-                .home
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .is_some_and(|h| h.is_lost());
-            if !still_lost {
-                return;
-            }
-            state.cell = None;
-            return self.respawn(&mut state);
-        }
         state.cell = None;
-        if let Some(home) = inner
-            .home
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
-            home.lose();
-        }
         let abandoned = inner.fate.abandoned.fetch_add(1, Ordering::Relaxed) + 1;
         if abandoned > MAX_ABANDONED {
             let reason = format!(
@@ -436,31 +353,17 @@ impl<S: 'static> Lane<S> {
         self.respawn(&mut state);
     }
 
-    /// A fresh cell for the lane (in a new home, for a home lane).
+    /// A fresh cell for the lane.
     fn respawn(&self, state: &mut LaneState<S>) {
         let inner = &self.inner;
         state.generation += 1;
-        let mut home = inner.home.lock().unwrap_or_else(|p| p.into_inner());
-        if home.is_some() {
-            match Home::start(format!("home-{}", inner.module)) {
-                Ok(fresh) => *home = Some(fresh),
-                Err(e) => {
-                    let reason = format!("failed: cannot start a fresh home thread: {e}");
-                    tracing::error!(module = &*inner.module, "{reason}");
-                    *inner.fate.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
-                    return;
-                }
-            }
-        }
         let spawned = spawn_cell(
             &inner.module,
             inner.label,
             inner.factory.clone(),
             (inner.init_deadline, &inner.fate),
             state.generation,
-            home.as_ref(),
         );
-        drop(home);
         match spawned {
             Ok(cell) => state.cell = Some(cell),
             Err(e) => {
@@ -472,51 +375,16 @@ impl<S: 'static> Lane<S> {
     }
 }
 
-/// Checks a home lane's cell for a job stuck past its end, from outside the home, until the
-/// lane is gone.
-async fn watchdog<S: 'static>(lane: std::sync::Weak<LaneInner<S>>) {
-    loop {
-        tokio::time::sleep(STUCK_GRACE / 2).await;
-        let Some(inner) = lane.upgrade() else { return };
-        let cell = inner
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .cell
-            .clone();
-        if let Some(cell) = cell
-            && cell.running.stuck(None)
-        {
-            Lane { inner }.abandon(cell.generation);
-        }
-    }
-}
-
 fn spawn_cell<S: 'static>(
     module: &Arc<str>,
     label: &'static str,
     factory: Factory<S>,
     (init_deadline, fate): (Duration, &Arc<Fate>),
     generation: u64,
-    home: Option<&Arc<Home>>,
 ) -> std::io::Result<Cell<S>> {
     let (jobs, rx) = mpsc::channel(QUEUE);
     let fate = fate.clone();
     let running = Arc::new(Running::default());
-    if let Some(home) = home {
-        let (name, marker) = (module.clone(), running.clone());
-        let task = Box::new(move || -> LocalBoxFuture<'static, ()> {
-            Box::pin(serve(name, factory, (init_deadline, fate), rx, marker))
-        });
-        if !home.spawn_local(task) {
-            return Err(std::io::Error::other("the home thread is gone"));
-        }
-        return Ok(Cell {
-            jobs,
-            running,
-            generation,
-        });
-    }
     // Time only: a cell does no socket I/O (WASI sockets are off), and without an I/O driver
     // the thread parks on a futex, the cheapest wake-up per call.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -567,7 +435,7 @@ async fn serve<S>(
     };
     let mut instantiated_before = false;
     while let Some(job) = jobs.recv().await {
-        if Instant::now() >= job.start_by || !(job.wanted)() {
+        if Instant::now() >= job.end || !(job.wanted)() {
             continue;
         }
         if occupant.is_none()
@@ -580,8 +448,12 @@ async fn serve<S>(
             continue;
         }
         let fresh = occupant.is_none();
-        let until =
-            Instant::now() + job.budget + if fresh { init_deadline } else { Duration::ZERO };
+        // A fresh instance's init may outlast the caller's end (it serves the calls to come).
+        let until = if fresh {
+            job.end.max(Instant::now() + init_deadline)
+        } else {
+            job.end
+        };
         running.start(job.id, until);
         if fresh {
             match tokio::time::timeout(init_deadline, factory()).await {
@@ -613,7 +485,12 @@ async fn serve<S>(
         let Some(current) = occupant.as_mut() else {
             continue;
         };
-        let poisoned = match tokio::time::timeout(job.budget, (job.work)(current)).await {
+        if Instant::now() >= job.end {
+            (job.refuse)(Failure::Deadline);
+            running.end();
+            continue;
+        }
+        let poisoned = match tokio::time::timeout_at(job.end, (job.work)(current)).await {
             Ok(poisoned) => poisoned,
             Err(_) => {
                 tracing::warn!(
@@ -714,49 +591,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_home_whose_cell_is_stuck_is_lost_and_the_lane_moves_to_a_new_home() {
-        let fate = Arc::new(Fate::default());
-        let made = Arc::new(AtomicUsize::new(0));
-        let counter = made.clone();
-        let factory: Factory<Blocker> = Arc::new(move || {
-            let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
-            Box::pin(async move { Ok(Blocker { made: n }) })
-        });
-        let home = Home::start("test-home".into()).unwrap();
-        let lane = Lane::new_at(
-            "m".into(),
-            "kubelet",
-            factory,
-            Duration::from_secs(1),
-            fate.clone(),
-            Some(home.clone()),
-        )
-        .unwrap();
-        assert_eq!(which(&lane).await.unwrap(), 1);
-        // The caller runs on the home itself, as a resource's server does: when the job blocks
-        // the thread, no backstop of the caller's can run, only the watchdog outside.
-        let (_release, blocked) = std::sync::mpsc::channel::<()>();
-        let caller = lane.clone();
-        home.handle()
-            .spawn(async move { block(&caller, blocked).await });
-        let mut lost = home.lost();
-        tokio::time::timeout(Duration::from_secs(10), lost.wait_for(|l| *l))
-            .await
-            .expect("the watchdog saw the stuck cell")
-            .unwrap();
-        assert_eq!(fate.abandoned(), 1);
-        let moved = lane.home().expect("a home lane");
-        assert!(!Arc::ptr_eq(&moved, &home), "the lane has a new home");
-        assert!(!moved.is_lost());
-        assert_eq!(which(&lane).await.unwrap(), 2, "a fresh cell there answers");
-    }
-
-    #[tokio::test]
     async fn a_busy_cell_is_not_abandoned() {
         let fate = Arc::new(Fate::default());
         let (lane, _) = lane(fate.clone());
         // A job well within its 2 s budget holds the cell for 1.5 s; a call queued behind it
-        // with a 100 ms deadline gives up at its backstop (1.2 s and a little), and the stuck
+        // with a 100 ms deadline gets its error at that deadline (never started), and the stuck
         // check runs when the slow job's budget plus the grace is over. The cell is busy, not
         // stuck: it is kept, and answers once the slow job is done.
         let started = Instant::now();
@@ -773,11 +612,17 @@ mod tests {
             })
             .await
         };
-        let (a, b) = tokio::join!(slow, impatient);
+        let slow = async { (slow.await, Instant::now()) };
+        let impatient = async { (impatient.await, Instant::now()) };
+        let ((a, slow_done), (b, impatient_done)) = tokio::join!(slow, impatient);
         assert_eq!(a.unwrap(), 1);
         assert!(
-            matches!(b, Err(Failure::Overran)),
-            "the impatient caller gave up at its backstop, while the slow job ran"
+            matches!(b, Err(Failure::Deadline)),
+            "the impatient caller had its deadline error: {b:?}"
+        );
+        assert!(
+            impatient_done < slow_done,
+            "the impatient caller was answered while the slow job still ran"
         );
         // Past the moment the stuck check looks (the slow job's end plus the grace).
         tokio::time::sleep_until(started + Duration::from_secs(2) + STUCK_GRACE * 2).await;

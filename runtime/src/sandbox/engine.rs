@@ -1,31 +1,108 @@
 //! The one wasmtime engine all modules share, and the epoch ticker that bounds their calls.
+//!
+//! The ticker runs only while some guest code may run: every entry into a guest holds a
+//! [`Ticking`] guard, and with none held the ticker thread parks, so an idle agent wakes for
+//! nothing (a 10 ms tick is a hundred wake-ups a second on every node).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::Thread;
 use std::time::Duration;
 
-use wasmtime::Config;
 pub use wasmtime::Engine;
+use wasmtime::{Config, EngineWeak};
 
 /// How often the epoch advances. A running guest yields to the async runtime at every tick, so
 /// a call's deadline is enforced with at most this much delay.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
 
-/// Builds the engine and starts its epoch ticker. The ticker thread holds only a weak reference
-/// and ends when the last clone of the engine is dropped.
+/// The process's ticker: the engines it advances and how many guest entries are under way.
+struct Ticker {
+    engines: Mutex<Vec<EngineWeak>>,
+    running: AtomicUsize,
+    thread: Thread,
+}
+
+static TICKER: OnceLock<Ticker> = OnceLock::new();
+
+fn ticker() -> std::io::Result<&'static Ticker> {
+    if let Some(ticker) = TICKER.get() {
+        return Ok(ticker);
+    }
+    // Two callers may race to start it; the loser's thread finds another ticker installed and
+    // ends.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let handle = std::thread::Builder::new()
+        .name("devicelet-epoch".into())
+        .spawn(move || {
+            let _ = rx.recv();
+            tick_forever();
+        })?;
+    let mine = Ticker {
+        engines: Mutex::default(),
+        running: AtomicUsize::new(0),
+        thread: handle.thread().clone(),
+    };
+    let installed = TICKER.get_or_init(|| mine);
+    if installed.thread.id() == handle.thread().id() {
+        let _ = tx.send(());
+    }
+    Ok(installed)
+}
+
+fn tick_forever() {
+    let Some(ticker) = TICKER.get() else { return };
+    loop {
+        if ticker.running.load(Ordering::Acquire) == 0 {
+            // An entry that starts now unparks us; one that started just before has left the
+            // token, so this returns at once.
+            std::thread::park();
+            continue;
+        }
+        {
+            let mut engines = ticker.engines.lock().unwrap_or_else(|p| p.into_inner());
+            engines.retain(|weak| match weak.upgrade() {
+                Some(engine) => {
+                    engine.increment_epoch();
+                    true
+                }
+                None => false,
+            });
+        }
+        std::thread::sleep(EPOCH_TICK);
+    }
+}
+
+/// Held while guest code may run: keeps the epoch advancing, so the guest yields and its
+/// deadline can fire.
+pub struct Ticking(&'static Ticker);
+
+impl Drop for Ticking {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Starts the ticker for a guest entry, if it is idle.
+pub fn ticking() -> Option<Ticking> {
+    let ticker = TICKER.get()?;
+    if ticker.running.fetch_add(1, Ordering::AcqRel) == 0 {
+        ticker.thread.unpark();
+    }
+    Some(Ticking(ticker))
+}
+
+/// Builds the engine and registers it with the process's epoch ticker.
 pub fn new_engine() -> wasmtime::Result<Engine> {
     let mut config = Config::new();
     config.wasm_component_model(true);
     config.epoch_interruption(true);
     let engine = Engine::new(&config)?;
-    let weak = engine.weak();
-    std::thread::Builder::new()
-        .name("devicelet-epoch".into())
-        .spawn(move || {
-            while let Some(engine) = weak.upgrade() {
-                engine.increment_epoch();
-                drop(engine);
-                std::thread::sleep(EPOCH_TICK);
-            }
-        })
-        .map_err(wasmtime::Error::from)?;
+    let ticker = ticker().map_err(wasmtime::Error::from)?;
+    ticker
+        .engines
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(engine.weak());
     Ok(engine)
 }

@@ -116,6 +116,15 @@ pub enum CallError {
         call: CallKind,
         deadline: Duration,
     },
+    /// A host call stopped waiting at the deadline: the node's vendor library was stalled, not
+    /// the module broken.
+    #[error("module `{module}` missed its {deadline:?} deadline in {call}: {message}")]
+    Stalled {
+        module: String,
+        call: CallKind,
+        deadline: Duration,
+        message: String,
+    },
     #[error("module `{module}` returned an invalid answer from {call}: {message}")]
     InvalidOutput {
         module: String,

@@ -74,7 +74,7 @@ pub fn load(
                 tracing::debug!(module, ?outcome, elapsed_ms = ms(started), "compile cache");
                 component
             }),
-        None => Component::from_binary(engine, &bytes).inspect(|_| {
+        None => super::compiler::compile(engine, &bytes).inspect(|_| {
             tracing::debug!(module, elapsed_ms = ms(started), "compiled");
         }),
     }

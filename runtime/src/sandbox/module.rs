@@ -1,10 +1,12 @@
 //! A running module: its two lanes of cells, the calls the host makes into it, and the checks
 //! on every answer.
 //!
-//! Kubelet calls (Allocate, preferred, prestart) and health work (enumerate) go to two separate
-//! instances, each in a cell of its own, so an Allocate never queues behind an enumeration and a
-//! host call stuck in one lane never blocks the other. The price is that a module must not rely on
-//! state shared between `enumerate` and `allocate`; the SDK says so.
+//! Kubelet calls (Allocate, prestart) and health work (enumerate) go to two separate instances,
+//! each in a cell of its own, so an Allocate never queues behind an enumeration and a host call
+//! stuck in one lane never blocks the other. A module that offers preferred allocation answers it
+//! from a third instance: the kubelet asks it just before an Allocate, and its answer (from what
+//! the instance learnt at init) must not wait behind an Allocate stuck in a vendor library. The
+//! price is that a module must not rely on state shared between its calls; the SDK says so.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -87,7 +89,9 @@ impl Outcome {
         match e {
             CallError::Plugin { .. } => Outcome::Error,
             CallError::Trap { .. } => Outcome::Trap,
-            CallError::Deadline { .. } | CallError::Overran { .. } => Outcome::Deadline,
+            CallError::Deadline { .. } | CallError::Overran { .. } | CallError::Stalled { .. } => {
+                Outcome::Deadline
+            }
             CallError::InvalidOutput { .. } => Outcome::Violation,
             CallError::Unavailable { .. } => Outcome::Unavailable,
         }
@@ -156,6 +160,7 @@ impl Instance {
         ids: &[String],
     ) -> anyhow::Result<ContainerEdits> {
         let guest = self.plugin.devicelet_plugin_plugin();
+        let _ticking = super::engine::ticking();
         let answer = guest.call_allocate(&mut self.store, resource, ids).await?;
         answer
             .map(ContainerEdits::from)
@@ -177,8 +182,10 @@ pub struct ModuleHandle {
     stats: Arc<Counters>,
     deadline: Duration,
     resources: Arc<[ResourceInfo]>,
-    /// Allocate, preferred and prestart.
+    /// Allocate and prestart (and preferred, for a module that offers none).
     kubelet: Lane<Instance>,
+    /// Preferred allocation, for a module that offers it for some resource.
+    preferred: Option<Lane<Instance>>,
     /// Enumeration for the device watchers.
     health: Lane<Instance>,
     fate: Arc<Fate>,
@@ -192,15 +199,6 @@ impl ModuleHandle {
     /// Starts the module's cells, instantiates it and calls `init` with its config (in its
     /// kubelet cell, under its call deadline). The health cell instantiates on its first call.
     pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
-        Self::start_at(module, None).await
-    }
-
-    /// [`start`](Self::start), with the kubelet cell in `home` (an upgrade passes the running
-    /// version's, so the resources' servers and the new cell share a thread), or in a new home.
-    pub async fn start_at(
-        module: LoadedModule,
-        home: Option<Arc<super::home::Home>>,
-    ) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
         let deadline = module.spec.call_deadline;
         let budget = Arc::new(Budget::new(module.spec.host_memory));
@@ -214,33 +212,20 @@ impl ModuleHandle {
             })
         };
         let fate = Arc::new(Fate::default());
-        let lane = |label, home| {
-            Lane::new_at(
-                name.clone(),
-                label,
-                factory.clone(),
-                deadline,
-                fate.clone(),
-                home,
-            )
-            .map_err(|e| LoadError::Invalid {
-                module: name.to_string(),
-                message: format!("cannot start a cell: {e}"),
-            })
-        };
-        let home = match home {
-            Some(home) => home,
-            None => super::home::Home::start(format!("home-{name}")).map_err(|e| {
+        let lane = |label| {
+            Lane::new(name.clone(), label, factory.clone(), deadline, fate.clone()).map_err(|e| {
                 LoadError::Invalid {
                     module: name.to_string(),
-                    message: format!("cannot start its home thread: {e}"),
+                    message: format!("cannot start a cell: {e}"),
                 }
-            })?,
+            })
         };
-        let kubelet = lane("kubelet", Some(home))?;
-        let health = lane("health", None)?;
+        let kubelet = lane("kubelet")?;
+        let health = lane("health")?;
+        // The first call makes the instance: its init has the whole deadline, as every later
+        // re-instantiation does, and the call its own after that.
         let resources = kubelet
-            .call(deadline, |i: &mut Instance| {
+            .call(deadline * 2, |i: &mut Instance| {
                 let resources = i.resources.clone();
                 Box::pin(async move { Ok(resources) })
             })
@@ -277,6 +262,19 @@ impl ModuleHandle {
                     },
                 })
             })?;
+        let preferred = if resources.iter().any(|r| r.preferred_allocation) {
+            let lane = lane("preferred")?;
+            // Made now, in the background, so the first GetPreferredAllocation finds it ready.
+            let warm = lane.clone();
+            tokio::spawn(async move {
+                let _ = warm
+                    .call(deadline * 2, |_: &mut Instance| Box::pin(async { Ok(()) }))
+                    .await;
+            });
+            Some(lane)
+        } else {
+            None
+        };
         Ok(ModuleHandle {
             name,
             digest: module.digest.as_str().into(),
@@ -289,6 +287,7 @@ impl ModuleHandle {
             deadline,
             resources: resources.into(),
             kubelet,
+            preferred,
             health,
             fate,
             budget,
@@ -378,11 +377,6 @@ impl ModuleHandle {
         Ok(devices)
     }
 
-    /// The thread the kubelet cell lives on: serve the module's resources there.
-    pub fn home(&self) -> Option<Arc<super::home::Home>> {
-        self.kubelet.home()
-    }
-
     /// Charges `bytes` of Allocate answers prepared for `resource` (their new total) to the
     /// module's host-memory budget; refused, changing nothing, when over it.
     pub fn keep_answers(&self, resource: &str, bytes: usize) -> Result<(), String> {
@@ -459,9 +453,10 @@ impl ModuleHandle {
         let resource = resource.to_owned();
         let offered = available.clone();
         let size_limit = usize::try_from(size).unwrap_or(usize::MAX);
+        let lane = self.preferred.as_ref().unwrap_or(&self.kubelet);
         let result = self
             .call(
-                &self.kubelet,
+                lane,
                 CallKind::Preferred,
                 self.deadline,
                 move |i| {
@@ -554,10 +549,20 @@ impl ModuleHandle {
             + 'static,
         C: FnOnce(T) -> Result<U, checks::Violation> + Send + 'static,
     {
+        let end = std::time::Instant::now() + deadline;
         let answer = lane
             .call(deadline, move |i| {
                 Box::pin(async move {
-                    match f(i).await {
+                    i.store.data_mut().nvml.call_ends_at(end, deadline);
+                    let ticking = super::engine::ticking();
+                    let answer = f(i).await;
+                    drop(ticking);
+                    // What the module made of a vendor library that stopped answering is not
+                    // its answer: the call missed its deadline.
+                    if let Some(stall) = i.store.data_mut().nvml.take_stall() {
+                        return Err(Failure::Stalled(stall));
+                    }
+                    match answer {
                         Ok(Ok(v)) => check(v).map_err(Failure::Violation),
                         Ok(Err(e)) => Err(Failure::Plugin(e.into())),
                         Err(trap) => Err(Failure::Trap(format!("{trap:#}"))),
@@ -587,6 +592,12 @@ impl ModuleHandle {
                 call: kind,
                 deadline,
             },
+            Failure::Stalled(message) => CallError::Stalled {
+                module,
+                call: kind,
+                deadline,
+                message,
+            },
             Failure::Unavailable(reason) => CallError::Unavailable { module, reason },
             Failure::Violation(message) => {
                 tracing::warn!(module, %kind, "refused the module's answer: {message}");
@@ -611,7 +622,10 @@ impl ModuleHandle {
 fn failure_message(failure: Failure) -> String {
     match failure {
         Failure::Plugin(e) => e.to_string(),
-        Failure::Trap(m) | Failure::Unavailable(m) | Failure::Violation(m) => m,
+        Failure::Trap(m)
+        | Failure::Unavailable(m)
+        | Failure::Violation(m)
+        | Failure::Stalled(m) => m,
         Failure::Instantiate { message, .. } => message,
         Failure::Deadline => "missed its deadline".into(),
         Failure::Overran => "missed its deadline and was not stopped in time".into(),
@@ -655,10 +669,16 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
         module.nvml.clone(),
     );
     let mut store = Store::new(module.pre.engine(), state);
+    let deadline = module.spec.call_deadline;
+    store
+        .data_mut()
+        .nvml
+        .call_ends_at(std::time::Instant::now() + deadline, deadline);
     store.limiter(|s| &mut s.limits);
     // Yield to the cell's runtime at every epoch tick, so the deadline can fire.
     store.set_epoch_deadline(1);
     store.epoch_deadline_async_yield_and_update(1);
+    let _ticking = super::engine::ticking();
     let trapped = |e: wasmtime::Error| Failure::Instantiate {
         message: format!("{e:#}"),
         init_error: None,

@@ -14,7 +14,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use super::error::CallError;
 use super::module::ModuleHandle;
 use crate::device::{ContainerEdits, Device};
-use crate::resource::backend::{BackendError, DeviceBackend, ServingPlace, Upkeep};
+use crate::resource::backend::{BackendError, DeviceBackend, Upkeep};
 
 #[derive(Clone)]
 pub struct ModuleSlot {
@@ -95,18 +95,6 @@ impl Upkeep for ModuleSlot {
     fn release(&self, resource: &str) {
         self.current().release(resource);
     }
-
-    fn serving_place(&self) -> Option<ServingPlace> {
-        // A lost home (the module failed for good, or no new home could be made) is no place
-        // to serve: the servers stay on the agent's runtime and answer that the module is down.
-        let module = self.current();
-        let home = module.home().filter(|h| !h.is_lost())?;
-        Some(ServingPlace {
-            runtime: home.handle().clone(),
-            lost: home.lost(),
-            keep_alive: home,
-        })
-    }
 }
 
 impl From<CallError> for BackendError {
@@ -116,7 +104,7 @@ impl From<CallError> for BackendError {
             CallError::Plugin { .. } | CallError::InvalidOutput { .. } => {
                 BackendError::Failed(message)
             }
-            CallError::Deadline { .. } | CallError::Overran { .. } => {
+            CallError::Deadline { .. } | CallError::Overran { .. } | CallError::Stalled { .. } => {
                 BackendError::Deadline(message)
             }
             CallError::Trap { .. } => BackendError::Crashed(message),

@@ -1,11 +1,15 @@
 //! `devicelet:plugin/nvml`: typed NVML queries for modules granted `libraries = ["nvml"]`.
 //!
-//! Each function calls NVML right here, on the module's cell thread, so the module's deadline
-//! bounds it and a GPU that hangs NVML strands only this module's cell. The conversions between
-//! [`crate::nvml`]'s types and the WIT ones live here and nowhere else.
+//! Each query runs on the node's NVML thread and is waited for only until the current call's
+//! deadline (less a margin for the module to return): a GPU that hangs NVML makes the query fail
+//! with `failed("NVML did not answer …")`, the call is reported as having missed its deadline
+//! (a stall, not the module's fault: its instance is kept), and the module's thread is never
+//! held past the deadline. The conversions between [`crate::nvml`]'s types and the WIT ones live
+//! here and nowhere else.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use wasmtime::component::{HasSelf, Linker};
 
@@ -16,6 +20,9 @@ use crate::sandbox::bindings::v0_1::devicelet::plugin::nvml::{
 
 /// Most events one read returns; the log itself holds at most this many.
 const MAX_EVENTS: usize = nvml::events::CAPACITY;
+/// How long before its call's deadline a query stops waiting for NVML (a quarter of the deadline
+/// when that is shorter), so the module can still return in time and keep its instance.
+const RETURN_MARGIN: Duration = Duration::from_millis(50);
 
 fn error(e: E) -> NvmlError {
     match e {
@@ -24,6 +31,7 @@ fn error(e: E) -> NvmlError {
         E::NotFound => NvmlError::NotFound,
         E::NotSupported => NvmlError::NotSupported,
         E::Failed(why) => NvmlError::Failed(why),
+        stalled @ E::Stalled { .. } => NvmlError::Failed(stalled.to_string()),
     }
 }
 
@@ -32,11 +40,51 @@ fn error(e: E) -> NvmlError {
 pub struct Nvml {
     host_root: Arc<PathBuf>,
     node: Option<Arc<nvml::NvmlNode>>,
+    /// Queries made during the current call wait for NVML until then at most.
+    until: Instant,
+    /// Set when a query of the current call stalled: what NVML did.
+    stalled: Option<String>,
 }
 
 impl Nvml {
     pub(super) fn new(host_root: Arc<PathBuf>, node: Option<Arc<nvml::NvmlNode>>) -> Self {
-        Nvml { host_root, node }
+        Nvml {
+            host_root,
+            node,
+            until: Instant::now(),
+            stalled: None,
+        }
+    }
+
+    /// A call into the module starts that must end by `end`: its queries wait for NVML until a
+    /// little before, so the module has time to return what it makes of the failure.
+    pub fn call_ends_at(&mut self, end: Instant, deadline: Duration) {
+        self.until = end
+            .checked_sub((deadline / 4).min(RETURN_MARGIN))
+            .unwrap_or(end);
+        self.stalled = None;
+    }
+
+    /// Whether NVML stalled during the call (and how), once per call.
+    pub fn take_stall(&mut self) -> Option<String> {
+        self.stalled.take()
+    }
+
+    /// Runs `query` on the NVML thread under the call's deadline.
+    fn ask<T, F>(&mut self, query: F) -> Result<T, NvmlError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&nvml::NvmlNode) -> Result<T, E> + Send + 'static,
+    {
+        let node = self.nvml()?.clone();
+        match node.ask(self.until, query) {
+            Err(stalled @ E::Stalled { .. }) => {
+                let message = stalled.to_string();
+                self.stalled.get_or_insert_with(|| message.clone());
+                Err(NvmlError::Failed(message))
+            }
+            other => other.map_err(error),
+        }
     }
 
     /// Linked only for a module granted `libraries = ["nvml"]`.
@@ -47,21 +95,21 @@ impl Nvml {
         wit::add_to_linker::<T, HasSelf<Nvml>>(linker, view)
     }
 
-    fn nvml(&self) -> Result<&nvml::NvmlNode, NvmlError> {
+    fn nvml(&self) -> Result<&Arc<nvml::NvmlNode>, NvmlError> {
         // Only linked when granted, and a granted module always has a node; this is the belt.
         self.node
-            .as_deref()
+            .as_ref()
             .ok_or_else(|| NvmlError::Unavailable("nvml is not granted to this module".into()))
     }
 }
 
 impl Host for Nvml {
     fn device_count(&mut self) -> Result<u32, NvmlError> {
-        self.nvml()?.device_count().map_err(error)
+        self.ask(|n| n.device_count())
     }
 
     fn device(&mut self, index: u32) -> Result<Gpu, NvmlError> {
-        let g = self.nvml()?.gpu(index).map_err(error)?;
+        let g = self.ask(move |n| n.gpu(index))?;
         Ok(Gpu {
             index: g.index,
             uuid: g.uuid,
@@ -78,9 +126,7 @@ impl Host for Nvml {
     fn mig_devices(&mut self, index: u32) -> Result<Vec<MigDevice>, NvmlError> {
         let root = self.host_root.clone();
         Ok(self
-            .nvml()?
-            .mig_devices(index, &root)
-            .map_err(error)?
+            .ask(move |n| n.mig_devices(index, &root))?
             .into_iter()
             .map(|m| MigDevice {
                 index: m.index,
@@ -95,7 +141,7 @@ impl Host for Nvml {
     }
 
     fn topology(&mut self, a: u32, b: u32) -> Result<Link, NvmlError> {
-        let link = self.nvml()?.topology(a, b).map_err(error)?;
+        let link = self.ask(move |n| n.topology(a, b))?;
         Ok(Link {
             level: match link.level {
                 nvml::TopologyLevel::Internal => TopologyLevel::Internal,
