@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Checks devicelet against a real NVIDIA GPU node: runs `devicelet validate` with the nvidia-gpu
 # module and the node's real NVML library, then compares what devicelet would advertise for
-# nvidia.com/gpu with what `nvidia-smi -q -x` reports, and prints a pass/fail table (exit 1 when a
-# check fails, 2 when the node or the machine lacks something the check needs).
+# nvidia.com/gpu with what `nvidia-smi -q -x` reports; then starts the agent (`devicelet run`)
+# against the built-in kubelet simulator (`devicelet simulate --allocate nvidia.com/gpu=1`),
+# checks the allocated GPU's UUID and device nodes against nvidia-smi and, when PyTorch or CuPy
+# is importable, runs a small CUDA computation with CUDA_VISIBLE_DEVICES set to that UUID. Prints
+# a pass/fail table (exit 1 when a check fails, 2 when the node or the machine lacks something
+# the check needs).
 #
 # Needs: the NVIDIA driver (nvidia-smi and libnvidia-ml.so.1), python3, and the Rust toolchain
 # with rustup (unless both --devicelet and --module are given). No kubelet is needed.
@@ -17,7 +21,9 @@ usage() {
 Usage: scripts/gpu-check.sh [options]
 
 Runs `devicelet validate` with the nvidia-gpu module against this node's GPUs and compares
-what devicelet would advertise with `nvidia-smi -q -x`.
+what devicelet would advertise with `nvidia-smi -q -x`; then runs the agent against the kubelet
+simulator, allocates one GPU, checks the answer against nvidia-smi and, with PyTorch or CuPy
+installed, runs a CUDA computation on the allocated GPU alone.
 
 Options:
   --nvml-library PATH  NVML library to load: a path or a name the loader searches for
@@ -166,12 +172,42 @@ if [ "$validate_rc" -ne 0 ]; then
     echo
 fi
 
-python3 - "$work/nvidia-smi.xml" "$work/validate.out" "$validate_rc" <<'PY'
+# The agent as on a node, with the simulator as its kubelet: the simulator allocates one GPU
+# once the resource registers and prints the Allocate answer.
+mkdir -p "$work/kubelet" "$work/state"
+"$devicelet" simulate --dir "$work/kubelet" --allocate nvidia.com/gpu=1 >"$work/simulate.out" 2>&1 &
+simulator=$!
+"$devicelet" run --config "$work/registry.toml" --nvml-library "$nvml_library" \
+    --kubelet-dir "$work/kubelet" --pod-resources-socket "$work/pod-resources/kubelet.sock" \
+    --state-dir "$work/state" --cdi-dir "$work/cdi" \
+    >"$work/run.out" 2>&1 &
+agent=$!
+trap 'kill "$agent" "$simulator" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+for _ in $(seq 1 300); do
+    if grep -q "PreStartContainer:\|allocation of .* failed" "$work/simulate.out"; then
+        break
+    fi
+    sleep 0.1
+done
+kill "$agent" "$simulator" 2>/dev/null || true
+wait 2>/dev/null || true
+if ! grep -q "PreStartContainer:" "$work/simulate.out"; then
+    echo "no allocation within 30 s; the simulator said:"
+    sed 's/^/| /' "$work/simulate.out"
+    echo "and the agent:"
+    sed 's/^/| /' "$work/run.out"
+    echo
+fi
+
+python3 - "$work/nvidia-smi.xml" "$work/validate.out" "$validate_rc" "$work/simulate.out" <<'PY'
+import os
 import re
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 smi_path, validate_path, validate_rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+simulate_path = sys.argv[4]
 RESOURCE = "nvidia.com/gpu"
 
 
@@ -202,6 +238,7 @@ for gpu in root.findall("gpu"):
         "memory": memory.split()[0] if memory else "",
         "mig": text(gpu, "mig_mode/current_mig"),  # Enabled, Disabled or N/A
         "pci": pci(text(gpu, "pci/pci_bus_id") or gpu.get("id", "")),
+        "minor": text(gpu, "minor_number"),
     })
 
 # --- devicelet's view --------------------------------------------------------------------------
@@ -283,6 +320,57 @@ for gpu in gpus:
 for d in devices:
     if id(d) not in matched:
         check("known to nvidia-smi", d["id"], "(missing)", "present", False)
+
+# --- an allocation through the agent and the simulated kubelet ------------------------------------
+with open(simulate_path, encoding="utf-8", errors="replace") as f:
+    simulated = f.read()
+envs, nodes, section = {}, [], None
+for line in simulated.splitlines():
+    if line.startswith("  ") and not line.startswith("    "):
+        section = line.strip().rstrip(":").split(":")[0]
+        continue
+    if line.startswith("    ") and section == "envs" and "=" in line:
+        key, value = line.strip().split("=", 1)
+        envs[key] = value
+    if line.startswith("    ") and section == "devices":
+        nodes.append(line.strip().split(" -> ")[0])
+allocated = envs.get("NVIDIA_VISIBLE_DEVICES", "")
+check("allocated", "-", "one GPU", allocated or "(no allocation)", allocated != "")
+gpu = next((g for g in gpus if g["uuid"] == allocated), None)
+check("allocated UUID", allocated or "-", "known" if gpu else "(unknown)", allocated or "-",
+      gpu is not None)
+if gpu is not None:
+    own = f"/dev/nvidia{gpu['minor']}"
+    check("device node", allocated, own, own if own in nodes else "(missing)", own in nodes)
+    check("control node", allocated, "/dev/nvidiactl",
+          "/dev/nvidiactl" if "/dev/nvidiactl" in nodes else "(missing)",
+          "/dev/nvidiactl" in nodes or not os.path.exists("/dev/nvidiactl"))
+    others = [f"/dev/nvidia{g['minor']}" for g in gpus if g is not gpu]
+    leaked = [n for n in nodes if n in others]
+    check("no other GPU", allocated, "-", ", ".join(leaked) or "none", not leaked)
+    # CUDA on the allocated GPU alone, as the container would see it.
+    program = None
+    for module, code in (
+        ("torch", "import torch; assert torch.cuda.device_count() == 1; "
+                  "a = torch.ones(256, 256, device='cuda'); "
+                  "print(torch.cuda.get_device_name(0), float((a @ a).sum()))"),
+        ("cupy", "import cupy; assert cupy.cuda.runtime.getDeviceCount() == 1; "
+                 "a = cupy.ones((256, 256)); print(float((a @ a).sum()))"),
+    ):
+        if subprocess.run([sys.executable, "-c", f"import {module}"],
+                          capture_output=True).returncode == 0:
+            program = (module, code)
+            break
+    if program is None:
+        print("neither PyTorch nor CuPy is importable: the CUDA check is skipped")
+    else:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=allocated)
+        ran = subprocess.run([sys.executable, "-c", program[1]], env=env,
+                             capture_output=True, text=True, timeout=300)
+        out = (ran.stdout.strip() or ran.stderr.strip()[-200:])
+        # 256 x 256 ones: every product entry is 256, the sum 256^3.
+        ok = ran.returncode == 0 and out.endswith(str(float(256 ** 3)))
+        check(f"CUDA ({program[0]})", allocated, "1 device, sum 16777216.0", out, ok)
 
 header = ("CHECK", "GPU", "nvidia-smi", "devicelet", "RESULT")
 widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]

@@ -11,6 +11,14 @@ const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     cli::init_logging(&cli.log, cli.log_format);
+    if matches!(cli.command, cli::Command::CompileModule) {
+        // The agent's compiler child: no async runtime, no threads but the compiler's.
+        return exit(devicelet::sandbox::compiler::serve_child());
+    }
+    // Compiles for the compile cache run in children of this binary.
+    if let Ok(exe) = std::env::current_exe() {
+        devicelet::sandbox::compiler::compile_in_children(exe);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .thread_keep_alive(BLOCKING_KEEP_ALIVE)
@@ -20,6 +28,10 @@ fn main() -> std::process::ExitCode {
         Ok(runtime) => runtime.block_on(cli::main(cli)),
         Err(e) => Err(anyhow::Error::from(e).context("starting the async runtime")),
     };
+    exit(result)
+}
+
+fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -389,14 +389,14 @@ async fn mig_mixed_serves_a_resource_per_profile() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn time_slicing_with_mps_shares_each_gpu_and_hands_over_the_pipe_directory() {
+async fn mps_shares_each_gpu_four_ways_with_a_quarter_each_and_one_share_per_container() {
     let (node, gpus) = gpu_node(&eight_gpus()).await;
     for dir in ["/run/nvidia/mps", "/run/nvidia/mps-shm"] {
         std::fs::create_dir_all(node.tree.path(dir)).expect("the MPS directories");
     }
     let sharing = "[module.sharing]\nreplicas = 4\nrename = true\n";
-    let config =
-        "mps-pipe-directory = \"/run/nvidia/mps\"\nmps-shm-directory = \"/run/nvidia/mps-shm\"";
+    let config = "mps-pipe-directory = \"/run/nvidia/mps\"\nmps-shm-directory = \"/run/nvidia/mps-shm\"\n\
+                  mps-replicas = 4";
     let _agent = start(&node, &gpus, &registry("1h", config, sharing)).await;
     let shared = node
         .kubelet
@@ -437,6 +437,17 @@ async fn time_slicing_with_mps_shares_each_gpu_and_hands_over_the_pipe_directory
         (shm.host_path.as_str(), shm.container_path.as_str()),
         ("/run/nvidia/mps-shm", "/dev/shm")
     );
+    // A quarter of the GPU's threads and of its 80 GiB.
+    let env = |key: &str| a.response.envs.get(key).map(String::as_str);
+    assert_eq!(env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), Some("25"));
+    assert_eq!(env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), Some("0=20480M"));
+    let two = node
+        .kubelet
+        .allocate("nvidia.com/gpu.shared", 2)
+        .await
+        .expect_err("one MPS share per container")
+        .to_string();
+    assert!(two.contains("one share of one GPU, not 2"), "{two}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,6 +472,93 @@ async fn cdi_names_for_the_nvidia_toolkit() {
         .collect();
     assert_eq!(names, [format!("nvidia.com/gpu={}", a.device_ids[0])]);
     assert!(a.response.envs.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_lost_before_start_is_listed_unhealthy_and_served_once_found() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    // Written before nvmlInit: GPU 3 is off the bus when the driver starts.
+    gpus.inject("lost 3");
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("100ms", "quiet-period = \"100ms\"", ""),
+    )
+    .await;
+    let listed = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| {
+            r.capacity == 8 && r.allocatable == 7
+        })
+        .await
+        .expect("eight GPUs, one Unhealthy");
+    let lost = listed
+        .devices
+        .iter()
+        .find(|d| d.id == "lost-3")
+        .expect("listed by its index");
+    assert_eq!(lost.health, "Unhealthy");
+    gpus.inject("found 3");
+    let found = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .await
+        .expect("served once found");
+    assert!(found.devices.iter().any(|d| d.id == uuid(3)));
+    assert!(found.devices.iter().all(|d| d.id != "lost-3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validate_checks_the_cdi_names_the_module_answers_against_the_node_specs() {
+    let (node, gpus) = gpu_node(&eight_gpus()).await;
+    let file = node.registry(&registry("1h", "visible-devices = \"cdi\"", ""));
+    let specs = node.dir.path().join("cdi");
+    std::fs::create_dir_all(&specs).expect("spec dir");
+    let validate = || {
+        let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+            .args(["validate", "--config"])
+            .arg(&file)
+            .arg("--nvml-library")
+            .arg(&gpus.library)
+            .arg("--cdi-spec-dir")
+            .arg(&specs)
+            .output()
+            .expect("running devicelet validate");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    // No spec defines the GPUs yet: the runtime would refuse every container.
+    let (ok, text) = validate();
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!(
+            "device {}: the module names CDI device `nvidia.com/gpu={}`, which no spec in {} defines",
+            uuid(3),
+            uuid(3),
+            specs.display()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("nvidia-ctk cdi generate"), "{text}");
+    // nvidia-ctk's spec names each GPU by index and by UUID.
+    let devices: String = (0..8)
+        .flat_map(|i| [i.to_string(), uuid(i)])
+        .map(|name| format!("- name: {name}\n  containerEdits: {{}}\n"))
+        .collect();
+    std::fs::write(
+        specs.join("nvidia.yaml"),
+        format!(
+            "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n{devices}containerEdits: {{}}\n"
+        ),
+    )
+    .expect("writing the spec");
+    let (ok, text) = validate();
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("CDI names the module answers: 8, each defined by a spec in"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -239,7 +239,8 @@ async fn while_hung(
         .map(|d| d.id.clone())
         .collect();
     let client = node.client(RESOURCE).await?;
-    let (healthy_allocate, healthy_preferred) = quick_calls(s, &client, &ids).await?;
+    let (healthy_allocate, healthy_preferred) =
+        quick_calls(s, &client, &ids, Duration::ZERO).await?;
 
     gpus.inject("hang")?;
     let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -268,14 +269,16 @@ async fn while_hung(
     };
     // The first two-GPU Allocate is inside NVML now.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let (hung_allocate, hung_preferred) = quick_calls(s, &client, &ids).await?;
+    // For longer than a deadline, so stuck Allocates end at theirs meanwhile.
+    let (hung_allocate, hung_preferred) =
+        quick_calls(s, &client, &ids, DEADLINE * 2 + DEADLINE / 2).await?;
     over.store(true, std::sync::atomic::Ordering::SeqCst);
     gpus.inject("unhang")?;
     let (stuck_failed, stuck_longest) = stuck.await?;
 
     let label = |what: &str, hung: bool, n: usize| {
         format!(
-            "9. {what}, NVML {} ({n} calls alternating on one connection{})",
+            "9. {what}, NVML {} ({n} calls alternating on one connection, 2 s call deadline{})",
             if hung { "hung" } else { "healthy" },
             if hung {
                 format!(
@@ -331,18 +334,22 @@ async fn while_hung(
     ])
 }
 
-/// One-GPU Allocates (each GPU in turn) alternating with GetPreferredAllocation of 2.
+/// One-GPU Allocates (each GPU in turn) alternating with GetPreferredAllocation of 2: the
+/// settings' number of calls, and for `at_least` in all.
 async fn quick_calls(
     s: &Settings,
     client: &devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient<
         tonic::transport::Channel,
     >,
     ids: &[String],
+    at_least: Duration,
 ) -> anyhow::Result<(Samples, Samples)> {
     let mut client = client.clone();
     let (mut allocates, mut preferreds) = (Vec::new(), Vec::new());
     let warmup = s.n(100);
-    for i in 0..warmup + s.n(HUNG_CALLS) {
+    let began = Instant::now();
+    let mut i = 0;
+    while i < warmup + s.n(HUNG_CALLS) || began.elapsed() < at_least {
         let started = Instant::now();
         client
             .allocate(AllocateRequest {
@@ -367,6 +374,7 @@ async fn quick_calls(
             allocates.push(allocate);
             preferreds.push(preferred);
         }
+        i += 1;
     }
     Ok((Samples::new(allocates), Samples::new(preferreds)))
 }

@@ -52,7 +52,14 @@ pub struct Config {
     quiet_period: String,
     pub mps_pipe_directory: Option<String>,
     pub mps_shm_directory: Option<String>,
+    /// How many containers share each GPU through MPS (the registry's `[module.sharing]
+    /// replicas`): each gets 1/N of the GPU's threads and memory, as NVIDIA's MPS daemon sets
+    /// per client.
+    pub mps_replicas: Option<u32>,
 }
+
+/// MPS clients per GPU on Volta and later.
+pub const MAX_MPS_REPLICAS: u32 = 48;
 
 fn default_resource() -> String {
     "gpu".into()
@@ -107,6 +114,20 @@ impl Config {
                 )));
             }
         }
+        if let Some(replicas) = config.mps_replicas {
+            if config.mps_pipe_directory.is_none() {
+                return Err(PluginError::InvalidConfig(
+                    "mps-replicas needs mps-pipe-directory (the MPS daemon's clients reach it there)"
+                        .into(),
+                ));
+            }
+            if !(1..=MAX_MPS_REPLICAS).contains(&replicas) {
+                return Err(PluginError::InvalidConfig(format!(
+                    "mps-replicas {replicas} is not between 1 and {MAX_MPS_REPLICAS} (MPS serves \
+                     at most {MAX_MPS_REPLICAS} clients per GPU)"
+                )));
+            }
+        }
         Ok(config)
     }
 
@@ -121,6 +142,15 @@ impl Config {
 
     /// A unit's device ID: its UUID, or `<gpu index>` / `<gpu index>:<MIG index>` as NVIDIA's
     /// plugin and toolkit write indexes.
+    /// The ID of a GPU lost before NVML ever gave its UUID: its index, under either strategy
+    /// (`lost-3` with UUIDs, so it cannot be taken for a real one).
+    pub fn lost_id(&self, index: u32) -> String {
+        match self.device_id_strategy {
+            IdStrategy::Uuid => format!("lost-{index}"),
+            IdStrategy::Index => index.to_string(),
+        }
+    }
+
     pub fn id(&self, gpu: &Gpu, mig: Option<&MigDevice>) -> String {
         match (self.device_id_strategy, mig) {
             (IdStrategy::Uuid, None) => gpu.uuid.clone(),

@@ -109,6 +109,21 @@ pub struct NvidiaGpu {
     links: Option<preferred::Scores>,
 }
 
+/// A GPU NVML never answered for: only its index is known.
+fn unknown_gpu(index: u32) -> Gpu {
+    Gpu {
+        index,
+        uuid: String::new(),
+        name: String::new(),
+        minor: u32::MAX,
+        pci_bus_id: String::new(),
+        memory_bytes: 0,
+        numa_node: None,
+        cpu_affinity: Vec::new(),
+        mig_enabled: false,
+    }
+}
+
 fn failed(what: &str, e: NvmlError) -> PluginError {
     match e {
         NvmlError::Unavailable(why) => PluginError::Failed(format!("no NVML on this node: {why}")),
@@ -149,7 +164,19 @@ impl NvidiaGpu {
                         devicelet_sdk::warn!("GPU {} ({}): {e:?}", index, gpu.uuid);
                         (gpu.clone(), migs.clone(), true)
                     }
-                    // Never answered, so there is nothing to name it by.
+                    // Lost before NVML ever answered for it: listed (Unhealthy) by its index,
+                    // so the node's capacity still counts it, until it answers with its UUID.
+                    None if matches!(e, NvmlError::GpuLost) => {
+                        units.push(Unit {
+                            id: self.config.lost_id(index),
+                            resource: self.config.resource.clone(),
+                            gpu: unknown_gpu(index),
+                            mig: None,
+                            lost: true,
+                        });
+                        continue;
+                    }
+                    // Not answering now (NVML stalled): nothing to name it by yet.
                     None => continue,
                 },
             };
@@ -216,8 +243,10 @@ impl NvidiaGpu {
 
     fn health(&mut self, unit: &Unit) -> Health {
         if unit.lost {
-            self.critical
-                .insert(unit.gpu.uuid.clone(), Instant::now() + self.quiet);
+            if !unit.gpu.uuid.is_empty() {
+                self.critical
+                    .insert(unit.gpu.uuid.clone(), Instant::now() + self.quiet);
+            }
             return Health::Unhealthy;
         }
         match self.critical.get(&unit.gpu.uuid) {
@@ -344,6 +373,11 @@ impl Plugin for NvidiaGpu {
         Ok(units
             .iter()
             .map(|unit| {
+                if unit.gpu.uuid.is_empty() {
+                    return Device::new(unit.id.clone(), Health::Unhealthy)
+                        .attribute("index", unit.gpu.index.to_string())
+                        .attribute("lost", "true");
+                }
                 let mut device = Device::new(unit.id.clone(), self.health(unit))
                     .attribute("uuid", unit.uuid())
                     .attribute("index", unit.gpu.index.to_string())
@@ -371,6 +405,14 @@ impl Plugin for NvidiaGpu {
     }
 
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+        // As NVIDIA's plugin forces for MPS: a container is one MPS client of one GPU.
+        if self.config.mps_pipe_directory.is_some() && ids.len() > 1 {
+            return Err(PluginError::Failed(format!(
+                "with MPS a container gets one share of one GPU, not {} (as NVIDIA's plugin, \
+                 which refuses requests for more than one replica under MPS)",
+                ids.len()
+            )));
+        }
         let units = self.units_of(resource)?;
         let mut chosen = Vec::new();
         for id in ids {
@@ -399,6 +441,24 @@ impl Plugin for NvidiaGpu {
             edits = edits
                 .env("CUDA_MPS_PIPE_DIRECTORY", dir.clone())
                 .mount(dir, dir, false);
+            // The container's share, as NVIDIA's MPS daemon sets it for each client: the
+            // client's own limits, which MPS enforces (the GPU is device 0 in the container).
+            if let (Some(replicas), Some(unit)) = (self.config.mps_replicas, chosen.first()) {
+                let memory_mib = unit
+                    .mig
+                    .as_ref()
+                    .map_or(unit.gpu.memory_bytes, |m| m.memory_bytes)
+                    >> 20;
+                edits = edits
+                    .env(
+                        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                        (100 / replicas).max(1).to_string(),
+                    )
+                    .env(
+                        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                        format!("0={}M", memory_mib / u64::from(replicas)),
+                    );
+            }
         }
         if let Some(shm) = &self.config.mps_shm_directory {
             // The MPS daemon's shared memory, where its clients expect it.

@@ -194,6 +194,28 @@ fn a_gpu_off_the_bus_stays_listed_unhealthy_and_recovers_after_the_quiet_period(
     assert_eq!(health(&mut gpus)[3], Health::Healthy);
 }
 
+#[test]
+fn a_gpu_lost_before_start_is_listed_unhealthy_by_its_index_until_it_answers() {
+    let mut gpus = Harness::<NvidiaGpu>::init(
+        node(eight().with_lost_gpu(3)),
+        r#"{"quiet-period": "50ms"}"#,
+    )
+    .unwrap();
+    let devices = gpus.enumerate("gpu").unwrap();
+    assert_eq!(devices.len(), 8, "the lost GPU counts");
+    let lost = devices.iter().find(|d| d.id == "lost-3").expect("listed");
+    assert_eq!(lost.health, Health::Unhealthy);
+    assert!(gpus.allocate("gpu", &["lost-3"]).is_err());
+    assert!(gpus.allocate("gpu", &[&uuid(4)]).is_ok());
+    // Once it answers, it is listed by its UUID instead, as any GPU is.
+    gpus.host().set_gpu_lost(3, false);
+    let devices = gpus.enumerate("gpu").unwrap();
+    assert_eq!(devices.len(), 8);
+    assert!(devices.iter().all(|d| d.id != "lost-3"));
+    let back = devices.iter().find(|d| d.id == uuid(3)).expect("by UUID");
+    assert_eq!(back.health, Health::Healthy);
+}
+
 /// GPU 0 in MIG mode with two MIG devices; with `whole`, GPU 1 beside it, not in MIG mode.
 fn mig_node(second_profile: &str, whole: bool) -> FakeHost {
     let mut a = gpu(0);
@@ -309,6 +331,60 @@ fn mps_hands_over_the_pipe_directory() {
         ),
         ("/run/nvidia/mps/shm", "/dev/shm")
     );
+}
+
+#[test]
+fn mps_gives_each_container_its_share_and_one_gpu_only() {
+    let config = r#"{"mps-pipe-directory": "/run/nvidia/mps", "mps-replicas": 4}"#;
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), config).unwrap();
+    let edits = gpus.allocate("gpu", &[&uuid(0)]).unwrap();
+    let env = |key: &str| {
+        edits
+            .envs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(
+        env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").as_deref(),
+        Some("25")
+    );
+    // 80 GiB in four shares.
+    assert_eq!(
+        env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").as_deref(),
+        Some("0=20480M")
+    );
+    let two = gpus
+        .allocate("gpu", &[&uuid(0), &uuid(1)])
+        .expect_err("MPS serves one share per container");
+    assert!(
+        format!("{two:?}").contains("one share of one GPU"),
+        "{two:?}"
+    );
+    let same = gpus
+        .allocate("gpu", &[&uuid(0), &uuid(0)])
+        .expect_err("two shares of one GPU are refused too");
+    assert!(format!("{same:?}").contains("not 2"), "{same:?}");
+}
+
+#[test]
+fn mps_replicas_are_checked() {
+    for (config, says) in [
+        (r#"{"mps-replicas": 4}"#, "needs mps-pipe-directory"),
+        (
+            r#"{"mps-pipe-directory": "/run/nvidia/mps", "mps-replicas": 0}"#,
+            "not between 1 and 48",
+        ),
+        (
+            r#"{"mps-pipe-directory": "/run/nvidia/mps", "mps-replicas": 49}"#,
+            "not between 1 and 48",
+        ),
+    ] {
+        let error = Harness::<NvidiaGpu>::init(node(eight()), config)
+            .err()
+            .expect("refused");
+        assert!(format!("{error:?}").contains(says), "{config}: {error:?}");
+    }
 }
 
 #[test]

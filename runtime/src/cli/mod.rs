@@ -87,6 +87,10 @@ pub enum Command {
     /// allocation, then the fixture watched for changes.
     #[cfg(feature = "simulator")]
     Try(try_module::TryArgs),
+    /// Internal: compiles a component read on stdin for the agent, writing the precompiled form
+    /// on stdout (the agent runs it as a child, so the compiler's memory is never its own).
+    #[command(hide = true)]
+    CompileModule,
 }
 
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
@@ -100,6 +104,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args).await,
         #[cfg(feature = "simulator")]
         Command::Try(args) => try_module::run(args).await,
+        Command::CompileModule => crate::sandbox::compiler::serve_child(),
     }
 }
 

@@ -18,6 +18,10 @@ pub struct ValidateArgs {
     /// Where `run` would write CDI spec files (shown for resources whose strategy uses CDI).
     #[arg(long, default_value = crate::cdi::DEFAULT_DIR)]
     pub cdi_dir: PathBuf,
+    /// Where the node's container runtime finds CDI specs (repeat for several): CDI names a
+    /// module answers with itself (nvidia-gpu's `visible-devices = "cdi"`) must be defined there.
+    #[arg(long = "cdi-spec-dir", default_values = crate::cdi::installed::SPEC_DIRS)]
+    pub cdi_spec_dirs: Vec<PathBuf>,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
 }
@@ -30,6 +34,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     // declare from only one of them, so a second declaration is a problem either way.
     let mut taken = BTreeMap::new();
     let libraries = args.libraries.libraries();
+    let installed = crate::cdi::installed::Installed::read(&args.cdi_spec_dirs);
     for spec in &registry.modules {
         let module = match start_module(&engine, None, spec, &registry.host_root, &libraries).await
         {
@@ -97,9 +102,11 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             match DeviceBackend::enumerate(&shared, &info.name).await {
                 Ok(devices) => {
                     print_devices(&devices);
+                    let answers = answers(&shared, &info.name, &devices).await;
                     if let Some(kind) = kind {
-                        print_cdi_spec(&shared, &info.name, &kind, &devices).await;
+                        print_cdi_spec(&kind, &answers);
                     }
+                    failures += check_cdi_names(&answers, &installed);
                 }
                 Err(e) => {
                     failures += 1;
@@ -182,29 +189,84 @@ fn describe_cdi(
     Ok(Some(kind))
 }
 
-/// The CDI spec `run` would write: the module asked for each healthy physical device alone, as
-/// the preparer does.
-async fn print_cdi_spec(
-    backend: &impl DeviceBackend,
-    resource: &str,
-    kind: &str,
-    devices: &[Device],
-) {
-    let mut answers = BTreeMap::new();
+/// The module's answer for each healthy physical device alone, as the preparer asks for them,
+/// and the devices whose Allocate failed.
+struct Answers {
+    each: BTreeMap<String, std::sync::Arc<crate::device::ContainerEdits>>,
+    failed: Vec<String>,
+}
+
+async fn answers(backend: &impl DeviceBackend, resource: &str, devices: &[Device]) -> Answers {
+    let mut each = BTreeMap::new();
     let mut failed = Vec::new();
     for d in devices.iter().filter(|d| d.health == Health::Healthy) {
         let id = crate::policy::sharing::physical_id(&d.id);
-        if answers.contains_key(id) {
+        if each.contains_key(id) {
             continue;
         }
         match backend.allocate(resource, vec![d.id.clone()]).await {
             Ok(edits) => {
-                answers.insert(id.to_owned(), std::sync::Arc::new(edits));
+                each.insert(id.to_owned(), std::sync::Arc::new(edits));
             }
             Err(e) => failed.push(format!("{id}: {e}")),
         }
     }
-    match crate::cdi::build(kind, &answers) {
+    Answers { each, failed }
+}
+
+/// The CDI names the module answers with itself must be defined by a spec the runtime reads
+/// (`installed`), or the runtime refuses the container. Prints what it found; returns the
+/// number of problems.
+fn check_cdi_names(answers: &Answers, installed: &crate::cdi::installed::Installed) -> usize {
+    let named: Vec<(&String, &String)> = answers
+        .each
+        .iter()
+        .flat_map(|(id, edits)| edits.cdi_devices.iter().map(move |name| (id, name)))
+        .collect();
+    if named.is_empty() {
+        return 0;
+    }
+    let dirs: Vec<String> = installed
+        .dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    for problem in &installed.problems {
+        println!("    warning: CDI spec {problem}");
+    }
+    let missing: Vec<_> = named
+        .iter()
+        .filter(|(_, name)| !installed.contains(name))
+        .collect();
+    if missing.is_empty() {
+        println!(
+            "    CDI names the module answers: {}, each defined by a spec in {}",
+            named.len(),
+            dirs.join(", ")
+        );
+        return 0;
+    }
+    for (id, name) in &missing {
+        println!(
+            "    error: device {id}: the module names CDI device `{name}`, which no spec in {} \
+             defines, so the runtime would refuse the container ({} device(s) defined there; \
+             for NVIDIA GPUs generate the spec with `nvidia-ctk cdi generate \
+             --output=/var/run/cdi/nvidia.yaml --device-name-strategy=uuid`, or `=index` for \
+             `device-id-strategy = \"index\"`)",
+            dirs.join(", "),
+            installed.len()
+        );
+    }
+    missing.len()
+}
+
+/// The CDI spec `run` would write, from the module's answer for each device alone.
+fn print_cdi_spec(kind: &str, answers: &Answers) {
+    let Answers {
+        each: answers,
+        failed,
+    } = answers;
+    match crate::cdi::build(kind, answers) {
         Some((spec, view)) => println!(
             "    CDI spec: cdiVersion {}, {} of {} devices named{}",
             spec.version,

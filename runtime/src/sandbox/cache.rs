@@ -196,19 +196,84 @@ impl CompileCache {
                 CacheOutcome::Replaced { reason }
             }
         };
-        let component = compile(engine, wasm, digest)?;
-        if let Err(e) = self.store(&component, &cwasm, &sidecar) {
-            tracing::warn!(
-                file = %self.path.join(&cwasm).display(),
-                module = digest,
-                "compile cache: cannot write the compiled component (not fatal): {e:#}"
-            );
-        }
+        let component = match super::compiler::child() {
+            Some(exe) => self.compile_in_child(exe, engine, wasm, digest, (&cwasm, &sidecar))?,
+            None => self.compile_here(engine, wasm, digest, (&cwasm, &sidecar))?,
+        };
         match outcome {
             CacheOutcome::Miss => self.misses.fetch_add(1, Ordering::Relaxed),
             _ => self.replaced.fetch_add(1, Ordering::Relaxed),
         };
         Ok((component, outcome))
+    }
+
+    /// Compiles in this process and caches the result.
+    fn compile_here(
+        &self,
+        engine: &Engine,
+        wasm: &[u8],
+        digest: &str,
+        (cwasm, sidecar): (&str, &str),
+    ) -> wasmtime::Result<Component> {
+        let component = compile(engine, wasm, digest)?;
+        let stored = component
+            .serialize()
+            .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))
+            .and_then(|bytes| self.store(&bytes, cwasm, sidecar));
+        if let Err(e) = stored {
+            tracing::warn!(
+                file = %self.path.join(cwasm).display(),
+                module = digest,
+                "compile cache: cannot write the compiled component (not fatal): {e:#}"
+            );
+        }
+        Ok(component)
+    }
+
+    /// Compiles in a child process, caches the result and maps it from the cache, as a warm
+    /// start does; compiles here instead when the child cannot run or its result cannot be used,
+    /// but never after the child refused or died on the module.
+    fn compile_in_child(
+        &self,
+        exe: &Path,
+        engine: &Engine,
+        wasm: &[u8],
+        digest: &str,
+        (cwasm, sidecar): (&str, &str),
+    ) -> wasmtime::Result<Component> {
+        use super::compiler::ChildCompile;
+        let started = Instant::now();
+        let why = match super::compiler::compile_in_child(exe, wasm) {
+            ChildCompile::Refused(message) => return Err(wasmtime::Error::msg(message)),
+            ChildCompile::NotRun(why) => why,
+            ChildCompile::Compiled(bytes) => {
+                let stored = self.store(&bytes, cwasm, sidecar);
+                drop(bytes);
+                super::compiler::return_freed_memory();
+                match stored.map_err(|e| format!("{e:#}")).and_then(|()| {
+                    self.try_load(engine, cwasm, sidecar)?
+                        .ok_or_else(|| "the written entry is gone".to_owned())
+                }) {
+                    Ok(component) => {
+                        tracing::debug!(
+                            module = digest,
+                            elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                            "compiled in a child process"
+                        );
+                        return Ok(component);
+                    }
+                    Err(why) => why,
+                }
+            }
+        };
+        tracing::warn!(
+            module = digest,
+            "compile cache: compiling in a child process did not give a usable component \
+             ({why}); compiling in the agent"
+        );
+        self.remove_if_present(cwasm);
+        self.remove_if_present(sidecar);
+        self.compile_here(engine, wasm, digest, (cwasm, sidecar))
     }
 
     /// `Ok(None)`: not cached. `Err(reason)`: there is an entry, and it must not be used.
@@ -290,14 +355,11 @@ impl CompileCache {
     /// first, then the sidecar renamed into place and the `.cwasm` right after it, so a `.cwasm`
     /// never sits beside a stale digest, and another agent sharing the cache sees a sidecar
     /// without its `.cwasm` only between two renames.
-    fn store(&self, component: &Component, cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
-        let bytes = component
-            .serialize()
-            .map_err(|e| anyhow::anyhow!("serializing: {e:#}"))?;
-        let sum = format!("{}\n", sha256_hex(&bytes));
+    fn store(&self, bytes: &[u8], cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
+        let sum = format!("{}\n", sha256_hex(bytes));
         crate::files::write_all_atomically(
             &self.dir,
-            &[(sidecar, sum.as_bytes()), (cwasm, &bytes)],
+            &[(sidecar, sum.as_bytes()), (cwasm, bytes)],
             0o600,
         )?;
         Ok(())

@@ -6,7 +6,7 @@ pub mod budget;
 pub mod cache;
 pub mod cell;
 pub mod checks;
-mod compiler;
+pub mod compiler;
 pub mod engine;
 pub mod error;
 pub mod host;

@@ -29,6 +29,14 @@ impl FakeNvml {
         self
     }
 
+    /// Makes every query on the GPU with this index fail with `GpuLost` from the start, as a
+    /// GPU that fell off the bus before the module started (see
+    /// [`super::FakeHost::set_gpu_lost`] for one lost later).
+    pub fn with_lost_gpu(mut self, index: u32) -> FakeNvml {
+        self.set_lost(index, true);
+        self
+    }
+
     /// Adds a MIG device to the GPU with index `gpu` (which should have `mig_enabled`).
     pub fn with_mig_device(mut self, gpu: u32, device: MigDevice) -> FakeNvml {
         self.mig.entry(gpu).or_default().push(device);
