@@ -122,7 +122,7 @@ pub mod bindings {
         runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
         additional_derives: [PartialEq, Eq],
         additional_type_attributes: {
-            "devicelet:plugin/types@0.1.1/container-edits": [#[derive(Default)]],
+            "devicelet:plugin/types@0.1.2/container-edits": [#[derive(Default)]],
         },
     });
 }
@@ -509,6 +509,26 @@ pub mod log {
     /// Logs at error level.
     pub fn error(message: &str) {
         log(Level::Error, message);
+    }
+}
+
+/// Asking the host to enumerate again sooner than the registry's `health-interval` (WIT 0.1.2).
+///
+/// Always granted. Call [`recheck_after`](schedule::recheck_after) from `enumerate` when you know
+/// a device's health changes at a given time (a quiet period after an error ends): the host
+/// enumerates the resource again by then, instead of at the next interval. Only calls made during
+/// `enumerate` count, the shortest wins, and the host never waits longer than the interval anyway.
+pub mod schedule {
+    use std::time::Duration;
+
+    /// Asks for the resource being enumerated to be enumerated again within `after` (at least
+    /// 10 ms).
+    pub fn recheck_after(after: Duration) {
+        let ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+        #[cfg(target_arch = "wasm32")]
+        crate::bindings::devicelet::plugin::schedule::recheck_after(ms);
+        #[cfg(not(target_arch = "wasm32"))]
+        crate::testing::recheck_after(Duration::from_millis(ms));
     }
 }
 

@@ -1,9 +1,12 @@
 //! NVIDIA's management library (NVML), through typed host queries.
 //!
 //! Needs the registry grant `libraries = ["nvml"]`; using any function here makes the component
-//! import the `nvml` interface (WIT 0.1.1), which an agent refuses to link without that grant.
-//! Every query runs NVML on the agent's side under the module's call deadline: a GPU that hangs
-//! NVML ends the call with a deadline, and the agent replaces the stuck instance.
+//! import the `nvml` interface (WIT 0.1.2; [`event_instance`] is new in 0.1.2), which an agent refuses to link without that grant. Every query runs NVML on the
+//! agent's side, waited for until a little before the call's deadline: when NVML hangs, the
+//! query fails with [`NvmlError::Failed`] (`NVML did not answer …`) in time for the module to
+//! return, the agent counts the call as having missed its deadline (a stall, not the module's
+//! fault: its answer is not used, its instance is kept), and an `enumerate` that stalls leaves
+//! the last snapshot standing.
 //!
 //! Critical events (XID errors, double-bit ECC) are buffered by the agent, which also wakes the
 //! module's health check (`enumerate`) as soon as one arrives. Read them with [`events`], keeping
@@ -11,15 +14,22 @@
 //! still buffered, so health state rebuilt from the buffer survives an instance restart.
 
 pub use crate::bindings::devicelet::plugin::nvml::{
-    Event, EventBatch, EventKind, Gpu, Link, MigDevice, NvmlError, TopologyLevel,
+    Event, EventBatch, EventKind, Gpu, Link, MigDevice, MigInstance, NvmlError, TopologyLevel,
 };
 
 /// The agent's `nvml` interface in a component; the test kit's fake host elsewhere.
 mod host {
     #[cfg(target_arch = "wasm32")]
     pub use crate::bindings::devicelet::plugin::nvml::{
-        device, device_count, events, mig_devices, topology,
+        device, device_count, event_instance, events, mig_devices, topology,
     };
+
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn event_instance(seq: u64) -> Option<MigInstance> {
+        crate::testing::current_nvml(|n| Ok(n.event_instance(seq)))
+            .ok()
+            .flatten()
+    }
 
     #[cfg(not(target_arch = "wasm32"))]
     use super::*;
@@ -79,4 +89,11 @@ pub fn topology(a: u32, b: u32) -> Result<Link, NvmlError> {
 /// Critical events with a sequence number above `after`, oldest first. Never blocks.
 pub fn events(after: u64) -> EventBatch {
     host::events(after)
+}
+
+/// The MIG instance event `seq` was raised in, when NVML attributed it to one (an XID inside
+/// one MIG device: NVIDIA's plugin then marks only that MIG device Unhealthy); None for an
+/// event about the whole GPU. Ask while the event is buffered (right after [`events`]).
+pub fn event_instance(seq: u64) -> Option<MigInstance> {
+    host::event_instance(seq)
 }

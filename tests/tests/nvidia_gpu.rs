@@ -77,18 +77,23 @@ async fn start(node: &Node, gpus: &FakeGpus, modules: &str) -> devicelet::agent:
     agent
 }
 
-/// Waits until the eight GPUs are served and the NVML event thread has registered them all: an
-/// event injected earlier would reach no event set, as with real NVML.
-async fn watching_eight(node: &Node, gpus: &FakeGpus) {
+/// Waits until `units` devices of nvidia.com/gpu are served and the NVML event thread has
+/// registered `watched` GPUs: an event injected earlier would reach no event set, as with real
+/// NVML.
+async fn watching(node: &Node, gpus: &FakeGpus, units: usize, watched: u32) {
     node.kubelet
-        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 8)
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == units)
         .await
-        .expect("eight GPUs");
+        .expect("the GPUs served");
     let nvml = devicelet::nvml::open(&gpus.library);
     eventually("the event thread watches every GPU", || {
-        nvml.watched_gpus() == 8
+        nvml.watched_gpus() == watched
     })
     .await;
+}
+
+async fn watching_eight(node: &Node, gpus: &FakeGpus) {
+    watching(node, gpus, 8, 8).await;
 }
 
 /// Eight GPUs, every one watched for events, healthy again 500 ms after a critical event.
@@ -306,6 +311,36 @@ async fn mig_node(second: (u32, u32, u64), whole: bool) -> (Node, FakeGpus) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_in_one_mig_instance_takes_out_only_that_instance_until_its_quiet_period_ends() {
+    let (node, gpus) = mig_node((2, 1, 9856), false).await;
+    // A one-hour health interval: only the event, and the module's own recheck when the quiet
+    // period ends, make the agent look again.
+    let config = "mig-strategy = \"single\"\nquiet-period = \"300ms\"";
+    let _agent = start(&node, &gpus, &registry("1h", config, "")).await;
+    // Two MIG devices on one GPU.
+    watching(&node, &gpus, 2, 1).await;
+    // XID 94 (a contained ECC error) raised in GPU instance 2, compute instance 0.
+    gpus.inject("xid 0 94 2 0");
+    let one = node
+        .kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("one MIG device unhealthy");
+    let sick: Vec<&str> = one
+        .devices
+        .iter()
+        .filter(|d| d.health == "Unhealthy")
+        .map(|d| d.id.as_str())
+        .collect();
+    assert_eq!(sick.len(), 1, "{sick:?}");
+    assert!(sick[0].starts_with("MIG-00000002"), "{sick:?}");
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("healthy again when its quiet period ends, not at the next interval");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
     let (node, gpus) = mig_node((2, 1, 9856), false).await;
     let _agent = start(
@@ -357,15 +392,9 @@ async fn mig_single_serves_mig_devices_as_gpus_with_their_caps_nodes() {
     assert!(nodes.contains("/dev/nvidia0"), "{nodes:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mig_mixed_serves_a_resource_per_profile() {
-    let (node, gpus) = mig_node((2, 2, 19968), true).await;
-    let _agent = start(
-        &node,
-        &gpus,
-        &registry("1h", "mig-strategy = \"mixed\"", ""),
-    )
-    .await;
+/// Waits until `mig_node((2, 2, ..), true)` is served under `mixed`: GPU 1 whole, GPU 0's two
+/// MIG devices each as its profile's resource.
+async fn serving_gpu_and_two_profiles(node: &Node) {
     for (resource, count) in [
         ("nvidia.com/gpu", 1),
         ("nvidia.com/mig-1g.10gb", 1),
@@ -376,6 +405,45 @@ async fn mig_mixed_serves_a_resource_per_profile() {
             .await
             .unwrap_or_else(|e| panic!("{resource}: {e}"));
     }
+}
+
+/// Under `mixed`, the MIG profiles are the module's resources, declared at init: a module that
+/// started before NVML answered is started again when it does, and the profiles' resources
+/// appear with no registry edit and no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_mixed_profiles_appear_when_the_driver_loads_after_the_agent_started() {
+    let (node, gpus) = mig_node((2, 2, 19968), true).await;
+    let nvml_json = gpus.library.with_file_name("nvml.json");
+    let loaded: Value =
+        serde_json::from_str(&std::fs::read_to_string(&nvml_json).expect("fixture")).expect("json");
+    let mut not_yet = loaded.clone();
+    not_yet["init"] = json!("driver-not-loaded");
+    std::fs::write(&nvml_json, not_yet.to_string()).expect("the driver not loaded yet");
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("1h", "mig-strategy = \"mixed\"", ""),
+    )
+    .await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu", WAIT, |r| r.snapshots > 0)
+        .await
+        .expect("nvidia.com/gpu registers with no GPUs");
+    assert!(node.kubelet.resource("nvidia.com/mig-1g.10gb").is_none());
+    std::fs::write(&nvml_json, loaded.to_string()).expect("the driver loads");
+    serving_gpu_and_two_profiles(&node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_mixed_serves_a_resource_per_profile() {
+    let (node, gpus) = mig_node((2, 2, 19968), true).await;
+    let _agent = start(
+        &node,
+        &gpus,
+        &registry("1h", "mig-strategy = \"mixed\"", ""),
+    )
+    .await;
+    serving_gpu_and_two_profiles(&node).await;
     let a = node
         .kubelet
         .allocate("nvidia.com/mig-2g.20gb", 1)

@@ -38,8 +38,15 @@ async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
     assert!(ok, "{text}");
     assert!(text.contains("resource devicelet.io/fuse"), "{text}");
     assert!(text.contains("may use device nodes: /dev/*"), "{text}");
-    assert!(text.contains("implements devicelet:plugin@0.1.1"), "{text}");
-    assert!(text.contains("devicelet:plugin/devnodes@0.1.1"), "{text}");
+    let latest = devicelet::sandbox::bindings::imports::LATEST;
+    assert!(
+        text.contains(&format!("implements devicelet:plugin@{latest}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("devicelet:plugin/devnodes@{latest}")),
+        "{text}"
+    );
     assert!(
         !text.contains("devicelet:plugin/sysfs"),
         "generic-dev does not read sysfs: {text}"

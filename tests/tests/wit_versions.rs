@@ -4,6 +4,7 @@
 
 use std::process::Command;
 
+use devicelet::sandbox::bindings::imports::{LATEST, speaks};
 use devicelet_tests::{Node, WAIT, devicelet_bin, generic_dev, module_dir};
 
 /// The module built straight from `wit/v0.1.0/` (no SDK), granted `/dev/fuse`.
@@ -70,15 +71,17 @@ async fn validate_says_which_version_a_module_implements() {
     assert!(text.contains("devicelet:plugin/devnodes@0.1.0"), "{text}");
 }
 
-/// generic-dev with every `devicelet:plugin…@0.1.1` in its component rewritten to `@0.1.7` (same
-/// length, so the binary stays well-formed): what a module built with a newer SDK looks like.
-fn built_against_0_1_7(dir: &std::path::Path) -> std::path::PathBuf {
+/// generic-dev (built with today's SDK, against the latest WIT) with every `devicelet:plugin…`
+/// version in its component rewritten to `version` (the same length, so the binary stays
+/// well-formed): what a module built with another SDK looks like, when it uses only functions
+/// both versions have.
+fn built_against(dir: &std::path::Path, version: &str) -> std::path::PathBuf {
     let mut bytes =
         std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic-dev built");
     let mut rewritten = 0;
     for interface in ["plugin", "types", "log", "devnodes"] {
-        let from = format!("devicelet:plugin/{interface}@0.1.1");
-        let to = format!("devicelet:plugin/{interface}@0.1.7");
+        let from = format!("devicelet:plugin/{interface}@{LATEST}");
+        let to = format!("devicelet:plugin/{interface}@{version}");
         let mut at = 0;
         while let Some(i) = bytes[at..]
             .windows(from.len())
@@ -90,7 +93,7 @@ fn built_against_0_1_7(dir: &std::path::Path) -> std::path::PathBuf {
         }
     }
     assert!(rewritten >= 2, "generic-dev names its export and imports");
-    let path = dir.join("newer.wasm");
+    let path = dir.join(format!("built-against-{version}.wasm"));
     std::fs::write(&path, bytes).expect("writing the rewritten module");
     path
 }
@@ -99,17 +102,42 @@ fn built_against_0_1_7(dir: &std::path::Path) -> std::path::PathBuf {
 async fn a_module_built_against_a_newer_minor_is_refused_naming_both_versions() {
     let node = Node::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let newer = built_against_0_1_7(dir.path());
+    let newer = built_against(dir.path(), "0.1.7");
     let modules = generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
         .replace("@MODULES@/generic_dev.wasm", &newer.display().to_string());
     let agent = node.start_agent(&modules).await;
     let errors = agent.load_errors();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(
-        errors[0].contains(
-            "module `generic-dev` was built against devicelet:plugin@0.1.7; this devicelet speaks 0.1.0 to 0.1.1"
-        ),
+        errors[0].contains(&format!(
+            "module `generic-dev` was built against devicelet:plugin@0.1.7; this devicelet speaks {}",
+            speaks()
+        )),
         "{errors:?}"
     );
+    assert_eq!(speaks(), "0.1.0 to 0.1.2");
+    agent.shutdown().await;
+}
+
+/// A module built with the 0.1.1 SDK (before `schedule` and `nvml.event-instance`) loads and
+/// serves in today's agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_built_against_0_1_1_still_loads_and_allocates() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let older = built_against(dir.path(), "0.1.1");
+    let modules = generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+        .replace("@MODULES@/generic_dev.wasm", &older.display().to_string());
+    let agent = node.start_agent(&modules).await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served");
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("a 0.1.1 module allocates");
     agent.shutdown().await;
 }

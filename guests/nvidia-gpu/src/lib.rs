@@ -100,10 +100,11 @@ pub struct NvidiaGpu {
     seen: BTreeMap<u32, (Gpu, Vec<MigDevice>)>,
     /// Where the next event read starts.
     cursor: u64,
-    /// Until when each GPU (by UUID) counts as sick: its last critical event plus the quiet
-    /// period. Kept as an end, computed from the event's age, because an instance's clock starts
-    /// when the instance does and cannot express times before it.
-    critical: HashMap<String, Instant>,
+    /// Until when each GPU (by UUID), or one MIG instance of it, counts as sick: its last
+    /// critical event plus the quiet period. Kept as an end, computed from the event's age,
+    /// because an instance's clock starts when the instance does and cannot express times before
+    /// it.
+    critical: HashMap<(String, Scope), Instant>,
     /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred` (at init
     /// when NVML answers then), so that the kubelet's GetPreferredAllocation needs no NVML call.
     links: Option<preferred::Scores>,
@@ -121,6 +122,27 @@ fn unknown_gpu(index: u32) -> Gpu {
         numa_node: None,
         cpu_affinity: Vec::new(),
         mig_enabled: false,
+    }
+}
+
+/// What a critical event concerns: the whole GPU (None), or one MIG instance of it, as (GPU
+/// instance ID, compute instance ID); a compute instance ID of [`ANY_COMPUTE_INSTANCE`] means
+/// every compute instance of the GPU instance.
+type Scope = Option<(u32, u32)>;
+
+/// NVML's 0xFFFFFFFF: no particular compute instance.
+const ANY_COMPUTE_INSTANCE: u32 = u32::MAX;
+
+/// Whether a critical event of `scope` concerns the unit with this MIG device (None: a whole GPU).
+fn concerns(scope: Scope, mig: Option<&MigDevice>) -> bool {
+    match (scope, mig) {
+        (None, _) => true,
+        // A whole GPU is sick when any part of it is.
+        (Some(_), None) => true,
+        (Some((gi, ci)), Some(mig)) => {
+            gi == mig.gpu_instance_id
+                && (ci == ANY_COMPUTE_INSTANCE || ci == mig.compute_instance_id)
+        }
     }
 }
 
@@ -221,7 +243,8 @@ impl NvidiaGpu {
         if batch.missed > 0 && relevant {
             devicelet_sdk::warn!("missed {} NVML events: every GPU is suspect", batch.missed);
             for (gpu, _) in self.seen.values() {
-                self.critical.insert(gpu.uuid.clone(), now + self.quiet);
+                self.critical
+                    .insert((gpu.uuid.clone(), None), now + self.quiet);
             }
         }
         for event in batch.events {
@@ -231,12 +254,28 @@ impl NvidiaGpu {
                 devicelet_sdk::info!("GPU {}: XID {code} ignored", event.gpu_uuid);
                 continue;
             }
-            devicelet_sdk::warn!("GPU {}: critical event {:?}", event.gpu_uuid, event.kind);
+            // As NVIDIA's plugin: an XID NVML attributes to one MIG instance makes only that MIG
+            // device sick; one about the whole GPU, every unit of it.
+            let scope =
+                nvml::event_instance(event.seq).map(|m| (m.gpu_instance_id, m.compute_instance_id));
+            match scope {
+                Some((gi, ci)) => devicelet_sdk::warn!(
+                    "GPU {}: critical event {:?} in MIG GPU instance {gi}, compute instance {ci}",
+                    event.gpu_uuid,
+                    event.kind
+                ),
+                None => {
+                    devicelet_sdk::warn!("GPU {}: critical event {:?}", event.gpu_uuid, event.kind)
+                }
+            }
             let until = now
                 + self
                     .quiet
                     .saturating_sub(Duration::from_millis(event.age_ms));
-            let last = self.critical.entry(event.gpu_uuid).or_insert(until);
+            let last = self
+                .critical
+                .entry((event.gpu_uuid, scope))
+                .or_insert(until);
             *last = (*last).max(until);
         }
     }
@@ -245,13 +284,29 @@ impl NvidiaGpu {
         if unit.lost {
             if !unit.gpu.uuid.is_empty() {
                 self.critical
-                    .insert(unit.gpu.uuid.clone(), Instant::now() + self.quiet);
+                    .insert((unit.gpu.uuid.clone(), None), Instant::now() + self.quiet);
             }
             return Health::Unhealthy;
         }
-        match self.critical.get(&unit.gpu.uuid) {
-            Some(until) if Instant::now() < *until => Health::Unhealthy,
-            _ => Health::Healthy,
+        let now = Instant::now();
+        let sick = self.critical.iter().any(|((uuid, scope), until)| {
+            *uuid == unit.gpu.uuid && now < *until && concerns(*scope, unit.mig.as_ref())
+        });
+        if sick {
+            Health::Unhealthy
+        } else {
+            Health::Healthy
+        }
+    }
+
+    /// Asks the host to enumerate again when the next quiet period ends, so a GPU is Healthy
+    /// again then rather than at the next health interval.
+    fn recheck_when_quiet(&mut self) {
+        let now = Instant::now();
+        self.critical.retain(|_, until| *until > now);
+        if let Some(next) = self.critical.values().min() {
+            // A millisecond past the end, so the next look finds it over.
+            devicelet_sdk::schedule::recheck_after(*next - now + Duration::from_millis(1));
         }
     }
 
@@ -370,7 +425,7 @@ impl Plugin for NvidiaGpu {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
         self.read_events();
         let units = self.units_of(resource)?;
-        Ok(units
+        let devices = units
             .iter()
             .map(|unit| {
                 if unit.gpu.uuid.is_empty() {
@@ -401,7 +456,9 @@ impl Plugin for NvidiaGpu {
                 }
                 device
             })
-            .collect())
+            .collect();
+        self.recheck_when_quiet();
+        Ok(devices)
     }
 
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {

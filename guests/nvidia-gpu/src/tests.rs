@@ -231,6 +231,55 @@ fn mig_node(second_profile: &str, whole: bool) -> FakeHost {
 }
 
 #[test]
+fn an_xid_in_one_mig_instance_makes_only_that_mig_device_unhealthy() {
+    let mut gpus = Harness::<NvidiaGpu>::init(
+        mig_node("1g.10gb", false),
+        r#"{"mig-strategy": "single", "quiet-period": "1h"}"#,
+    )
+    .unwrap();
+    let health = |gpus: &mut Harness<NvidiaGpu>| -> Vec<(String, Health)> {
+        gpus.enumerate("gpu")
+            .unwrap()
+            .into_iter()
+            .map(|d| (d.id, d.health))
+            .collect()
+    };
+    assert!(health(&mut gpus).iter().all(|(_, h)| *h == Health::Healthy));
+    // Raised in GPU instance 2, compute instance 0: the second MIG device only.
+    gpus.host()
+        .nvml_mig_event(&uuid(0), EventKind::Xid(94), 2, 0);
+    let now = health(&mut gpus);
+    assert_eq!(now[0].1, Health::Healthy, "{now:?}");
+    assert_eq!(now[1].1, Health::Unhealthy, "{now:?}");
+    assert!(now[1].0.starts_with("MIG-00000002"), "{now:?}");
+    // About the whole GPU: every MIG device of it.
+    gpus.host().nvml_event(&uuid(0), EventKind::Xid(48));
+    assert!(
+        health(&mut gpus)
+            .iter()
+            .all(|(_, h)| *h == Health::Unhealthy)
+    );
+}
+
+#[test]
+fn the_host_is_asked_to_look_again_when_the_quiet_period_ends() {
+    let mut gpus = Harness::<NvidiaGpu>::init(node(eight()), r#"{"quiet-period": "10m"}"#).unwrap();
+    gpus.enumerate("gpu").unwrap();
+    assert_eq!(gpus.host().take_recheck(), None, "nothing to wait for");
+    gpus.host().nvml_event(&uuid(3), EventKind::Xid(48));
+    gpus.enumerate("gpu").unwrap();
+    let asked = gpus
+        .host()
+        .take_recheck()
+        .expect("a recheck at the quiet period's end");
+    assert!(
+        asked <= Duration::from_secs(600) + Duration::from_millis(1)
+            && asked > Duration::from_secs(590),
+        "{asked:?}"
+    );
+}
+
+#[test]
 fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
     let mut gpus =
         Harness::<NvidiaGpu>::init(mig_node("1g.10gb", false), r#"{"mig-strategy": "single"}"#)

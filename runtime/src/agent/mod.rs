@@ -179,7 +179,7 @@ impl Shared {
         errors
     }
 
-    async fn start_module(&self, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
+    async fn start_module(self: &Arc<Self>, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
         let handle = match modules::start_module(
             &self.engine,
             self.usable_cache(),
@@ -216,8 +216,53 @@ impl Shared {
         for r in &running.resources {
             tracing::info!(module = spec.name, resource = r.served.name, "serving");
         }
+        let without_nvml = running
+            .handle()
+            .nvml()
+            .filter(|_| running.handle().started_without_nvml())
+            .cloned();
         self.lock_modules().insert(spec.name.clone(), running);
+        if let Some(nvml) = without_nvml {
+            self.start_again_when_ready(&nvml, spec, host_root);
+        }
         errors
+    }
+
+    /// A module granted NVML that initialised before NVML answered declared its resources
+    /// without it (MIG profiles, under `mig-strategy = "mixed"`): once NVML answers, it is
+    /// started again, as an upgrade to the same file is, so its resources are what the GPUs say
+    /// without a registry edit or a restart. Its running resources keep serving meanwhile.
+    fn start_again_when_ready(
+        self: &Arc<Self>,
+        nvml: &Arc<crate::nvml::NvmlNode>,
+        spec: &ModuleSpec,
+        host_root: &Path,
+    ) {
+        let mut ready = nvml.became_ready();
+        let (shared, spec, root) = (self.clone(), spec.clone(), host_root.to_owned());
+        tokio::spawn(async move {
+            if ready.wait_for(|r| *r).await.is_err()
+                || shared.stopping.load(std::sync::atomic::Ordering::Relaxed)
+            {
+                return;
+            }
+            // Only the version this task was made for: a reload may have replaced or removed it.
+            let current = shared
+                .lock_modules()
+                .get(&spec.name)
+                .is_some_and(|m| m.spec == spec);
+            if !current {
+                return;
+            }
+            tracing::info!(
+                module = spec.name,
+                "NVML answers now: starting the module again so it sees the GPUs at init"
+            );
+            let errors = Box::pin(shared.start_module(&spec, &root)).await;
+            for e in &errors {
+                tracing::error!("{e}");
+            }
+        });
     }
 
     fn watch_loop(&self, name: &'static str, task: tokio::task::AbortHandle) {

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::error::NvmlError as Nv;
-use nvml_wrapper::struct_wrappers::event::EventData;
 use tokio::sync::Notify;
 
 /// Events kept for modules to read; older ones are dropped and counted as missed.
@@ -51,6 +50,9 @@ pub struct Event {
     pub age: Duration,
 }
 
+/// A MIG instance inside its GPU: (GPU instance ID, compute instance ID).
+pub type MigInstance = (u32, u32);
+
 /// What a read of the log returns: see the WIT `events` record.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Events {
@@ -64,6 +66,8 @@ struct Logged {
     gpu_uuid: Arc<str>,
     kind: EventKind,
     at: Instant,
+    /// The MIG instance NVML attributed it to, if any.
+    instance: Option<MigInstance>,
 }
 
 #[derive(Default)]
@@ -116,6 +120,16 @@ impl EventLog {
         }
     }
 
+    /// The MIG instance event `seq` was raised in; None when it concerns the whole GPU or is no
+    /// longer held.
+    pub fn instance_of(&self, seq: u64) -> Option<MigInstance> {
+        let log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        log.entries
+            .iter()
+            .find(|e| e.seq == seq)
+            .and_then(|e| e.instance)
+    }
+
     pub fn subscribe(&self, pokes: Pokes) -> Subscription {
         let pokes = Arc::new(pokes);
         let mut subscribers = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
@@ -153,6 +167,15 @@ impl EventLog {
     }
 
     pub(super) fn push(&self, gpu_uuid: Arc<str>, kind: EventKind) {
+        self.push_in(gpu_uuid, kind, None);
+    }
+
+    pub(super) fn push_in(
+        &self,
+        gpu_uuid: Arc<str>,
+        kind: EventKind,
+        instance: Option<MigInstance>,
+    ) {
         {
             let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
             log.last += 1;
@@ -165,6 +188,7 @@ impl EventLog {
                 gpu_uuid,
                 kind,
                 at: Instant::now(),
+                instance,
             });
         }
         self.poke();
@@ -260,8 +284,8 @@ fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<Again, Nv> {
     tracing::debug!(gpus = watched.len(), "NVML event thread watching");
     unwatched += gpus.len() - watched.len();
     loop {
-        match set.wait(WAIT_MS) {
-            Ok(data) => record(log, &watched, data),
+        match wait(nvml, &set, WAIT_MS) {
+            Ok(raw) => record(log, &watched, raw),
             Err(Nv::Timeout) => {}
             // NVML does not say which GPU: ask each watched one. Only those that answer lost
             // turn Unhealthy; if none does, the wait failed for some other reason.
@@ -291,25 +315,62 @@ fn watch(nvml: &'static Nvml, log: &EventLog) -> Result<Again, Nv> {
     }
 }
 
-fn record(log: &EventLog, gpus: &[(usize, Arc<str>)], data: EventData<'_>) {
-    // SAFETY: as above, compared only.
-    let handle = unsafe { data.device.handle() } as usize;
-    let Some((_, uuid)) = gpus.iter().find(|(h, _)| *h == handle) else {
+/// One event as NVML's wait gives it, with the MIG instance nvml-wrapper's `EventData` drops.
+struct Raw {
+    device: usize,
+    types: EventTypes,
+    data: u64,
+    instance: Option<MigInstance>,
+}
+
+/// NVML's "not attributed to a MIG instance".
+const NO_INSTANCE: u32 = u32::MAX;
+/// NVML's own code for an XID it could not read.
+const UNKNOWN_XID: u64 = 999;
+
+/// `nvmlEventSetWait_v2`, called directly for the instance IDs of `nvmlEventData_t`.
+fn wait(nvml: &Nvml, set: &nvml_wrapper::EventSet<'_>, ms: u32) -> Result<Raw, Nv> {
+    let call = nvml_wrapper::error::nvml_sym(nvml.lib().nvmlEventSetWait_v2.as_ref())?;
+    // SAFETY: all-zero is a valid nvmlEventData_t (integers and a null handle), which NVML fills.
+    let mut data: nvml_wrapper_sys::bindings::nvmlEventData_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the set is live (borrowed from its owner for the call) and `data` outlives it.
+    nvml_wrapper::error::nvml_try(unsafe { call(set.handle(), &mut data, ms) })?;
+    let instance = (data.gpuInstanceId != NO_INSTANCE || data.computeInstanceId != NO_INSTANCE)
+        .then_some((data.gpuInstanceId, data.computeInstanceId));
+    Ok(Raw {
+        device: data.device as usize,
+        types: EventTypes::from_bits_truncate(data.eventType),
+        data: data.eventData,
+        instance,
+    })
+}
+
+fn record(log: &EventLog, gpus: &[(usize, Arc<str>)], raw: Raw) {
+    let Some((_, uuid)) = gpus.iter().find(|(h, _)| *h == raw.device) else {
         return;
     };
-    let kind = if data.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+    let kind = if raw.types.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
         EventKind::DoubleBitEcc
+    } else if raw.types.contains(EventTypes::CRITICAL_XID_ERROR) {
+        EventKind::Xid(raw.data)
     } else {
-        match data.event_data {
-            Some(nvml_wrapper::enums::event::XidError::Value(code)) => EventKind::Xid(code),
-            // NVML's own code for an XID it could not read.
-            _ => EventKind::Xid(999),
-        }
+        EventKind::Xid(UNKNOWN_XID)
     };
     // Whether an XID is critical is the module's call (its `ignored-xids`); the module logs the
     // ones it acts on at WARN.
-    tracing::info!(gpu = &**uuid, ?kind, "NVML event");
-    log.push(uuid.clone(), kind);
+    match raw.instance {
+        Some((gi, ci)) => {
+            tracing::info!(
+                gpu = &**uuid,
+                ?kind,
+                gpu_instance = gi,
+                compute_instance = ci,
+                "NVML event"
+            )
+        }
+        None => tracing::info!(gpu = &**uuid, ?kind, "NVML event"),
+    }
+    log.push_in(uuid.clone(), kind, raw.instance);
 }
 
 #[cfg(test)]

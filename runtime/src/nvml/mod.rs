@@ -162,6 +162,8 @@ pub struct NvmlNode {
     availability: Mutex<Availability>,
     events: Arc<events::EventLog>,
     asker: asker::Asker,
+    /// Flips to true once NVML answers (and stays so).
+    ready: tokio::sync::watch::Sender<bool>,
 }
 
 /// Opens NVML from `library`, once per process and path; later calls return the same node. The
@@ -186,6 +188,7 @@ pub fn open(library: &Path) -> Arc<NvmlNode> {
         availability: Mutex::new(Availability::Unavailable("not opened yet".into())),
         events: Arc::default(),
         asker: asker::Asker::new(),
+        ready: tokio::sync::watch::Sender::new(false),
     });
     let (tx, rx) = mpsc::channel();
     let opener = node.clone();
@@ -232,6 +235,7 @@ impl NvmlNode {
                     tracing::info!(library = %self.library.display(), driver, gpus, "NVML ready");
                     *self.availability.lock().unwrap_or_else(|p| p.into_inner()) =
                         Availability::Ready { driver, gpus };
+                    self.ready.send_replace(true);
                     if let Some(first) = first.take() {
                         let _ = first.send(());
                     }
@@ -270,6 +274,11 @@ impl NvmlNode {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Turns true once NVML answers: modules that started without it can be started again.
+    pub fn became_ready(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.ready.subscribe()
     }
 
     /// GPUs the event thread is watching for critical events (0 until it has registered them).
@@ -402,6 +411,11 @@ impl NvmlNode {
     /// Buffered critical events with a sequence number above `after`; never blocks.
     pub fn events(&self, after: u64) -> Events {
         self.events.since(after)
+    }
+
+    /// The MIG instance buffered event `seq` was raised in, if NVML attributed it to one.
+    pub fn event_instance(&self, seq: u64) -> Option<events::MigInstance> {
+        self.events.instance_of(seq)
     }
 
     /// Pokes each of `pokes` whenever a critical event arrives, until the subscription drops.

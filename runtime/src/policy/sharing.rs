@@ -167,6 +167,10 @@ impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
         };
         self.inner.prestart(resource, ids).await
     }
+
+    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
+        self.inner.recheck_after(resource)
+    }
 }
 
 #[cfg(test)]

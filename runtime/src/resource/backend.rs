@@ -79,6 +79,13 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
         let _ = (resource, ids);
         std::future::ready(Ok(()))
     }
+
+    /// How soon the resource's last enumeration asked to be enumerated again (something the
+    /// backend knows changes by then, such as a quiet period ending); None: at the interval.
+    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
+        let _ = resource;
+        None
+    }
 }
 
 /// Where a backend lives, as the resource core sees it. Every method has a default for a backend

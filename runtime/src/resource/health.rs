@@ -68,6 +68,14 @@ fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
         .collect()
 }
 
+/// Resolves at `at`; never without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// What a device watcher reports to, and is woken by.
 pub struct Signals {
     /// Flips to true once the first snapshot is in.
@@ -119,16 +127,26 @@ async fn watch_with_limit<B: DeviceBackend>(
     let mut failing = false;
     // When enumerations started missing their deadline, while they keep doing so.
     let mut stalled_since: Option<Instant> = None;
+    // When the backend asked to be enumerated again, sooner than the interval.
+    let mut recheck: Option<Instant> = backend
+        .recheck_after(&resource)
+        .filter(|after| *after < interval)
+        .map(|after| Instant::now() + after);
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
             _ = poke.notified() => ticker.reset(),
+            () = sleep_until(recheck) => ticker.reset(),
             _ = stop.wait_for(|s| *s) => return,
         }
         let found = tokio::select! {
             found = backend.enumerate(&resource) => found,
             _ = stop.wait_for(|s| *s) => return,
         };
+        recheck = backend
+            .recheck_after(&resource)
+            .filter(|after| *after < interval)
+            .map(|after| Instant::now() + after);
         let next = match found {
             Ok(found) => {
                 if failing || stalled_since.is_some() {

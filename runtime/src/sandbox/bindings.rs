@@ -2,11 +2,11 @@
 //! the host's own types. A new WIT major version gets a sibling module here and nothing else in
 //! the host changes.
 
-/// Bindings for `devicelet:plugin@0.1`, generated from the newest frozen copy, `wit/v0.1.1/`; modules
+/// Bindings for `devicelet:plugin@0.1`, generated from the newest frozen copy, `wit/v0.1.2/`; modules
 /// built against an older 0.1.x link against them by semver.
 pub mod v0_1 {
     wasmtime::component::bindgen!({
-        path: "../wit/v0.1.1",
+        path: "../wit/v0.1.2",
         world: "device-plugin",
         exports: { default: async },
     });
@@ -34,6 +34,8 @@ pub mod imports {
         Devnodes,
         /// Added in 0.1.1.
         Nvml,
+        /// Added in 0.1.2; every module may import it.
+        Schedule,
         /// The export every module must have.
         Plugin,
     }
@@ -108,6 +110,7 @@ pub mod imports {
             "sysfs" => Ok(Interface::Sysfs),
             "devnodes" => Ok(Interface::Devnodes),
             "nvml" => Ok(Interface::Nvml),
+            "schedule" => Ok(Interface::Schedule),
             "plugin" => Ok(Interface::Plugin),
             _ => Err(Unsupported::Interface),
         })
@@ -142,7 +145,11 @@ pub mod imports {
                 Some(Err(Unsupported::Interface))
             );
             assert_eq!(ours("wasi:io/streams@0.2.0"), None);
-            assert_eq!(speaks(), "0.1.0 to 0.1.1");
+            assert_eq!(
+                ours("devicelet:plugin/schedule@0.1.2"),
+                Some(Ok(Interface::Schedule))
+            );
+            assert_eq!(speaks(), "0.1.0 to 0.1.2");
         }
 
         #[test]
@@ -165,6 +172,10 @@ pub mod imports {
                 (
                     "0.1.1",
                     "2a163c1e5958df90e77e92ba568cd065db9a0b5f52e74fc63bea9d779faeda2b",
+                ),
+                (
+                    "0.1.2",
+                    "08cee9dd5f8de457277f9d7b3e7dd809ea396bc57874ab06a0c68d79aa963a6d",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");

@@ -163,7 +163,9 @@ fn check_imports(
     let mut seen = Vec::new();
     for (name, _) in ty.imports(engine) {
         let granted = match imports::ours(name) {
-            Some(Ok(imports::Interface::Log | imports::Interface::Types)) => true,
+            Some(Ok(
+                imports::Interface::Log | imports::Interface::Types | imports::Interface::Schedule,
+            )) => true,
             Some(Ok(imports::Interface::Sysfs)) => !spec.grants.sysfs.is_empty(),
             Some(Ok(imports::Interface::Devnodes)) => !spec.grants.dev.is_empty(),
             Some(Ok(imports::Interface::Nvml)) => spec.grants.has_library(crate::config::NVML),
@@ -195,6 +197,7 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
     let mut linker = Linker::<HostState>::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
     Log::add_to_linker(&mut linker, |s| &mut s.log)?;
+    super::host::Schedule::add_to_linker(&mut linker, |s| &mut s.schedule)?;
     if !grants.sysfs.is_empty() {
         Sysfs::add_to_linker(&mut linker, |s| &mut s.sysfs)?;
     }

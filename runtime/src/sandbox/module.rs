@@ -193,6 +193,11 @@ pub struct ModuleHandle {
     output: Arc<super::host::OutputAllowance>,
     nvml: Option<Arc<crate::nvml::NvmlNode>>,
     observer: Arc<std::sync::OnceLock<CallObserver>>,
+    /// Per resource: how soon its last `enumerate` asked to be called again (WIT `schedule`).
+    rechecks: Arc<std::sync::Mutex<std::collections::HashMap<String, Duration>>>,
+    /// Granted NVML, whether it answered when `init` ran (what the module declared may depend
+    /// on it: MIG profiles).
+    nvml_at_init: bool,
 }
 
 impl ModuleHandle {
@@ -222,6 +227,10 @@ impl ModuleHandle {
         };
         let kubelet = lane("kubelet")?;
         let health = lane("health")?;
+        let nvml_at_init = module
+            .nvml
+            .as_ref()
+            .is_some_and(|n| matches!(n.availability(), crate::nvml::Availability::Ready { .. }));
         // The first call makes the instance: its init has the whole deadline, as every later
         // re-instantiation does, and the call its own after that.
         let resources = kubelet
@@ -294,6 +303,8 @@ impl ModuleHandle {
             output: module.output.clone(),
             nvml: module.nvml.clone(),
             observer: Arc::default(),
+            rechecks: Arc::default(),
+            nvml_at_init,
         })
     }
 
@@ -321,6 +332,12 @@ impl ModuleHandle {
         &self.digest
     }
 
+    /// Granted NVML, but initialised before NVML answered: what it declared (its resources) may
+    /// change once NVML answers, so the agent starts it again then.
+    pub fn started_without_nvml(&self) -> bool {
+        self.nvml.is_some() && !self.nvml_at_init
+    }
+
     /// NVML as the module sees it, when granted: its events wake the module's health checks.
     pub fn nvml(&self) -> Option<&Arc<crate::nvml::NvmlNode>> {
         self.nvml.as_ref()
@@ -346,26 +363,36 @@ impl ModuleHandle {
     async fn enumerate_checked(&self, resource: &str) -> Result<Vec<Device>, CallError> {
         let owned = resource.to_owned();
         let (topology, root) = (self.topology.clone(), self.host_root.clone());
-        let devices = self
+        let (devices, recheck) = self
             .call(
                 &self.health,
                 CallKind::Enumerate,
                 self.health_deadline,
                 move |i| {
                     Box::pin(async move {
+                        i.store.data_mut().schedule.take();
                         let r = i.plugin.devicelet_plugin_plugin();
-                        r.call_enumerate(&mut i.store, &owned).await
+                        let found = r.call_enumerate(&mut i.store, &owned).await;
+                        let recheck = i.store.data_mut().schedule.take();
+                        found.map(|found| found.map(|devices| (devices, recheck)))
                     })
                 },
                 // Reading sysfs is file-system work: it runs in the cell.
-                move |found| {
+                move |(found, recheck)| {
                     let mut devices: Vec<Device> = found.into_iter().map(Device::from).collect();
                     checks::devices(&devices)?;
                     topology.fill(&mut devices, &root);
-                    Ok(devices)
+                    Ok((devices, recheck))
                 },
             )
             .await?;
+        {
+            let mut rechecks = self.rechecks.lock().unwrap_or_else(|p| p.into_inner());
+            match recheck {
+                Some(after) => rechecks.insert(resource.to_owned(), after),
+                None => rechecks.remove(resource),
+            };
+        }
         self.check(
             CallKind::Enumerate,
             self.budget.charge(
@@ -375,6 +402,15 @@ impl ModuleHandle {
             ),
         )?;
         Ok(devices)
+    }
+
+    /// How soon the resource's last `enumerate` asked to be called again, if it did.
+    pub fn recheck_after(&self, resource: &str) -> Option<Duration> {
+        self.rechecks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(resource)
+            .copied()
     }
 
     /// Charges `bytes` of Allocate answers prepared for `resource` (their new total) to the

@@ -81,6 +81,10 @@ impl DeviceBackend for ModuleSlot {
     async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
         DeviceBackend::prestart(&*self.current(), resource, ids).await
     }
+
+    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
+        self.current().recheck_after(resource)
+    }
 }
 
 impl Upkeep for ModuleSlot {

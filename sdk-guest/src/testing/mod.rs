@@ -77,6 +77,7 @@ pub struct FakeHost {
     dev: Vec<Pattern>,
     logs: RefCell<Vec<(Level, String)>>,
     nvml: RefCell<Option<FakeNvml>>,
+    recheck: std::cell::Cell<Option<std::time::Duration>>,
 }
 
 impl FakeHost {
@@ -108,6 +109,33 @@ impl FakeHost {
         if let Some(nvml) = self.nvml.borrow_mut().as_mut() {
             nvml.push_event(gpu_uuid, kind);
         }
+    }
+
+    /// A critical NVML event raised inside one MIG instance of the GPU with this UUID, as NVML
+    /// attributes it (see [`crate::nvml::event_instance`]).
+    pub fn nvml_mig_event(
+        &self,
+        gpu_uuid: &str,
+        kind: crate::nvml::EventKind,
+        gpu_instance_id: u32,
+        compute_instance_id: u32,
+    ) {
+        if let Some(nvml) = self.nvml.borrow_mut().as_mut() {
+            nvml.push_mig_event(
+                gpu_uuid,
+                kind,
+                crate::nvml::MigInstance {
+                    gpu_instance_id,
+                    compute_instance_id,
+                },
+            );
+        }
+    }
+
+    /// How soon the last call asked to be enumerated again ([`crate::schedule::recheck_after`]),
+    /// and forgets it.
+    pub fn take_recheck(&self) -> Option<std::time::Duration> {
+        self.recheck.take()
     }
 
     /// Makes every query on the GPU with this index fail with `GpuLost` (it fell off the bus),
@@ -530,6 +558,17 @@ pub(crate) fn current<T>(f: impl FnOnce(&FakeHost) -> Result<T, FsError>) -> Res
              (or testing::with_host)"
                 .into(),
         )),
+    }
+}
+
+/// `schedule::recheck-after` on the host target: kept by the installed host, shortest first.
+pub(crate) fn recheck_after(after: std::time::Duration) {
+    if let Some(host) = HOST.with(|h| h.borrow().clone()) {
+        let kept = host
+            .recheck
+            .get()
+            .map_or(after, |earlier| earlier.min(after));
+        host.recheck.set(Some(kept));
     }
 }
 

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use crate::nvml::{Event, EventBatch, EventKind, Gpu, Link, MigDevice, NvmlError, TopologyLevel};
+use crate::nvml::{
+    Event, EventBatch, EventKind, Gpu, Link, MigDevice, MigInstance, NvmlError, TopologyLevel,
+};
 
 /// What [`super::FakeHost::grant_nvml`] serves. GPUs get indexes in the order they are added.
 #[derive(Debug, Clone, Default)]
@@ -13,6 +15,8 @@ pub struct FakeNvml {
     mig: BTreeMap<u32, Vec<MigDevice>>,
     links: BTreeMap<(u32, u32), Link>,
     events: Vec<(Event, Instant)>,
+    /// The MIG instance of events raised in one, by sequence number.
+    instances: BTreeMap<u64, MigInstance>,
     lost: BTreeSet<u32>,
 }
 
@@ -104,6 +108,20 @@ impl FakeNvml {
             next: self.events.len() as u64,
             missed: 0,
         }
+    }
+
+    pub(crate) fn event_instance(&self, seq: u64) -> Option<MigInstance> {
+        self.instances.get(&seq).copied()
+    }
+
+    pub(crate) fn push_mig_event(
+        &mut self,
+        gpu_uuid: &str,
+        kind: EventKind,
+        instance: MigInstance,
+    ) {
+        self.push_event(gpu_uuid, kind);
+        self.instances.insert(self.events.len() as u64, instance);
     }
 
     pub(crate) fn push_event(&mut self, gpu_uuid: &str, kind: EventKind) {

@@ -14,6 +14,9 @@ use std::path::PathBuf;
 pub enum Command {
     /// `xid <index> <code>`: an XID critical-error event.
     Xid(usize, u64),
+    /// `xid <index> <code> <gpu instance> <compute instance>`: an XID raised inside one MIG
+    /// device, as NVML attributes it.
+    MigXid(usize, u64, u32, u32),
     /// `dbe <index>`: a double-bit ECC error event.
     Dbe(usize),
     /// `lost <index>`: the GPU fell off the bus; queries on it fail with `GPU_IS_LOST`.
@@ -31,6 +34,12 @@ pub fn parse(line: &str, gpus: usize) -> Option<Command> {
     let gpu = |word: &str| word.parse::<usize>().ok().filter(|&i| i < gpus);
     match words.as_slice() {
         ["xid", index, code] => Some(Command::Xid(gpu(index)?, code.parse().ok()?)),
+        ["xid", index, code, gi, ci] => Some(Command::MigXid(
+            gpu(index)?,
+            code.parse().ok()?,
+            gi.parse().ok()?,
+            ci.parse().ok()?,
+        )),
         ["dbe", index] => Some(Command::Dbe(gpu(index)?)),
         ["lost", index] => Some(Command::Lost(gpu(index)?)),
         ["found", index] => Some(Command::Found(gpu(index)?)),
@@ -88,6 +97,7 @@ mod tests {
     #[test]
     fn commands() {
         assert_eq!(parse("xid 1 79", 2), Some(Command::Xid(1, 79)));
+        assert_eq!(parse("xid 1 43 2 0", 2), Some(Command::MigXid(1, 43, 2, 0)));
         assert_eq!(parse(" dbe 0 ", 2), Some(Command::Dbe(0)));
         assert_eq!(parse("lost 0", 2), Some(Command::Lost(0)));
         assert_eq!(parse("found 1", 2), Some(Command::Found(1)));

@@ -504,9 +504,9 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
                 device: gpu.handle(),
                 eventType: event.kind,
                 eventData: event.data,
-                // Not attributed to a MIG instance.
-                gpuInstanceId: u32::MAX,
-                computeInstanceId: u32::MAX,
+                // NVML's 0xFFFFFFFF: not attributed to a MIG instance.
+                gpuInstanceId: event.instance.map_or(u32::MAX, |(gi, _)| gi),
+                computeInstanceId: event.instance.map_or(u32::MAX, |(_, ci)| ci),
             })
         });
         if delivered || status != code::SUCCESS {

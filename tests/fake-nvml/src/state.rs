@@ -100,6 +100,8 @@ pub struct Event {
     pub gpu: usize,
     pub kind: u64,
     pub data: u64,
+    /// The MIG instance (GPU instance, compute instance) it was raised in, if any.
+    pub instance: Option<(u32, u32)>,
 }
 
 /// An event set: what it listens to, and how far into the event log it has looked.
@@ -234,6 +236,9 @@ impl State {
                 Some(Command::Xid(gpu, code)) => {
                     self.push(gpu, nvmlEventTypeXidCriticalError, code)
                 }
+                Some(Command::MigXid(gpu, code, gi, ci)) => {
+                    self.push_in(gpu, nvmlEventTypeXidCriticalError, code, Some((gi, ci)))
+                }
                 Some(Command::Dbe(gpu)) => self.push(gpu, nvmlEventTypeDoubleBitEccError, 0),
                 Some(Command::Lost(gpu)) => self.lost[gpu] = true,
                 Some(Command::Found(gpu)) => self.lost[gpu] = false,
@@ -245,8 +250,17 @@ impl State {
     }
 
     fn push(&mut self, gpu: usize, kind: u32, data: u64) {
+        self.push_in(gpu, kind, data, None);
+    }
+
+    fn push_in(&mut self, gpu: usize, kind: u32, data: u64, instance: Option<(u32, u32)>) {
         let kind = u64::from(kind);
-        self.log.push(Event { gpu, kind, data });
+        self.log.push(Event {
+            gpu,
+            kind,
+            data,
+            instance,
+        });
     }
 
     /// The GPU with fixture index `index`, if it is reachable.

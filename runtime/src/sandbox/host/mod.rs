@@ -7,6 +7,7 @@ mod log;
 mod nvml;
 mod output;
 pub mod paths;
+mod schedule;
 mod state;
 mod sysfs;
 
@@ -14,5 +15,6 @@ pub use devnodes::Devnodes;
 pub use log::Log;
 pub use nvml::Nvml;
 pub use output::OutputAllowance;
+pub use schedule::Schedule;
 pub use state::HostState;
 pub use sysfs::Sysfs;

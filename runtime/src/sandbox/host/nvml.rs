@@ -15,7 +15,8 @@ use wasmtime::component::{HasSelf, Linker};
 
 use crate::nvml::{self, NvmlError as E};
 use crate::sandbox::bindings::v0_1::devicelet::plugin::nvml::{
-    self as wit, Event, EventBatch, EventKind, Gpu, Host, Link, MigDevice, NvmlError, TopologyLevel,
+    self as wit, Event, EventBatch, EventKind, Gpu, Host, Link, MigDevice, MigInstance, NvmlError,
+    TopologyLevel,
 };
 
 /// Most events one read returns; the log itself holds at most this many.
@@ -152,6 +153,14 @@ impl Host for Nvml {
                 nvml::TopologyLevel::System => TopologyLevel::System,
             },
             nvlinks: link.nvlinks,
+        })
+    }
+
+    fn event_instance(&mut self, seq: u64) -> Option<MigInstance> {
+        let (gpu_instance_id, compute_instance_id) = self.node.as_ref()?.event_instance(seq)?;
+        Some(MigInstance {
+            gpu_instance_id,
+            compute_instance_id,
         })
     }
 

@@ -21,6 +21,7 @@ pub struct HostState {
     pub(crate) sysfs: super::sysfs::Sysfs,
     pub(crate) devnodes: super::devnodes::Devnodes,
     pub(crate) nvml: super::nvml::Nvml,
+    pub(crate) schedule: super::schedule::Schedule,
     wasi: WasiCtx,
     table: ResourceTable,
 }
@@ -51,6 +52,7 @@ impl HostState {
             sysfs: super::sysfs::Sysfs::new(host_root.clone(), grants.sysfs.clone()),
             devnodes: super::devnodes::Devnodes::new(host_root.clone(), grants.dev.clone()),
             nvml: super::nvml::Nvml::new(host_root, nvml),
+            schedule: super::schedule::Schedule::default(),
             wasi: wasi.build(),
             table: {
                 let mut table = ResourceTable::new();
