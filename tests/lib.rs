@@ -510,3 +510,17 @@ pub async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, r
         .expect("answers prepared in time")
         .expect("the preparer runs");
 }
+
+/// Runs `devicelet validate --config <file> <args>`: whether it succeeded, and its stdout then
+/// stderr.
+pub fn validate_registry(file: &Path, args: &[&std::ffi::OsStr]) -> (bool, String) {
+    let out = std::process::Command::new(devicelet_bin())
+        .args(["validate", "--config"])
+        .arg(file)
+        .args(args)
+        .output()
+        .expect("running devicelet validate");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}

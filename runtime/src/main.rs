@@ -10,7 +10,10 @@ const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    cli::init_logging(&cli.log, cli.log_format);
+    if let Err(e) = cli::init_logging(&cli.log, cli.log_format) {
+        eprintln!("error: {e:#}");
+        return std::process::ExitCode::from(2);
+    }
     if matches!(cli.command, cli::Command::CompileModule) {
         // The agent's compiler child: no async runtime, no threads but the compiler's.
         return exit(devicelet::sandbox::compiler::serve_child());

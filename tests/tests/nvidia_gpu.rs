@@ -583,18 +583,15 @@ async fn validate_checks_the_cdi_names_the_module_answers_against_the_node_specs
     let specs = node.dir.path().join("cdi");
     std::fs::create_dir_all(&specs).expect("spec dir");
     let validate = || {
-        let out = std::process::Command::new(devicelet_tests::devicelet_bin())
-            .args(["validate", "--config"])
-            .arg(&file)
-            .arg("--nvml-library")
-            .arg(&gpus.library)
-            .arg("--cdi-spec-dir")
-            .arg(&specs)
-            .output()
-            .expect("running devicelet validate");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        (out.status.success(), text)
+        devicelet_tests::validate_registry(
+            &file,
+            &[
+                "--nvml-library".as_ref(),
+                gpus.library.as_os_str(),
+                "--cdi-spec-dir".as_ref(),
+                specs.as_os_str(),
+            ],
+        )
     };
     // No spec defines the GPUs yet: the runtime would refuse every container.
     let (ok, text) = validate();

@@ -3,22 +3,13 @@
 
 use std::process::Command;
 
-use devicelet_tests::{Node, devicelet_bin, generic_dev, hostile, misbehaving, module_dir};
+use devicelet_tests::{
+    Node, devicelet_bin, generic_dev, hostile, misbehaving, module_dir, workspace_root,
+};
 
 /// Runs `devicelet validate` on a registry and returns (success, stdout + stderr).
 fn validate(node: &Node, modules: &str) -> (bool, String) {
-    let file = node.registry(modules);
-    let out = Command::new(devicelet_bin())
-        .args(["validate", "--config"])
-        .arg(&file)
-        .output()
-        .expect("running devicelet validate");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    devicelet_tests::validate_registry(&node.registry(modules), &[])
 }
 
 fn assert_refused(node: &Node, modules: &str, expected: &[&str]) {
@@ -385,4 +376,71 @@ async fn a_registry_of_9000_modules_is_refused_at_the_first_one_over_the_limit()
         .count();
     assert_eq!(sockets, 1, "one socket, the running resource's");
     agent.shutdown().await;
+}
+
+/// A registry whose `host-root` is a fixture node (as `try` takes: `sys/` and a `dev.list`):
+/// `validate` makes the listed device nodes in a scratch copy, so the module sees its devices.
+#[test]
+fn validate_on_a_fixture_host_root_makes_its_dev_list_into_nodes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture = workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
+    let file = dir.path().join("registry.toml");
+    std::fs::write(
+        &file,
+        format!(
+            r#"host-root = {:?}
+resource-domain = "amd.com"
+
+[[module]]
+name = "amd-gpu"
+path = {:?}
+
+[module.grants]
+sysfs = ["/sys/bus/pci/devices/*"]
+dev = ["/dev/kfd", "/dev/dri/*"]
+"#,
+            fixture.display().to_string(),
+            module_dir().join("amd_gpu.wasm").display().to_string()
+        ),
+    )
+    .expect("registry");
+    let (ok, text) = devicelet_tests::validate_registry(&file, &[]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("is a fixture: its dev.list made into device nodes"),
+        "{text}"
+    );
+    assert!(text.contains("2 devices, 2 healthy"), "{text}");
+    assert!(!text.contains("none is Healthy"), "{text}");
+}
+
+/// `--log module=NAME:LEVEL` shows one module's own lines (they come from the agent's `log`
+/// host interface, not from a target named after the module); a filter that does not parse is an
+/// error, not a silent default.
+#[tokio::test]
+async fn one_modules_lines_are_chosen_by_its_name_and_a_bad_filter_is_refused() {
+    let node = Node::new().await;
+    let file = node.registry(&generic_dev(GOOD));
+    let validate_with = |log: &str| {
+        let out = Command::new(devicelet_bin())
+            .args(["validate", "--log", log, "--config"])
+            .arg(&file)
+            .output()
+            .expect("running devicelet validate");
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (status, quiet) = validate_with("warn");
+    assert!(status.success(), "{quiet}");
+    assert!(!quiet.contains("generic-dev serving fuse"), "{quiet}");
+    let (status, chosen) = validate_with("warn,module=generic-dev:info");
+    assert!(status.success(), "{chosen}");
+    assert!(chosen.contains("generic-dev serving fuse"), "{chosen}");
+    let (_, other) = validate_with("warn,module=someone-else:info");
+    assert!(!other.contains("generic-dev serving fuse"), "{other}");
+    let (status, bad) = validate_with("devicelet=loud");
+    assert_eq!(status.code(), Some(2), "{bad}");
+    assert!(bad.contains("--log \"devicelet=loud\""), "{bad}");
 }

@@ -95,6 +95,13 @@ async fn try_says_what_is_wrong_and_where() {
         e.contains("amd.com/gpu: 2 allocatable, fewer than --allocate 3"),
         "{e}"
     );
+    // The allocation itself is refused (two replicas, where the sharing rule allows one per
+    // container): with --once that is the verdict, so `try` fails.
+    let shared = format!(
+        "{CONFIG}\n[module.sharing]\nreplicas = 2\nfail-requests-greater-than-one = true\n"
+    );
+    let e = run(&shared, "2").await;
+    assert!(e.contains("allocation of 2 amd.com/gpu failed"), "{e}");
     let e = run(&format!("name = \"mine\"\n{CONFIG}"), "1").await;
     assert!(
         e.contains("`name` is set by `try` itself") && e.contains("amd-gpu"),

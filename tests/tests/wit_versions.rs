@@ -2,10 +2,8 @@
 //! into today's agent, and one built against a version the agent does not speak is refused by
 //! name before anything links.
 
-use std::process::Command;
-
 use devicelet::sandbox::bindings::imports::{LATEST, speaks};
-use devicelet_tests::{Node, WAIT, devicelet_bin, generic_dev, module_dir};
+use devicelet_tests::{Node, WAIT, generic_dev, module_dir};
 
 /// The module built straight from `wit/v0.1.0/` (no SDK), granted `/dev/fuse`.
 fn legacy(path: &str) -> String {
@@ -59,14 +57,8 @@ async fn a_module_built_against_wit_0_1_0_registers_and_allocates_in_todays_agen
 async fn validate_says_which_version_a_module_implements() {
     let node = Node::new().await;
     let file = node.registry(&legacy("@MODULES@/wit_0_1_0.wasm"));
-    let out = Command::new(devicelet_bin())
-        .args(["validate", "--config"])
-        .arg(&file)
-        .output()
-        .expect("running devicelet validate");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    let (ok, text) = devicelet_tests::validate_registry(&file, &[]);
+    assert!(ok, "{text}");
     assert!(text.contains("implements devicelet:plugin@0.1.0"), "{text}");
     assert!(text.contains("devicelet:plugin/devnodes@0.1.0"), "{text}");
 }

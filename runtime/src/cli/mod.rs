@@ -19,7 +19,9 @@ use clap::{Parser, Subcommand};
     about = "Kubernetes device plugins as sandboxed WebAssembly modules"
 )]
 pub struct Cli {
-    /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`).
+    /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`), plus `module=NAME:LEVEL`
+    /// for one module's own lines and whatever the agent logs while running its code (e.g.
+    /// `warn,module=sriov-vfio:debug`).
     #[arg(long, global = true, default_value = "info")]
     pub log: String,
     /// Log lines as text (coloured only on a terminal) or as one JSON object per line, for log
@@ -37,17 +39,52 @@ pub enum LogFormat {
 }
 
 /// Sets up logging to stderr: JSON lines, or text with colour only when stderr is a terminal (a
-/// log collector must not get escape codes).
-pub fn init_logging(filter: &str, format: LogFormat) {
+/// log collector must not get escape codes). A filter that does not parse is an error, never a
+/// silent default.
+pub fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_new(directives(filter))
+        .map_err(|e| anyhow::anyhow!("--log {filter:?}: {e}"))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
+    Ok(())
+}
+
+/// `--log`'s directives as `EnvFilter` reads them: `module=NAME:LEVEL` becomes
+/// `[module{name=NAME}]=LEVEL`, which enables that level inside the span every call into the
+/// module runs in (see `sandbox::module`).
+fn directives(filter: &str) -> String {
+    filter
+        .split(',')
+        .map(|directive| {
+            match directive
+                .trim()
+                .strip_prefix("module=")
+                .and_then(|rest| rest.rsplit_once(':'))
+            {
+                Some((name, level)) => format!("[module{{name={name}}}]={level}"),
+                None => directive.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn module_directives_become_span_filters() {
+        assert_eq!(
+            super::directives("warn,module=sriov-vfio:debug,devicelet=info"),
+            "warn,[module{name=sriov-vfio}]=debug,devicelet=info"
+        );
+        assert_eq!(super::directives("info"), "info");
     }
 }
 

@@ -268,7 +268,14 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
         waiting.retain(|r| r != resource);
         match kubelet.allocate(resource, args.allocate).await {
             Ok(allocation) => println!("{}", format_allocation(&allocation)),
-            Err(e) => println!("allocation of {} {resource} failed: {e}", args.allocate),
+            Err(e) => {
+                let why = format!("allocation of {} {resource} failed: {e}", args.allocate);
+                println!("{why}");
+                // With --once the allocation is the verdict: a script must see it fail.
+                if args.once {
+                    failed.get_or_insert(why);
+                }
+            }
         }
         if waiting.is_empty() {
             if args.once {

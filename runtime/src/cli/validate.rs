@@ -27,7 +27,9 @@ pub struct ValidateArgs {
 }
 
 pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
-    let registry = Registry::load(&args.config)?;
+    let mut registry = Registry::load(&args.config)?;
+    // Kept alive while the modules look at it.
+    let _scratch = fixture_nodes(&mut registry)?;
     let engine = new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
     let mut failures = 0;
     // Resource name -> the module that declared it first here; `run` serves a name two modules
@@ -123,6 +125,48 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A `host-root` that is a fixture node (`sys/` and a `dev.list`, as `try` takes) has no real
+/// device nodes, only their list: they are made in a scratch copy of the fixture, which the
+/// modules then see, as `try` does. Returns the scratch directory (gone when dropped).
+#[cfg(feature = "simulator")]
+fn fixture_nodes(registry: &mut Registry) -> anyhow::Result<Option<tempfile::TempDir>> {
+    use anyhow::Context;
+    let fixture = registry.host_root.clone();
+    if fixture == std::path::Path::new("/") || !fixture.join("dev.list").is_file() {
+        return Ok(None);
+    }
+    let scratch = tempfile::tempdir().context("creating a scratch directory")?;
+    let tree = crate::fixture::FixtureTree::new(&scratch.path().join("node"))?;
+    tree.load(&fixture).with_context(|| {
+        format!(
+            "host-root {} is a fixture (it has a dev.list): making its device nodes (needs root \
+             or CAP_MKNOD)",
+            fixture.display()
+        )
+    })?;
+    println!(
+        "host-root {} is a fixture: its dev.list made into device nodes in {} for this check",
+        fixture.display(),
+        tree.root().display()
+    );
+    registry.host_root = tree.root().to_owned();
+    Ok(Some(scratch))
+}
+
+#[cfg(not(feature = "simulator"))]
+fn fixture_nodes(registry: &mut Registry) -> anyhow::Result<Option<()>> {
+    if registry.host_root != std::path::Path::new("/")
+        && registry.host_root.join("dev.list").is_file()
+    {
+        println!(
+            "warning: host-root {} has a dev.list, which this build (without fixtures) does not \
+             make into device nodes: devices listed only there are not seen",
+            registry.host_root.display()
+        );
+    }
+    Ok(None)
+}
+
 /// What the kubelet would be told, one line per device.
 fn print_devices(devices: &[Device]) {
     if devices.is_empty() {
@@ -136,6 +180,12 @@ fn print_devices(devices: &[Device]) {
         .filter(|d| d.health == Health::Healthy)
         .count();
     println!("    {} devices, {healthy} healthy:", devices.len());
+    if healthy == 0 {
+        println!(
+            "    warning: none is Healthy, so the kubelet would offer none: check the device \
+             nodes under the module's /dev grants and its log lines above"
+        );
+    }
     for d in devices {
         let health = match d.health {
             Health::Healthy => "Healthy",

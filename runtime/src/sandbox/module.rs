@@ -586,12 +586,14 @@ impl ModuleHandle {
         C: FnOnce(T) -> Result<U, checks::Violation> + Send + 'static,
     {
         let end = std::time::Instant::now() + deadline;
+        // `--log module=NAME:LEVEL` filters on this span.
+        let span = tracing::info_span!("module", name = %self.name);
         let answer = lane
             .call(deadline, move |i| {
                 Box::pin(async move {
                     i.store.data_mut().nvml.call_ends_at(end, deadline);
                     let ticking = super::engine::ticking();
-                    let answer = f(i).await;
+                    let answer = tracing::Instrument::instrument(f(i), span).await;
                     drop(ticking);
                     // What the module made of a vendor library that stopped answering is not
                     // its answer: the call missed its deadline.
@@ -715,6 +717,17 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
     store.set_epoch_deadline(1);
     store.epoch_deadline_async_yield_and_update(1);
     let _ticking = super::engine::ticking();
+    // `--log module=NAME:LEVEL` filters on this span.
+    let span = tracing::info_span!("module", name = %module.name);
+    tracing::Instrument::instrument(init(module, config, store), span).await
+}
+
+/// Instantiates the module in `store` and calls its `init`.
+async fn init(
+    module: &LoadedModule,
+    config: &str,
+    mut store: Store<HostState>,
+) -> Result<Instance, Failure> {
     let trapped = |e: wasmtime::Error| Failure::Instantiate {
         message: format!("{e:#}"),
         init_error: None,

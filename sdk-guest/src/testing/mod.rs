@@ -163,14 +163,25 @@ impl FakeHost {
     /// A symbolic link whose target is stored as given (sysfs uses relative ones:
     /// `../../../devices/pci0000:00/0000:03:00.0`).
     pub fn symlink(self, path: &str, target: &str) -> FakeHost {
-        self.insert(path, Entry::Link(target.to_owned()));
+        self.set_symlink(path, target);
         self
     }
 
     /// An empty directory (directories holding something are implied).
     pub fn dir(self, path: &str) -> FakeHost {
-        self.insert(path, Entry::Dir);
+        self.add_dir(path);
         self
+    }
+
+    /// Replaces (or creates) a symbolic link while the module runs: a driver bound again
+    /// (`driver -> ../../../bus/pci/drivers/vfio-pci`), after [`remove`](Self::remove) unbound it.
+    pub fn set_symlink(&self, path: &str, target: &str) {
+        self.insert(path, Entry::Link(target.to_owned()));
+    }
+
+    /// Adds an empty directory while the module runs.
+    pub fn add_dir(&self, path: &str) {
+        self.insert(path, Entry::Dir);
     }
 
     /// A character device node, mode 0666.
@@ -777,6 +788,38 @@ mod tests {
                 Err(FsError::NotFound)
             );
         });
+    }
+
+    #[test]
+    fn links_and_nodes_come_and_go_while_the_module_runs() {
+        let host = pci_node();
+        // Read through the bus's link, kept where sysfs keeps it.
+        let driver = "/sys/bus/pci/devices/0000:03:00.0/driver";
+        let real = "/sys/devices/pci0000:00/0000:03:00.0/driver";
+        with_host(&host, || {
+            assert_eq!(sysfs::read_link(driver), Err(FsError::NotFound));
+        });
+        // Bound to a driver, unbound, bound again: what a rebinding module must follow.
+        host.set_symlink(real, "../../../bus/pci/drivers/vfio-pci");
+        with_host(&host, || {
+            assert_eq!(
+                sysfs::read_link(driver).unwrap(),
+                "../../../bus/pci/drivers/vfio-pci"
+            );
+        });
+        host.remove(real);
+        with_host(&host, || {
+            assert_eq!(sysfs::read_link(driver), Err(FsError::NotFound));
+        });
+        host.set_symlink(real, "../../../bus/pci/drivers/amdgpu");
+        host.add_node("/dev/dri/renderD129", NodeKind::Character, 226, 129);
+        with_host(&host, || {
+            assert_eq!(
+                sysfs::read_link(driver).unwrap(),
+                "../../../bus/pci/drivers/amdgpu"
+            );
+        });
+        assert!(host.tree.borrow().contains_key("/dev/dri/renderD129"));
     }
 
     #[test]
