@@ -386,7 +386,11 @@ impl Plugin for NvidiaGpu {
             .iter()
             .filter_map(|u| u.mig.as_ref().map(|m| m.profile.as_str()))
             .collect();
-        let whole = units.iter().filter(|u| u.mig.is_none()).count();
+        // A GPU lost before NVML ever answered says nothing about MIG: not counted.
+        let whole = units
+            .iter()
+            .filter(|u| u.mig.is_none() && !u.gpu.uuid.is_empty())
+            .count();
         match module.config.mig_strategy {
             MigStrategy::Single if !profiles.is_empty() && whole > 0 => {
                 return Err(PluginError::Failed(format!(

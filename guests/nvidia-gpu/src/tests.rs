@@ -280,6 +280,28 @@ fn the_host_is_asked_to_look_again_when_the_quiet_period_ends() {
 }
 
 #[test]
+fn a_gpu_lost_before_start_does_not_fail_mig_single() {
+    // GPU 0 in MIG mode, GPU 1 lost before NVML ever answered for it: nothing says GPU 1 is
+    // not in MIG mode, so "single" still serves GPU 0's MIG devices.
+    let mut a = gpu(0);
+    a.mig_enabled = true;
+    let nvml = FakeNvml::new()
+        .with_gpu(a)
+        .with_mig_device(0, mig(1, "1g.10gb", [12, 13]))
+        .with_mig_device(0, mig(2, "1g.10gb", [14, 15]))
+        .with_gpu(gpu(1))
+        .with_lost_gpu(1);
+    let mut gpus = Harness::<NvidiaGpu>::init(node(nvml), r#"{"mig-strategy": "single"}"#).unwrap();
+    let devices = gpus.enumerate("gpu").unwrap();
+    let healthy = devices
+        .iter()
+        .filter(|d| d.health == Health::Healthy)
+        .count();
+    assert_eq!(healthy, 2, "{devices:?}");
+    assert!(devices.iter().any(|d| d.id == "lost-1"), "{devices:?}");
+}
+
+#[test]
 fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
     let mut gpus =
         Harness::<NvidiaGpu>::init(mig_node("1g.10gb", false), r#"{"mig-strategy": "single"}"#)

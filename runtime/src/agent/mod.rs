@@ -106,6 +106,8 @@ pub(crate) struct Shared {
     /// Module starts and upgrades under way: a module is out of `modules` while it loads, so
     /// readiness must not be judged from that map meanwhile.
     starting: std::sync::atomic::AtomicUsize,
+    /// Modules waiting for NVML to answer before they are started again (one waiter each).
+    nvml_waiters: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Shared {
@@ -180,6 +182,17 @@ impl Shared {
     }
 
     async fn start_module(self: &Arc<Self>, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
+        self.start_module_if(spec, host_root, None).await
+    }
+
+    /// [`start_module`](Self::start_module); with `only_over`, only if that spec still runs
+    /// (checked once the new version is loaded, under the claim, so a reload meanwhile wins).
+    async fn start_module_if(
+        self: &Arc<Self>,
+        spec: &ModuleSpec,
+        host_root: &Path,
+        only_over: Option<&ModuleSpec>,
+    ) -> Vec<String> {
         let handle = match modules::start_module(
             &self.engine,
             self.usable_cache(),
@@ -205,6 +218,16 @@ impl Shared {
         // resource's own task) and done one module at a time, so two modules can never both
         // claim a name. An upgrade swaps the new version in behind the running resources.
         let _claiming = self.claiming.lock().await;
+        if let Some(expected) = only_over {
+            let still = !self.stopping.load(std::sync::atomic::Ordering::Relaxed)
+                && self
+                    .lock_modules()
+                    .get(&spec.name)
+                    .is_some_and(|m| m.spec == *expected);
+            if !still {
+                return Vec::new();
+            }
+        }
         let old = self.lock_modules().remove(&spec.name);
         let taken = self.served_names();
         let (running, errors) = match old {
@@ -223,42 +246,55 @@ impl Shared {
             .cloned();
         self.lock_modules().insert(spec.name.clone(), running);
         if let Some(nvml) = without_nvml {
-            self.start_again_when_ready(&nvml, spec, host_root);
+            self.start_again_when_nvml_answers(&nvml, &spec.name, host_root);
         }
         errors
     }
 
-    /// A module granted NVML that initialised before NVML answered declared its resources
-    /// without it (MIG profiles, under `mig-strategy = "mixed"`): once NVML answers, it is
-    /// started again, as an upgrade to the same file is, so its resources are what the GPUs say
-    /// without a registry edit or a restart. Its running resources keep serving meanwhile.
-    fn start_again_when_ready(
+    /// A module granted NVML that initialised while NVML was missing or stuck declared its
+    /// resources without it (MIG profiles, under `mig-strategy = "mixed"`): when NVML next
+    /// answers one of its queries, it is started again, as an upgrade to the same file is, so its
+    /// resources are what the GPUs say without a registry edit or a restart. Its running
+    /// resources keep serving meanwhile. One waiter per module.
+    fn start_again_when_nvml_answers(
         self: &Arc<Self>,
         nvml: &Arc<crate::nvml::NvmlNode>,
-        spec: &ModuleSpec,
+        name: &str,
         host_root: &Path,
     ) {
-        let mut ready = nvml.became_ready();
-        let (shared, spec, root) = (self.clone(), spec.clone(), host_root.to_owned());
+        let fresh = self
+            .nvml_waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_owned());
+        if !fresh {
+            return;
+        }
+        let mut answered = nvml.answered();
+        answered.borrow_and_update();
+        let (shared, name, root) = (self.clone(), name.to_owned(), host_root.to_owned());
         tokio::spawn(async move {
-            if ready.wait_for(|r| *r).await.is_err()
-                || shared.stopping.load(std::sync::atomic::Ordering::Relaxed)
-            {
+            let heard = answered.changed().await.is_ok();
+            shared
+                .nvml_waiters
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&name);
+            if !heard || shared.stopping.load(std::sync::atomic::Ordering::Relaxed) {
                 return;
             }
-            // Only the version this task was made for: a reload may have replaced or removed it.
-            let current = shared
+            // Whatever version runs now, if it too started without NVML.
+            let spec = shared
                 .lock_modules()
-                .get(&spec.name)
-                .is_some_and(|m| m.spec == spec);
-            if !current {
-                return;
-            }
+                .get(&name)
+                .filter(|m| m.handle().started_without_nvml())
+                .map(|m| m.spec.clone());
+            let Some(spec) = spec else { return };
             tracing::info!(
-                module = spec.name,
+                module = name,
                 "NVML answers now: starting the module again so it sees the GPUs at init"
             );
-            let errors = Box::pin(shared.start_module(&spec, &root)).await;
+            let errors = Box::pin(shared.start_module_if(&spec, &root, Some(&spec))).await;
             for e in &errors {
                 tracing::error!("{e}");
             }
@@ -372,6 +408,7 @@ impl Agent {
             loops: Mutex::new(Vec::new()),
             stopping: Default::default(),
             starting: Default::default(),
+            nvml_waiters: Default::default(),
         });
         // Counted from before the metrics endpoint answers, so that it never reports ready
         // before the first modules are in.

@@ -16,6 +16,10 @@ use super::NvmlError;
 
 type Query = Box<dyn FnOnce() + Send>;
 
+/// Queries waiting for the thread at most: while NVML is stuck, later ones fail at once rather
+/// than pile up.
+const QUEUE: usize = 64;
+
 struct Asked {
     /// Nobody waits for the answer past this: a query still queued then is dropped.
     until: Instant,
@@ -24,8 +28,10 @@ struct Asked {
 
 /// Where queries go, and what the thread is doing now (for the stall message).
 pub struct Asker {
-    queries: Mutex<Option<mpsc::Sender<Asked>>>,
+    queries: Mutex<Option<mpsc::SyncSender<Asked>>>,
     busy: Arc<Mutex<Option<Instant>>>,
+    /// Counts the queries NVML answered (whatever it answered).
+    answered: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Asker {
@@ -33,7 +39,13 @@ impl Asker {
         Asker {
             queries: Mutex::new(None),
             busy: Arc::default(),
+            answered: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
+    }
+
+    /// Changes whenever NVML answers a query: it is not (or no longer) stuck.
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.answered.subscribe()
     }
 
     /// Runs `query` on the NVML thread and returns its answer, or [`NvmlError::Stalled`] at
@@ -45,7 +57,10 @@ impl Asker {
     {
         let now = Instant::now();
         if now >= until {
-            return Err(self.stalled(Duration::ZERO));
+            // The call spent its time before asking: not NVML's doing.
+            return Err(NvmlError::Failed(
+                "the call's deadline passed before NVML was asked".into(),
+            ));
         }
         let (tx, rx) = mpsc::sync_channel(1);
         let asked = Asked {
@@ -67,20 +82,21 @@ impl Asker {
     fn send(&self, asked: Asked) -> Result<(), NvmlError> {
         let mut queries = self.queries.lock().unwrap_or_else(|p| p.into_inner());
         let asked = match queries.as_ref() {
-            Some(tx) => match tx.send(asked) {
+            Some(tx) => match tx.try_send(asked) {
                 Ok(()) => return Ok(()),
+                Err(mpsc::TrySendError::Full(_)) => return Err(self.stalled(Duration::ZERO)),
                 // The thread is gone (a query panicked): start another.
-                Err(mpsc::SendError(asked)) => asked,
+                Err(mpsc::TrySendError::Disconnected(asked)) => asked,
             },
             None => asked,
         };
-        let (tx, rx) = mpsc::channel::<Asked>();
-        let busy = self.busy.clone();
+        let (tx, rx) = mpsc::sync_channel::<Asked>(QUEUE);
+        let (busy, answered) = (self.busy.clone(), self.answered.clone());
         std::thread::Builder::new()
             .name("nvml-query".into())
-            .spawn(move || serve(rx, &busy))
+            .spawn(move || serve(rx, &busy, &answered))
             .map_err(|e| NvmlError::Failed(format!("cannot start the NVML thread: {e}")))?;
-        let sent = tx.send(asked).is_ok();
+        let sent = tx.try_send(asked).is_ok();
         *queries = Some(tx);
         if sent {
             Ok(())
@@ -98,7 +114,11 @@ impl Asker {
     }
 }
 
-fn serve(queries: mpsc::Receiver<Asked>, busy: &Mutex<Option<Instant>>) {
+fn serve(
+    queries: mpsc::Receiver<Asked>,
+    busy: &Mutex<Option<Instant>>,
+    answered: &tokio::sync::watch::Sender<u64>,
+) {
     while let Ok(asked) = queries.recv() {
         let now = Instant::now();
         if now >= asked.until {
@@ -107,6 +127,7 @@ fn serve(queries: mpsc::Receiver<Asked>, busy: &Mutex<Option<Instant>>) {
         *busy.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
         (asked.query)();
         *busy.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        answered.send_modify(|n| *n += 1);
     }
 }
 
@@ -158,11 +179,35 @@ mod tests {
     }
 
     #[test]
-    fn a_deadline_already_past_asks_nothing() {
+    fn a_deadline_already_past_asks_nothing_and_is_no_stall() {
         let asker = Asker::new();
         let r = asker.ask(Instant::now(), || -> Result<u32, _> {
             panic!("must not run")
         });
-        assert!(matches!(r, Err(NvmlError::Stalled { .. })));
+        assert!(matches!(r, Err(NvmlError::Failed(_))), "{r:?}");
+    }
+
+    #[test]
+    fn while_nvml_is_stuck_queries_do_not_pile_up() {
+        let asker = Asker::new();
+        let (release, blocked) = mpsc::channel::<()>();
+        let soon = || Instant::now() + Duration::from_millis(20);
+        let _ = asker.ask(soon(), move || {
+            let _ = blocked.recv();
+            Ok(0)
+        });
+        // Each waits its 20 ms and leaves its query queued; past the queue's bound they fail at
+        // once.
+        for _ in 0..QUEUE {
+            let _ = asker.ask(soon(), || Ok(1));
+        }
+        let started = Instant::now();
+        let r = asker.ask(Instant::now() + Duration::from_secs(60), || Ok(2));
+        assert!(matches!(r, Err(NvmlError::Stalled { .. })), "{r:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "answered without waiting"
+        );
+        release.send(()).unwrap();
     }
 }

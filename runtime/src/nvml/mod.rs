@@ -162,8 +162,6 @@ pub struct NvmlNode {
     availability: Mutex<Availability>,
     events: Arc<events::EventLog>,
     asker: asker::Asker,
-    /// Flips to true once NVML answers (and stays so).
-    ready: tokio::sync::watch::Sender<bool>,
 }
 
 /// Opens NVML from `library`, once per process and path; later calls return the same node. The
@@ -188,7 +186,6 @@ pub fn open(library: &Path) -> Arc<NvmlNode> {
         availability: Mutex::new(Availability::Unavailable("not opened yet".into())),
         events: Arc::default(),
         asker: asker::Asker::new(),
-        ready: tokio::sync::watch::Sender::new(false),
     });
     let (tx, rx) = mpsc::channel();
     let opener = node.clone();
@@ -235,7 +232,6 @@ impl NvmlNode {
                     tracing::info!(library = %self.library.display(), driver, gpus, "NVML ready");
                     *self.availability.lock().unwrap_or_else(|p| p.into_inner()) =
                         Availability::Ready { driver, gpus };
-                    self.ready.send_replace(true);
                     if let Some(first) = first.take() {
                         let _ = first.send(());
                     }
@@ -276,9 +272,10 @@ impl NvmlNode {
             .clone()
     }
 
-    /// Turns true once NVML answers: modules that started without it can be started again.
-    pub fn became_ready(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.ready.subscribe()
+    /// Changes whenever NVML answers a module's query: a module whose init found NVML missing
+    /// or stuck can be started again then.
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.asker.answered()
     }
 
     /// GPUs the event thread is watching for critical events (0 until it has registered them).

@@ -143,10 +143,15 @@ async fn watch_with_limit<B: DeviceBackend>(
             found = backend.enumerate(&resource) => found,
             _ = stop.wait_for(|s| *s) => return,
         };
-        recheck = backend
-            .recheck_after(&resource)
-            .filter(|after| *after < interval)
-            .map(|after| Instant::now() + after);
+        // Only an answer may ask for an early recheck (a failing backend is looked at by the
+        // interval, never in a loop).
+        recheck = match &found {
+            Ok(_) => backend
+                .recheck_after(&resource)
+                .filter(|after| *after < interval)
+                .map(|after| Instant::now() + after),
+            Err(_) => None,
+        };
         let next = match found {
             Ok(found) => {
                 if failing || stalled_since.is_some() {

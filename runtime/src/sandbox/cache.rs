@@ -247,13 +247,27 @@ impl CompileCache {
             ChildCompile::Refused(message) => return Err(wasmtime::Error::msg(message)),
             ChildCompile::NotRun(why) => why,
             ChildCompile::Compiled(bytes) => {
-                let stored = self.store(&bytes, cwasm, sidecar);
+                let loaded = match self.store(&bytes, cwasm, sidecar) {
+                    Ok(()) => self
+                        .try_load(engine, cwasm, sidecar)
+                        .and_then(|c| c.ok_or_else(|| "the written entry is gone".to_owned())),
+                    // The cache cannot take it (disk full): use the bytes in hand.
+                    Err(e) => {
+                        tracing::warn!(
+                            file = %self.path.join(cwasm).display(),
+                            module = digest,
+                            "compile cache: cannot write the compiled component (not fatal): {e:#}"
+                        );
+                        // SAFETY: the bytes are what this binary's own `compile-module` child
+                        // just produced with this engine's configuration, never read from
+                        // anywhere else.
+                        unsafe { Component::deserialize(engine, &bytes) }
+                            .map_err(|e| format!("wasmtime cannot deserialize it: {e:#}"))
+                    }
+                };
                 drop(bytes);
                 super::compiler::return_freed_memory();
-                match stored.map_err(|e| format!("{e:#}")).and_then(|()| {
-                    self.try_load(engine, cwasm, sidecar)?
-                        .ok_or_else(|| "the written entry is gone".to_owned())
-                }) {
+                match loaded {
                     Ok(component) => {
                         tracing::debug!(
                             module = digest,

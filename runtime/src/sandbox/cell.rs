@@ -295,8 +295,12 @@ impl<S: 'static> Lane<S> {
                 } else if let Some((job, until)) = running {
                     self.watch_for_stuck(cell, job, until + STUCK_GRACE);
                 }
+                // Ours, past its own end (not merely in a fresh instance's init): the cell did not
+                // stop it.
                 match running {
-                    Some((job, _)) if job == id => Err(Failure::Overran),
+                    Some((job, until)) if job == id && Instant::now() > until => {
+                        Err(Failure::Overran)
+                    }
                     _ => Err(Failure::Deadline),
                 }
             }

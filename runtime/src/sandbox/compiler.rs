@@ -110,7 +110,12 @@ pub(super) fn compile_in_child(exe: &Path, wasm: &[u8]) -> ChildCompile {
                 break Err(format!("it took over {CHILD_LIMIT:?} and was killed"));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) => break Err(format!("cannot wait for it: {e}")),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = (feeder.join(), reader.join(), errors.join());
+                return ChildCompile::NotRun(format!("cannot wait for it: {e}"));
+            }
         }
     };
     let _ = feeder.join();

@@ -35,8 +35,11 @@ fn ticker() -> std::io::Result<&'static Ticker> {
     let handle = std::thread::Builder::new()
         .name("devicelet-epoch".into())
         .spawn(move || {
-            let _ = rx.recv();
-            tick_forever();
+            // Told to go on only if its ticker is the one installed; the loser's sender is
+            // dropped and its thread ends here.
+            if rx.recv().is_ok() {
+                tick_forever();
+            }
         })?;
     let mine = Ticker {
         engines: Mutex::default(),

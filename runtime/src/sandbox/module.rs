@@ -149,6 +149,8 @@ pub struct Instance {
     store: Store<HostState>,
     plugin: DevicePlugin,
     resources: Vec<ResourceInfo>,
+    /// NVML did not answer during its `init`.
+    nvml_stalled_at_init: bool,
 }
 
 impl Instance {
@@ -233,10 +235,10 @@ impl ModuleHandle {
             .is_some_and(|n| matches!(n.availability(), crate::nvml::Availability::Ready { .. }));
         // The first call makes the instance: its init has the whole deadline, as every later
         // re-instantiation does, and the call its own after that.
-        let resources = kubelet
+        let (resources, stalled) = kubelet
             .call(deadline * 2, |i: &mut Instance| {
-                let resources = i.resources.clone();
-                Box::pin(async move { Ok(resources) })
+                let answer = (i.resources.clone(), i.nvml_stalled_at_init);
+                Box::pin(async move { Ok(answer) })
             })
             .await
             .map_err(|failure| {
@@ -304,7 +306,7 @@ impl ModuleHandle {
             nvml: module.nvml.clone(),
             observer: Arc::default(),
             rechecks: Arc::default(),
-            nvml_at_init,
+            nvml_at_init: nvml_at_init && !stalled,
         })
     }
 
@@ -332,8 +334,8 @@ impl ModuleHandle {
         &self.digest
     }
 
-    /// Granted NVML, but initialised before NVML answered: what it declared (its resources) may
-    /// change once NVML answers, so the agent starts it again then.
+    /// Granted NVML, but initialised while NVML was missing or stuck: what it declared (its
+    /// resources) may change once NVML answers, so the agent starts it again then.
     pub fn started_without_nvml(&self) -> bool {
         self.nvml.is_some() && !self.nvml_at_init
     }
@@ -363,7 +365,7 @@ impl ModuleHandle {
     async fn enumerate_checked(&self, resource: &str) -> Result<Vec<Device>, CallError> {
         let owned = resource.to_owned();
         let (topology, root) = (self.topology.clone(), self.host_root.clone());
-        let (devices, recheck) = self
+        let answer = self
             .call(
                 &self.health,
                 CallKind::Enumerate,
@@ -385,7 +387,9 @@ impl ModuleHandle {
                     Ok((devices, recheck))
                 },
             )
-            .await?;
+            .await;
+        // Only an answer asks for a recheck; a failed call forgets the last one.
+        let recheck = answer.as_ref().ok().and_then(|(_, recheck)| *recheck);
         {
             let mut rechecks = self.rechecks.lock().unwrap_or_else(|p| p.into_inner());
             match recheck {
@@ -393,6 +397,7 @@ impl ModuleHandle {
                 None => rechecks.remove(resource),
             };
         }
+        let (devices, _) = answer?;
         self.check(
             CallKind::Enumerate,
             self.budget.charge(
@@ -751,6 +756,7 @@ async fn init(
             })
         }
         Ok(resources) => Ok(Instance {
+            nvml_stalled_at_init: store.data_mut().nvml.take_stall().is_some(),
             store,
             plugin,
             resources: resources.into_iter().map(ResourceInfo::from).collect(),
