@@ -186,10 +186,11 @@ impl From<PluginError> for wit_types::PluginError {
 /// interval rather than expecting the module to watch for changes, and reads health from it.
 ///
 /// The host runs two instances of the module, each with its own value of this type: one answers
-/// `enumerate` (health work), the other `allocate`, `prestart` and `preferred` (the kubelet's
-/// calls), so an Allocate never waits behind an enumeration. Do not rely on state one of them
-/// sets for the other: `allocate` must work on a fresh instance that never enumerated (look the
-/// devices up again when you need them).
+/// `enumerate` (health work), the other `allocate` and `prestart` (the kubelet's calls), so an
+/// Allocate never waits behind an enumeration; a module whose resources ask for preferred
+/// allocation gets a third, for `preferred` alone. Do not rely on state one of them sets for
+/// another: `allocate` must work on a fresh instance that never enumerated (look the devices up
+/// again when you need them).
 pub trait Plugin: Sized + 'static {
     /// Parses the registry's config table (JSON text) and says which resources the module
     /// serves.
