@@ -93,15 +93,31 @@ struct Job<S> {
 #[derive(Default)]
 struct Running {
     now: Mutex<Option<(u64, Instant)>>,
+    /// The running job's claim on the epoch ticker.
+    ticking: Mutex<Option<super::engine::Disarm>>,
 }
 
 impl Running {
-    fn start(&self, id: u64, until: Instant) {
+    fn start(&self, id: u64, until: Instant, ticking: Option<super::engine::Disarm>) {
         *self.now.lock().unwrap_or_else(|p| p.into_inner()) = Some((id, until));
+        *self.ticking.lock().unwrap_or_else(|p| p.into_inner()) = ticking;
     }
 
     fn end(&self) {
         *self.now.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.ticking.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// The cell is abandoned: its stuck job no longer keeps the ticker running.
+    fn disarm(&self) {
+        if let Some(ticking) = self
+            .ticking
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            ticking.disarm();
+        }
     }
 
     fn get(&self) -> Option<(u64, Instant)> {
@@ -334,10 +350,13 @@ impl<S: 'static> Lane<S> {
     fn abandon(&self, generation: u64) {
         let inner = &self.inner;
         let mut state = inner.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.generation != generation || state.cell.is_none() {
+        if state.generation != generation {
             return;
         }
-        state.cell = None;
+        let Some(stuck) = state.cell.take() else {
+            return;
+        };
+        stuck.running.disarm();
         let abandoned = inner.fate.abandoned.fetch_add(1, Ordering::Relaxed) + 1;
         if abandoned > MAX_ABANDONED {
             let reason = format!(
@@ -458,7 +477,10 @@ async fn serve<S>(
         } else {
             job.end
         };
-        running.start(job.id, until);
+        // Guest code runs from here to `running.end()` (init, then the job): the epoch must
+        // advance meanwhile so the guest yields and its deadline can fire.
+        let ticking = super::engine::ticking();
+        running.start(job.id, until, ticking.as_ref().map(|t| t.disarmer()));
         if fresh {
             match tokio::time::timeout(init_deadline, factory()).await {
                 Ok(Ok(made)) => {
@@ -487,6 +509,7 @@ async fn serve<S>(
             }
         }
         let Some(current) = occupant.as_mut() else {
+            running.end();
             continue;
         };
         if Instant::now() >= job.end {

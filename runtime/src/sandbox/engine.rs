@@ -4,8 +4,8 @@
 //! [`Ticking`] guard, and with none held the ticker thread parks, so an idle agent wakes for
 //! nothing (a 10 ms tick is a hundred wake-ups a second on every node).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::Duration;
 
@@ -78,11 +78,35 @@ fn tick_forever() {
 
 /// Held while guest code may run: keeps the epoch advancing, so the guest yields and its
 /// deadline can fire.
-pub struct Ticking(&'static Ticker);
+pub struct Ticking(Disarm);
+
+impl Ticking {
+    /// A handle that lets the entry stop counting before the guard is dropped: a cell abandoned
+    /// while stuck in a host call must not keep the ticker running for a thread that may never
+    /// come back.
+    pub fn disarmer(&self) -> Disarm {
+        self.0.clone()
+    }
+}
 
 impl Drop for Ticking {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::AcqRel);
+        self.0.disarm();
+    }
+}
+
+/// Ends one guest entry's claim on the ticker, once.
+#[derive(Clone)]
+pub struct Disarm {
+    ticker: &'static Ticker,
+    armed: Arc<AtomicBool>,
+}
+
+impl Disarm {
+    pub fn disarm(&self) {
+        if self.armed.swap(false, Ordering::AcqRel) {
+            self.ticker.running.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -92,7 +116,10 @@ pub fn ticking() -> Option<Ticking> {
     if ticker.running.fetch_add(1, Ordering::AcqRel) == 0 {
         ticker.thread.unpark();
     }
-    Some(Ticking(ticker))
+    Some(Ticking(Disarm {
+        ticker,
+        armed: Arc::new(AtomicBool::new(true)),
+    }))
 }
 
 /// Builds the engine and registers it with the process's epoch ticker.

@@ -597,9 +597,7 @@ impl ModuleHandle {
             .call(deadline, move |i| {
                 Box::pin(async move {
                     i.store.data_mut().nvml.call_ends_at(end, deadline);
-                    let ticking = super::engine::ticking();
                     let answer = tracing::Instrument::instrument(f(i), span).await;
-                    drop(ticking);
                     // What the module made of a vendor library that stopped answering is not
                     // its answer: the call missed its deadline.
                     if let Some(stall) = i.store.data_mut().nvml.take_stall() {
@@ -721,7 +719,6 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
     // Yield to the cell's runtime at every epoch tick, so the deadline can fire.
     store.set_epoch_deadline(1);
     store.epoch_deadline_async_yield_and_update(1);
-    let _ticking = super::engine::ticking();
     // `--log module=NAME:LEVEL` filters on this span.
     let span = tracing::info_span!("module", name = %module.name);
     tracing::Instrument::instrument(init(module, config, store), span).await
