@@ -191,6 +191,12 @@ async fn a_failed_registration_report_makes_the_agent_serve_on_a_new_file() {
     let agent = fuse_on_watcher(&node, &kubelet, &registry).await;
     let fuse = agent.resource("devicelet.io/fuse").expect("served");
     let inode = std::fs::metadata(&fuse.socket).expect("socket").ino();
+    // The watcher's report of the first registration reaches the agent after the simulator
+    // counts it: wait for it, or it could land after the failure below and cancel the retry.
+    devicelet_tests::eventually("the first registration reported", || {
+        fuse.registration.registered()
+    })
+    .await;
 
     // What the kubelet's watcher sends when its device manager failed: on its own connection,
     // with the socket's path as `:authority`, as grpc-go does.
