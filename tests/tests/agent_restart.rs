@@ -241,15 +241,12 @@ async fn an_idle_agent_holds_two_workers_no_compiler_threads_and_no_ticking_time
         .iter()
         .find(|(name, _)| name == "devicelet-epoch")
         .expect("the epoch ticker");
-    // With no guest code running the ticker is parked: over a window of 30 ticks it does not
-    // wake once.
+    // With no guest code running the ticker is parked: over a window of 30 ticks it wakes at
+    // most for a spurious unpark or two (a ticking one switches at every tick).
     let before = context_switches(epoch);
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert_eq!(
-        context_switches(epoch),
-        before,
-        "the ticker woke while idle"
-    );
+    let woke = context_switches(epoch) - before;
+    assert!(woke <= 2, "the ticker woke {woke} times while idle");
     // And it ticks again for the next guest call: a two-device Allocate asks the module.
     node.kubelet
         .allocate("devicelet.io/fuse", 2)
