@@ -23,14 +23,30 @@ use crate::device::{Device, Health};
 pub const STALL_LIMIT: Duration = Duration::from_secs(300);
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.
-async fn initial(backend: &impl DeviceBackend, resource: &str) -> Vec<Device> {
-    match backend.enumerate(resource).await {
-        Ok(devices) => sorted(devices),
-        Err(e) => {
-            tracing::warn!("{e}");
-            Vec::new()
-        }
+async fn initial(
+    backend: &impl DeviceBackend,
+    resource: &str,
+) -> Result<Vec<Device>, BackendError> {
+    let found = backend.enumerate(resource).await.map(sorted);
+    if let Err(e) = &found {
+        tracing::warn!("{e}");
     }
+    found
+}
+
+/// When to enumerate again before the interval, as the backend's last answer asked. Only an
+/// answer may ask: a failing backend is looked at by the interval, never in a loop.
+fn recheck_at<T>(
+    backend: &impl DeviceBackend,
+    resource: &str,
+    interval: Duration,
+    found: &Result<T, BackendError>,
+) -> Option<Instant> {
+    found.as_ref().ok()?;
+    backend
+        .recheck_after(resource)
+        .filter(|after| *after < interval)
+        .map(|after| Instant::now() + after)
 }
 
 fn sorted(mut devices: Vec<Device>) -> Vec<Device> {
@@ -118,7 +134,9 @@ async fn watch_with_limit<B: DeviceBackend>(
         first = initial(&backend, &resource) => first,
         _ = stop.wait_for(|s| *s) => return,
     };
-    devices.send_replace(Arc::new(first));
+    // When the backend asked to be enumerated again, sooner than the interval.
+    let mut recheck = recheck_at(&backend, &resource, interval, &first);
+    devices.send_replace(Arc::new(first.unwrap_or_default()));
     ready.send_replace(true);
     enumerated.notify_one();
     let mut ticker = tokio::time::interval(interval);
@@ -127,11 +145,6 @@ async fn watch_with_limit<B: DeviceBackend>(
     let mut failing = false;
     // When enumerations started missing their deadline, while they keep doing so.
     let mut stalled_since: Option<Instant> = None;
-    // When the backend asked to be enumerated again, sooner than the interval.
-    let mut recheck: Option<Instant> = backend
-        .recheck_after(&resource)
-        .filter(|after| *after < interval)
-        .map(|after| Instant::now() + after);
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -143,15 +156,7 @@ async fn watch_with_limit<B: DeviceBackend>(
             found = backend.enumerate(&resource) => found,
             _ = stop.wait_for(|s| *s) => return,
         };
-        // Only an answer may ask for an early recheck (a failing backend is looked at by the
-        // interval, never in a loop).
-        recheck = match &found {
-            Ok(_) => backend
-                .recheck_after(&resource)
-                .filter(|after| *after < interval)
-                .map(|after| Instant::now() + after),
-            Err(_) => None,
-        };
+        recheck = recheck_at(&backend, &resource, interval, &found);
         let next = match found {
             Ok(found) => {
                 if failing || stalled_since.is_some() {

@@ -89,39 +89,36 @@ struct Job<S> {
     refuse: Box<dyn FnOnce(Failure) + Send>,
 }
 
-/// The job a cell is running, and by when it should have ended.
+/// The job a cell is running: its id, by when it should have ended, and its claim on the epoch
+/// ticker.
 #[derive(Default)]
 struct Running {
-    now: Mutex<Option<(u64, Instant)>>,
-    /// The running job's claim on the epoch ticker.
-    ticking: Mutex<Option<super::engine::Disarm>>,
+    now: Mutex<Option<(u64, Instant, Option<super::engine::Disarm>)>>,
 }
 
 impl Running {
     fn start(&self, id: u64, until: Instant, ticking: Option<super::engine::Disarm>) {
-        *self.now.lock().unwrap_or_else(|p| p.into_inner()) = Some((id, until));
-        *self.ticking.lock().unwrap_or_else(|p| p.into_inner()) = ticking;
+        *self.now.lock().unwrap_or_else(|p| p.into_inner()) = Some((id, until, ticking));
     }
 
     fn end(&self) {
         *self.now.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        *self.ticking.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// The cell is abandoned: its stuck job no longer keeps the ticker running.
     fn disarm(&self) {
-        if let Some(ticking) = self
-            .ticking
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        let now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, _, Some(ticking))) = now.as_ref() {
             ticking.disarm();
         }
     }
 
     fn get(&self) -> Option<(u64, Instant)> {
-        *self.now.lock().unwrap_or_else(|p| p.into_inner())
+        self.now
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(id, until, _)| (*id, *until))
     }
 
     /// Whether the running job is past its end by more than [`STUCK_GRACE`]: its thread is

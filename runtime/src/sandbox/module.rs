@@ -372,7 +372,6 @@ impl ModuleHandle {
                 self.health_deadline,
                 move |i| {
                     Box::pin(async move {
-                        i.store.data_mut().schedule.take();
                         let r = i.plugin.devicelet_plugin_plugin();
                         let found = r.call_enumerate(&mut i.store, &owned).await;
                         let recheck = i.store.data_mut().schedule.take();
@@ -597,6 +596,8 @@ impl ModuleHandle {
             .call(deadline, move |i| {
                 Box::pin(async move {
                     i.store.data_mut().nvml.call_ends_at(end, deadline);
+                    // A recheck counts only when asked during this call.
+                    i.store.data_mut().schedule.take();
                     let answer = tracing::Instrument::instrument(f(i), span).await;
                     // What the module made of a vendor library that stopped answering is not
                     // its answer: the call missed its deadline.
