@@ -680,10 +680,12 @@ async fn serial_by_cdi() -> (Node, Agent) {
     (node, agent)
 }
 
-/// Once the serial port's devices may be named by CDI again, one Allocate of it.
+/// Once the serial port's devices may be named by CDI again (no error, and the agent names the
+/// file on disk: the bytes can be back before it does), one Allocate of it.
 async fn allocate_once_named_again(node: &Node, agent: &Agent) -> Allocation {
     eventually("devices named again", || {
-        cdi_status(agent, "devicelet.io/serial").error.is_none()
+        let cdi = cdi_status(agent, "devicelet.io/serial");
+        cdi.error.is_none() && cdi.devices == 1
     })
     .await;
     node.kubelet

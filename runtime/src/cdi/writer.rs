@@ -187,6 +187,8 @@ impl SpecWriter {
                 }
                 None => {
                     if checked.replaced {
+                        // Nothing names the file there now, until ours is back in place.
+                        self.view.send_replace(None);
                         self.written.foreign.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(
                             file = %self.path.display(),
