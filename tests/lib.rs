@@ -285,8 +285,7 @@ pub fn probe_error(devices: &[Device]) -> String {
     devices
         .iter()
         .find(|d| d.id == "evil-0")
-        .and_then(|d| d.attributes.iter().find(|(k, _)| k == "error"))
-        .map(|(_, v)| v.clone())
+        .and_then(|d| d.attribute("error"))
         .unwrap_or_default()
 }
 

@@ -11,6 +11,31 @@ pub const MAX_DEVICES: usize = 16_384;
 /// Longest device ID (a replica's `::<n>` suffix included).
 pub const MAX_ID: usize = 128;
 
+/// What a module's `init` answered: its own version (empty for a 0.1 module) and its resources.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModuleInfo {
+    pub version: String,
+    pub resources: Vec<ResourceInfo>,
+}
+
+/// What `init` is told: the config table as JSON, the resource domain, and the names the
+/// resources are served under (by declared name), once known.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct InitContext {
+    pub config: String,
+    pub resource_domain: String,
+    pub served_as: Vec<(String, String)>,
+}
+
+/// One allocation as the module sees it: the resource by its declared name, the devices, and the
+/// request's opaque config (JSON; empty from the device-plugin front end).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Request {
+    pub resource: String,
+    pub ids: Vec<String>,
+    pub config: String,
+}
+
 /// A resource a module serves, as declared by its `init`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResourceInfo {
@@ -30,8 +55,106 @@ pub enum Health {
 pub struct Device {
     pub id: String,
     pub health: Health,
+    /// Why it is unhealthy, when the module said (WIT 0.2); None while healthy.
+    pub health_reason: Option<String>,
     pub numa_nodes: Vec<i64>,
-    pub attributes: Vec<(String, String)>,
+    pub attributes: Vec<(String, AttributeValue)>,
+    /// Name and Kubernetes quantity (`80Gi`).
+    pub capacities: Vec<(String, String)>,
+    /// Devices of one resource with the same group are allocated together or not at all.
+    pub group: Option<String>,
+    /// Never shared: a sharing rule for its resource is refused.
+    pub exclusive: bool,
+    /// What a container needs for this device alone: with them for every device of a request,
+    /// the host answers Allocate without calling the module.
+    pub edits: Option<ContainerEdits>,
+}
+
+impl Device {
+    /// A device with nothing but its ID and health: what a 0.1 module's device converts from,
+    /// and what tests build on.
+    pub fn new(id: impl Into<String>, health: Health) -> Device {
+        Device {
+            id: id.into(),
+            health,
+            health_reason: None,
+            numa_nodes: Vec::new(),
+            attributes: Vec::new(),
+            capacities: Vec::new(),
+            group: None,
+            exclusive: false,
+            edits: None,
+        }
+    }
+
+    /// The text of attribute `name`, whatever its kind.
+    pub fn attribute(&self, name: &str) -> Option<String> {
+        self.attributes
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
+/// A device's attributes and capacities as `validate` and `status` show them: `name=value`, a
+/// typed attribute's kind after a colon unless it is text (`cores=96:int`), a capacity as
+/// `name=quantity (capacity)`.
+pub fn describe_facts(d: &Device) -> Vec<String> {
+    let attributes = d.attributes.iter().map(|(k, v)| match v {
+        AttributeValue::Text(t) => format!("{k}={t}"),
+        other => format!("{k}={other}:{}", other.kind()),
+    });
+    let capacities = d
+        .capacities
+        .iter()
+        .map(|(k, v)| format!("{k}={v} (capacity)"));
+    attributes.chain(capacities).collect()
+}
+
+/// A typed fact about a device: the kinds DRA publishes. A 0.1 module's are all text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttributeValue {
+    Int(i64),
+    Bool(bool),
+    Text(String),
+    /// A semantic version, `1.2.3`.
+    Version(String),
+}
+
+impl AttributeValue {
+    /// The kind, as `validate` and `status` name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AttributeValue::Int(_) => "int",
+            AttributeValue::Bool(_) => "bool",
+            AttributeValue::Text(_) => "string",
+            AttributeValue::Version(_) => "version",
+        }
+    }
+
+    /// Bytes it holds, for the host-memory budget and the size checks.
+    pub fn bytes(&self) -> usize {
+        match self {
+            AttributeValue::Int(_) | AttributeValue::Bool(_) => 8,
+            AttributeValue::Text(t) | AttributeValue::Version(t) => t.len(),
+        }
+    }
+}
+
+impl std::fmt::Display for AttributeValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AttributeValue::Int(n) => write!(f, "{n}"),
+            AttributeValue::Bool(b) => write!(f, "{b}"),
+            AttributeValue::Text(t) | AttributeValue::Version(t) => f.write_str(t),
+        }
+    }
+}
+
+impl From<&str> for AttributeValue {
+    fn from(text: &str) -> Self {
+        AttributeValue::Text(text.to_owned())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +215,61 @@ pub struct ContainerEdits {
     pub devices: Vec<DeviceNode>,
     pub annotations: Vec<(String, String)>,
     pub cdi_devices: Vec<String>,
+}
+
+impl ContainerEdits {
+    /// Bytes it holds while the host keeps it: the edits and every string in them.
+    pub fn bytes(&self) -> usize {
+        let pairs = |m: &[(String, String)]| {
+            m.iter()
+                .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
+                .sum::<usize>()
+        };
+        std::mem::size_of::<ContainerEdits>()
+            + pairs(&self.envs)
+            + pairs(&self.annotations)
+            + self
+                .mounts
+                .iter()
+                .map(|m| std::mem::size_of::<Mount>() + m.container_path.len() + m.host_path.len())
+                .sum::<usize>()
+            + self
+                .devices
+                .iter()
+                .map(|d| {
+                    std::mem::size_of::<DeviceNode>()
+                        + d.container_path.len()
+                        + d.host_path.len()
+                        + d.permissions.len()
+                })
+                .sum::<usize>()
+            + self
+                .cdi_devices
+                .iter()
+                .map(|c| std::mem::size_of::<String>() + c.len())
+                .sum::<usize>()
+    }
+
+    /// The edits of several devices as one answer: each entry once, in the order first given
+    /// (what the host answers for a request whose devices all carry their own edits).
+    pub fn union<'a>(parts: impl IntoIterator<Item = &'a ContainerEdits>) -> ContainerEdits {
+        fn add<T: PartialEq + Clone>(into: &mut Vec<T>, from: &[T]) {
+            for item in from {
+                if !into.contains(item) {
+                    into.push(item.clone());
+                }
+            }
+        }
+        let mut union = ContainerEdits::default();
+        for part in parts {
+            add(&mut union.envs, &part.envs);
+            add(&mut union.mounts, &part.mounts);
+            add(&mut union.devices, &part.devices);
+            add(&mut union.annotations, &part.annotations);
+            add(&mut union.cdi_devices, &part.cdi_devices);
+        }
+        union
+    }
 }
 
 /// An error a module reported itself (as opposed to a trap or a missed deadline).

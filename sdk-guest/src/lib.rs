@@ -114,7 +114,7 @@ use std::cell::RefCell;
 pub mod bindings {
     #![allow(missing_docs)]
     wit_bindgen::generate!({
-        world: "device-plugin",
+        world: "device-plugin-full",
         path: "wit",
         pub_export_macro: true,
         export_macro_name: "__export_device_plugin",
@@ -122,7 +122,7 @@ pub mod bindings {
         runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
         additional_derives: [PartialEq, Eq],
         additional_type_attributes: {
-            "devicelet:plugin/types@0.1.2/container-edits": [#[derive(Default)]],
+            "devicelet:plugin/types@0.2.0/container-edits": [#[derive(Default)]],
         },
     });
 }
@@ -132,7 +132,10 @@ use bindings::exports::devicelet::plugin::plugin::Guest;
 
 pub use bindings::devicelet::plugin::devnodes::{NodeInfo, NodeKind};
 pub use bindings::devicelet::plugin::log::Level;
-pub use wit_types::{ContainerEdits, Device, DeviceNode, FsError, Health, Mount, ResourceInfo};
+pub use wit_types::{
+    Attribute, AttributeValue, Capacity, ContainerEdits, Device, DeviceNode, FsError, Health,
+    Mount, ResourceInfo,
+};
 
 /// Why a call failed. The host reports it with the module's name: in the agent's log, in
 /// `devicelet status`, and (for Allocate) in the pod's events, so say what an operator can act
@@ -215,7 +218,56 @@ pub trait Plugin: Sized + 'static {
     /// while the device is unchanged (registry key `allocate-ahead`, on by default). So answer
     /// from `ids` and the devices' state only (the same IDs get the same edits, whenever
     /// asked), and do side effects in [`Plugin::prestart`], which runs for every container.
-    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
+    ///
+    /// A module whose devices carry their own edits ([`Device::edits`]) need not implement it:
+    /// the host answers with the union of the devices' edits and does not call it. The default
+    /// says so in an error.
+    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
+        let _ = ids;
+        Err(PluginError::Failed(format!(
+            "{resource}: this module gives each device's edits in `enumerate` and has no \
+             `allocate` of its own"
+        )))
+    }
+
+    /// [`Plugin::allocate`] for a request that carries config: a Dynamic Resource Allocation
+    /// claim's opaque parameters for this module, as JSON (`config` is empty for the
+    /// device-plugin front end). The default refuses any config and calls
+    /// [`Plugin::allocate`] for a request without.
+    fn allocate_with_config(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+        config: &str,
+    ) -> Result<ContainerEdits, PluginError> {
+        if !config.trim().is_empty() {
+            return Err(PluginError::InvalidConfig(format!(
+                "{resource} takes no request config"
+            )));
+        }
+        self.allocate(resource, ids)
+    }
+
+    /// Checks a request's config before any device is allocated for it. The default accepts
+    /// only none.
+    fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError> {
+        if config.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(PluginError::InvalidConfig(format!(
+                "{resource} takes no request config"
+            )))
+        }
+    }
+
+    /// Told when an allocation ends, to undo on the host what [`Plugin::prestart`] set up:
+    /// called when the agent learns the request ended (a DRA claim unprepared). The kubelet's
+    /// device-plugin API never says when a container's devices are freed, so do not rely on it
+    /// there. The default does nothing.
+    fn release(&mut self, resource: &str, ids: &[String], config: &str) -> Result<(), PluginError> {
+        let _ = (resource, ids, config);
+        Ok(())
+    }
 
     /// Runs before each container using the devices starts, when the resource asked for it with
     /// [`ResourceInfo::prestart`]. An error keeps the container from starting.
@@ -277,55 +329,6 @@ pub fn default_preferred(
     chosen
 }
 
-/// A NUMA-aware choice, for a module with a policy of its own to build on (without
-/// `preferred`, the host already answers NUMA-aware for every module): `must_include` first,
-/// then devices on the NUMA nodes those are on, then the node with the fewest free devices
-/// that still holds the rest (keeping bigger nodes whole for bigger requests), then the
-/// fullest nodes. `numa_of` says each device's node (None: no affinity, grouped as a node of
-/// its own). Obeys every host rule, like [`default_preferred`].
-pub fn numa_preferred(
-    available: &[String],
-    must_include: &[String],
-    size: usize,
-    numa_of: impl Fn(&str) -> Option<i64>,
-) -> Vec<String> {
-    let mut chosen: Vec<String> = Vec::new();
-    for id in must_include.iter().filter(|id| available.contains(id)) {
-        if chosen.len() < size && !chosen.contains(id) {
-            chosen.push(id.clone());
-        }
-    }
-    let mut by_node: std::collections::BTreeMap<Option<i64>, Vec<&String>> = Default::default();
-    for id in available {
-        if !chosen.contains(id) && !by_node.values().any(|ids| ids.contains(&id)) {
-            by_node.entry(numa_of(id)).or_default().push(id);
-        }
-    }
-    let home: Vec<Option<i64>> = chosen.iter().map(|id| numa_of(id)).collect();
-    let need = size.saturating_sub(chosen.len());
-    let mut order: Vec<(Option<i64>, Vec<&String>)> = by_node.into_iter().collect();
-    // Home nodes first; then the smallest node that holds everything needed; then the largest.
-    order.sort_by_key(|(node, ids)| {
-        let fits = ids.len() >= need;
-        (
-            !home.contains(node),
-            !fits,
-            if fits {
-                ids.len()
-            } else {
-                usize::MAX - ids.len()
-            },
-        )
-    });
-    for id in order.into_iter().flat_map(|(_, ids)| ids) {
-        if chosen.len() >= size {
-            break;
-        }
-        chosen.push(id.clone());
-    }
-    chosen
-}
-
 impl Device {
     /// A healthy device with no NUMA affinity and no attributes.
     pub fn healthy(id: impl Into<String>) -> Self {
@@ -342,9 +345,21 @@ impl Device {
         Self {
             id: id.into(),
             health,
+            health_reason: None,
             numa_nodes: Vec::new(),
             attributes: Vec::new(),
+            capacities: Vec::new(),
+            group: None,
+            exclusive: false,
+            edits: None,
         }
+    }
+
+    /// An unhealthy device, and why: `validate`, `status` and the agent's log show the reason.
+    pub fn unhealthy_because(id: impl Into<String>, reason: impl Into<String>) -> Self {
+        let mut device = Self::new(id, Health::Unhealthy);
+        device.health_reason = Some(reason.into());
+        device
     }
 
     /// Adds a NUMA node, which the kubelet's topology manager uses to align devices with CPUs.
@@ -355,15 +370,100 @@ impl Device {
         self
     }
 
-    /// Adds a free-form fact (model, PCI address...) the host may use for policies and metrics.
+    /// Adds a typed fact: text (`&str`, `String`), an integer (`i64`) or a boolean; see
+    /// [`Device::version_attribute`] for versions. Names are C identifiers of at most 32
+    /// characters, optionally after a DNS domain and `/` (`vendor.com/model`), as Dynamic
+    /// Resource Allocation publishes them.
     ///
-    /// Two keys the host reads: `pci-address` (`0000:3b:00.0`) and `dev` (`<major>:<minor>` of
-    /// the device's character device node). A device with no [`Device::numa_node`] gets the NUMA
-    /// node sysfs gives for either, so the kubelet can align it without the module reading
-    /// topology itself.
-    pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.attributes.push((key.into(), value.into()));
+    /// Two text attributes the host reads: `pci-address` (`0000:3b:00.0`) and `dev`
+    /// (`<major>:<minor>` of the device's character device node). A device with no
+    /// [`Device::numa_node`] gets the NUMA node sysfs gives for either, so the kubelet can align
+    /// it without the module reading topology itself.
+    pub fn attribute(mut self, name: impl Into<String>, value: impl Into<AttributeValue>) -> Self {
+        self.attributes.push(Attribute {
+            name: name.into(),
+            value: value.into(),
+        });
         self
+    }
+
+    /// The value of the text attribute `name`, if the device has one (for tests).
+    pub fn text(&self, name: &str) -> Option<&str> {
+        self.attributes.iter().find_map(|a| match &a.value {
+            AttributeValue::Text(t) if a.name == name => Some(t.as_str()),
+            _ => None,
+        })
+    }
+
+    /// Adds a semantic-version fact (`driverVersion` = `550.54.15` is not one; `1.2.3` is).
+    pub fn version_attribute(
+        mut self,
+        name: impl Into<String>,
+        version: impl Into<String>,
+    ) -> Self {
+        self.attributes.push(Attribute {
+            name: name.into(),
+            value: AttributeValue::Version(version.into()),
+        });
+        self
+    }
+
+    /// Adds an amount the device has, as a Kubernetes quantity (`80Gi`, `4`).
+    pub fn capacity(mut self, name: impl Into<String>, quantity: impl Into<String>) -> Self {
+        self.capacities.push(Capacity {
+            name: name.into(),
+            value: quantity.into(),
+        });
+        self
+    }
+
+    /// Puts the device in a group: devices of one resource in the same group are allocated
+    /// together or not at all (the functions of one IOMMU group). The host's preferred
+    /// allocation keeps groups whole, and it refuses a request that splits one before calling
+    /// the module.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// Marks the device as never shared: the agent refuses a `[module.sharing]` rule that
+    /// would advertise it more than once, and serves no device of that resource until the rule
+    /// goes.
+    pub fn exclusive(mut self) -> Self {
+        self.exclusive = true;
+        self
+    }
+
+    /// What a container needs for this device alone. When every device of a request has them,
+    /// the host answers the request with their union (and names them in CDI specs) without
+    /// calling [`Plugin::allocate`].
+    pub fn edits(mut self, edits: ContainerEdits) -> Self {
+        self.edits = Some(edits);
+        self
+    }
+}
+
+impl From<&str> for AttributeValue {
+    fn from(text: &str) -> Self {
+        AttributeValue::Text(text.to_owned())
+    }
+}
+
+impl From<String> for AttributeValue {
+    fn from(text: String) -> Self {
+        AttributeValue::Text(text)
+    }
+}
+
+impl From<i64> for AttributeValue {
+    fn from(n: i64) -> Self {
+        AttributeValue::Int(n)
+    }
+}
+
+impl From<bool> for AttributeValue {
+    fn from(b: bool) -> Self {
+        AttributeValue::Boolean(b)
     }
 }
 
@@ -687,7 +787,14 @@ thread_local! {
 /// The object-safe part of [`Plugin`], so the instance can live in one non-generic static.
 trait ErasedPlugin {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
-    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError>;
+    fn allocate_with_config(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+        config: &str,
+    ) -> Result<ContainerEdits, PluginError>;
+    fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError>;
+    fn release(&mut self, resource: &str, ids: &[String], config: &str) -> Result<(), PluginError>;
     fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError>;
     fn preferred(
         &mut self,
@@ -702,8 +809,19 @@ impl<P: Plugin> ErasedPlugin for P {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
         Plugin::enumerate(self, resource)
     }
-    fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
-        Plugin::allocate(self, resource, ids)
+    fn allocate_with_config(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+        config: &str,
+    ) -> Result<ContainerEdits, PluginError> {
+        Plugin::allocate_with_config(self, resource, ids, config)
+    }
+    fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError> {
+        Plugin::validate_config(self, resource, config)
+    }
+    fn release(&mut self, resource: &str, ids: &[String], config: &str) -> Result<(), PluginError> {
+        Plugin::release(self, resource, ids, config)
     }
     fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError> {
         Plugin::prestart(self, resource, ids)
@@ -731,20 +849,67 @@ fn with_instance<T>(
     })
 }
 
+/// What the agent told this instance at `init`, beyond the config: the registry's resource
+/// domain and the full names the module's resources are served under (WIT 0.2).
+///
+/// Call these from [`Plugin::init`] or later. The agent learns the names from the module's
+/// first `init` (the resources it declares), so that first instance sees none; every instance
+/// that answers a call sees them all. The test kit does the same.
+pub mod context {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static CONTEXT: RefCell<(String, Vec<(String, String)>)> =
+            const { RefCell::new((String::new(), Vec::new())) };
+    }
+
+    /// Records what `init` was told (the export adapter and the test kit call it).
+    #[doc(hidden)]
+    pub fn set(resource_domain: &str, served_as: Vec<(String, String)>) {
+        CONTEXT.with(|c| *c.borrow_mut() = (resource_domain.to_owned(), served_as));
+    }
+
+    /// The registry's resource domain for this module (`devicelet.io` unless set): what a
+    /// resource name without a `/` is prefixed with.
+    pub fn resource_domain() -> String {
+        CONTEXT.with(|c| c.borrow().0.clone())
+    }
+
+    /// The full name the resource the module declared as `declared` is served under
+    /// (`vendor.com/vf`, or `vendor.com/gpu.shared` when the registry shares and renames it);
+    /// None before the agent knows it, or when it serves no such resource.
+    pub fn served_as(declared: &str) -> Option<String> {
+        CONTEXT.with(|c| {
+            c.borrow()
+                .1
+                .iter()
+                .find(|(d, _)| d == declared)
+                .map(|(_, s)| s.clone())
+        })
+    }
+}
+
 /// Implementation details used by [`export_plugin!`]; not part of the API.
 #[doc(hidden)]
 pub mod __private {
     pub use wit_bindgen;
 
     use super::*;
-    use wit_types::PluginError as WitError;
+    use bindings::exports::devicelet::plugin::config::Guest as ConfigGuest;
+    use bindings::exports::devicelet::plugin::release::Guest as ReleaseGuest;
+    use wit_types::{InitContext, ModuleInfo, PluginError as WitError, Request};
 
-    /// Binds the WIT export to a [`Plugin`] type; the export macro names it through a type
+    /// The module crate's version, as `export_plugin!` reads it from the crate's manifest.
+    pub trait Version {
+        const VERSION: &'static str;
+    }
+
+    /// Binds the WIT exports to a [`Plugin`] type; the export macro names it through a type
     /// alias because the generated macro only accepts an identifier.
-    pub struct Adapter<P>(std::marker::PhantomData<P>);
+    pub struct Adapter<P, V>(std::marker::PhantomData<(P, V)>);
 
-    impl<P: Plugin> Guest for Adapter<P> {
-        fn init(config: String) -> Result<Vec<ResourceInfo>, WitError> {
+    impl<P: Plugin, V: Version> Guest for Adapter<P, V> {
+        fn init(context: InitContext) -> Result<ModuleInfo, WitError> {
             // Drop any previous instance first so a failed re-init leaves "not initialised"
             // rather than a stale plugin configured from an older config.
             let cleared = INSTANCE.with(|cell| match cell.try_borrow_mut() {
@@ -757,11 +922,15 @@ pub mod __private {
             if !cleared {
                 return Err(PluginError::Failed("plugin re-entered".to_string()).into());
             }
-            let (plugin, resources) = P::init(&config).map_err(WitError::from)?;
+            crate::context::set(&context.resource_domain, context.served_as);
+            let (plugin, resources) = P::init(&context.config).map_err(WitError::from)?;
             INSTANCE.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut slot) => {
                     *slot = Some(Box::new(plugin));
-                    Ok(resources)
+                    Ok(ModuleInfo {
+                        version: V::VERSION.to_owned(),
+                        resources,
+                    })
                 }
                 Err(_) => Err(PluginError::Failed("plugin re-entered".to_string()).into()),
             })
@@ -771,8 +940,11 @@ pub mod __private {
             with_instance(|p| p.enumerate(&resource_name)).map_err(WitError::from)
         }
 
-        fn allocate(resource_name: String, ids: Vec<String>) -> Result<ContainerEdits, WitError> {
-            with_instance(|p| p.allocate(&resource_name, &ids)).map_err(WitError::from)
+        fn allocate(request: Request) -> Result<ContainerEdits, WitError> {
+            with_instance(|p| {
+                p.allocate_with_config(&request.resource_name, &request.ids, &request.config)
+            })
+            .map_err(WitError::from)
         }
 
         fn prestart(resource_name: String, ids: Vec<String>) -> Result<(), WitError> {
@@ -788,6 +960,19 @@ pub mod __private {
             let size = usize::try_from(size).unwrap_or(usize::MAX);
             with_instance(|p| p.preferred(&resource_name, &available, &must_include, size))
                 .map_err(WitError::from)
+        }
+    }
+
+    impl<P: Plugin, V: Version> ReleaseGuest for Adapter<P, V> {
+        fn release(request: Request) -> Result<(), WitError> {
+            with_instance(|p| p.release(&request.resource_name, &request.ids, &request.config))
+                .map_err(WitError::from)
+        }
+    }
+
+    impl<P: Plugin, V: Version> ConfigGuest for Adapter<P, V> {
+        fn validate_config(resource_name: String, config: String) -> Result<(), WitError> {
+            with_instance(|p| p.validate_config(&resource_name, &config)).map_err(WitError::from)
         }
     }
 }
@@ -808,8 +993,13 @@ macro_rules! export_plugin {
     ($plugin:ty) => {
         #[cfg(target_arch = "wasm32")]
         const _: () = {
-            type __DeviceletPluginExport = $crate::__private::Adapter<$plugin>;
-            $crate::__export_device_plugin_impl!(
+            struct __DeviceletModuleVersion;
+            impl $crate::__private::Version for __DeviceletModuleVersion {
+                const VERSION: &'static str = ::core::env!("CARGO_PKG_VERSION");
+            }
+            type __DeviceletPluginExport =
+                $crate::__private::Adapter<$plugin, __DeviceletModuleVersion>;
+            $crate::__export_device_plugin_full_impl!(
                 __DeviceletPluginExport with_types_in $crate::bindings
             );
         };
@@ -849,30 +1039,6 @@ mod tests {
         let got = default_preferred(&ids(&["a", "b", "a"]), &ids(&["x", "b", "b"]), 3);
         assert_eq!(got, ids(&["b", "a"]));
         assert!(default_preferred(&ids(&["a"]), &[], 0).is_empty());
-    }
-
-    #[test]
-    fn numa_preferred_keeps_a_request_on_one_node() {
-        let devices = ids(&["a0", "a1", "b0", "b1", "b2", "c0"]);
-        let node = |id: &str| match id.as_bytes()[0] {
-            b'a' => Some(0),
-            b'b' => Some(1),
-            _ => None,
-        };
-        // Two fit node 0 (the smaller node that holds them) whole.
-        assert_eq!(numa_preferred(&devices, &[], 2, node), ids(&["a0", "a1"]));
-        // Three only fit node 1.
-        assert_eq!(
-            numa_preferred(&devices, &[], 3, node),
-            ids(&["b0", "b1", "b2"])
-        );
-        // A must-include on node 1 draws the rest there.
-        assert_eq!(
-            numa_preferred(&devices, &ids(&["b2"]), 2, node),
-            ids(&["b2", "b0"])
-        );
-        let got = numa_preferred(&devices, &ids(&["x"]), 10, node);
-        assert_eq!(got.len(), 6, "never an ID not offered: {got:?}");
     }
 
     #[test]

@@ -88,7 +88,7 @@ async fn device_globs_see_only_granted_nodes() {
             d.attributes
                 .iter()
                 .filter(|(k, _)| k == "path")
-                .map(|(_, v)| v.clone())
+                .map(|(_, v)| v.to_string())
         })
         .collect();
     assert_eq!(found, ["/dev/fuse"], "/dev/kvm exists but is not granted");

@@ -112,7 +112,7 @@ path = "{deep}"
         found[0].attributes,
         [(
             "path".to_string(),
-            format!("/dev/loop{}", "/self".repeat(20))
+            format!("/dev/loop{}", "/self".repeat(20)).as_str().into()
         )]
     );
     assert_eq!(module_status(&agent, "hostile").stats.deadlines, 0);

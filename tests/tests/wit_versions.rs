@@ -1,5 +1,5 @@
-//! The WIT is frozen per published version: a module built against an older 0.1.x keeps loading
-//! into today's agent, and one built against a version the agent does not speak is refused by
+//! The WIT is frozen per published version: a module built against any published version (0.1.x
+//! or 0.2.0) keeps loading into today's agent, and one built against a version the agent does not speak is refused by
 //! name before anything links.
 
 use devicelet::sandbox::bindings::imports::{LATEST, speaks};
@@ -63,17 +63,16 @@ async fn validate_says_which_version_a_module_implements() {
     assert!(text.contains("devicelet:plugin/devnodes@0.1.0"), "{text}");
 }
 
-/// generic-dev (built with today's SDK, against the latest WIT) with every `devicelet:plugin…`
-/// version in its component rewritten to `version` (the same length, so the binary stays
-/// well-formed): what a module built with another SDK looks like, when it uses only functions
-/// both versions have.
-fn built_against(dir: &std::path::Path, version: &str) -> std::path::PathBuf {
-    let mut bytes =
-        std::fs::read(module_dir().join("generic_dev.wasm")).expect("generic-dev built");
-    let mut rewritten = 0;
+/// `module` (a file in the modules directory, built against `from`) with every
+/// `devicelet:plugin…` version in its component rewritten to `to` (the same length, so the
+/// binary stays well-formed): what a module built against another version of the same line
+/// looks like, when it uses only functions both versions have.
+fn rewritten(dir: &std::path::Path, module: &str, from: &str, to: &str) -> std::path::PathBuf {
+    let mut bytes = std::fs::read(module_dir().join(module)).expect("the module built");
+    let mut count = 0;
     for interface in ["plugin", "types", "log", "devnodes"] {
-        let from = format!("devicelet:plugin/{interface}@{LATEST}");
-        let to = format!("devicelet:plugin/{interface}@{version}");
+        let from = format!("devicelet:plugin/{interface}@{from}");
+        let to = format!("devicelet:plugin/{interface}@{to}");
         let mut at = 0;
         while let Some(i) = bytes[at..]
             .windows(from.len())
@@ -81,11 +80,11 @@ fn built_against(dir: &std::path::Path, version: &str) -> std::path::PathBuf {
         {
             bytes[at + i..at + i + to.len()].copy_from_slice(to.as_bytes());
             at += i + to.len();
-            rewritten += 1;
+            count += 1;
         }
     }
-    assert!(rewritten >= 2, "generic-dev names its export and imports");
-    let path = dir.join(format!("built-against-{version}.wasm"));
+    assert!(count >= 2, "{module} names its export and imports");
+    let path = dir.join(format!("{module}-as-{to}.wasm"));
     std::fs::write(&path, bytes).expect("writing the rewritten module");
     path
 }
@@ -94,42 +93,73 @@ fn built_against(dir: &std::path::Path, version: &str) -> std::path::PathBuf {
 async fn a_module_built_against_a_newer_minor_is_refused_naming_both_versions() {
     let node = Node::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let newer = built_against(dir.path(), "0.1.7");
-    let modules = generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
-        .replace("@MODULES@/generic_dev.wasm", &newer.display().to_string());
+    let newer = rewritten(dir.path(), "generic_dev.wasm", LATEST, "0.2.7");
+    let newer_01 = rewritten(dir.path(), "wit_0_1_0.wasm", "0.1.0", "0.1.7");
+    let modules = format!(
+        "{}
+{}",
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+            .replace("@MODULES@/generic_dev.wasm", &newer.display().to_string()),
+        legacy(&newer_01.display().to_string())
+    );
     let agent = node.start_agent(&modules).await;
     let errors = agent.load_errors();
-    assert_eq!(errors.len(), 1, "{errors:?}");
-    assert!(
-        errors[0].contains(&format!(
-            "module `generic-dev` was built against devicelet:plugin@0.1.7; this devicelet speaks {}",
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    for (module, version) in [("generic-dev", "0.2.7"), ("legacy", "0.1.7")] {
+        let expected = format!(
+            "module `{module}` was built against devicelet:plugin@{version}; this devicelet speaks {}",
             speaks()
-        )),
-        "{errors:?}"
-    );
-    assert_eq!(speaks(), "0.1.0 to 0.1.2");
+        );
+        assert!(errors.iter().any(|e| e.contains(&expected)), "{errors:?}");
+    }
+    assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0");
     agent.shutdown().await;
 }
 
-/// A module built with the 0.1.1 SDK (before `schedule` and `nvml.event-instance`) loads and
-/// serves in today's agent.
+/// A module built against 0.1.0, the same module as built against 0.1.1, and one built with
+/// today's SDK (0.2) serve side by side in one agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_module_built_against_0_1_1_still_loads_and_allocates() {
+async fn modules_built_against_0_1_0_0_1_1_and_0_2_serve_side_by_side() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let dir = tempfile::tempdir().expect("tempdir");
-    let older = built_against(dir.path(), "0.1.1");
-    let modules = generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
-        .replace("@MODULES@/generic_dev.wasm", &older.display().to_string());
+    let as_011 = rewritten(dir.path(), "wit_0_1_0.wasm", "0.1.0", "0.1.1");
+    let modules = format!(
+        "{}
+{}
+{}",
+        legacy("@MODULES@/wit_0_1_0.wasm"),
+        legacy(&as_011.display().to_string()).replace(
+            "name = \"legacy\"",
+            "name = \"legacy-011\"\nresource-domain = \"old.example\""
+        ),
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+    );
     let agent = node.start_agent(&modules).await;
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
-    node.kubelet
-        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
-        .await
-        .expect("served");
-    node.kubelet
-        .allocate("devicelet.io/fuse", 1)
-        .await
-        .expect("a 0.1.1 module allocates");
+    for resource in [
+        "devicelet.io/legacy",
+        "old.example/legacy",
+        "devicelet.io/fuse",
+    ] {
+        node.kubelet
+            .wait_until(resource, WAIT, |r| r.allocatable == 1)
+            .await
+            .expect("served");
+        let a = node
+            .kubelet
+            .allocate(resource, 1)
+            .await
+            .unwrap_or_else(|e| panic!("{resource}: {e}"));
+        assert_eq!(a.response.devices.len(), 1, "{resource}");
+    }
+    let mut versions: Vec<String> = agent
+        .status()
+        .modules
+        .iter()
+        .map(|m| format!("{}={}", m.name, m.version))
+        .collect();
+    versions.sort();
+    assert_eq!(versions, ["generic-dev=0.1.0", "legacy-011=", "legacy="]);
     agent.shutdown().await;
 }

@@ -41,7 +41,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let mut through_cell = Vec::new();
     for i in 0..s.n(WARMUP) + s.n(CALLS) {
         let started = Instant::now();
-        let edits = handle.allocate("fuse", ids.clone()).await?;
+        let edits = handle.allocate(fuse_request(&ids)).await?;
         let took = started.elapsed();
         std::hint::black_box(edits);
         if i >= s.n(WARMUP) {
@@ -51,7 +51,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let through_cell = Samples::new(through_cell);
 
     // Resolving the answer's device node beneath the grants, alone.
-    let answer = handle.allocate("fuse", ids.clone()).await?;
+    let answer = handle.allocate(fuse_request(&ids)).await?;
     let mut resolving = Vec::with_capacity(s.n(CALLS));
     for _ in 0..s.n(CALLS) {
         let mut edits = answer.clone();
@@ -106,9 +106,15 @@ async fn bare_calls(
     ids: &[String],
 ) -> anyhow::Result<Samples> {
     let loaded = load(engine, None, spec, &registry.host_root, &Default::default())?;
-    let mut instance = instantiate(&loaded, &spec.config.to_string())
-        .await
-        .map_err(|e| anyhow::anyhow!("instantiating: {e:?}"))?;
+    let mut instance = instantiate(
+        &loaded,
+        &devicelet::device::InitContext {
+            config: spec.config.to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("instantiating: {e:?}"))?;
     let mut samples: Vec<Duration> = Vec::new();
     for i in 0..s.n(WARMUP) + s.n(CALLS) {
         let started = Instant::now();
@@ -120,4 +126,13 @@ async fn bare_calls(
         }
     }
     Ok(Samples::new(samples))
+}
+
+/// An Allocate of `ids` of the fuse resource, as the device-plugin front end asks.
+fn fuse_request(ids: &[String]) -> devicelet::device::Request {
+    devicelet::device::Request {
+        resource: "fuse".into(),
+        ids: ids.to_vec(),
+        config: String::new(),
+    }
 }

@@ -77,6 +77,7 @@ fn policy_alone(s: &Settings) -> Row {
                 health: Health::Healthy,
                 numa_nodes: vec![gpu % 8],
                 attributes: Vec::new(),
+                ..devicelet::device::Device::new("", devicelet::device::Health::Healthy)
             })
         })
         .collect();

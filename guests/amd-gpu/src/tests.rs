@@ -37,9 +37,8 @@ fn every_amd_gpu_is_a_device_with_its_numa_node_and_nothing_else_is() {
             ("0000:23:00.0", Health::Healthy, &[1][..])
         ]
     );
-    let attributes = &devices[0].attributes;
-    assert!(attributes.contains(&("device-id".into(), "0x740f".into())));
-    assert!(attributes.contains(&("pci-address".into(), "0000:03:00.0".into())));
+    assert_eq!(devices[0].text("device-id"), Some("0x740f"));
+    assert_eq!(devices[0].text("pci-address"), Some("0000:03:00.0"));
 }
 
 #[test]
@@ -52,11 +51,7 @@ fn partition_modes_are_attributes_where_sysfs_has_them() {
         4,
         "two NUMA nodes"
     );
-    assert!(
-        devices[7]
-            .attributes
-            .contains(&("current-compute-partition".into(), "SPX".into()))
-    );
+    assert_eq!(devices[7].text("current-compute-partition"), Some("SPX"));
 }
 
 #[test]

@@ -33,6 +33,12 @@
 //!   replicas first.
 //! - `prestart-check` (default false): asks the kubelet for prestart calls, which fail when an
 //!   allocated node has disappeared since allocation.
+//! - `own-edits` (default false): each device carries its own edits (its node), so the agent
+//!   answers Allocate from them without calling the module (WIT 0.2).
+//! - `exclusive` (default false): the devices are never shared; the agent refuses a
+//!   `[module.sharing]` rule that would give them replicas (WIT 0.2).
+//! - `together` (default false): all the group's nodes are allocated together or not at all (one
+//!   device group, WIT 0.2): the agent refuses a request for part of them.
 //!
 //! # Device IDs
 //!
@@ -83,6 +89,12 @@ struct RawGroup {
     preferred: Option<Policy>,
     #[serde(default)]
     prestart_check: bool,
+    #[serde(default)]
+    own_edits: bool,
+    #[serde(default)]
+    exclusive: bool,
+    #[serde(default)]
+    together: bool,
 }
 
 fn default_count() -> u32 {
@@ -102,6 +114,13 @@ struct GroupSpec {
     permissions: String,
     preferred: Option<Policy>,
     prestart_check: bool,
+    /// Each device carries its own edits (WIT 0.2): the agent answers Allocate without calling
+    /// `allocate`.
+    own_edits: bool,
+    /// Never shared (WIT 0.2).
+    exclusive: bool,
+    /// Every node of the group is one device group: allocated together or not at all.
+    together: bool,
 }
 
 /// Parses and validates the module's config JSON.
@@ -143,6 +162,9 @@ fn parse_config(config: &str) -> Result<Vec<GroupSpec>, String> {
             permissions: group.permissions,
             preferred: group.preferred,
             prestart_check: group.prestart_check,
+            own_edits: group.own_edits,
+            exclusive: group.exclusive,
+            together: group.together,
         });
     }
     Ok(specs)
@@ -478,15 +500,29 @@ impl Plugin for GenericDev {
 
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
         let group = self.group(resource)?;
-        let count = group.spec.count;
+        let spec = group.spec.clone();
         let nodes = group.scan()?;
         Ok(nodes
             .iter()
             .flat_map(|node| {
-                device_ids(&node.base, count).into_iter().map(|id| {
-                    Device::healthy(id)
+                device_ids(&node.base, spec.count).into_iter().map(|id| {
+                    let mut device = Device::healthy(id)
                         .attribute("path", node.path.clone())
-                        .attribute("dev", format!("{}:{}", node.major, node.minor))
+                        .attribute("dev", format!("{}:{}", node.major, node.minor));
+                    if spec.own_edits {
+                        device = device.edits(ContainerEdits::default().device(
+                            node.path.clone(),
+                            node.path.clone(),
+                            spec.permissions.clone(),
+                        ));
+                    }
+                    if spec.exclusive {
+                        device = device.exclusive();
+                    }
+                    if spec.together {
+                        device = device.group(spec.name.clone());
+                    }
+                    device
                 })
             })
             .collect())
@@ -710,14 +746,29 @@ mod kit_tests {
         let fuse = module.enumerate("fuse").unwrap();
         let ids: Vec<&str> = fuse.iter().map(|d| d.id.as_str()).collect();
         assert_eq!(ids, ["fuse-0", "fuse-1"]);
-        assert!(
-            fuse[0]
-                .attributes
-                .contains(&("dev".into(), "10:229".into()))
-        );
+        assert_eq!(fuse[0].text("dev"), Some("10:229"));
         let serial = module.enumerate("serial").unwrap();
         let ids: Vec<&str> = serial.iter().map(|d| d.id.as_str()).collect();
         assert_eq!(ids, ["ttyUSB0", "ttyUSB1"]);
+    }
+
+    #[test]
+    fn own_edits_exclusive_and_together_are_on_every_device() {
+        let config = r#"{"groups": [{"name": "serial", "paths": ["/dev/ttyUSB*"],
+            "own-edits": true, "exclusive": true, "together": true}]}"#;
+        let mut module = Harness::<GenericDev>::init(node(), config).unwrap();
+        let serial = module.enumerate("serial").unwrap();
+        assert_eq!(serial.len(), 2);
+        for d in &serial {
+            assert!(d.exclusive, "{d:?}");
+            assert_eq!(d.group.as_deref(), Some("serial"));
+            let node = &d.edits.as_ref().expect("own edits").devices[0];
+            assert_eq!(node.host_path, format!("/dev/{}", d.id));
+        }
+        // As the agent answers: the union of the devices' own edits.
+        let edits = module.allocate("serial", &["ttyUSB0", "ttyUSB1"]).unwrap();
+        let paths: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
+        assert_eq!(paths, ["/dev/ttyUSB0", "/dev/ttyUSB1"]);
     }
 
     #[test]

@@ -87,13 +87,7 @@ fn eight_gpus_by_uuid_with_numa_and_nvml_facts() {
     assert_eq!(devices.len(), 8);
     assert_eq!(devices[5].id, uuid(5));
     assert_eq!(devices[5].numa_nodes, vec![1]);
-    let attr = |k: &str| {
-        devices[5]
-            .attributes
-            .iter()
-            .find(|(key, _)| key == k)
-            .map(|(_, v)| v.clone())
-    };
+    let attr = |k: &str| devices[5].text(k).map(str::to_owned);
     assert_eq!(attr("memory-mib").as_deref(), Some("81920"));
     assert_eq!(attr("pci-address").as_deref(), Some("0000:0c:00.0"));
     assert!(devices.iter().all(|d| d.health == Health::Healthy));
@@ -339,12 +333,7 @@ fn mig_single_serves_mig_devices_under_gpu_with_their_caps_nodes() {
         .enumerate("gpu")
         .unwrap()
         .into_iter()
-        .filter_map(|d| {
-            d.attributes
-                .into_iter()
-                .find(|(k, _)| k == "name")
-                .map(|(_, v)| v)
-        })
+        .filter_map(|d| d.text("name").map(str::to_owned))
         .collect();
     assert_eq!(names[0], "NVIDIA A100-SXM4-80GB MIG 1g.10gb");
     let e = Harness::<NvidiaGpu>::init(mig_node("1g.10gb", true), r#"{"mig-strategy": "single"}"#)

@@ -74,7 +74,10 @@ pub async fn start_module(
         module: spec.name.clone(),
         message: format!("loader panicked: {e}"),
     })??;
-    ModuleHandle::start(loaded).await
+    ModuleHandle::start(loaded, |info| {
+        resource::served_name(&spec.resource_domain, info, spec.sharing.rule(&info.name)).ok()
+    })
+    .await
 }
 
 /// Which of a module's declared resources `run` serves, under which names, and why the others

@@ -52,6 +52,9 @@ pub struct LedgerStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModuleStatus {
     pub name: String,
+    /// The module's own version, as its `init` said (WIT 0.2); empty for a 0.1 module.
+    #[serde(default)]
+    pub version: String,
     /// sha256 of the running module file.
     pub digest: String,
     /// Traps, missed deadlines, refused answers...: what the sandbox caught so far.
@@ -123,6 +126,12 @@ pub struct DeviceStatus {
     /// Whether a single-device Allocate of it is answered from an answer prepared ahead of time.
     #[serde(default)]
     pub prepared: bool,
+    /// Why it is unhealthy, when the module said (WIT 0.2).
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Its typed attributes and capacities, as `name=value` (WIT 0.2 types; 0.1 ones are text).
+    #[serde(default)]
+    pub attributes: Vec<String>,
 }
 
 pub(super) fn collect(shared: &Shared) -> Status {
@@ -134,6 +143,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
             let (used, limit) = handle.host_memory();
             ModuleStatus {
                 name: m.spec.name.clone(),
+                version: handle.version().to_owned(),
                 digest: handle.digest().to_owned(),
                 stats: handle.stats(),
                 failed: handle.failure(),
@@ -160,6 +170,8 @@ pub(super) fn collect(shared: &Shared) -> Status {
                         allocated: held.is_some(),
                         holder: held.and_then(|(_, h)| h.clone()),
                         prepared: r.prepared.is_ready(&d.id),
+                        reason: d.health_reason.clone(),
+                        attributes: crate::device::describe_facts(d),
                     }
                 })
                 .collect();

@@ -30,10 +30,15 @@ fn render(status: &Status) -> String {
     for m in &status.modules {
         let s = m.stats;
         out += &format!(
-            "module {} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors, \
+            "module {}{} (sha256 {}…): {} traps, {} missed deadlines, {} refused answers, {} errors, \
              {} cells abandoned, {} log lines dropped; {} allocate calls; host memory {} of {} \
              bytes\n",
             m.name,
+            if m.version.is_empty() {
+                String::new()
+            } else {
+                format!(" {}", m.version)
+            },
             m.digest.get(..12).unwrap_or(&m.digest),
             s.traps,
             s.deadlines,
@@ -91,6 +96,12 @@ fn render(status: &Status) -> String {
                 (None, false) => "free".into(),
             };
             out += &format!("  {:<24} {:<9} {holder}\n", d.id, health);
+            if let Some(reason) = d.reason.as_ref().filter(|_| !d.healthy) {
+                out += &format!("    unhealthy: {reason}\n");
+            }
+            if !d.attributes.is_empty() {
+                out += &format!("    {}\n", d.attributes.join(", "));
+            }
         }
         if r.shared {
             out += &replicas_in_use(&r.devices);
@@ -181,6 +192,8 @@ mod tests {
             allocated,
             holder: None,
             prepared: true,
+            reason: None,
+            attributes: Vec::new(),
         };
         let status = Status {
             modules: Vec::new(),

@@ -61,6 +61,9 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             interface.version,
             host.join(", ")
         );
+        if !module.version().is_empty() {
+            println!("  module version {}", module.version());
+        }
         let sysfs: Vec<_> = spec.grants.sysfs.iter().map(|p| p.as_str()).collect();
         let dev: Vec<_> = spec.grants.dev.iter().map(|p| p.as_str()).collect();
         println!("  may read sysfs: {}", list_or_nothing(&sysfs));
@@ -197,17 +200,22 @@ fn print_devices(devices: &[Device]) {
             let nodes: Vec<String> = d.numa_nodes.iter().map(i64::to_string).collect();
             format!(" NUMA {}", nodes.join(","))
         };
-        let attributes = if d.attributes.is_empty() {
+        let facts = crate::device::describe_facts(d);
+        let attributes = if facts.is_empty() {
             String::new()
         } else {
-            let pairs: Vec<String> = d
-                .attributes
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            format!(" {{{}}}", pairs.join(", "))
+            format!(" {{{}}}", facts.join(", "))
         };
-        println!("    {} {health}{numa}{attributes}", d.id);
+        let extra = [
+            d.group.as_ref().map(|g| format!(" group {g}")),
+            d.exclusive.then(|| " exclusive".to_owned()),
+            d.edits.as_ref().map(|_| " (own edits)".to_owned()),
+            d.health_reason.as_ref().map(|r| format!(": {r}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<String>();
+        println!("    {} {health}{numa}{attributes}{extra}", d.id);
     }
 }
 

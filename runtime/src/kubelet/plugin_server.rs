@@ -104,14 +104,35 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
                 *usage.in_use.entry(physical_id(id)).or_default() += 1;
             }
         }
-        preferred::choose(
+        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        let chosen = preferred::choose(
             &snapshot,
             &request.available_device_i_ds,
             &request.must_include_device_i_ds,
-            usize::try_from(size).unwrap_or(usize::MAX),
+            size,
             spread,
             &usage,
+        );
+        crate::policy::groups::keep_whole(
+            &snapshot,
+            &request.available_device_i_ds,
+            &request.must_include_device_i_ds,
+            chosen,
+            size,
         )
+    }
+
+    /// Refuses a request that would split a device group (WIT 0.2), as the kubelet's error:
+    /// the module never sees it.
+    fn whole_groups(&self, ids: &[String]) -> Result<(), Status> {
+        let snapshot = self.devices.borrow().clone();
+        match crate::policy::groups::split(&snapshot, &self.physical(ids)) {
+            Some(why) => Err(Status::invalid_argument(format!(
+                "{}: {why}",
+                self.resource
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn known(&self, ids: &[String]) -> Result<(), Status> {
@@ -372,6 +393,7 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         let requests = request.into_inner().container_requests;
         for c in &requests {
             self.known(&c.devices_ids)?;
+            self.whole_groups(&c.devices_ids)?;
         }
         let mut container_responses = Vec::with_capacity(requests.len());
         for c in &requests {
@@ -478,6 +500,7 @@ mod tests {
                 },
                 numa_nodes: Vec::new(),
                 attributes: Vec::new(),
+                ..crate::device::Device::new("", crate::device::Health::Healthy)
             })
             .to_vec();
         let (devices_tx, devices) = watch::channel(Arc::new(devices));
@@ -540,6 +563,7 @@ mod tests {
                     health: Health::Healthy,
                     numa_nodes: Vec::new(),
                     attributes: Vec::new(),
+                    ..crate::device::Device::new("", crate::device::Health::Healthy)
                 })
                 .collect(),
             ));

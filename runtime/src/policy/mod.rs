@@ -1,6 +1,7 @@
 //! What the host decides for every resource, whatever module serves it: pure functions over the
 //! device snapshot, free of WebAssembly and of gRPC, so they are tested and measured alone.
 
+pub mod groups;
 pub mod preferred;
 pub mod sharing;
 pub mod topology;

@@ -255,6 +255,7 @@ mod tests {
             health,
             numa_nodes: numa.to_vec(),
             attributes: Vec::new(),
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 

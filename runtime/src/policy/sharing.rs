@@ -72,6 +72,14 @@ fn expand(
             )));
         }
         let replicas = rule.replicas_of(&d.id);
+        if d.exclusive && replicas > 1 {
+            return Err(BackendError::Invalid(format!(
+                "module `{module}` marks device {:?} exclusive (never shared), but the \
+                 registry's [module.sharing] gives it {replicas} replicas: no device of the \
+                 resource is served until the rule goes (or sets `devices = {{ {:?} = 1 }}`)",
+                d.id, d.id
+            )));
+        }
         if replicas <= 1 {
             out.push(d);
             continue;
@@ -197,6 +205,7 @@ mod tests {
                     health: Health::Healthy,
                     numa_nodes: vec![1],
                     attributes: Vec::new(),
+                    ..crate::device::Device::new("", crate::device::Health::Healthy)
                 })
                 .into())
         }
@@ -288,6 +297,7 @@ mod tests {
                 health: Health::Healthy,
                 numa_nodes: Vec::new(),
                 attributes: Vec::new(),
+                ..crate::device::Device::new("", crate::device::Health::Healthy)
             })
             .collect();
         let e = expand(many, &rule(200), "m").unwrap_err();
@@ -297,6 +307,7 @@ mod tests {
             health: Health::Healthy,
             numa_nodes: Vec::new(),
             attributes: Vec::new(),
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }];
         let e = expand(long, &rule(12), "m").unwrap_err();
         assert!(e.to_string().contains("at most 128"), "{e}");

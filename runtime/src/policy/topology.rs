@@ -72,7 +72,10 @@ fn sysfs_file(device: &Device) -> Option<String> {
             .attributes
             .iter()
             .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+            .and_then(|(_, v)| match v {
+                crate::device::AttributeValue::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
     };
     if let Some(address) = attribute(PCI_ADDRESS).filter(|a| is_pci_address(a)) {
         return Some(format!("/sys/bus/pci/devices/{address}/numa_node"));
@@ -130,8 +133,9 @@ mod tests {
             numa_nodes: numa.to_vec(),
             attributes: attributes
                 .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .map(|(k, v)| (k.to_string(), (*v).into()))
                 .collect(),
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 

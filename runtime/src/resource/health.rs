@@ -308,6 +308,7 @@ mod tests {
             health,
             numa_nodes: vec![0],
             attributes: vec![("temperature".into(), attribute.into())],
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 
@@ -321,7 +322,7 @@ mod tests {
         assert!(!rx.has_changed().unwrap(), "the kubelet sees nothing new");
         assert_eq!(
             rx.borrow()[0].attributes[0].1,
-            "41C",
+            crate::device::AttributeValue::from("41C"),
             "but the host keeps the new value"
         );
         publish(&tx, vec![device("a", Health::Unhealthy, "90C")]);

@@ -224,7 +224,7 @@ impl Prepared {
         let (kept, bytes) = match answer {
             None => (Kept::Failed, 0),
             Some(answer) => {
-                let bytes = cost(&answer);
+                let bytes = ContainerEdits::bytes(&answer);
                 let total = answers.bytes.saturating_add(bytes);
                 match upkeep.keep_answers(resource, total) {
                     Ok(()) => (Kept::Answer(Arc::new(answer)), bytes),
@@ -252,39 +252,6 @@ impl Prepared {
     fn stop(&self, generation: u64) {
         self.lock().stopped = Some(generation);
     }
-}
-
-/// Bytes an answer holds while kept: the edits and every string in them.
-fn cost(a: &ContainerEdits) -> usize {
-    let pairs = |m: &[(String, String)]| {
-        m.iter()
-            .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
-            .sum::<usize>()
-    };
-    std::mem::size_of::<ContainerEdits>()
-        + pairs(&a.envs)
-        + pairs(&a.annotations)
-        + a.mounts
-            .iter()
-            .map(|m| {
-                std::mem::size_of::<crate::device::Mount>()
-                    + m.container_path.len()
-                    + m.host_path.len()
-            })
-            .sum::<usize>()
-        + a.devices
-            .iter()
-            .map(|d| {
-                std::mem::size_of::<crate::device::DeviceNode>()
-                    + d.container_path.len()
-                    + d.host_path.len()
-                    + d.permissions.len()
-            })
-            .sum::<usize>()
-        + a.cdi_devices
-            .iter()
-            .map(|c| std::mem::size_of::<String>() + c.len())
-            .sum::<usize>()
 }
 
 /// Prepares answers for `resource` whenever `wake` fires (after every enumeration), until `stop`.
@@ -421,6 +388,7 @@ mod tests {
             health,
             numa_nodes: vec![0],
             attributes: vec![("temperature".into(), temperature.into())],
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 
@@ -587,7 +555,7 @@ mod tests {
 
     #[tokio::test]
     async fn answers_past_the_budget_are_not_kept() {
-        let one = cost(&ContainerEdits {
+        let one = ContainerEdits::bytes(&ContainerEdits {
             envs: vec![("DEV".into(), "d0@0".into())],
             ..ContainerEdits::default()
         });

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::checks::Violation;
-use crate::device::Device;
+use crate::device::{ContainerEdits, Device};
 
 /// Most bytes one device's entry may take: an ID, NUMA nodes and a few attributes fit many times.
 pub const MAX_DEVICE_BYTES: usize = 16 * 1024;
@@ -24,8 +24,15 @@ pub fn cost(devices: &[Device]) -> Result<usize, Violation> {
             + d.numa_nodes.len() * std::mem::size_of::<i64>()
             + d.attributes
                 .iter()
+                .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.bytes())
+                .sum::<usize>()
+            + d.capacities
+                .iter()
                 .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
-                .sum::<usize>();
+                .sum::<usize>()
+            + d.health_reason.as_ref().map_or(0, String::len)
+            + d.group.as_ref().map_or(0, String::len)
+            + d.edits.as_ref().map_or(0, ContainerEdits::bytes);
         if one > MAX_DEVICE_BYTES {
             return Err(format!(
                 "device {:?} takes {one} bytes of host memory; at most {MAX_DEVICE_BYTES} allowed per device",
@@ -125,8 +132,9 @@ mod tests {
             health: Health::Healthy,
             numa_nodes: vec![0],
             attributes: (0..attributes)
-                .map(|i| (format!("k{i}"), "v".repeat(value)))
+                .map(|i| (format!("k{i}"), "v".repeat(value).as_str().into()))
                 .collect(),
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 

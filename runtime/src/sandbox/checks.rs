@@ -68,15 +68,53 @@ pub fn devices(devices: &[Device]) -> Result<(), Violation> {
         if d.attributes.len() > MAX_ATTRIBUTES
             || d.attributes
                 .iter()
-                .any(|(k, v)| k.len() > 63 || v.len() > MAX_ATTRIBUTE)
+                .any(|(k, v)| k.len() > 63 || v.bytes() > MAX_ATTRIBUTE)
         {
             return Err(format!(
                 "device {:?} has too many or too long attributes (at most {MAX_ATTRIBUTES}, keys 63 and values {MAX_ATTRIBUTE} bytes)",
                 d.id
             ));
         }
+        if d.capacities.len() > MAX_ATTRIBUTES
+            || d.capacities
+                .iter()
+                .any(|(k, v)| k.len() > 63 || !is_quantity(v))
+        {
+            return Err(format!(
+                "device {:?} has too many capacities, a name over 63 bytes, or a value that is not a Kubernetes quantity (`80Gi`, `1500m`, `4`)",
+                d.id
+            ));
+        }
+        if d.health_reason
+            .as_ref()
+            .is_some_and(|r| r.len() > MAX_ATTRIBUTE)
+            || d.group
+                .as_ref()
+                .is_some_and(|g| g.is_empty() || g.len() > MAX_ID)
+        {
+            return Err(format!(
+                "device {:?} has a health reason over {MAX_ATTRIBUTE} bytes or a group name that is empty or over {MAX_ID}",
+                d.id
+            ));
+        }
     }
     Ok(())
+}
+
+/// A Kubernetes quantity as a module may write one: digits (with at most one `.`), then an
+/// optional suffix (`m`, `k`, `M`, `G`, `T`, `P`, `E`, `Ki` .. `Ei`).
+fn is_quantity(text: &str) -> bool {
+    const SUFFIXES: [&str; 14] = [
+        "", "m", "k", "M", "G", "T", "P", "E", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei",
+    ];
+    let number_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(number_end);
+    text.len() <= 64
+        && number.bytes().any(|b| b.is_ascii_digit())
+        && number.matches('.').count() <= 1
+        && SUFFIXES.contains(&suffix)
 }
 
 /// IDs the module answers with must be among those it was asked about.
@@ -383,6 +421,7 @@ mod tests {
             health: Health::Healthy,
             numa_nodes: vec![],
             attributes: vec![],
+            ..crate::device::Device::new("", crate::device::Health::Healthy)
         }
     }
 

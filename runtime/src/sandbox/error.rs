@@ -70,6 +70,8 @@ pub enum CallKind {
     Allocate,
     Prestart,
     Preferred,
+    /// Telling the module an allocation ended (0.2).
+    Release,
 }
 
 impl std::fmt::Display for CallKind {
@@ -81,6 +83,7 @@ impl std::fmt::Display for CallKind {
             CallKind::Allocate => "allocate",
             CallKind::Prestart => "prestart",
             CallKind::Preferred => "preferred",
+            CallKind::Release => "release",
         })
     }
 }

@@ -8,8 +8,8 @@ use std::time::Instant;
 use wasmtime::Engine;
 use wasmtime::component::{Component, Linker};
 
+use super::bindings::PluginPre;
 use super::bindings::imports;
-use super::bindings::v0_1::DevicePluginPre;
 use super::cache::CompileCache;
 use super::error::LoadError;
 use super::host::HostState;
@@ -25,7 +25,7 @@ pub struct LoadedModule {
     pub(crate) spec: Arc<ModuleSpec>,
     pub(crate) host_root: Arc<PathBuf>,
     pub(crate) grants: Arc<Grants>,
-    pub(crate) pre: DevicePluginPre<HostState>,
+    pub(crate) pre: PluginPre,
     /// The log allowance all its instances share.
     pub(crate) output: Arc<crate::sandbox::host::OutputAllowance>,
     /// NVML as this node has it, for a module granted `nvml`.
@@ -98,7 +98,12 @@ pub fn load(
         .grants
         .has_library(crate::config::NVML)
         .then(|| crate::nvml::open(&libraries.nvml));
-    let pre = DevicePluginPre::new(pre).map_err(|e| LoadError::NotAPlugin {
+    let version =
+        semver::Version::parse(&interface.version).map_err(|e| LoadError::NotAPlugin {
+            module: module.clone(),
+            message: format!("its export version {:?}: {e}", interface.version),
+        })?;
+    let pre = PluginPre::new(pre, &version).map_err(|e| LoadError::NotAPlugin {
         module: module.clone(),
         message: format!("{e:#}"),
     })?;
@@ -171,7 +176,13 @@ fn check_imports(
             Some(Ok(imports::Interface::Nvml)) => spec.grants.has_library(crate::config::NVML),
             Some(Err(imports::Unsupported::Version(v))) => return Err(unsupported(&v)),
             None if name.starts_with("wasi:") => true,
-            Some(Ok(imports::Interface::Plugin) | Err(imports::Unsupported::Interface)) | None => {
+            Some(Ok(
+                imports::Interface::Plugin
+                | imports::Interface::Release
+                | imports::Interface::Config,
+            ))
+            | Some(Err(imports::Unsupported::Interface))
+            | None => {
                 return Err(LoadError::UnknownImport {
                     module: spec.name.clone(),
                     import: name.to_owned(),

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use wasmtime::{Store, StoreLimitsBuilder};
 
-use super::bindings::v0_1::{DevicePlugin, wit};
+use super::bindings::Plugin;
 use super::budget::Budget;
 use super::cell::{Factory, Failure, Fate, Lane, LocalBoxFuture};
 use super::checks;
@@ -23,7 +23,9 @@ use super::error::{CallError, CallKind, LoadError};
 use super::host::HostState;
 use super::loader::{LoadedModule, ModuleInterface};
 use crate::config::Grants;
-use crate::device::{ContainerEdits, Device, PluginError, ResourceInfo};
+use crate::device::{
+    ContainerEdits, Device, InitContext, ModuleInfo, PluginError, Request, ResourceInfo,
+};
 
 #[derive(Default)]
 struct Counters {
@@ -139,6 +141,9 @@ impl Drop for Observed {
     }
 }
 
+/// A resource's devices' own edits, by device ID.
+type OwnEdits = std::collections::HashMap<String, ContainerEdits>;
+
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 const MAX_INSTANCES: usize = 64;
 const MAX_MEMORIES: usize = 8;
@@ -147,8 +152,8 @@ const MAX_TABLES: usize = 64;
 /// One instance of the module, owned by one cell.
 pub struct Instance {
     store: Store<HostState>,
-    plugin: DevicePlugin,
-    resources: Vec<ResourceInfo>,
+    plugin: Plugin,
+    info: ModuleInfo,
     /// NVML did not answer during its `init`.
     nvml_stalled_at_init: bool,
 }
@@ -161,12 +166,14 @@ impl Instance {
         resource: &str,
         ids: &[String],
     ) -> anyhow::Result<ContainerEdits> {
-        let guest = self.plugin.devicelet_plugin_plugin();
         let _ticking = super::engine::ticking();
-        let answer = guest.call_allocate(&mut self.store, resource, ids).await?;
-        answer
-            .map(ContainerEdits::from)
-            .map_err(|e| anyhow::anyhow!("allocate: {}", PluginError::from(e)))
+        let request = Request {
+            resource: resource.to_owned(),
+            ids: ids.to_vec(),
+            config: String::new(),
+        };
+        let answer = self.plugin.allocate(&mut self.store, &request).await?;
+        answer.map_err(|e| anyhow::anyhow!("allocate: {e}"))
     }
 }
 
@@ -184,6 +191,10 @@ pub struct ModuleHandle {
     stats: Arc<Counters>,
     deadline: Duration,
     resources: Arc<[ResourceInfo]>,
+    /// The module's own version, as its `init` said (empty for a 0.1 module).
+    version: Arc<str>,
+    /// It exports `release` (0.2).
+    has_release: bool,
     /// Allocate and prestart (and preferred, for a module that offers none).
     kubelet: Lane<Instance>,
     /// Preferred allocation, for a module that offers it for some resource.
@@ -195,6 +206,8 @@ pub struct ModuleHandle {
     output: Arc<super::host::OutputAllowance>,
     nvml: Option<Arc<crate::nvml::NvmlNode>>,
     observer: Arc<std::sync::OnceLock<CallObserver>>,
+    /// Per resource: the edits its devices carried in the last `enumerate` (WIT 0.2), by ID.
+    own_edits: Arc<std::sync::Mutex<std::collections::HashMap<String, OwnEdits>>>,
     /// Per resource: how soon its last `enumerate` asked to be called again (WIT `schedule`).
     rechecks: Arc<std::sync::Mutex<std::collections::HashMap<String, Duration>>>,
     /// Granted NVML, whether it answered when `init` ran (what the module declared may depend
@@ -205,17 +218,29 @@ pub struct ModuleHandle {
 impl ModuleHandle {
     /// Starts the module's cells, instantiates it and calls `init` with its config (in its
     /// kubelet cell, under its call deadline). The health cell instantiates on its first call.
-    pub async fn start(module: LoadedModule) -> Result<ModuleHandle, LoadError> {
+    ///
+    /// `served_as` names the resources a module declared as the agent will serve them: a 0.2
+    /// module is told those names at init, so its first instance (which declared them) is
+    /// replaced by one that knows them before any call.
+    pub async fn start(
+        module: LoadedModule,
+        served_as: impl Fn(&ResourceInfo) -> Option<String>,
+    ) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
         let deadline = module.spec.call_deadline;
         let budget = Arc::new(Budget::new(module.spec.host_memory));
         let module = Arc::new(module);
-        let config: Arc<str> = module.spec.config.to_string().into();
+        let context = Arc::new(std::sync::Mutex::new(Arc::new(InitContext {
+            config: module.spec.config.to_string(),
+            resource_domain: module.spec.resource_domain.clone(),
+            served_as: Vec::new(),
+        })));
         let factory: Factory<Instance> = {
-            let module = module.clone();
+            let (module, context) = (module.clone(), context.clone());
             Arc::new(move || {
-                let (module, config) = (module.clone(), config.clone());
-                Box::pin(async move { instantiate(&module, &config).await })
+                let module = module.clone();
+                let context = context.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                Box::pin(async move { instantiate(&module, &context).await })
             })
         };
         let fate = Arc::new(Fate::default());
@@ -227,52 +252,31 @@ impl ModuleHandle {
                 }
             })
         };
-        let kubelet = lane("kubelet")?;
-        let health = lane("health")?;
         let nvml_at_init = module
             .nvml
             .as_ref()
             .is_some_and(|n| matches!(n.availability(), crate::nvml::Availability::Ready { .. }));
-        // The first call makes the instance: its init has the whole deadline, as every later
-        // re-instantiation does, and the call its own after that.
-        let (resources, stalled) = kubelet
-            .call(deadline * 2, |i: &mut Instance| {
-                let answer = (i.resources.clone(), i.nvml_stalled_at_init);
-                Box::pin(async move { Ok(answer) })
-            })
-            .await
-            .map_err(|failure| {
-                LoadError::Init(match failure {
-                    Failure::Instantiate {
-                        init_error: Some(PluginError::InvalidConfig(message)),
-                        ..
-                    } => {
-                        return LoadError::Config {
-                            module: name.to_string(),
-                            at: module.spec.config_at.clone(),
-                            message: without_json_position(&message).to_owned(),
-                        };
-                    }
-                    Failure::Instantiate {
-                        init_error: Some(error),
-                        ..
-                    } => CallError::Plugin {
-                        module: name.to_string(),
-                        call: CallKind::Init,
-                        error,
-                    },
-                    Failure::Deadline => CallError::Deadline {
-                        module: name.to_string(),
-                        call: CallKind::Init,
-                        deadline,
-                    },
-                    other => CallError::Trap {
-                        module: name.to_string(),
-                        call: CallKind::Init,
-                        message: failure_message(other),
-                    },
-                })
-            })?;
+        let first = lane("kubelet")?;
+        let (mut info, mut stalled) = first_init(&first, &module, deadline).await?;
+        let served: Vec<(String, String)> = info
+            .resources
+            .iter()
+            .filter_map(|r| served_as(r).map(|s| (r.name.clone(), s)))
+            .collect();
+        let kubelet = if module.pre.tells_served_names() && !served.is_empty() {
+            let mut told = (*context.lock().unwrap_or_else(|p| p.into_inner()))
+                .as_ref()
+                .clone();
+            told.served_as = served;
+            *context.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(told);
+            let kubelet = lane("kubelet")?;
+            (info, stalled) = first_init(&kubelet, &module, deadline).await?;
+            kubelet
+        } else {
+            first
+        };
+        let resources = info.resources;
+        let health = lane("health")?;
         let preferred = if resources.iter().any(|r| r.preferred_allocation) {
             let lane = lane("preferred")?;
             // Made now, in the background, so the first GetPreferredAllocation finds it ready.
@@ -297,6 +301,8 @@ impl ModuleHandle {
             stats: Arc::default(),
             deadline,
             resources: resources.into(),
+            version: info.version.into(),
+            has_release: module.pre.has_release(),
             kubelet,
             preferred,
             health,
@@ -305,6 +311,7 @@ impl ModuleHandle {
             output: module.output.clone(),
             nvml: module.nvml.clone(),
             observer: Arc::default(),
+            own_edits: Arc::default(),
             rechecks: Arc::default(),
             nvml_at_init: nvml_at_init && !stalled,
         })
@@ -350,6 +357,31 @@ impl ModuleHandle {
         &self.interface
     }
 
+    /// The module's own version, as its `init` said; empty for a 0.1 module.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Whether the module wants to be told when an allocation ends (it exports `release`).
+    pub fn has_release(&self) -> bool {
+        self.has_release
+    }
+
+    /// Tells the module an allocation ended (its `release`), in its kubelet lane.
+    pub async fn release(&self, request: Request) -> Result<(), CallError> {
+        let call = self.observe(CallKind::Release);
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Release,
+                self.deadline,
+                move |i| Box::pin(async move { i.plugin.release(&mut i.store, &request).await }),
+                Ok,
+            )
+            .await;
+        call.done(result)
+    }
+
     /// The resources the module declared at `init`.
     pub fn resources(&self) -> &[ResourceInfo] {
         &self.resources
@@ -372,15 +404,14 @@ impl ModuleHandle {
                 self.health_deadline,
                 move |i| {
                     Box::pin(async move {
-                        let r = i.plugin.devicelet_plugin_plugin();
-                        let found = r.call_enumerate(&mut i.store, &owned).await;
+                        let found = i.plugin.enumerate(&mut i.store, &owned).await;
                         let recheck = i.store.data_mut().schedule.take();
                         found.map(|found| found.map(|devices| (devices, recheck)))
                     })
                 },
                 // Reading sysfs is file-system work: it runs in the cell.
                 move |(found, recheck)| {
-                    let mut devices: Vec<Device> = found.into_iter().map(Device::from).collect();
+                    let mut devices = found;
                     checks::devices(&devices)?;
                     topology.fill(&mut devices, &root);
                     Ok((devices, recheck))
@@ -397,6 +428,18 @@ impl ModuleHandle {
             };
         }
         let (devices, _) = answer?;
+        {
+            let own: OwnEdits = devices
+                .iter()
+                .filter_map(|d| Some((d.id.clone(), d.edits.clone()?)))
+                .collect();
+            let mut all = self.own_edits.lock().unwrap_or_else(|p| p.into_inner());
+            if own.is_empty() {
+                all.remove(resource);
+            } else {
+                all.insert(resource.to_owned(), own);
+            }
+        }
         self.check(
             CallKind::Enumerate,
             self.budget.charge(
@@ -426,33 +469,60 @@ impl ModuleHandle {
     }
 
     /// Forgets what the host keeps for `resource` (it is no longer served).
-    pub fn release(&self, resource: &str) {
+    pub fn forget(&self, resource: &str) {
         self.budget.release(resource);
     }
 
-    pub async fn allocate(
-        &self,
-        resource: &str,
-        ids: Vec<String>,
-    ) -> Result<ContainerEdits, CallError> {
+    /// What a container needs for the request's devices: the union of the devices' own edits
+    /// when every one of them carried some in the last enumeration and the request has no config
+    /// (checked as an answer is; the module is not called), else the module's `allocate`.
+    pub async fn allocate(&self, request: Request) -> Result<ContainerEdits, CallError> {
+        if let Some(union) = self.union_of_own_edits(&request) {
+            let (grants, root) = (self.grants.clone(), self.host_root.clone());
+            let checked = tokio::task::spawn_blocking(move || {
+                let mut edits = union;
+                checks::edits(&edits, &grants)?;
+                checks::resolve_edits(&mut edits, &grants, &root)?;
+                Ok(edits)
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("checking the devices' edits failed: {e}")));
+            return checked.map_err(|message| {
+                self.stats.violations.fetch_add(1, Ordering::Relaxed);
+                CallError::InvalidOutput {
+                    module: self.name.to_string(),
+                    call: CallKind::Enumerate,
+                    message: format!("the devices' own edits: {message}"),
+                }
+            });
+        }
+        self.allocate_by_module(request).await
+    }
+
+    /// The union of the request's devices' own edits, if each has them and there is no config.
+    fn union_of_own_edits(&self, request: &Request) -> Option<ContainerEdits> {
+        if !request.config.is_empty() || request.ids.is_empty() {
+            return None;
+        }
+        let all = self.own_edits.lock().unwrap_or_else(|p| p.into_inner());
+        let own = all.get(&request.resource)?;
+        let parts: Option<Vec<&ContainerEdits>> =
+            request.ids.iter().map(|id| own.get(id)).collect();
+        Some(ContainerEdits::union(parts?))
+    }
+
+    async fn allocate_by_module(&self, request: Request) -> Result<ContainerEdits, CallError> {
         self.stats.allocate_calls.fetch_add(1, Ordering::Relaxed);
         let call = self.observe(CallKind::Allocate);
-        let resource = resource.to_owned();
         let (grants, root) = (self.grants.clone(), self.host_root.clone());
         let result = self
             .call(
                 &self.kubelet,
                 CallKind::Allocate,
                 self.deadline,
-                move |i| {
-                    Box::pin(async move {
-                        let r = i.plugin.devicelet_plugin_plugin();
-                        r.call_allocate(&mut i.store, &resource, &ids).await
-                    })
-                },
+                move |i| Box::pin(async move { i.plugin.allocate(&mut i.store, &request).await }),
                 // Resolving device nodes and mount sources is file-system work: it runs in the cell.
-                move |edits| {
-                    let mut edits = ContainerEdits::from(edits);
+                move |mut edits| {
                     checks::edits(&edits, &grants)?;
                     checks::resolve_edits(&mut edits, &grants, &root)?;
                     Ok(edits)
@@ -471,10 +541,7 @@ impl ModuleHandle {
                 CallKind::Prestart,
                 self.deadline,
                 move |i| {
-                    Box::pin(async move {
-                        let r = i.plugin.devicelet_plugin_plugin();
-                        r.call_prestart(&mut i.store, &resource, &ids).await
-                    })
+                    Box::pin(async move { i.plugin.prestart(&mut i.store, &resource, &ids).await })
                 },
                 Ok,
             )
@@ -501,8 +568,8 @@ impl ModuleHandle {
                 self.deadline,
                 move |i| {
                     Box::pin(async move {
-                        let r = i.plugin.devicelet_plugin_plugin();
-                        r.call_preferred(&mut i.store, &resource, &available, &must_include, size)
+                        i.plugin
+                            .preferred(&mut i.store, &resource, &available, &must_include, size)
                             .await
                     })
                 },
@@ -581,10 +648,7 @@ impl ModuleHandle {
     where
         T: 'static,
         U: Send + 'static,
-        F: for<'a> FnOnce(
-                &'a mut Instance,
-            )
-                -> LocalBoxFuture<'a, wasmtime::Result<Result<T, wit::PluginError>>>
+        F: for<'a> FnOnce(&'a mut Instance) -> LocalBoxFuture<'a, super::bindings::Answer<T>>
             + Send
             + 'static,
         C: FnOnce(T) -> Result<U, checks::Violation> + Send + 'static,
@@ -606,7 +670,7 @@ impl ModuleHandle {
                     }
                     match answer {
                         Ok(Ok(v)) => check(v).map_err(Failure::Violation),
-                        Ok(Err(e)) => Err(Failure::Plugin(e.into())),
+                        Ok(Err(e)) => Err(Failure::Plugin(e)),
                         Err(trap) => Err(Failure::Trap(format!("{trap:#}"))),
                     }
                 })
@@ -661,6 +725,54 @@ impl ModuleHandle {
     }
 }
 
+/// The lane's first instance, made within twice the call deadline (its init has the whole
+/// deadline, as every later re-instantiation does, and the call its own after that): what its
+/// `init` answered, and whether NVML stalled meanwhile.
+async fn first_init(
+    lane: &Lane<Instance>,
+    module: &LoadedModule,
+    deadline: Duration,
+) -> Result<(ModuleInfo, bool), LoadError> {
+    let name = &module.name;
+    lane.call(deadline * 2, |i: &mut Instance| {
+        let answer = (i.info.clone(), i.nvml_stalled_at_init);
+        Box::pin(async move { Ok(answer) })
+    })
+    .await
+    .map_err(|failure| {
+        LoadError::Init(match failure {
+            Failure::Instantiate {
+                init_error: Some(PluginError::InvalidConfig(message)),
+                ..
+            } => {
+                return LoadError::Config {
+                    module: name.to_string(),
+                    at: module.spec.config_at.clone(),
+                    message: without_json_position(&message).to_owned(),
+                };
+            }
+            Failure::Instantiate {
+                init_error: Some(error),
+                ..
+            } => CallError::Plugin {
+                module: name.to_string(),
+                call: CallKind::Init,
+                error,
+            },
+            Failure::Deadline => CallError::Deadline {
+                module: name.to_string(),
+                call: CallKind::Init,
+                deadline,
+            },
+            other => CallError::Trap {
+                module: name.to_string(),
+                call: CallKind::Init,
+                message: failure_message(other),
+            },
+        })
+    })
+}
+
 fn failure_message(failure: Failure) -> String {
     match failure {
         Failure::Plugin(e) => e.to_string(),
@@ -691,7 +803,10 @@ fn without_json_position(message: &str) -> &str {
 
 /// A fresh store and instance with the module's limits, initialised with its config. Runs in a
 /// cell; the cell bounds it by the module's call deadline.
-pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance, Failure> {
+pub async fn instantiate(
+    module: &LoadedModule,
+    context: &InitContext,
+) -> Result<Instance, Failure> {
     // The memory limit applies to each linear memory, so the number of memories, tables and
     // instances is bounded too; tables are capped far above what compiled Rust needs.
     let limits = StoreLimitsBuilder::new()
@@ -722,42 +837,30 @@ pub async fn instantiate(module: &LoadedModule, config: &str) -> Result<Instance
     store.epoch_deadline_async_yield_and_update(1);
     // `--log module=NAME:LEVEL` filters on this span.
     let span = tracing::info_span!("module", name = %module.name);
-    tracing::Instrument::instrument(init(module, config, store), span).await
+    tracing::Instrument::instrument(init(module, context, store), span).await
 }
 
 /// Instantiates the module in `store` and calls its `init`.
 async fn init(
     module: &LoadedModule,
-    config: &str,
+    context: &InitContext,
     mut store: Store<HostState>,
 ) -> Result<Instance, Failure> {
     let trapped = |e: wasmtime::Error| Failure::Instantiate {
         message: format!("{e:#}"),
         init_error: None,
     };
-    let plugin = module
-        .pre
-        .instantiate_async(&mut store)
-        .await
-        .map_err(trapped)?;
-    match plugin
-        .devicelet_plugin_plugin()
-        .call_init(&mut store, config)
-        .await
-        .map_err(trapped)?
-    {
-        Err(e) => {
-            let error = PluginError::from(e);
-            Err(Failure::Instantiate {
-                message: error.to_string(),
-                init_error: Some(error),
-            })
-        }
-        Ok(resources) => Ok(Instance {
+    let plugin = module.pre.instantiate(&mut store).await.map_err(trapped)?;
+    match plugin.init(&mut store, context).await.map_err(trapped)? {
+        Err(error) => Err(Failure::Instantiate {
+            message: error.to_string(),
+            init_error: Some(error),
+        }),
+        Ok(info) => Ok(Instance {
             nvml_stalled_at_init: store.data_mut().nvml.take_stall().is_some(),
             store,
             plugin,
-            resources: resources.into_iter().map(ResourceInfo::from).collect(),
+            info,
         }),
     }
 }

@@ -97,7 +97,7 @@ impl Upkeep for ModuleSlot {
     }
 
     fn release(&self, resource: &str) {
-        self.current().release(resource);
+        self.current().forget(resource);
     }
 }
 
@@ -131,7 +131,12 @@ impl DeviceBackend for ModuleHandle {
         resource: &str,
         ids: Vec<String>,
     ) -> Result<ContainerEdits, BackendError> {
-        Ok(ModuleHandle::allocate(self, resource, ids).await?)
+        let request = crate::device::Request {
+            resource: resource.to_owned(),
+            ids,
+            config: String::new(),
+        };
+        Ok(ModuleHandle::allocate(self, request).await?)
     }
 
     async fn preferred(

@@ -623,9 +623,30 @@ pub struct Harness<P> {
 
 impl<P: Plugin> Harness<P> {
     /// Calls the module's `init` with `config` (the registry's `[module.config]` table as JSON,
-    /// which is what the agent hands over).
+    /// which is what the agent hands over), as the agent does under the default resource
+    /// domain, `devicelet.io`: once to learn the resources, then again in the instance that
+    /// answers, which [`crate::context::served_as`] tells their full names.
     pub fn init(host: FakeHost, config: &str) -> Result<Harness<P>, PluginError> {
+        Self::init_in(host, config, "devicelet.io")
+    }
+
+    /// [`Harness::init`] under the registry's `resource-domain`.
+    pub fn init_in(host: FakeHost, config: &str, domain: &str) -> Result<Harness<P>, PluginError> {
         let host = Rc::new(host);
+        crate::context::set(domain, Vec::new());
+        let (_, declared) = with_host(&host, || P::init(config))?;
+        let served = declared
+            .iter()
+            .map(|r| {
+                let full = if r.name.contains('/') {
+                    r.name.clone()
+                } else {
+                    format!("{domain}/{}", r.name)
+                };
+                (r.name.clone(), full)
+            })
+            .collect();
+        crate::context::set(domain, served);
         let (plugin, resources) = with_host(&host, || P::init(config))?;
         Ok(Harness {
             host,
@@ -679,7 +700,12 @@ impl<P: Plugin> Harness<P> {
         ids: &[&str],
     ) -> Result<ContainerEdits, PluginError> {
         let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
-        let edits = with_host(&self.host, || self.plugin.allocate(resource, &ids))?;
+        let edits = match self.own_edits(resource, &ids)? {
+            Some(edits) => edits,
+            None => with_host(&self.host, || {
+                self.plugin.allocate_with_config(resource, &ids, "")
+            })?,
+        };
         for node in &edits.devices {
             self.host.dev_stat(&node.host_path).map_err(|e| {
                 PluginError::Failed(format!(
@@ -689,6 +715,39 @@ impl<P: Plugin> Harness<P> {
             })?;
         }
         Ok(edits)
+    }
+
+    /// As the agent answers a request whose devices all carry their own edits: their union, in
+    /// order, without calling `allocate`. None when one of them has none.
+    fn own_edits(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+    ) -> Result<Option<ContainerEdits>, PluginError> {
+        fn add<T: PartialEq>(into: &mut Vec<T>, from: Vec<T>) {
+            for item in from {
+                if !into.contains(&item) {
+                    into.push(item);
+                }
+            }
+        }
+        let devices = with_host(&self.host, || self.plugin.enumerate(resource))?;
+        let mut union = ContainerEdits::default();
+        for id in ids {
+            let Some(edits) = devices
+                .iter()
+                .find(|d| &d.id == id)
+                .and_then(|d| d.edits.clone())
+            else {
+                return Ok(None);
+            };
+            add(&mut union.envs, edits.envs);
+            add(&mut union.mounts, edits.mounts);
+            add(&mut union.devices, edits.devices);
+            add(&mut union.annotations, edits.annotations);
+            add(&mut union.cdi_devices, edits.cdi_devices);
+        }
+        Ok(Some(union))
     }
 
     /// `prestart`.

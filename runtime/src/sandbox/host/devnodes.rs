@@ -127,7 +127,14 @@ impl Devnodes {
         linker: &mut Linker<T>,
         view: fn(&mut T) -> &mut Devnodes,
     ) -> wasmtime::Result<()> {
-        devnodes::add_to_linker::<T, HasSelf<Devnodes>>(linker, view)
+        // Under every line's name: the interface is the same in each.
+        for name in crate::sandbox::bindings::imports::host_names("devnodes") {
+            devnodes::add_to_linker_instance::<T, HasSelf<Devnodes>>(
+                &mut linker.instance(&name)?,
+                view,
+            )?;
+        }
+        Ok(())
     }
 
     fn open(&self, path: &str) -> Result<Beneath, FsError> {

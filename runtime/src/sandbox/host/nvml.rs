@@ -93,7 +93,11 @@ impl Nvml {
         linker: &mut Linker<T>,
         view: fn(&mut T) -> &mut Nvml,
     ) -> wasmtime::Result<()> {
-        wit::add_to_linker::<T, HasSelf<Nvml>>(linker, view)
+        // Under every line's name: the interface is the same in each.
+        for name in crate::sandbox::bindings::imports::host_names("nvml") {
+            wit::add_to_linker_instance::<T, HasSelf<Nvml>>(&mut linker.instance(&name)?, view)?;
+        }
+        Ok(())
     }
 
     fn nvml(&self) -> Result<&Arc<nvml::NvmlNode>, NvmlError> {

@@ -52,7 +52,11 @@ impl Sysfs {
         linker: &mut Linker<T>,
         view: fn(&mut T) -> &mut Sysfs,
     ) -> wasmtime::Result<()> {
-        sysfs::add_to_linker::<T, HasSelf<Sysfs>>(linker, view)
+        // Under every line's name: the interface is the same in each.
+        for name in crate::sandbox::bindings::imports::host_names("sysfs") {
+            sysfs::add_to_linker_instance::<T, HasSelf<Sysfs>>(&mut linker.instance(&name)?, view)?;
+        }
+        Ok(())
     }
 
     fn open(&self, path: &str, listing: bool) -> Result<Beneath, FsError> {
