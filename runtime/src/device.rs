@@ -34,6 +34,8 @@ pub struct Request {
     pub resource: String,
     pub ids: Vec<String>,
     pub config: String,
+    /// Tells requests for the same devices apart; empty from the device-plugin front end.
+    pub key: String,
 }
 
 /// A resource a module serves, as declared by its `init`.

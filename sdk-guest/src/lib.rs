@@ -19,7 +19,7 @@
 //! crate-type = ["cdylib"]
 //!
 //! [dependencies]
-//! devicelet-sdk = "0.1"
+//! devicelet-sdk = "0.2"
 //! ```
 //!
 //! ```sh
@@ -395,7 +395,7 @@ impl Device {
         })
     }
 
-    /// Adds a semantic-version fact (`driverVersion` = `550.54.15` is not one; `1.2.3` is).
+    /// Adds a semantic-version fact (`1.2.3`, no leading `v`).
     pub fn version_attribute(
         mut self,
         name: impl Into<String>,
@@ -419,8 +419,9 @@ impl Device {
 
     /// Puts the device in a group: devices of one resource in the same group are allocated
     /// together or not at all (the functions of one IOMMU group). The host's preferred
-    /// allocation keeps groups whole, and it refuses a request that splits one before calling
-    /// the module.
+    /// allocation keeps groups whole, it refuses a request that splits one before calling the
+    /// module (and never asks for one member's answer ahead of time), and it refuses a sharing
+    /// rule that would replicate a grouped device.
     pub fn group(mut self, group: impl Into<String>) -> Self {
         self.group = Some(group.into());
         self

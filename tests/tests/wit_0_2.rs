@@ -98,6 +98,14 @@ async fn sharing_an_exclusive_device_is_refused_by_run_and_validate() {
         text.contains("marks device \"ttyUSB0\" exclusive (never shared)"),
         "{text}"
     );
+    // A grouped device is never shared either.
+    let grouped = node.registry(&registry.replace("exclusive = true", "together = true"));
+    let (ok, text) = devicelet_tests::validate_registry(&grouped, &[]);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("marks device \"ttyUSB0\" in a device group"),
+        "{text}"
+    );
     let agent = node.start_agent(&registry).await;
     // The resource registers, and its first snapshot (from the refused enumeration) lists
     // none of the devices that would have been advertised twice.

@@ -134,5 +134,6 @@ fn fuse_request(ids: &[String]) -> devicelet::device::Request {
         resource: "fuse".into(),
         ids: ids.to_vec(),
         config: String::new(),
+        key: String::new(),
     }
 }

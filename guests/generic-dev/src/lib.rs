@@ -155,6 +155,11 @@ fn parse_config(config: &str) -> Result<Vec<GroupSpec>, String> {
             ));
         }
         validate_permissions(&group.permissions).map_err(|e| format!("{at}.permissions: {e}"))?;
+        if group.count > 1 && (group.exclusive || group.together) {
+            return Err(format!(
+                "{at}: `count` shares each node, which `exclusive` and `together` forbid"
+            ));
+        }
         specs.push(GroupSpec {
             name: group.name,
             paths: group.paths,

@@ -190,6 +190,7 @@ pub async fn upgrade(
     });
     // Gone ones stop while the old version still answers their last calls.
     stop_resources(gone, &slot, true).await;
+    handle.inherit_own_edits(&slot.current());
     let previous = slot.replace(handle);
     for r in &kept {
         if let Some((_, info)) = planned.iter().find(|(name, _)| *name == r.served.name) {

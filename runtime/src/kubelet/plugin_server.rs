@@ -123,10 +123,11 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
     }
 
     /// Refuses a request that would split a device group (WIT 0.2), as the kubelet's error:
-    /// the module never sees it.
+    /// the module never sees it. Grouped devices are never replicated, so IDs are their own.
     fn whole_groups(&self, ids: &[String]) -> Result<(), Status> {
         let snapshot = self.devices.borrow().clone();
-        match crate::policy::groups::split(&snapshot, &self.physical(ids)) {
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        match crate::policy::groups::split(&snapshot, &ids) {
             Some(why) => Err(Status::invalid_argument(format!(
                 "{}: {why}",
                 self.resource

@@ -1,11 +1,15 @@
 //! Device groups (WIT 0.2 `device.group`): devices of one resource allocated together or not at
 //! all, such as the functions of one IOMMU group (a container given one of them can reach the
 //! others). The host refuses an Allocate that splits a group before the module sees it, and its
-//! preferred allocation hands out whole groups.
+//! preferred allocation hands out whole groups. A grouped device is never shared (the sharing
+//! policy refuses to replicate one), so the IDs here are the devices' own.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use crate::device::Device;
+
+/// Most member IDs a refusal names.
+const SHOWN: usize = 8;
 
 /// The members of each group in `snapshot`, by group name; empty when no device has one.
 fn groups(snapshot: &[Device]) -> BTreeMap<&str, Vec<&str>> {
@@ -18,23 +22,42 @@ fn groups(snapshot: &[Device]) -> BTreeMap<&str, Vec<&str>> {
     groups
 }
 
+/// Whether `device` shares its group with another device of `snapshot`: allocating it alone
+/// would split the group.
+pub fn has_partners(snapshot: &[Device], device: &Device) -> bool {
+    device.group.as_ref().is_some_and(|g| {
+        snapshot
+            .iter()
+            .any(|d| d.id != device.id && d.group.as_ref() == Some(g))
+    })
+}
+
 /// Why allocating `ids` would split a group, if it would: a group some of whose devices are
 /// asked for and some not.
 pub fn split(snapshot: &[Device], ids: &[&str]) -> Option<String> {
-    let groups = groups(snapshot);
-    for (name, members) in &groups {
-        let asked = members.iter().filter(|m| ids.contains(m)).count();
-        if asked > 0 && asked < members.len() {
-            let missing: Vec<&str> = members
+    let asked: HashSet<&str> = ids.iter().copied().collect();
+    for (name, members) in groups(snapshot) {
+        let missing: Vec<&str> = members
+            .iter()
+            .filter(|m| !asked.contains(*m))
+            .copied()
+            .collect();
+        if missing.len() < members.len() && !missing.is_empty() {
+            let mut shown: Vec<String> = missing
                 .iter()
-                .filter(|m| !ids.contains(m))
-                .copied()
+                .take(SHOWN)
+                .map(|id| id.chars().take(64).collect())
                 .collect();
+            if missing.len() > SHOWN {
+                shown.push(format!("and {} more", missing.len() - SHOWN));
+            }
+            let name: String = name.chars().take(64).collect();
             return Some(format!(
-                "devices of group {name:?} are allocated together: the request has {asked} of \
-                 its {} devices, not {}",
+                "devices of group {name:?} are allocated together: the request has {} of its \
+                 {} devices, not {}",
+                members.len() - missing.len(),
                 members.len(),
-                missing.join(", ")
+                shown.join(", ")
             ));
         }
     }
@@ -42,9 +65,9 @@ pub fn split(snapshot: &[Device], ids: &[&str]) -> Option<String> {
 }
 
 /// `chosen` (a preference, best first) made of whole groups: each chosen device brings the
-/// rest of its group from `available`, a group that no longer fits is passed over, and the
-/// size is made up from the other groups in `available` that fit. `must_include` devices come
-/// first, whole groups or not: the kubelet needs them.
+/// rest of its group from `available`, a group that does not fit is passed over, and the size
+/// is made up from the other groups in `available` that fit. `must_include` devices come first,
+/// whole groups or not: the kubelet needs them.
 pub fn keep_whole(
     snapshot: &[Device],
     available: &[String],
@@ -56,43 +79,68 @@ pub fn keep_whole(
     if groups.is_empty() {
         return chosen;
     }
-    let group_of =
-        |id: &str| crate::resource::snapshot::find(snapshot, id).and_then(|d| d.group.as_deref());
-    // A device's unit: its group's members that are available (or itself alone).
-    let unit = |id: &String| -> Vec<String> {
-        match group_of(id).and_then(|g| groups.get(g)) {
-            Some(members) => members
+    let offered: HashSet<&str> = available
+        .iter()
+        .chain(must_include)
+        .map(String::as_str)
+        .collect();
+    let group_of: std::collections::HashMap<&str, &str> = snapshot
+        .iter()
+        .filter_map(|d| Some((d.id.as_str(), d.group.as_deref()?)))
+        .collect();
+    // Each group's offered members, once.
+    let units: BTreeMap<&str, Vec<&str>> = groups
+        .iter()
+        .map(|(g, members)| {
+            let offered: Vec<&str> = members
                 .iter()
-                .filter(|m| {
-                    available.iter().any(|a| a == *m) || must_include.iter().any(|a| a == *m)
-                })
-                .map(|m| (*m).to_owned())
-                .collect(),
-            None => vec![id.clone()],
-        }
-    };
+                .filter(|m| offered.contains(*m))
+                .copied()
+                .collect();
+            (*g, offered)
+        })
+        .collect();
     let mut answer: Vec<String> = Vec::with_capacity(size);
+    let mut taken: HashSet<&str> = HashSet::new();
+    let mut tried: HashSet<&str> = HashSet::new();
+    fn take<'a>(id: &'a str, size: usize, answer: &mut Vec<String>, taken: &mut HashSet<&'a str>) {
+        if answer.len() < size && taken.insert(id) {
+            answer.push(id.to_owned());
+        }
+    }
     for id in must_include {
-        for member in unit(id) {
-            if answer.len() < size && !answer.contains(&member) {
-                answer.push(member);
+        match group_of.get(id.as_str()).and_then(|g| units.get(g)) {
+            Some(members) => {
+                for m in members {
+                    take(m, size, &mut answer, &mut taken);
+                }
             }
+            None => take(id, size, &mut answer, &mut taken),
         }
     }
     for id in chosen.iter().chain(available) {
-        if answer.contains(id) {
-            continue;
-        }
-        let members = unit(id);
-        let new: Vec<String> = members
-            .into_iter()
-            .filter(|m| !answer.contains(m))
-            .collect();
-        if answer.len() + new.len() <= size {
-            answer.extend(new);
-        }
         if answer.len() == size {
             break;
+        }
+        if taken.contains(id.as_str()) {
+            continue;
+        }
+        match group_of.get(id.as_str()) {
+            Some(g) => {
+                if !tried.insert(g) {
+                    continue;
+                }
+                let Some(members) = units.get(g) else {
+                    continue;
+                };
+                let new = members.iter().filter(|m| !taken.contains(*m)).count();
+                if answer.len() + new <= size {
+                    for m in members {
+                        take(m, size, &mut answer, &mut taken);
+                    }
+                }
+            }
+            None => take(id, size, &mut answer, &mut taken),
         }
     }
     answer
@@ -130,6 +178,8 @@ mod tests {
         assert_eq!(split(&snapshot, &["b0", "c0"]), None);
         let why = split(&snapshot, &["a0", "c0"]).expect("split");
         assert!(why.contains("\"g1\"") && why.contains("a1"), "{why}");
+        assert!(has_partners(&snapshot, &snapshot[0]));
+        assert!(!has_partners(&snapshot, &snapshot[2]), "a group of one");
     }
 
     #[test]
@@ -141,7 +191,7 @@ mod tests {
             keep_whole(&snapshot, &available, &[], ids(&["a0", "c0"]), 2),
             ids(&["a0", "a1"])
         );
-        // One device: g1 does not fit, the next lone device does.
+        // One device: g1 does not fit, the next group of one does.
         assert_eq!(
             keep_whole(&snapshot, &available, &[], ids(&["a0"]), 1),
             ids(&["b0"])
@@ -150,5 +200,16 @@ mod tests {
             keep_whole(&snapshot, &available, &[], ids(&["c0", "a0", "a1"]), 3),
             ids(&["c0", "a0", "a1"])
         );
+    }
+
+    #[test]
+    fn a_group_as_large_as_a_resource_may_be_is_handed_out_whole() {
+        let snapshot: Vec<Device> = (0..16_384)
+            .map(|i| device(&format!("d{i}"), Some("all")))
+            .collect();
+        let available: Vec<String> = snapshot.iter().map(|d| d.id.clone()).collect();
+        let answer = keep_whole(&snapshot, &available, &[], available.clone(), 16_384);
+        assert_eq!(answer.len(), 16_384);
+        assert!(keep_whole(&snapshot, &available, &[], available.clone(), 3).is_empty());
     }
 }

@@ -72,11 +72,16 @@ fn expand(
             )));
         }
         let replicas = rule.replicas_of(&d.id);
-        if d.exclusive && replicas > 1 {
+        if (d.exclusive || d.group.is_some()) && replicas > 1 {
+            let why = if d.exclusive {
+                "exclusive (never shared)".to_owned()
+            } else {
+                "in a device group (allocated whole, never shared)".to_owned()
+            };
             return Err(BackendError::Invalid(format!(
-                "module `{module}` marks device {:?} exclusive (never shared), but the \
-                 registry's [module.sharing] gives it {replicas} replicas: no device of the \
-                 resource is served until the rule goes (or sets `devices = {{ {:?} = 1 }}`)",
+                "module `{module}` marks device {:?} {why}, but the registry's \
+                 [module.sharing] gives it {replicas} replicas: no device of the resource is \
+                 served until the rule goes (or sets `devices = {{ {:?} = 1 }}`)",
                 d.id, d.id
             )));
         }

@@ -198,9 +198,23 @@ impl Prepared {
         if answers.stopped == Some(generation) {
             return Vec::new();
         }
+        // A device whose group has others is never allocated alone: no answer of its own.
+        let mut group_sizes: HashMap<&str, usize> = HashMap::new();
+        for d in snapshot {
+            if let Some(g) = &d.group {
+                *group_sizes.entry(g).or_default() += 1;
+            }
+        }
+        let alone = |d: &Device| {
+            d.group
+                .as_ref()
+                .is_none_or(|g| group_sizes.get(g.as_str()) == Some(&1))
+        };
         snapshot
             .iter()
-            .filter(|d| d.health == Health::Healthy && !answers.by_id.contains_key(&d.id))
+            .filter(|d| {
+                d.health == Health::Healthy && !answers.by_id.contains_key(&d.id) && alone(d)
+            })
             .cloned()
             .collect()
     }

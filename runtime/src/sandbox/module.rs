@@ -143,6 +143,8 @@ impl Drop for Observed {
 
 /// A resource's devices' own edits, by device ID.
 type OwnEdits = std::collections::HashMap<String, ContainerEdits>;
+/// Per resource.
+type AllOwnEdits = std::collections::HashMap<String, Arc<OwnEdits>>;
 
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 const MAX_INSTANCES: usize = 64;
@@ -171,6 +173,7 @@ impl Instance {
             resource: resource.to_owned(),
             ids: ids.to_vec(),
             config: String::new(),
+            key: String::new(),
         };
         let answer = self.plugin.allocate(&mut self.store, &request).await?;
         answer.map_err(|e| anyhow::anyhow!("allocate: {e}"))
@@ -207,7 +210,7 @@ pub struct ModuleHandle {
     nvml: Option<Arc<crate::nvml::NvmlNode>>,
     observer: Arc<std::sync::OnceLock<CallObserver>>,
     /// Per resource: the edits its devices carried in the last `enumerate` (WIT 0.2), by ID.
-    own_edits: Arc<std::sync::Mutex<std::collections::HashMap<String, OwnEdits>>>,
+    own_edits: Arc<std::sync::Mutex<AllOwnEdits>>,
     /// Per resource: how soon its last `enumerate` asked to be called again (WIT `schedule`).
     rechecks: Arc<std::sync::Mutex<std::collections::HashMap<String, Duration>>>,
     /// Granted NVML, whether it answered when `init` ran (what the module declared may depend
@@ -428,18 +431,6 @@ impl ModuleHandle {
             };
         }
         let (devices, _) = answer?;
-        {
-            let own: OwnEdits = devices
-                .iter()
-                .filter_map(|d| Some((d.id.clone(), d.edits.clone()?)))
-                .collect();
-            let mut all = self.own_edits.lock().unwrap_or_else(|p| p.into_inner());
-            if own.is_empty() {
-                all.remove(resource);
-            } else {
-                all.insert(resource.to_owned(), own);
-            }
-        }
         self.check(
             CallKind::Enumerate,
             self.budget.charge(
@@ -448,6 +439,18 @@ impl ModuleHandle {
                 super::budget::cost(&devices),
             ),
         )?;
+        // Only an answer the host keeps gives Allocate its devices' edits.
+        let own: OwnEdits = devices
+            .iter()
+            .filter_map(|d| Some((d.id.clone(), d.edits.clone()?)))
+            .collect();
+        let mut all = self.own_edits.lock().unwrap_or_else(|p| p.into_inner());
+        if own.is_empty() {
+            all.remove(resource);
+        } else {
+            all.insert(resource.to_owned(), Arc::new(own));
+        }
+        drop(all);
         Ok(devices)
     }
 
@@ -470,6 +473,10 @@ impl ModuleHandle {
 
     /// Forgets what the host keeps for `resource` (it is no longer served).
     pub fn forget(&self, resource: &str) {
+        self.own_edits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(resource);
         self.budget.release(resource);
     }
 
@@ -477,10 +484,11 @@ impl ModuleHandle {
     /// when every one of them carried some in the last enumeration and the request has no config
     /// (checked as an answer is; the module is not called), else the module's `allocate`.
     pub async fn allocate(&self, request: Request) -> Result<ContainerEdits, CallError> {
-        if let Some(union) = self.union_of_own_edits(&request) {
+        if let Some(own) = self.own_edits_of(&request) {
             let (grants, root) = (self.grants.clone(), self.host_root.clone());
+            let ids = request.ids;
             let checked = tokio::task::spawn_blocking(move || {
-                let mut edits = union;
+                let mut edits = ContainerEdits::union(ids.iter().filter_map(|id| own.get(id)));
                 checks::edits(&edits, &grants)?;
                 checks::resolve_edits(&mut edits, &grants, &root)?;
                 Ok(edits)
@@ -499,16 +507,30 @@ impl ModuleHandle {
         self.allocate_by_module(request).await
     }
 
-    /// The union of the request's devices' own edits, if each has them and there is no config.
-    fn union_of_own_edits(&self, request: &Request) -> Option<ContainerEdits> {
+    /// The resource's devices' own edits, if each device of the request has them and the
+    /// request has no config.
+    fn own_edits_of(&self, request: &Request) -> Option<Arc<OwnEdits>> {
         if !request.config.is_empty() || request.ids.is_empty() {
             return None;
         }
         let all = self.own_edits.lock().unwrap_or_else(|p| p.into_inner());
         let own = all.get(&request.resource)?;
-        let parts: Option<Vec<&ContainerEdits>> =
-            request.ids.iter().map(|id| own.get(id)).collect();
-        Some(ContainerEdits::union(parts?))
+        request
+            .ids
+            .iter()
+            .all(|id| own.contains_key(id))
+            .then(|| own.clone())
+    }
+
+    /// Takes over `old`'s devices' edits (an upgrade): they hold for the snapshot the kubelet
+    /// still has until this version's first enumeration replaces them.
+    pub fn inherit_own_edits(&self, old: &ModuleHandle) {
+        let inherited = old
+            .own_edits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        *self.own_edits.lock().unwrap_or_else(|p| p.into_inner()) = inherited;
     }
 
     async fn allocate_by_module(&self, request: Request) -> Result<ContainerEdits, CallError> {

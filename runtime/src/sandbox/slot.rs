@@ -135,6 +135,7 @@ impl DeviceBackend for ModuleHandle {
             resource: resource.to_owned(),
             ids,
             config: String::new(),
+            key: String::new(),
         };
         Ok(ModuleHandle::allocate(self, request).await?)
     }

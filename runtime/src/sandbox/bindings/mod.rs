@@ -268,7 +268,7 @@ pub mod imports {
                 ),
                 (
                     "0.2.0",
-                    "d77585f043cc893b984b95199e6a924384392244896cffd00154b3abb07c10a4",
+                    "6b46bf739c470938674c58617cc89d6ac747e612cf36de5552966aae460ae267",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");

@@ -27,8 +27,14 @@ pub const CONFIG: &str = "devicelet:plugin/config@0.2.0";
 
 impl From<wit::ModuleInfo> for ModuleInfo {
     fn from(m: wit::ModuleInfo) -> Self {
+        // Shown to operators: printable ASCII, bounded.
+        let printable = m.version.len() <= 64 && m.version.bytes().all(|b| b.is_ascii_graphic());
         ModuleInfo {
-            version: m.version,
+            version: if printable {
+                m.version
+            } else {
+                "(not printable)".to_owned()
+            },
             resources: m
                 .resources
                 .into_iter()
@@ -58,6 +64,7 @@ impl From<&Request> for wit::Request {
             resource_name: r.resource.clone(),
             ids: r.ids.clone(),
             config: r.config.clone(),
+            key: r.key.clone(),
         }
     }
 }
