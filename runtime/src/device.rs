@@ -38,6 +38,17 @@ pub struct Request {
     pub key: String,
 }
 
+impl Request {
+    /// An allocation as the device-plugin front end asks for it: no config, no key.
+    pub fn without_config(resource: &str, ids: Vec<String>) -> Request {
+        Request {
+            resource: resource.to_owned(),
+            ids,
+            ..Request::default()
+        }
+    }
+}
+
 /// A resource a module serves, as declared by its `init`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResourceInfo {

@@ -240,24 +240,14 @@ pub trait Plugin: Sized + 'static {
         ids: &[String],
         config: &str,
     ) -> Result<ContainerEdits, PluginError> {
-        if !config.trim().is_empty() {
-            return Err(PluginError::InvalidConfig(format!(
-                "{resource} takes no request config"
-            )));
-        }
+        no_config(resource, config)?;
         self.allocate(resource, ids)
     }
 
     /// Checks a request's config before any device is allocated for it. The default accepts
     /// only none.
     fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError> {
-        if config.trim().is_empty() {
-            Ok(())
-        } else {
-            Err(PluginError::InvalidConfig(format!(
-                "{resource} takes no request config"
-            )))
-        }
+        no_config(resource, config)
     }
 
     /// Told when an allocation ends, to undo on the host what [`Plugin::prestart`] set up:
@@ -298,6 +288,17 @@ pub trait Plugin: Sized + 'static {
     ) -> Result<Vec<String>, PluginError> {
         let _ = resource;
         Ok(default_preferred(available, must_include, size))
+    }
+}
+
+/// What the defaults answer to a request's config: none is taken.
+fn no_config(resource: &str, config: &str) -> Result<(), PluginError> {
+    if config.trim().is_empty() {
+        Ok(())
+    } else {
+        Err(PluginError::InvalidConfig(format!(
+            "{resource} takes no request config"
+        )))
     }
 }
 

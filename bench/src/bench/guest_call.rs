@@ -130,10 +130,5 @@ async fn bare_calls(
 
 /// An Allocate of `ids` of the fuse resource, as the device-plugin front end asks.
 fn fuse_request(ids: &[String]) -> devicelet::device::Request {
-    devicelet::device::Request {
-        resource: "fuse".into(),
-        ids: ids.to_vec(),
-        config: String::new(),
-        key: String::new(),
-    }
+    devicelet::device::Request::without_config("fuse", ids.to_vec())
 }

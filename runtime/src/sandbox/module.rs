@@ -169,12 +169,7 @@ impl Instance {
         ids: &[String],
     ) -> anyhow::Result<ContainerEdits> {
         let _ticking = super::engine::ticking();
-        let request = Request {
-            resource: resource.to_owned(),
-            ids: ids.to_vec(),
-            config: String::new(),
-            key: String::new(),
-        };
+        let request = Request::without_config(resource, ids.to_vec());
         let answer = self.plugin.allocate(&mut self.store, &request).await?;
         answer.map_err(|e| anyhow::anyhow!("allocate: {e}"))
     }
@@ -267,11 +262,12 @@ impl ModuleHandle {
             .filter_map(|r| served_as(r).map(|s| (r.name.clone(), s)))
             .collect();
         let kubelet = if module.pre.tells_served_names() && !served.is_empty() {
-            let mut told = (*context.lock().unwrap_or_else(|p| p.into_inner()))
-                .as_ref()
-                .clone();
-            told.served_as = served;
-            *context.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(told);
+            {
+                let mut context = context.lock().unwrap_or_else(|p| p.into_inner());
+                let mut told = InitContext::clone(&context);
+                told.served_as = served;
+                *context = Arc::new(told);
+            }
             let kubelet = lane("kubelet")?;
             (info, stalled) = first_init(&kubelet, &module, deadline).await?;
             kubelet

@@ -131,12 +131,7 @@ impl DeviceBackend for ModuleHandle {
         resource: &str,
         ids: Vec<String>,
     ) -> Result<ContainerEdits, BackendError> {
-        let request = crate::device::Request {
-            resource: resource.to_owned(),
-            ids,
-            config: String::new(),
-            key: String::new(),
-        };
+        let request = crate::device::Request::without_config(resource, ids);
         Ok(ModuleHandle::allocate(self, request).await?)
     }
 
