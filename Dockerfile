@@ -15,7 +15,7 @@ RUN rustup target add wasm32-wasip2
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked --bin devicelet \
- && cargo build --release --locked --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu
+ && cargo build --release --locked --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
 RUN scripts/image-rootfs.sh target/release/devicelet target/wasm32-wasip2/release /rootfs
 
 # --- base: what both final stages say about themselves -------------------------------------------

@@ -6,7 +6,7 @@
 #
 # BINARY     the `devicelet` binary (cargo's target/<profile>/devicelet)
 # MODULE_DIR cargo's wasm32-wasip2 output (target/wasm32-wasip2/release): generic_dev.wasm,
-#            amd_gpu.wasm, nvidia_gpu.wasm
+#            amd_gpu.wasm, nvidia_gpu.wasm, vfio_pci.wasm
 # OUT_DIR    the tree to write; replaced if it holds a tree this script wrote before
 #
 # The tree: /usr/bin/devicelet; the glibc it links, at the paths the dynamic loader found them
@@ -28,7 +28,7 @@ if [[ $# -ne 3 ]]; then
     exit 2
 fi
 binary=$1 module_dir=$2 out=$3
-modules=(generic-dev amd-gpu nvidia-gpu)
+modules=(generic-dev amd-gpu nvidia-gpu vfio-pci)
 # The glibc libraries libnvidia-ml.so.1 lists as NEEDED besides libc itself.
 nvml_needs=(libdl.so.2 libpthread.so.0 librt.so.1 libm.so.6)
 
@@ -36,7 +36,7 @@ nvml_needs=(libdl.so.2 libpthread.so.0 librt.so.1 libm.so.6)
     die "no agent binary at '$binary' (build it first: cargo build --release --bin devicelet)"
 for m in "${modules[@]}"; do
     [[ -f $module_dir/${m//-/_}.wasm ]] ||
-        die "module '$m' missing: no '${m//-/_}.wasm' in '$module_dir' (build the modules first: cargo build --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu)"
+        die "module '$m' missing: no '${m//-/_}.wasm' in '$module_dir' (build the modules first: cargo build --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci)"
 done
 command -v readelf >/dev/null || die "readelf not found (it comes with binutils, beside the linker)"
 

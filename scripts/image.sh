@@ -176,7 +176,7 @@ if [[ $prebuilt == true ]]; then
     [[ $profile == release ]] && profile_flag=(--release)
     # As tests/lib.rs builds it (`--bin`, not `-p`), so a debug image reuses the tests' build.
     cargo build --locked "${profile_flag[@]}" --bin devicelet
-    cargo build --locked --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu
+    cargo build --locked --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
     target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
     [[ -n $target_dir ]] || fail "cargo metadata named no target directory"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 cargo fmt --all -- --check
-guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p misbehaving -p hostile -p wit-0-1-0)
+guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0)
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
 cargo clippy --target wasm32-wasip2 "${guests[@]}" -- -D warnings
 cargo clippy --all-targets -- -D warnings

@@ -69,6 +69,8 @@ pub fn module_dir() -> &'static Path {
                 "-p",
                 "nvidia-gpu",
                 "-p",
+                "vfio-pci",
+                "-p",
                 "wit-0-1-0",
             ])
             .status()
@@ -278,6 +280,17 @@ pub fn served_devices(agent: &Agent, resource: &str) -> Vec<Device> {
         .devices
         .borrow()
         .to_vec()
+}
+
+/// The host paths of the device nodes an Allocate answer gives, in order.
+pub fn host_paths(
+    response: &devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse,
+) -> Vec<&str> {
+    response
+        .devices
+        .iter()
+        .map(|d| d.host_path.as_str())
+        .collect()
 }
 
 /// The `error` attribute the hostile module puts on `evil-0` when the host refused a probe.

@@ -8,7 +8,10 @@ use devicelet::agent::status;
 use devicelet_simulator::PodRef;
 use devicelet_tests::{Node, WAIT, devicelet_bin, generic_dev};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
     Command::new(devicelet_bin())

@@ -9,6 +9,7 @@ use container_device_interface as cdi_crate;
 use devicelet::agent::Agent;
 use devicelet::agent::status::CdiStatus;
 use devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse;
+use devicelet::policy::sharing::physical_id;
 use devicelet_simulator::Allocation;
 use devicelet_tests::{Node, WAIT, eventually, eventually_some, generic_dev, misbehaving};
 
@@ -16,8 +17,11 @@ const SERIAL: &str = r#"groups = [{ name = "serial", paths = ["/dev/ttyUSB*"] }]
 
 const SERIAL_AND_FUSE: &str = r#"groups = [
   { name = "serial", paths = ["/dev/ttyUSB*"] },
-  { name = "fuse", paths = ["/dev/fuse"], count = 2 },
-]"#;
+  { name = "fuse", paths = ["/dev/fuse"] },
+]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 /// generic-dev serving `config`, Allocate answering per `strategy` (a TOML value).
 fn generic_dev_with(strategy: &str, config: &str) -> String {
@@ -213,11 +217,13 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
     let serial = spec_with(&node, &agent, "devicelet.io/serial", 2).await;
     assert_eq!(serial["kind"], "devicelet.devicelet.io/serial");
     assert_eq!(serial["cdiVersion"], "0.3.0");
-    // Both fuse IDs share their one node; lifting it would leave them empty, which CDI refuses.
-    let fuse = spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
+    // Shared two ways, fuse's spec names its one physical device, which both replicas resolve
+    // to; lifting its edits to the spec would leave it empty, which CDI refuses.
+    let fuse = spec_with(&node, &agent, "devicelet.io/fuse", 1).await;
     assert!(fuse.get("containerEdits").is_none(), "{fuse}");
+    assert_eq!(fuse["devices"][0]["name"], "fuse");
     assert_eq!(
-        fuse["devices"][1]["containerEdits"]["deviceNodes"][0]["path"],
+        fuse["devices"][0]["containerEdits"]["deviceNodes"][0]["path"],
         "/dev/fuse"
     );
     check_versions(&cdi_dir(&node));
@@ -233,11 +239,14 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
             .await
             .expect("allocate");
         let names = cdi_names(&a);
-        let expected: Vec<String> = a
-            .device_ids
-            .iter()
-            .map(|id| format!("devicelet.{resource}={id}"))
-            .collect();
+        // Replicas are named by their physical device, each once.
+        let mut expected: Vec<String> = Vec::new();
+        for id in &a.device_ids {
+            let name = format!("devicelet.{resource}={}", physical_id(id));
+            if !expected.contains(&name) {
+                expected.push(name);
+            }
+        }
         assert_eq!(names, expected, "cdi_devices");
         let key = format!("cdi.k8s.io/devicelet_{}", resource.replace('/', "_"));
         let annotated = cdi_crate::annotations::parse_annotations(&HashMap::from([(
@@ -269,7 +278,7 @@ async fn specs_outlive_an_agent_stop_and_go_with_their_resource() {
     node.add_char("/dev/fuse", 10, 229);
     let agent = start(&node, &generic_dev_with("\"cdi-cri\"", SERIAL_AND_FUSE)).await;
     spec_with(&node, &agent, "devicelet.io/serial", 1).await;
-    spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
+    spec_with(&node, &agent, "devicelet.io/fuse", 1).await;
     agent.shutdown().await;
     // The kubelet restarts containers from the answers it checkpointed, CDI names included,
     // without asking again: the names must still resolve while no agent runs.
@@ -277,11 +286,14 @@ async fn specs_outlive_an_agent_stop_and_go_with_their_resource() {
     assert!(spec_path(&node, "devicelet.io/fuse").exists());
 
     // The next agent no longer serves serial: its spec is stale and goes at start.
-    let fuse_only = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+    let fuse_only = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
     let agent = start(&node, &generic_dev_with("\"cdi-cri\"", fuse_only)).await;
     assert!(!spec_path(&node, "devicelet.io/serial").exists());
     assert!(spec_path(&node, "devicelet.io/fuse").exists());
-    spec_with(&node, &agent, "devicelet.io/fuse", 2).await;
+    spec_with(&node, &agent, "devicelet.io/fuse", 1).await;
     agent.shutdown().await;
 }
 

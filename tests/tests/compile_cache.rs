@@ -7,7 +7,10 @@ use devicelet::agent::Agent;
 use devicelet::sandbox::cache::CacheStats;
 use devicelet_tests::{Node, WAIT, generic_dev};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 async fn start_and_serve(node: &Node, cache: &Path, registrations: u32) -> Agent {
     let cache = cache.to_owned();

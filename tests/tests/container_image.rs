@@ -18,6 +18,7 @@ const MODULES: &[(&str, &str)] = &[
     ("generic-dev", "generic_dev.wasm"),
     ("amd-gpu", "amd_gpu.wasm"),
     ("nvidia-gpu", "nvidia_gpu.wasm"),
+    ("vfio-pci", "vfio_pci.wasm"),
 ];
 /// The glibc libraries NVIDIA's libnvidia-ml.so.1 links besides libc, which the agent dlopens.
 const NVML_NEEDS: &[&str] = &["libdl.so.2", "libpthread.so.0", "librt.so.1", "libm.so.6"];

@@ -813,8 +813,11 @@ fn the_registry_configmap_validates_against_the_reference_modules() {
         );
         names.insert(module.name.clone(), built);
     }
+    // Comments may name image paths (an entry to uncomment); the entries may not.
     assert!(
-        !local.contains(IMAGE_MODULES),
+        !local
+            .lines()
+            .any(|l| !l.trim_start().starts_with('#') && l.contains(IMAGE_MODULES)),
         "every module path was rewritten:\n{local}"
     );
     let file = dir.path().join("registry.toml");

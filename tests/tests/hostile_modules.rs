@@ -7,7 +7,10 @@ use devicelet_tests::{
     Node, WAIT, generic_dev, hostile, misbehaving, module_status, probe_error, served_devices,
 };
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 /// A node with /dev/fuse, /dev/kvm and a granted sysfs file, the hostile module with `attack`
 /// and generic-dev serving fuse next to it.

@@ -6,7 +6,10 @@ use std::time::Duration;
 use devicelet_simulator::{RestartOrder, SimEvent};
 use devicelet_tests::{Node, WAIT, eventually, generic_dev, misbehaving};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 fn bad_with_switch() -> String {
     misbehaving(
@@ -669,7 +672,7 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
         a.devices[0].permissions.clone()
     };
     assert_eq!(
-        permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &["fuse-0"]).await),
+        permissions(allocate_on_socket(&agent, "devicelet.io/fuse", &["fuse::0"]).await),
         "rw"
     );
 
@@ -678,11 +681,14 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
     let served = agent.resource("devicelet.io/fuse").expect("served");
     let socket = served.socket.clone();
     node.registry(&generic_dev(
-        r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2, permissions = "r" }]"#,
+        r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], permissions = "r" }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#,
     ));
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let now = permissions(allocate_at(&socket, &["fuse-0"]).await);
+        let now = permissions(allocate_at(&socket, &["fuse::0"]).await);
         if now == "r" {
             break;
         }
@@ -697,7 +703,7 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
         .await
         .expect("answers prepared again in time")
         .expect("the preparer runs");
-    for id in ["fuse-0", "fuse-1"] {
+    for id in ["fuse::0", "fuse::1"] {
         let now = permissions(allocate_at(&socket, &[id]).await);
         assert_eq!(now, "r", "{id}");
     }
@@ -710,7 +716,7 @@ async fn changing_one_resources_sharing_re_serves_that_resource_only() {
     node.add_char("/dev/fuse", 10, 229);
     node.add_char("/dev/net/tun", 10, 200);
     let config = r#"groups = [
-  { name = "fuse", paths = ["/dev/fuse"], count = 2 },
+  { name = "fuse", paths = ["/dev/fuse"] },
   { name = "tun", paths = ["/dev/net/tun"] },
 ]"#;
     let agent = node.start_agent(&generic_dev(config)).await;
@@ -720,7 +726,7 @@ async fn changing_one_resources_sharing_re_serves_that_resource_only() {
         .await
         .expect("tun");
     node.kubelet
-        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
         .expect("fuse");
 
@@ -729,7 +735,7 @@ async fn changing_one_resources_sharing_re_serves_that_resource_only() {
         generic_dev(config)
     ));
     node.kubelet
-        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 4)
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
         .await
         .expect("fuse shared two ways");
     let after = node.kubelet.resource("devicelet.io/tun").expect("tun");

@@ -28,7 +28,8 @@ fn chmod(path: &Path, mode: u32) {
 
 fn fuse(name: &str) -> String {
     generic_dev(&format!(
-        r#"groups = [{{ name = "{name}", paths = ["/dev/fuse"], count = 2 }}]"#
+        "groups = [{{ name = \"{name}\", paths = [\"/dev/fuse\"] }}]\n\n\
+         [module.sharing]\nreplicas = 2"
     ))
 }
 

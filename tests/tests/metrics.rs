@@ -8,7 +8,10 @@ use std::time::Duration;
 use devicelet_simulator::Simulator;
 use devicelet_tests::{Node, Sample, WAIT, generic_dev, http_get, metric, misbehaving, scrape};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 /// Scrapes until `cond` holds; the figures change as the agent's tasks catch up.
 async fn scrape_until(

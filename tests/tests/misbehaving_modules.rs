@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 
 use devicelet_tests::{Node, WAIT, generic_dev, misbehaving, module_status};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 async fn assert_other_module_still_allocates(node: &Node) {
     let fuse = node

@@ -14,7 +14,10 @@ use devicelet_tests::{
     Node, WAIT, generic_dev, hostile, misbehaving, module_status, probe_error, served_devices,
 };
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 fn node_with_fuse(node: &Node) {
     node.add_char("/dev/fuse", 10, 229);

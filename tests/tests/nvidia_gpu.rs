@@ -637,7 +637,12 @@ async fn a_hung_nvml_zeroes_no_gpu_and_holds_no_kubelet_call_past_its_deadline()
             "",
             "health-deadline = \"200ms\"\ncall-deadline = \"500ms\"\n"
         ),
-        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 4 }]"#)
+        generic_dev(
+            r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 4"#
+        )
     );
     let agent = start(&node, &gpus, &modules).await;
     let before = node
@@ -715,7 +720,7 @@ async fn without_nvml_the_gpu_resource_waits_with_no_devices_and_the_others_serv
     let modules = format!(
         "{}\n{}",
         registry("1h", "", ""),
-        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 1 }]"#)
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
     );
     let missing = node.dir.path().join("no-driver/libnvidia-ml.so.1");
     let agent = node

@@ -9,7 +9,10 @@ use devicelet::kubelet::route::Route;
 use devicelet_simulator::{SimConfig, Simulator};
 use devicelet_tests::{Node, WAIT, generic_dev, misbehaving};
 
-const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 2 }]"#;
+const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
 
 /// A node whose kubelet also watches `plugins_registry/`.
 async fn watched_node() -> (Node, Simulator, PathBuf) {

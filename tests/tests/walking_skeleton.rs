@@ -9,9 +9,12 @@ use std::collections::HashSet;
 use std::os::unix::fs::PermissionsExt;
 
 const FUSE_AND_SERIAL: &str = r#"groups = [
-  { name = "fuse", paths = ["/dev/fuse"], count = 3 },
+  { name = "fuse", paths = ["/dev/fuse"] },
   { name = "serial", paths = ["/dev/ttyUSB*"] },
-]"#;
+]
+
+[module.sharing.resources.fuse]
+replicas = 3"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn module_registers_and_streams_its_first_snapshot() {
@@ -27,7 +30,7 @@ async fn module_registers_and_streams_its_first_snapshot() {
         .await
         .expect("fuse registered with a snapshot");
     let ids: Vec<_> = fuse.devices.iter().map(|d| d.id.as_str()).collect();
-    assert_eq!(ids, ["fuse-0", "fuse-1", "fuse-2"]);
+    assert_eq!(ids, ["fuse::0", "fuse::1", "fuse::2"]);
     assert!(fuse.devices.iter().all(|d| d.health == "Healthy"));
     assert_eq!((fuse.capacity, fuse.allocatable), (3, 3));
     assert!(!fuse.options.pre_start_required);
@@ -90,9 +93,12 @@ async fn allocation_passes_the_device_nodes_with_their_permissions() {
     node.add_char("/dev/fuse", 10, 229);
     node.add_char("/dev/net/tun", 10, 200);
     let config = r#"groups = [
-  { name = "fuse", paths = ["/dev/fuse"], count = 4 },
+  { name = "fuse", paths = ["/dev/fuse"] },
   { name = "tun", paths = ["/dev/net/tun"], permissions = "rwm" },
-]"#;
+]
+
+[module.sharing.resources.fuse]
+replicas = 4"#;
     let agent = node.start_agent(&generic_dev(config)).await;
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 4)
@@ -137,15 +143,22 @@ async fn allocation_passes_the_device_nodes_with_their_permissions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask() {
+async fn shared_adapters_are_spread_by_the_host_and_prestart_reaches_the_module() {
     let node = Node::new().await;
     for (i, path) in ["/dev/ttyUSB0", "/dev/ttyUSB1"].iter().enumerate() {
         node.add_char(path, 188, i as u32);
     }
     let config = r#"groups = [
-  { name = "serial", paths = ["/dev/ttyUSB*"], count = 2, preferred = "spread", prestart-check = true },
-]"#;
-    let agent = node.start_agent(&generic_dev(config)).await;
+  { name = "serial", paths = ["/dev/ttyUSB*"], prestart-check = true },
+]
+
+[module.sharing.resources.serial]
+replicas = 2"#;
+    let registry = generic_dev(config).replace(
+        "call-deadline = \"2s\"",
+        "call-deadline = \"2s\"\nallocation-policy = \"distributed\"",
+    );
+    let agent = node.start_agent(&registry).await;
     let serial = node
         .kubelet
         .wait_until("devicelet.io/serial", WAIT, |r| r.allocatable == 4)
@@ -154,8 +167,8 @@ async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask
     assert!(serial.options.pre_start_required);
     assert!(serial.options.get_preferred_allocation_available);
 
-    // The kubelet alone would take the first two ids (both replicas of ttyUSB0); the module
-    // spreads over the two adapters.
+    // The kubelet alone would take the first two ids (both replicas of ttyUSB0); the host's
+    // distributed policy spreads over the two adapters.
     let a = node
         .kubelet
         .allocate("devicelet.io/serial", 2)
@@ -163,9 +176,9 @@ async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask
         .expect("allocate");
     assert_eq!(
         a.preferred.as_deref(),
-        Some(&["ttyUSB0-0".to_string(), "ttyUSB1-0".to_string()][..])
+        Some(&["ttyUSB0::0".to_string(), "ttyUSB1::0".to_string()][..])
     );
-    assert_eq!(a.device_ids, ["ttyUSB0-0", "ttyUSB1-0"]);
+    assert_eq!(a.device_ids, ["ttyUSB0::0", "ttyUSB1::0"]);
     assert!(a.prestarted);
 
     // PreStart really runs the module's check: with the adapter gone, the container it was
@@ -177,7 +190,7 @@ async fn preferred_allocation_and_prestart_reach_the_module_when_its_options_ask
         DevicePluginClient::new(uds::connect(&served.socket).await.expect("dial plugin"));
     let err = plugin
         .pre_start_container(PreStartContainerRequest {
-            devices_ids: vec!["ttyUSB1-0".into()],
+            devices_ids: vec!["ttyUSB1::0".into()],
         })
         .await
         .expect_err("prestart of a vanished adapter must fail");
@@ -220,7 +233,10 @@ async fn a_sixty_three_character_resource_name_registers() {
     let name = "a-resource-name-long-enough-to-need-short-socket-x";
     let resource = format!("devicelet.io/{name}");
     assert_eq!(resource.len(), 63);
-    let config = format!(r#"groups = [{{ name = "{name}", paths = ["/dev/fuse"], count = 2 }}]"#);
+    let config = format!(
+        "groups = [{{ name = \"{name}\", paths = [\"/dev/fuse\"] }}]\n\n\
+         [module.sharing]\nreplicas = 2"
+    );
     let agent = node.start_agent(&generic_dev(&config)).await;
     let registered = node
         .kubelet
@@ -394,9 +410,12 @@ async fn generic_dev_devices_carry_the_numa_node_sysfs_gives_their_device_node()
         .write_file("/sys/dev/char/10:200/device/numa_node", "-1\n")
         .expect("sysfs");
     let config = r#"groups = [
-  { name = "fuse", paths = ["/dev/fuse"], count = 2 },
+  { name = "fuse", paths = ["/dev/fuse"] },
   { name = "tun", paths = ["/dev/net/tun"] },
-]"#;
+]
+
+[module.sharing.resources.fuse]
+replicas = 2"#;
     let agent = node.start_agent(&generic_dev(config)).await;
     let fuse = node
         .kubelet

@@ -161,13 +161,12 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
 async fn sharing_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row>> {
     let registry = node.registry(&format!(
         "{}\n{}\n[module.sharing]\nreplicas = 4\nrename = true\n",
-        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse", 10, "5s"),
+        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse-*", "5s"),
         node::generic_dev(
             &s.module_dir,
             "generic-dev-shared",
             "fuse",
-            "/dev/fuse",
-            10,
+            "/dev/fuse-*",
             "5s"
         ),
     ))?;
@@ -202,8 +201,7 @@ async fn cdi_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row
         &s.module_dir,
         "generic-dev-cdi",
         "fusecdi",
-        "/dev/fuse",
-        10,
+        "/dev/fuse-*",
         "5s",
     )
     .replace(
@@ -212,7 +210,7 @@ async fn cdi_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row
     );
     let registry = node.registry(&format!(
         "{}\n{cdi}",
-        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse", 10, "5s"),
+        node::generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse-*", "5s"),
     ))?;
     let agent = node.start_agent(&registry, None).await?;
     let named = resource("fusecdi");

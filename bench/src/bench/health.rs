@@ -23,7 +23,6 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         "generic-dev",
         "hc",
         "/dev/hc*",
-        1,
         &format!("{}s", INTERVAL.as_secs()),
     ))?;
     let agent = node.start_agent(&registry, None).await?;

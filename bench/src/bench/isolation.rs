@@ -38,10 +38,10 @@ switch = "{SWITCH}"
 
 pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
+    node.add_fuses()?;
     let registry = node.registry(&format!(
         "{}{}{}",
-        generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse", 10, "5s"),
+        generic_dev(&s.module_dir, "generic-dev", "fuse", "/dev/fuse-*", "5s"),
         spinner(s, "stuck-a"),
         spinner(s, "stuck-b"),
     ))?;

@@ -71,7 +71,7 @@ fn tmpfs_scratch() -> std::io::Result<tempfile::TempDir> {
 /// Compiles every generic-dev copy into `cache` with one throwaway start.
 async fn prime(s: &Settings, cache: &Path, state_parent: &Path) -> anyhow::Result<()> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
+    node.add_fuses()?;
     let (entries, names) =
         fuse_modules(&s.module_dir, &node.dir.path().join("modules"), MAX_MODULES)?;
     let registry = node.registry(&entries)?;
@@ -100,7 +100,7 @@ async fn measure(
     state_parent: &Path,
 ) -> anyhow::Result<Measured> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
+    node.add_fuses()?;
     let (entries, names) = fuse_modules(&s.module_dir, &node.dir.path().join("modules"), modules)?;
     let registry = node.registry(&entries)?;
     let dirs = AgentDirs {

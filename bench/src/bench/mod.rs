@@ -94,7 +94,7 @@ pub fn method() -> Vec<String> {
         "Percentiles are nearest-rank over every sample (no interpolation); medians of process \
          starts likewise.",
         "1: the agent runs in the bench process with the generic-dev module (one resource, \
-         /dev/fuse × 10) against the kubelet simulator; the client is tonic's generated \
+         /dev/fuse-0 … fuse-9) against the kubelet simulator; the client is tonic's generated \
          `DevicePluginClient` on the resource's Unix socket, one `Allocate` of one device per \
          call, after 1,000 warm-up calls (so answered from the answer the agent prepared ahead \
          of time, as every single-device Allocate is once its answer is ready). The floor is a tonic DevicePlugin server in the same \
@@ -134,7 +134,7 @@ pub fn method() -> Vec<String> {
          resource registered, streaming, with a first snapshot. Modules are distinct files: \
          generic-dev with a custom section naming the copy, so each has its own digest and is \
          compiled and cached on its own, with distinct names and resources (fuse0 … fuse9, each \
-         /dev/fuse × 10). Cold: a new, \
+         /dev/fuse-0 … fuse-9). Cold: a new, \
          empty cache directory; warm: the same directory on the next start. SIGTERM between \
          starts.",
         "4: the clock starts when `Simulator::restart` returns (every socket deleted, the new \
@@ -158,7 +158,7 @@ pub fn method() -> Vec<String> {
          resolution row times \
          `checks::resolve_edits` on the module's answer (open the /dev tree, canonicalize \
          the node beneath it, stat it).",
-        "8: the agent in the bench process with generic-dev (fuse × 10) and two misbehaving \
+        "8: the agent in the bench process with generic-dev (/dev/fuse-0 … fuse-9) and two misbehaving \
          modules whose enumerate spins (a sysfs switch file, read at every enumerate) until its \
          5 s health deadline, every 100 ms health interval; the same client and calls as row 1, \
          first with the switch absent, then 300 ms after it is written. Spinning cells burn CPU \
@@ -173,7 +173,7 @@ pub fn method() -> Vec<String> {
          XID 13 after the quiet period wakes the check) before the next sample. The preferred row \
          is tonic's client on the resource's socket, all 8 GPUs available, one must-include, size \
          4, after 200 warm-up calls; each answer is checked to be one island.",
-        "10: two nodes in the bench process, each with generic-dev (fuse × 10) and the ledger in \
+        "10: two nodes in the bench process, each with generic-dev (/dev/fuse-0 … fuse-9) and the ledger in \
          memory: one agent on the kubelet.sock route, one on the plugin-watcher route (its socket \
          in the simulator's watched `plugins_registry`, registered by the simulator's watcher); \
          tonic's client on each resource's socket (on the plugin-watcher route the registration \

@@ -48,6 +48,16 @@ impl Node {
         Ok(self.tree.add_node(path, NodeType::Char, major, minor)?)
     }
 
+    /// Ten FUSE nodes, `/dev/fuse-0` .. `/dev/fuse-9` (the device IDs generic-dev gives them:
+    /// `fuse-0` ..), all 10:229: ten devices a benchmark can name apart, so a two-device
+    /// Allocate asks the module for two.
+    pub fn add_fuses(&self) -> anyhow::Result<()> {
+        for i in 0..10 {
+            self.add_char(&format!("/dev/fuse-{i}"), 10, 229)?;
+        }
+        Ok(())
+    }
+
     /// Writes `registry.toml` (`host-root` = this node's tree) with the given `[[module]]`
     /// entries and returns its path.
     pub fn registry(&self, modules: &str) -> anyhow::Result<PathBuf> {
@@ -60,16 +70,15 @@ impl Node {
         Ok(file)
     }
 
-    /// The common case: /dev/fuse in the tree and generic-dev serving it ×10 as `fuse`, polled
-    /// every 5 s.
+    /// The common case: ten FUSE nodes in the tree ([`Node::add_fuses`]) and generic-dev serving
+    /// them as `fuse`, polled every 5 s.
     pub fn fuse_registry(&self, module_dir: &Path) -> anyhow::Result<PathBuf> {
-        self.add_char("/dev/fuse", 10, 229)?;
+        self.add_fuses()?;
         self.registry(&generic_dev(
             module_dir,
             "generic-dev",
             "fuse",
-            "/dev/fuse",
-            10,
+            "/dev/fuse-*",
             "5s",
         ))
     }
@@ -134,14 +143,13 @@ pub fn resource(suffix: &str) -> String {
     format!("{DOMAIN}/{suffix}")
 }
 
-/// A generic-dev entry named `name` serving one group `group` of `count` replicas of the nodes
-/// matching `paths`, re-enumerated every `health_interval`.
+/// A generic-dev entry named `name` serving one group `group` of the nodes matching `paths`,
+/// re-enumerated every `health_interval`.
 pub fn generic_dev(
     module_dir: &Path,
     name: &str,
     group: &str,
     paths: &str,
-    count: u32,
     health_interval: &str,
 ) -> String {
     format!(
@@ -154,7 +162,7 @@ health-interval = "{health_interval}"
 dev = ["/dev/*"]
 
 [module.config]
-groups = [{{ name = "{group}", paths = ["{paths}"], count = {count} }}]
+groups = [{{ name = "{group}", paths = ["{paths}"] }}]
 
 "#,
         module_dir.join("generic_dev.wasm").display()
@@ -179,7 +187,7 @@ sysfs = ["/sys/testing"]
     )
 }
 
-/// `count` generic-dev modules `gd-0` .. on `/dev/fuse`, serving `fuse0` ..; returns the
+/// `count` generic-dev modules `gd-0` .. on `/dev/fuse-*`, serving `fuse0` ..; returns the
 /// registry entries and the resource names. Each module is its own file in `copies` (generic-dev
 /// with a custom section naming the copy), so each has its own digest and is compiled, cached
 /// and held in memory on its own, as distinct vendors' modules are.
@@ -198,8 +206,7 @@ pub fn fuse_modules(
             module_dir,
             &format!("gd-{i}"),
             &format!("fuse{i}"),
-            "/dev/fuse",
-            10,
+            "/dev/fuse-*",
             "5s",
         );
         entries += &entry.replace(

@@ -107,7 +107,7 @@ async fn routes(s: &Settings) -> anyhow::Result<Vec<Row>> {
 /// Prometheus scrapes it, with ten modules of one resource each.
 async fn scrape(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
+    node.add_fuses()?;
     let (entries, names) = node::fuse_modules(&s.module_dir, &node.dir.path().join("copies"), 10)?;
     let registry = node.registry(&entries)?;
     let agent = node

@@ -60,7 +60,7 @@ fn spread(s: &Samples) -> String {
 /// One start of a fresh agent process with `modules` modules on a fresh node.
 async fn once(s: &Settings, modules: usize, cache: &Path) -> anyhow::Result<Duration> {
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/fuse", 10, 229)?;
+    node.add_fuses()?;
     let (entries, names) = fuse_modules(&s.module_dir, &node.dir.path().join("modules"), modules)?;
     let registry = node.registry(&entries)?;
     let dirs = AgentDirs {

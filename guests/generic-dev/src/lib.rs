@@ -12,10 +12,15 @@
 //! ```toml
 //! [module.config]
 //! groups = [
-//!   { name = "fuse", paths = ["/dev/fuse"], count = 10, permissions = "rw" },
-//!   { name = "serial", paths = ["/dev/ttyUSB*", "/dev/ttyACM*"], preferred = "spread", prestart-check = true },
+//!   { name = "fuse", paths = ["/dev/fuse"], permissions = "rw" },
+//!   { name = "serial", paths = ["/dev/ttyUSB*", "/dev/ttyACM*"], prestart-check = true },
 //! ]
 //! ```
+//!
+//! Sharing a node between containers (FUSE, TUN) and choosing among nodes are the agent's:
+//! `[module.sharing]` advertises each node several times (`replicas = 10`), and the agent's
+//! preferred allocation (`allocation-policy`, NUMA-aware) picks. The module's own `count` and
+//! `preferred` of 0.1 are gone; a config that still has them is refused with that hint.
 //!
 //! Each group is one resource:
 //!
@@ -24,13 +29,8 @@
 //! - `paths` (required, non-empty): glob patterns under `/dev/` (`*`, `?`, `[...]`). Every
 //!   matching node that is a character or block device is one physical device. Nodes appear and
 //!   disappear with the node: each enumeration globs again.
-//! - `count` (default 1, 1..=1000): how many times each node is advertised, so that many
-//!   containers can share it.
 //! - `permissions` (default `"rw"`): the device cgroup permissions, a non-empty combination of
 //!   `r`, `w` and `m` without repeats.
-//! - `preferred` (default none): `"spread"` asks the kubelet for preferred-allocation calls and
-//!   spreads a request over as many physical nodes as possible; `"pack"` fills one node's
-//!   replicas first.
 //! - `prestart-check` (default false): asks the kubelet for prestart calls, which fail when an
 //!   allocated node has disappeared since allocation.
 //! - `own-edits` (default false): each device carries its own edits (its node), so the agent
@@ -44,31 +44,18 @@
 //!
 //! A node's ID is its path without `/dev/`, with `/` replaced by `-` and any other character
 //! outside `[A-Za-z0-9._-]` by `_`: `/dev/ttyUSB0` → `ttyUSB0`, `/dev/net/tun` → `net-tun`.
-//! With `count` > 1 each replica gets `-<i>` appended, `i` in `0..count`: `fuse-0` .. `fuse-9`.
 //! Two nodes mapping to the same ID (`/dev/a b` and `/dev/a_b`) cannot both be served: the first
 //! in glob order wins and the other is skipped with a warning.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use devicelet_sdk::{
     ContainerEdits, Device, FsError, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
 };
 use serde::Deserialize;
 
-/// Most replicas of one node.
-const MAX_COUNT: u32 = 1000;
 /// Longest resource name suffix.
 const MAX_NAME_LEN: usize = 63;
-
-/// How `preferred` chooses among the available devices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Policy {
-    /// Over as many physical nodes as possible.
-    Spread,
-    /// Fill one physical node's replicas before the next.
-    Pack,
-}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -81,12 +68,14 @@ struct RawConfig {
 struct RawGroup {
     name: String,
     paths: Vec<String>,
-    #[serde(default = "default_count")]
-    count: u32,
+    /// 0.1's own sharing, refused with a hint.
+    #[serde(default)]
+    count: Option<serde_json::Value>,
     #[serde(default = "default_permissions")]
     permissions: String,
+    /// 0.1's own preferred allocation, refused with a hint.
     #[serde(default)]
-    preferred: Option<Policy>,
+    preferred: Option<serde_json::Value>,
     #[serde(default)]
     prestart_check: bool,
     #[serde(default)]
@@ -95,10 +84,6 @@ struct RawGroup {
     exclusive: bool,
     #[serde(default)]
     together: bool,
-}
-
-fn default_count() -> u32 {
-    1
 }
 
 fn default_permissions() -> String {
@@ -110,9 +95,7 @@ fn default_permissions() -> String {
 struct GroupSpec {
     name: String,
     paths: Vec<String>,
-    count: u32,
     permissions: String,
-    preferred: Option<Policy>,
     prestart_check: bool,
     /// Each device carries its own edits (WIT 0.2): the agent answers Allocate without calling
     /// `allocate`.
@@ -148,24 +131,23 @@ fn parse_config(config: &str) -> Result<Vec<GroupSpec>, String> {
         for pattern in &group.paths {
             validate_pattern(pattern).map_err(|e| format!("{at}.paths: {e}"))?;
         }
-        if !(1..=MAX_COUNT).contains(&group.count) {
+        if group.count.is_some() {
             return Err(format!(
-                "{at}.count: {} is out of range 1..={MAX_COUNT}",
-                group.count
+                "{at}.count: generic-dev no longer shares nodes itself; advertise each node N \
+                 times with the registry's [module.sharing] replicas = N"
+            ));
+        }
+        if group.preferred.is_some() {
+            return Err(format!(
+                "{at}.preferred: generic-dev no longer chooses devices itself; the agent's \
+                 preferred allocation does (registry key `allocation-policy`)"
             ));
         }
         validate_permissions(&group.permissions).map_err(|e| format!("{at}.permissions: {e}"))?;
-        if group.count > 1 && (group.exclusive || group.together) {
-            return Err(format!(
-                "{at}: `count` shares each node, which `exclusive` and `together` forbid"
-            ));
-        }
         specs.push(GroupSpec {
             name: group.name,
             paths: group.paths,
-            count: group.count,
             permissions: group.permissions,
-            preferred: group.preferred,
             prestart_check: group.prestart_check,
             own_edits: group.own_edits,
             exclusive: group.exclusive,
@@ -241,87 +223,6 @@ fn node_id(path: &str) -> String {
         .collect()
 }
 
-/// The IDs one node is advertised under: the base ID alone, or `<base>-<i>` for each replica.
-fn device_ids(base: &str, count: u32) -> Vec<String> {
-    if count <= 1 {
-        vec![base.to_string()]
-    } else {
-        (0..count).map(|i| format!("{base}-{i}")).collect()
-    }
-}
-
-/// The base ID of a device ID, if `id` is well-formed for `count` replicas (`<base>-<i>` with a
-/// canonical `i` < `count`, or just `<base>` when `count` is 1).
-fn base_of(id: &str, count: u32) -> Option<&str> {
-    if count <= 1 {
-        return (!id.is_empty()).then_some(id);
-    }
-    let (base, replica) = id.rsplit_once('-')?;
-    let index: u32 = replica.parse().ok()?;
-    (!base.is_empty() && index < count && index.to_string() == replica).then_some(base)
-}
-
-/// `size` IDs out of `available` (all of `must_include` first) under `policy`.
-///
-/// `node_of` names the physical node behind an ID; IDs it does not know count as their own node.
-/// Spread takes each next device from the node with the fewest chosen so far, pack from the node
-/// with the most (among nodes with devices left); ties go to the node first seen in `available`.
-fn choose(
-    policy: Policy,
-    available: &[String],
-    must_include: &[String],
-    size: usize,
-    node_of: impl Fn(&str) -> Option<String>,
-) -> Vec<String> {
-    let node = |id: &str| node_of(id).unwrap_or_else(|| id.to_string());
-    let mut chosen: Vec<String> = Vec::new();
-    let mut seen: BTreeSet<&str> = BTreeSet::new();
-    let mut load: HashMap<String, usize> = HashMap::new();
-    for id in must_include {
-        if seen.insert(id.as_str()) {
-            chosen.push(id.clone());
-            *load.entry(node(id)).or_default() += 1;
-        }
-    }
-    // Remaining candidates per node, nodes in order of first appearance.
-    let mut order: Vec<String> = Vec::new();
-    let mut left: HashMap<String, VecDeque<&String>> = HashMap::new();
-    for id in available {
-        if !seen.insert(id.as_str()) {
-            continue;
-        }
-        let key = node(id);
-        if !left.contains_key(&key) {
-            order.push(key.clone());
-        }
-        left.entry(key).or_default().push_back(id);
-    }
-    while chosen.len() < size {
-        let mut best: Option<(&String, usize)> = None;
-        for key in &order {
-            if left.get(key).is_none_or(VecDeque::is_empty) {
-                continue;
-            }
-            let n = load.get(key).copied().unwrap_or(0);
-            let better = match (best, policy) {
-                (None, _) => true,
-                (Some((_, b)), Policy::Spread) => n < b,
-                (Some((_, b)), Policy::Pack) => n > b,
-            };
-            if better {
-                best = Some((key, n));
-            }
-        }
-        let Some((key, _)) = best else { break };
-        let Some(id) = left.get_mut(key).and_then(VecDeque::pop_front) else {
-            break;
-        };
-        chosen.push(id.clone());
-        *load.entry(key.clone()).or_default() += 1;
-    }
-    chosen
-}
-
 /// A node that currently matches a group's patterns.
 struct Node {
     path: String,
@@ -395,12 +296,7 @@ impl Group {
     fn resolve(&mut self, ids: &[String]) -> Result<Vec<Result<String, String>>, PluginError> {
         let lookup = |group: &Self| -> Vec<Result<String, String>> {
             ids.iter()
-                .map(|id| {
-                    base_of(id, group.spec.count)
-                        .and_then(|base| group.known.get(base))
-                        .cloned()
-                        .ok_or_else(|| id.clone())
-                })
+                .map(|id| group.known.get(id).cloned().ok_or_else(|| id.clone()))
                 .collect()
         };
         let found = lookup(self);
@@ -472,15 +368,11 @@ impl Plugin for GenericDev {
         for group in &mut groups {
             let spec = &group.spec;
             let mut line = format!(
-                "{} ({} ×{}, permissions {}",
+                "{} ({}, permissions {}",
                 spec.name,
                 spec.paths.join(" "),
-                spec.count,
                 spec.permissions
             );
-            if let Some(policy) = spec.preferred {
-                line.push_str(&format!(", preferred {policy:?}").to_lowercase());
-            }
             if spec.prestart_check {
                 line.push_str(", prestart check");
             }
@@ -494,11 +386,7 @@ impl Plugin for GenericDev {
         devicelet_sdk::info!("generic-dev serving {}", served.join("; "));
         let resources = groups
             .iter()
-            .map(|g| {
-                ResourceInfo::new(g.spec.name.clone())
-                    .with_prestart(g.spec.prestart_check)
-                    .with_preferred_allocation(g.spec.preferred.is_some())
-            })
+            .map(|g| ResourceInfo::new(g.spec.name.clone()).with_prestart(g.spec.prestart_check))
             .collect();
         Ok((GenericDev { groups }, resources))
     }
@@ -508,27 +396,25 @@ impl Plugin for GenericDev {
         let spec = group.spec.clone();
         let nodes = group.scan()?;
         Ok(nodes
-            .iter()
-            .flat_map(|node| {
-                device_ids(&node.base, spec.count).into_iter().map(|id| {
-                    let mut device = Device::healthy(id)
-                        .attribute("path", node.path.clone())
-                        .attribute("dev", format!("{}:{}", node.major, node.minor));
-                    if spec.own_edits {
-                        device = device.edits(ContainerEdits::default().device(
-                            node.path.clone(),
-                            node.path.clone(),
-                            spec.permissions.clone(),
-                        ));
-                    }
-                    if spec.exclusive {
-                        device = device.exclusive();
-                    }
-                    if spec.together {
-                        device = device.group(spec.name.clone());
-                    }
-                    device
-                })
+            .into_iter()
+            .map(|node| {
+                let mut device = Device::healthy(node.base)
+                    .attribute("path", node.path.clone())
+                    .attribute("dev", format!("{}:{}", node.major, node.minor));
+                if spec.own_edits {
+                    device = device.edits(ContainerEdits::default().device(
+                        node.path.clone(),
+                        node.path,
+                        spec.permissions.clone(),
+                    ));
+                }
+                if spec.exclusive {
+                    device = device.exclusive();
+                }
+                if spec.together {
+                    device = device.group(spec.name.clone());
+                }
+                device
             })
             .collect())
     }
@@ -565,27 +451,6 @@ impl Plugin for GenericDev {
         }
         Ok(())
     }
-
-    fn preferred(
-        &mut self,
-        resource: &str,
-        available: &[String],
-        must_include: &[String],
-        size: usize,
-    ) -> Result<Vec<String>, PluginError> {
-        let group = self.group(resource)?;
-        let count = group.spec.count;
-        let Some(policy) = group.spec.preferred else {
-            return Ok(devicelet_sdk::default_preferred(
-                available,
-                must_include,
-                size,
-            ));
-        };
-        Ok(choose(policy, available, must_include, size, |id| {
-            base_of(id, count).map(str::to_string)
-        }))
-    }
 }
 
 export_plugin!(GenericDev);
@@ -594,31 +459,19 @@ export_plugin!(GenericDev);
 mod tests {
     use super::*;
 
-    fn ids(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
-    }
-
-    fn bases(count: u32) -> impl Fn(&str) -> Option<String> {
-        move |id| base_of(id, count).map(str::to_string)
-    }
-
     #[test]
     fn parses_the_documented_example() {
         let groups = parse_config(
             r#"{"groups": [
-                {"name": "fuse", "paths": ["/dev/fuse"], "count": 10, "permissions": "rw"},
+                {"name": "fuse", "paths": ["/dev/fuse"], "permissions": "rw"},
                 {"name": "serial", "paths": ["/dev/ttyUSB*", "/dev/ttyACM*"],
-                 "preferred": "spread", "prestart-check": true}
+                 "prestart-check": true}
             ]}"#,
         )
         .unwrap();
         assert_eq!(groups.len(), 2);
-        assert_eq!(groups[0].count, 10);
-        assert_eq!(groups[0].preferred, None);
         assert!(!groups[0].prestart_check);
-        assert_eq!(groups[1].count, 1);
         assert_eq!(groups[1].permissions, "rw");
-        assert_eq!(groups[1].preferred, Some(Policy::Spread));
         assert!(groups[1].prestart_check);
     }
 
@@ -653,12 +506,8 @@ mod tests {
                 "components",
             ),
             (
-                r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "count": 0}]}"#,
-                "out of range",
-            ),
-            (
-                r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "count": 1001}]}"#,
-                "out of range",
+                r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "count": 2}]}"#,
+                "[module.sharing] replicas = N",
             ),
             (
                 r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "permissions": "rr"}]}"#,
@@ -669,8 +518,8 @@ mod tests {
                 "repeats",
             ),
             (
-                r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "preferred": "x"}]}"#,
-                "variant",
+                r#"{"groups": [{"name": "a", "paths": ["/dev/a"], "preferred": "spread"}]}"#,
+                "allocation-policy",
             ),
             (
                 r#"{"groups": [{"name": "a", "paths": ["/dev/a"]}, {"name": "a", "paths": ["/dev/b"]}]}"#,
@@ -693,31 +542,6 @@ mod tests {
         assert_eq!(node_id("/dev/net/tun"), "net-tun");
         assert_eq!(node_id("/dev/snd/pcmC0D0p"), "snd-pcmC0D0p");
         assert_eq!(node_id("/dev/a b:c"), "a_b_c");
-        assert_eq!(device_ids("fuse", 1), ids(&["fuse"]));
-        assert_eq!(device_ids("fuse", 3), ids(&["fuse-0", "fuse-1", "fuse-2"]));
-        assert_eq!(base_of("fuse", 1), Some("fuse"));
-        assert_eq!(base_of("net-tun-2", 3), Some("net-tun"));
-        assert_eq!(base_of("fuse-3", 3), None);
-        assert_eq!(base_of("fuse-01", 3), None);
-        assert_eq!(base_of("fuse", 3), None);
-    }
-
-    #[test]
-    fn spread_and_pack() {
-        let available = ids(&["A-0", "A-1", "B-0", "B-1"]);
-        let got = choose(Policy::Spread, &available, &[], 2, bases(2));
-        assert_eq!(got, ids(&["A-0", "B-0"]));
-        let got = choose(Policy::Pack, &available, &[], 2, bases(2));
-        assert_eq!(got, ids(&["A-0", "A-1"]));
-        let got = choose(Policy::Spread, &available, &ids(&["A-1"]), 3, bases(2));
-        assert_eq!(got, ids(&["A-1", "B-0", "A-0"]));
-        let got = choose(Policy::Pack, &available, &ids(&["B-1"]), 2, bases(2));
-        assert_eq!(got, ids(&["B-1", "B-0"]));
-        let got = choose(Policy::Spread, &available, &[], 10, bases(2));
-        assert_eq!(got, ids(&["A-0", "B-0", "A-1", "B-1"]));
-        let three = ids(&["a-0", "a-1", "a-2", "b-0", "b-1", "b-2", "c-0"]);
-        let got = choose(Policy::Spread, &three, &[], 4, bases(3));
-        assert_eq!(got, ids(&["a-0", "b-0", "c-0", "a-1"]));
     }
 }
 
@@ -728,7 +552,7 @@ mod kit_tests {
     use devicelet_sdk::testing::{FakeHost, Harness};
 
     const CONFIG: &str = r#"{"groups": [
-        {"name": "fuse", "paths": ["/dev/fuse"], "count": 2},
+        {"name": "fuse", "paths": ["/dev/fuse"]},
         {"name": "serial", "paths": ["/dev/ttyUSB*"], "permissions": "rwm", "prestart-check": true}
     ]}"#;
 
@@ -750,7 +574,7 @@ mod kit_tests {
         assert_eq!(names, ["fuse", "serial"]);
         let fuse = module.enumerate("fuse").unwrap();
         let ids: Vec<&str> = fuse.iter().map(|d| d.id.as_str()).collect();
-        assert_eq!(ids, ["fuse-0", "fuse-1"]);
+        assert_eq!(ids, ["fuse"]);
         assert_eq!(fuse[0].text("dev"), Some("10:229"));
         let serial = module.enumerate("serial").unwrap();
         let ids: Vec<&str> = serial.iter().map(|d| d.id.as_str()).collect();

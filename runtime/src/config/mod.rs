@@ -28,7 +28,7 @@
 //! dev = ["/dev/fuse", "/dev/ttyUSB*"]
 //!
 //! [module.config]                        # any table; handed to the module as JSON
-//! groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 10 }]
+//! groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
 //! ```
 //!
 //! This module only validates the text. Whether `path` exists, whether the file's digest matches

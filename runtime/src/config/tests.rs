@@ -77,7 +77,7 @@ sysfs = ["/sys/bus/pci/devices/*"]
 dev = ["/dev/fuse", "/dev/ttyUSB*"]
 
 [module.config]
-groups = [{ name = "fuse", paths = ["/dev/fuse"], count = 10 }]
+groups = [{ name = "fuse", paths = ["/dev/fuse"], permissions = "r" }]
 ratio = 0.5
 enabled = true
 since = 1979-05-27T07:32:00Z
@@ -132,7 +132,7 @@ path = "/opt/devicelet/usb.wasm"
     assert_eq!(
         generic.config,
         json!({
-            "groups": [{ "name": "fuse", "paths": ["/dev/fuse"], "count": 10 }],
+            "groups": [{ "name": "fuse", "paths": ["/dev/fuse"], "permissions": "r" }],
             "ratio": 0.5,
             "enabled": true,
             "since": "1979-05-27T07:32:00Z",

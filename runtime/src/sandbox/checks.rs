@@ -144,12 +144,13 @@ fn is_normal_absolute(path: &str) -> bool {
     path.len() <= 4096 && devicelet_rules::grants::normal(path).is_ok()
 }
 
+/// Kubernetes' own rule for a container's variable names (`IsEnvVarName`): letters, digits, `_`,
+/// `-` and `.`, not starting with a digit. The dash matters: the SR-IOV network device plugin
+/// and KubeVirt name variables after resources (`PCIDEVICE_INTEL_COM_X710-VF`).
 fn is_env_name(name: &str) -> bool {
-    let mut bytes = name.bytes();
-    bytes
-        .next()
-        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
-        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    let allowed = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.');
+    name.bytes().next().is_some_and(|b| !b.is_ascii_digit())
+        && name.bytes().all(allowed)
         && name.len() <= 256
 }
 
@@ -178,7 +179,15 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
             "more than {MAX_EDIT_ENTRIES} entries in one kind of container edit"
         ));
     }
-    for (name, value) in &edits.envs {
+    for (i, (name, value)) in edits.envs.iter().enumerate() {
+        if let Some((_, other)) = edits.envs[..i].iter().find(|(n, _)| n == name) {
+            return Err(format!(
+                "env {} is set twice, to {:?} and {:?} (devices' own edits must not disagree)",
+                truncate(name),
+                truncate(other),
+                truncate(value)
+            ));
+        }
         if !is_env_name(name) {
             return Err(format!(
                 "env name {:?} is not a valid variable name",
@@ -563,7 +572,15 @@ mod tests {
             ..Default::default()
         };
         assert!(edits(&env("NVIDIA_VISIBLE_DEVICES", "GPU-1"), &grants()).is_ok());
-        assert!(edits(&env("1BAD=NAME", "x"), &grants()).is_err());
+        assert!(edits(&env("1BAD", "x"), &grants()).is_err());
+        assert!(edits(&env("BAD=NAME", "x"), &grants()).is_err());
+        assert!(edits(&env("PCIDEVICE_INTEL_COM_X710-VF", "x"), &grants()).is_ok());
+        let twice = ContainerEdits {
+            envs: vec![("A".into(), "1".into()), ("A".into(), "2".into())],
+            ..ContainerEdits::default()
+        };
+        let e = edits(&twice, &grants()).unwrap_err();
+        assert!(e.contains("env A is set twice"), "{e}");
         assert!(edits(&env("BIG", &"x".repeat(MAX_VALUE + 1)), &grants()).is_err());
         let cdi = |n: &str| ContainerEdits {
             cdi_devices: vec![n.into()],

@@ -619,6 +619,10 @@ pub struct Harness<P> {
     host: Rc<FakeHost>,
     plugin: P,
     resources: Vec<ResourceInfo>,
+    /// Each resource's last enumeration, which the agent answers own-edits requests from and
+    /// checks device groups against.
+    snapshots: BTreeMap<String, Vec<Device>>,
+    config: String,
 }
 
 impl<P: Plugin> Harness<P> {
@@ -652,6 +656,8 @@ impl<P: Plugin> Harness<P> {
             host,
             plugin,
             resources,
+            snapshots: BTreeMap::new(),
+            config: config.to_owned(),
         })
     }
 
@@ -664,6 +670,8 @@ impl<P: Plugin> Harness<P> {
             host: self.host.clone(),
             plugin,
             resources,
+            snapshots: BTreeMap::new(),
+            config: config.to_owned(),
         })
     }
 
@@ -689,23 +697,48 @@ impl<P: Plugin> Harness<P> {
                 )));
             }
         }
+        self.snapshots.insert(resource.to_owned(), devices.clone());
         Ok(devices)
     }
 
     /// `allocate`, with its answer checked as the agent checks it: every device node under the
-    /// `/dev` grants and present.
+    /// `/dev` grants and present, no variable set twice. When every device carried its own
+    /// edits in the resource's last [`Harness::enumerate`] (one is made if there was none), the
+    /// answer is their union and `allocate` is not called, as in the agent.
     pub fn allocate(
         &mut self,
         resource: &str,
         ids: &[&str],
     ) -> Result<ContainerEdits, PluginError> {
         let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
-        let edits = match self.own_edits(resource, &ids)? {
+        let snapshot = self.snapshot(resource)?;
+        for device in snapshot.iter().filter(|d| ids.contains(&d.id)) {
+            let Some(group) = &device.group else { continue };
+            if let Some(left) = snapshot
+                .iter()
+                .find(|d| d.group.as_ref() == Some(group) && !ids.contains(&d.id))
+            {
+                return Err(PluginError::Failed(format!(
+                    "the agent would refuse this request (InvalidArgument, the module not \
+                     called): it splits device group {group:?}, leaving out {:?}",
+                    left.id
+                )));
+            }
+        }
+        let edits = match own_edits(&snapshot, &ids) {
             Some(edits) => edits,
             None => with_host(&self.host, || {
                 self.plugin.allocate_with_config(resource, &ids, "")
             })?,
         };
+        for (i, (name, value)) in edits.envs.iter().enumerate() {
+            if let Some((_, other)) = edits.envs[..i].iter().find(|(n, _)| n == name) {
+                return Err(PluginError::Failed(format!(
+                    "the agent would refuse this answer: env {name} is set twice, to {other:?} \
+                     and {value:?}"
+                )));
+            }
+        }
         for node in &edits.devices {
             self.host.dev_stat(&node.host_path).map_err(|e| {
                 PluginError::Failed(format!(
@@ -717,37 +750,14 @@ impl<P: Plugin> Harness<P> {
         Ok(edits)
     }
 
-    /// As the agent answers a request whose devices all carry their own edits: their union, in
-    /// order, without calling `allocate`. None when one of them has none.
-    fn own_edits(
-        &mut self,
-        resource: &str,
-        ids: &[String],
-    ) -> Result<Option<ContainerEdits>, PluginError> {
-        fn add<T: PartialEq>(into: &mut Vec<T>, from: Vec<T>) {
-            for item in from {
-                if !into.contains(&item) {
-                    into.push(item);
-                }
-            }
+    /// The resource's last enumeration; without one, one made as the agent makes it, by an
+    /// instance of its own (so this instance's state stays as the test left it).
+    fn snapshot(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
+        if let Some(devices) = self.snapshots.get(resource) {
+            return Ok(devices.clone());
         }
-        let devices = with_host(&self.host, || self.plugin.enumerate(resource))?;
-        let mut union = ContainerEdits::default();
-        for id in ids {
-            let Some(edits) = devices
-                .iter()
-                .find(|d| &d.id == id)
-                .and_then(|d| d.edits.clone())
-            else {
-                return Ok(None);
-            };
-            add(&mut union.envs, edits.envs);
-            add(&mut union.mounts, edits.mounts);
-            add(&mut union.devices, edits.devices);
-            add(&mut union.annotations, edits.annotations);
-            add(&mut union.cdi_devices, edits.cdi_devices);
-        }
-        Ok(Some(union))
+        let mut lane = self.another(&self.config.clone())?;
+        lane.enumerate(resource)
     }
 
     /// `prestart`.
@@ -785,6 +795,28 @@ impl<P: Plugin> Harness<P> {
         }
         Ok(chosen)
     }
+}
+
+/// As the agent answers a request whose devices all carry their own edits: their union, in
+/// order, without calling `allocate`. None when one of them has none.
+fn own_edits(snapshot: &[Device], ids: &[String]) -> Option<ContainerEdits> {
+    fn add<T: PartialEq + Clone>(into: &mut Vec<T>, from: &[T]) {
+        for item in from {
+            if !into.contains(item) {
+                into.push(item.clone());
+            }
+        }
+    }
+    let mut union = ContainerEdits::default();
+    for id in ids {
+        let edits = snapshot.iter().find(|d| &d.id == id)?.edits.as_ref()?;
+        add(&mut union.envs, &edits.envs);
+        add(&mut union.mounts, &edits.mounts);
+        add(&mut union.devices, &edits.devices);
+        add(&mut union.annotations, &edits.annotations);
+        add(&mut union.cdi_devices, &edits.cdi_devices);
+    }
+    Some(union)
 }
 
 #[cfg(test)]
@@ -963,5 +995,71 @@ mod tests {
         let e = parse_dev_list("c 226:128 /dev/ok\nc 226 /dev/bad\n").unwrap_err();
         assert!(e.starts_with("line 2:"), "{e}");
         assert!(parse_dev_list("c 1:2 /etc/passwd").is_err());
+    }
+
+    /// Two serial ports, one device group, each with its own edits; `env` gives each port's
+    /// edits a variable, the same name for both.
+    struct Pair {
+        env: bool,
+        allocate_calls: u32,
+    }
+
+    impl Plugin for Pair {
+        fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+            let pair = Pair {
+                env: config == "env",
+                allocate_calls: 0,
+            };
+            Ok((pair, vec![ResourceInfo::new("serial")]))
+        }
+
+        fn enumerate(&mut self, _resource: &str) -> Result<Vec<Device>, PluginError> {
+            Ok(["ttyS0", "ttyS1"]
+                .iter()
+                .map(|id| {
+                    let path = format!("/dev/{id}");
+                    let mut edits = ContainerEdits::default().device(path.clone(), path, "rw");
+                    if self.env {
+                        edits = edits.env("PORT", *id);
+                    }
+                    Device::healthy(*id).group("pair").edits(edits)
+                })
+                .collect())
+        }
+
+        fn allocate(
+            &mut self,
+            _resource: &str,
+            _ids: &[String],
+        ) -> Result<ContainerEdits, PluginError> {
+            self.allocate_calls += 1;
+            Ok(ContainerEdits::default())
+        }
+    }
+
+    fn ports() -> FakeHost {
+        FakeHost::new()
+            .grant_dev("/dev/ttyS*")
+            .char_device("/dev/ttyS0", 4, 64)
+            .char_device("/dev/ttyS1", 4, 65)
+    }
+
+    #[test]
+    fn allocate_refuses_what_the_agent_refuses_and_answers_from_own_edits() {
+        let mut pair = Harness::<Pair>::init(ports(), "").unwrap();
+        let e = pair.allocate("serial", &["ttyS0"]).unwrap_err();
+        assert!(
+            e.to_string().contains("splits device group \"pair\""),
+            "{e}"
+        );
+        let edits = pair.allocate("serial", &["ttyS0", "ttyS1"]).unwrap();
+        assert_eq!(edits.devices.len(), 2);
+        assert_eq!(
+            pair.plugin.allocate_calls, 0,
+            "answered from the devices' edits"
+        );
+        let mut clash = Harness::<Pair>::init(ports(), "env").unwrap();
+        let e = clash.allocate("serial", &["ttyS0", "ttyS1"]).unwrap_err();
+        assert!(e.to_string().contains("env PORT is set twice"), "{e}");
     }
 }
