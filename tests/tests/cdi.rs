@@ -218,7 +218,7 @@ async fn every_strategy_at_once_names_devices_that_resolve_to_what_the_module_an
     assert_eq!(serial["kind"], "devicelet.devicelet.io/serial");
     assert_eq!(serial["cdiVersion"], "0.3.0");
     // Shared two ways, fuse's spec names its one physical device, which both replicas resolve
-    // to; lifting its edits to the spec would leave it empty, which CDI refuses.
+    // to (edits common to several devices are lifted to the spec: `cdi::build`'s tests).
     let fuse = spec_with(&node, &agent, "devicelet.io/fuse", 1).await;
     assert!(fuse.get("containerEdits").is_none(), "{fuse}");
     assert_eq!(fuse["devices"][0]["name"], "fuse");

@@ -62,6 +62,15 @@ async fn metrics_follow_allocations_a_kubelet_restart_a_trap_and_a_hot_reload() 
         metric(&first, "devicelet_build_info", &[("version", version)]),
         Some(1.0)
     );
+    // generic-dev speaks 0.2 and says its crate version.
+    assert_eq!(
+        metric(
+            &first,
+            "devicelet_module_info",
+            &[("module", "generic-dev"), ("version", "0.1.0")]
+        ),
+        Some(1.0)
+    );
     assert_eq!(
         metric(&first, "devicelet_resource_devices", &fuse),
         Some(2.0)

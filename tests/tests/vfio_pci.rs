@@ -165,3 +165,30 @@ async fn sharing_a_vfio_resource_is_refused_by_validate() {
     assert!(ok, "{text}");
     assert!(text.contains("group iommu-50"), "{text}");
 }
+
+/// The deploy ConfigMap's vfio-pci entry, commented out there (its IDs are the operator's),
+/// validates once uncommented, on the fixture node.
+#[tokio::test]
+async fn the_configmaps_commented_vfio_entry_validates() {
+    let node = sriov_node().await;
+    let configmap = std::fs::read_to_string(workspace_root().join("deploy/base/configmap.yaml"))
+        .expect("the ConfigMap");
+    let (_, tail) = configmap
+        .split_once("# VFIO passthrough")
+        .expect("the vfio-pci example");
+    let entry: String = tail
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix('#'))
+        .skip_while(|l| !l.starts_with(" [[module]]"))
+        .map(|l| format!("{}\n", l.strip_prefix(' ').unwrap_or(l)))
+        .collect::<String>()
+        .replace(
+            "/opt/devicelet/modules/vfio-pci.wasm",
+            "@MODULES@/vfio_pci.wasm",
+        );
+    assert!(entry.contains("name = \"vfio-pci\""), "{entry}");
+    let (ok, text) = validate_registry(&node.registry(&entry), &[]);
+    assert!(ok, "{text}");
+    assert!(text.contains("resource intel.com/x710-vf"), "{text}");
+    assert!(text.contains("3 devices, 3 healthy"), "{text}");
+}

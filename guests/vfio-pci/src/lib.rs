@@ -1,6 +1,7 @@
 //! devicelet's VFIO passthrough module: PCI functions bound to `vfio-pci` (SR-IOV virtual
 //! functions, GPUs for virtual machines) handed to containers and KubeVirt VMs, one IOMMU group
-//! at a time.
+//! at a time. Vendors' variant VFIO drivers (`mlx5_vfio_pci`, `nvgrace_gpu_vfio_pci`...) count
+//! as `vfio-pci`.
 //!
 //! Each configured resource selects functions by `vendor:device` (and, with `vfs-only`, only
 //! SR-IOV virtual functions). A selected function bound to `vfio-pci` is a device, its ID its PCI
@@ -40,8 +41,11 @@
 //!
 //! Resources are served under the entry's `resource-domain`; for another vendor's functions add
 //! a second `[[module]]` entry with the same `path`. A function belongs to one resource, and
-//! all functions of one IOMMU group should be selected by one resource: the module marks a
+//! functions of one IOMMU group should not be selected by two resources: the module marks a
 //! group it finds split between two of its resources Unhealthy (it cannot see other entries).
+//! A group member no resource selects goes along with the group's node: for KubeVirt GPU
+//! passthrough select only the GPU's ID, and its audio function (on `vfio-pci` too) comes
+//! with it, so one GPU is one device, as a VM's `gpus` entry asks.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -52,15 +56,25 @@ use devicelet_sdk::{
 };
 use serde::Deserialize;
 
-/// The driver a function must be bound to.
+/// The generic VFIO driver.
 const VFIO: &str = "vfio-pci";
 /// The VFIO container node every user of a group opens first.
 const CONTAINER: &str = "/dev/vfio/vfio";
 /// Where the kernel lists each IOMMU group's members.
 const IOMMU_GROUPS: &str = "/sys/kernel/iommu_groups";
-/// Drivers the kernel accepts beside `vfio-pci` in a group it lets VFIO open (`pci-stub`
-/// claims a function without driving it); functions with no driver are accepted too.
-const VIABLE_DRIVERS: [&str; 2] = [VFIO, "pci-stub"];
+/// Whether `driver` is a VFIO driver: `vfio-pci`, or a vendor's variant of it
+/// (`mlx5_vfio_pci`, `hisi_acc_vfio_pci`, `nvgrace_gpu_vfio_pci`...), which also makes
+/// `/dev/vfio/<group>` and hands the function to userspace.
+fn is_vfio(driver: &str) -> bool {
+    driver == VFIO || driver.ends_with("_vfio_pci")
+}
+
+/// Whether the kernel lets a group member on `driver` stay while VFIO opens the group: VFIO
+/// drivers and `pci-stub` (which claims a function without driving it). A member with no driver
+/// is fine too, and so is a bridge whatever its driver.
+fn keeps_group_viable(driver: &str) -> bool {
+    is_vfio(driver) || driver == "pci-stub"
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -160,10 +174,12 @@ fn env_suffix(served_as: &str) -> String {
         .collect()
 }
 
-/// Whether a function is a PCI-to-PCI bridge (class `0x0604`), which the kernel lets share a
-/// group with VFIO devices whatever its driver (`pcieport`).
+/// Whether a function is a PCI-to-PCI bridge (class `0x0604`, or `0x0609` subtractive decode),
+/// which the kernel lets share a group with VFIO devices whatever its driver (`pcieport`). The
+/// kernel goes by the header type, which sysfs shows only in config space; the class is what a
+/// bridge reports.
 fn is_bridge(function: &PciDevice) -> bool {
-    function.class >> 8 == 0x0604
+    matches!(function.class >> 8, 0x0604 | 0x0609)
 }
 
 /// One instance's state: the functions each resource has served, so one that is unbound or
@@ -217,12 +233,26 @@ impl VfioPci {
             }
         };
         for address in members.iter().filter(|a| **a != function.address) {
-            let Some(member) = all.get(address) else {
-                continue;
+            let read;
+            let member = match all.get(address) {
+                Some(member) => member,
+                None => match pci::read(address) {
+                    Ok(found) => {
+                        read = found;
+                        &read
+                    }
+                    Err(e) => {
+                        let e = PluginError::from(e);
+                        return Ok(Some(format!(
+                            "IOMMU group {group} cannot be checked: its member {address} \
+                             cannot be read ({e})"
+                        )));
+                    }
+                },
             };
             let driver = member.driver();
             if let Some(driver) = &driver
-                && !VIABLE_DRIVERS.contains(&driver.as_str())
+                && !keeps_group_viable(driver)
                 && !is_bridge(member)
             {
                 return Ok(Some(format!(
@@ -234,7 +264,7 @@ impl VfioPci {
                 .iter()
                 .find(|s| s.name != resource && s.matches(member));
             if let Some(other) = other
-                && driver.as_deref() == Some(VFIO)
+                && driver.as_deref().is_some_and(is_vfio)
             {
                 return Ok(Some(format!(
                     "IOMMU group {group} is split between resources {resource} and {} \
@@ -274,7 +304,8 @@ impl Plugin for VfioPci {
         let mut devices = Vec::new();
         for function in all.values().filter(|f| selector.matches(f)) {
             let driver = function.driver();
-            let mut device = if driver.as_deref() == Some(VFIO) {
+            let on_vfio = driver.as_deref().is_some_and(is_vfio);
+            let mut device = if on_vfio {
                 match self.trouble(resource, function, &all)? {
                     None => Device::healthy(function.address.clone()),
                     Some(why) => Device::unhealthy_because(function.address.clone(), why),
@@ -304,7 +335,10 @@ impl Plugin for VfioPci {
                 device = device.numa_node(node);
             }
             served.insert(function.address.clone());
-            devices.push((device, function.iommu_group()));
+            // Only functions on VFIO form groups: one unbound stays listed (Unhealthy), but
+            // the kubelet never offers it, so grouping it would make its partners impossible to
+            // allocate. (Its group stays viable without a driver: the rest go without it.)
+            devices.push((device, function.iommu_group().filter(|_| on_vfio)));
         }
         for gone in seen.difference(&served) {
             let device = Device::unhealthy_because(gone.clone(), "gone from the PCI bus")
@@ -344,7 +378,7 @@ impl Plugin for VfioPci {
                 )));
             }
             match function.driver() {
-                Some(driver) if driver == VFIO => {}
+                Some(driver) if is_vfio(&driver) => {}
                 Some(driver) => {
                     return Err(PluginError::Failed(format!(
                         "{id} is bound to {driver}, not {VFIO}"

@@ -106,13 +106,16 @@ fn a_container_gets_the_vfio_container_its_groups_and_the_addresses_in_env() {
             ),
         ]
     );
-    // A function the resource does not serve, or one on another driver, is refused.
-    let e = kubelet.allocate("x710-vf", &["0000:5e:00.2"]).unwrap_err();
-    assert!(
-        e.to_string().contains("not one of x710-vf's functions"),
-        "{e}"
+    // A function the resource does not serve never reaches the module.
+    let e = kubelet.allocate("x710-vf", &["0000:5e:00.0"]).unwrap_err();
+    assert!(e.to_string().contains("is not a device of x710-vf"), "{e}");
+    // One rebound since the last enumeration does, and the module refuses it.
+    kubelet.enumerate("x710-vf").unwrap();
+    kubelet.host().set_symlink(
+        "/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:02.2/driver",
+        "../../../../bus/pci/drivers/iavf",
     );
-    let e = kubelet.allocate("x710-vf", &["0000:3b:02.3"]).unwrap_err();
+    let e = kubelet.allocate("x710-vf", &["0000:3b:02.2"]).unwrap_err();
     assert!(e.to_string().contains("bound to iavf, not vfio-pci"), "{e}");
 }
 
@@ -210,6 +213,105 @@ fn a_group_with_a_member_on_a_host_driver_is_not_viable() {
         ]
     );
     assert_eq!(devices[2].health, Health::Healthy, "the other GPU's group");
+}
+
+#[test]
+fn an_unbound_partner_leaves_the_rest_of_its_group_allocatable_alone() {
+    let mut gpus = module(GPUS);
+    gpus.enumerate("a6000").unwrap();
+    let audio = "/sys/devices/pci0000:c9/0000:c9:00.0/0000:ca:00.1";
+    unbind(gpus.host(), audio, "vfio-pci");
+    let devices = gpus.enumerate("a6000").unwrap();
+    let first: Vec<(&str, Option<&str>, Health)> = devices[..2]
+        .iter()
+        .map(|d| (d.id.as_str(), d.group.as_deref(), d.health))
+        .collect();
+    assert_eq!(
+        first,
+        [
+            ("0000:ca:00.0", None, Health::Healthy),
+            ("0000:ca:00.1", None, Health::Unhealthy),
+        ]
+    );
+    let edits = gpus.allocate("a6000", &["0000:ca:00.0"]).unwrap();
+    assert_eq!(edits.devices[1].host_path, "/dev/vfio/50");
+}
+
+#[test]
+fn bridges_stub_and_unbound_members_keep_a_group_viable_and_a_host_driver_does_not() {
+    let mut vfs = module(VFS);
+    // Group 41 gains the root port (on pcieport), a VF claimed by pci-stub and the unbound VF.
+    let members = "/sys/kernel/iommu_groups/41/devices";
+    let pf = "/sys/devices/pci0000:3a/0000:3a:00.0";
+    vfs.host().set_symlink(
+        &format!("{members}/0000:3a:00.0"),
+        "../../../../devices/pci0000:3a/0000:3a:00.0",
+    );
+    for vf in ["0000:3b:02.3", "0000:3b:02.4"] {
+        vfs.host().set_symlink(
+            &format!("{members}/{vf}"),
+            &format!("../../../../devices/pci0000:3a/0000:3a:00.0/{vf}"),
+        );
+    }
+    vfs.host().set_symlink(
+        &format!("{pf}/0000:3b:02.3/driver"),
+        "../../../../bus/pci/drivers/pci-stub",
+    );
+    let reason =
+        |vfs: &mut Harness<VfioPci>| vfs.enumerate("x710-vf").unwrap()[0].health_reason.clone();
+    assert_eq!(reason(&mut vfs), None);
+    vfs.host().set_symlink(
+        &format!("{pf}/0000:3b:02.4/driver"),
+        "../../../../bus/pci/drivers/iavf",
+    );
+    assert_eq!(
+        reason(&mut vfs).as_deref(),
+        Some("IOMMU group 41 is not viable: 0000:3b:02.4 is bound to iavf")
+    );
+}
+
+#[test]
+fn vfs_only_leaves_out_a_physical_function_on_vfio() {
+    let config = |vfs_only: bool| {
+        format!(
+            r#"{{"resources": [{{"name": "x710", "ids": ["8086:1572", "8086:154c"], "vfs-only": {vfs_only}}}]}}"#
+        )
+    };
+    let host = node();
+    host.set_symlink(
+        "/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/driver",
+        "../../../../bus/pci/drivers/vfio-pci",
+    );
+    host.add_node("/dev/vfio/31", NodeKind::Character, 243, 9);
+    let mut all = Harness::<VfioPci>::init_in(host, &config(false), "intel.com").unwrap();
+    let devices = all.enumerate("x710").unwrap();
+    let ids: Vec<&str> = devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "0000:3b:00.0",
+            "0000:3b:02.0",
+            "0000:3b:02.1",
+            "0000:3b:02.2"
+        ]
+    );
+    assert_eq!(
+        attribute(&devices[0], "virtualFunction"),
+        Some(&AttributeValue::Boolean(false))
+    );
+    let mut vfs = all.another(&config(true)).unwrap();
+    assert_eq!(vfs.enumerate("x710").unwrap().len(), 3);
+}
+
+#[test]
+fn a_variant_vfio_driver_counts_as_vfio_pci() {
+    let mut vfs = module(VFS);
+    vfs.host().set_symlink(
+        "/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:02.0/driver",
+        "../../../../bus/pci/drivers/ice_vfio_pci",
+    );
+    let devices = vfs.enumerate("x710-vf").unwrap();
+    assert_eq!(devices[0].health, Health::Healthy);
 }
 
 #[test]

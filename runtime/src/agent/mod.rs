@@ -236,8 +236,14 @@ impl Shared {
             }
             None => modules::serve_all(handle, spec, host_root, &self.serving(), &taken),
         };
+        let version = running.handle().version().to_owned();
         for r in &running.resources {
-            tracing::info!(module = spec.name, resource = r.served.name, "serving");
+            tracing::info!(
+                module = spec.name,
+                version,
+                resource = r.served.name,
+                "serving"
+            );
         }
         let without_nvml = running
             .handle()

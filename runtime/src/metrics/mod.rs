@@ -43,6 +43,14 @@ struct ModuleLabels {
     module: String,
 }
 
+/// What runs under a module's name: its own version (WIT 0.2; empty for 0.1) and its digest.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModuleInfoLabels {
+    module: String,
+    version: String,
+    digest: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResourceLabels {
     resource: String,
@@ -379,6 +387,23 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
             &|m| m.stats.log_lines_dropped,
         ),
     ];
+    gauges(
+        registry,
+        "module_info",
+        "1 for each running module, labelled with its own version (WIT 0.2 modules) and the sha256 of its file",
+        status
+            .modules
+            .iter()
+            .map(|m| {
+                let labels = ModuleInfoLabels {
+                    module: m.name.clone(),
+                    version: m.version.clone(),
+                    digest: m.digest.clone(),
+                };
+                (labels, 1)
+            })
+            .collect(),
+    );
     for (name, help, f) in module_counters {
         let help = format!("{help}, since the running version loaded");
         counters(registry, name, &help, by_module(f));

@@ -702,7 +702,9 @@ impl<P: Plugin> Harness<P> {
     }
 
     /// `allocate`, with its answer checked as the agent checks it: every device node under the
-    /// `/dev` grants and present, no variable set twice. When every device carried its own
+    /// `/dev` grants and present, no variable set twice. As in the agent, a request for a device
+    /// the resource's last enumeration did not list, or that splits a device group, fails
+    /// without calling the module. When every device carried its own
     /// edits in the resource's last [`Harness::enumerate`] (one is made if there was none), the
     /// answer is their union and `allocate` is not called, as in the agent.
     pub fn allocate(
@@ -712,6 +714,12 @@ impl<P: Plugin> Harness<P> {
     ) -> Result<ContainerEdits, PluginError> {
         let ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
         let snapshot = self.snapshot(resource)?;
+        if let Some(unknown) = ids.iter().find(|id| !snapshot.iter().any(|d| &&d.id == id)) {
+            return Err(PluginError::Failed(format!(
+                "the agent would refuse this request (the module not called): {unknown:?} is \
+                 not a device of {resource}'s last enumeration"
+            )));
+        }
         for device in snapshot.iter().filter(|d| ids.contains(&d.id)) {
             let Some(group) = &device.group else { continue };
             if let Some(left) = snapshot
