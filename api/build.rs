@@ -5,6 +5,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "../proto/deviceplugin/v1beta1/api.proto",
         "../proto/podresources/v1/api.proto",
         "../proto/pluginregistration/v1/api.proto",
+        "../proto/dra/v1/api.proto",
+        "../proto/dra/v1beta1/api.proto",
+        "../proto/dra-health/v1alpha1/api.proto",
     ];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod device;
 pub mod digest;
+pub mod dra;
 pub mod files;
 #[cfg(feature = "simulator")]
 pub mod fixture;
