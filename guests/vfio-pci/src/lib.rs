@@ -197,20 +197,17 @@ impl VfioPci {
             .ok_or_else(|| PluginError::UnknownResource(resource.into()))
     }
 
-    /// Why a function bound to vfio-pci cannot be handed out, or None when it can.
-    fn trouble(
+    /// Why the functions on VFIO in IOMMU group `group` cannot be handed out, or None when they
+    /// can: the same for every member (a member on VFIO keeps its group viable, and no other
+    /// resource selects it), so an enumeration judges each group once.
+    fn group_trouble(
         &self,
         resource: &str,
-        function: &PciDevice,
+        group: u32,
+        container_present: bool,
         all: &BTreeMap<String, PciDevice>,
     ) -> Result<Option<String>, PluginError> {
-        let Some(group) = function.iommu_group() else {
-            return Ok(Some(
-                "no IOMMU group: the IOMMU is off (boot with intel_iommu=on or amd_iommu=on)"
-                    .into(),
-            ));
-        };
-        if devnodes::stat(CONTAINER).is_err() {
+        if !container_present {
             return Ok(Some(format!(
                 "{CONTAINER} is missing (is the vfio module loaded?)"
             )));
@@ -232,7 +229,7 @@ impl VfioPci {
                 return Ok(Some(format!("IOMMU group {group} cannot be listed: {e}")));
             }
         };
-        for address in members.iter().filter(|a| **a != function.address) {
+        for address in &members {
             let read;
             let member = match all.get(address) {
                 Some(member) => member,
@@ -300,13 +297,31 @@ impl Plugin for VfioPci {
             .map(|f| (f.address.clone(), f))
             .collect();
         let seen = self.seen.get(resource).cloned().unwrap_or_default();
+        let container_present = devnodes::stat(CONTAINER).is_ok();
+        let mut verdicts: BTreeMap<u32, Option<String>> = BTreeMap::new();
         let mut served = BTreeSet::new();
         let mut devices = Vec::new();
         for function in all.values().filter(|f| selector.matches(f)) {
             let driver = function.driver();
             let on_vfio = driver.as_deref().is_some_and(is_vfio);
             let mut device = if on_vfio {
-                match self.trouble(resource, function, &all)? {
+                let trouble = match function.iommu_group() {
+                    None => Some(
+                        "no IOMMU group: the IOMMU is off (boot with intel_iommu=on or \
+                         amd_iommu=on)"
+                            .to_owned(),
+                    ),
+                    Some(group) => match verdicts.get(&group) {
+                        Some(verdict) => verdict.clone(),
+                        None => {
+                            let verdict =
+                                self.group_trouble(resource, group, container_present, &all)?;
+                            verdicts.insert(group, verdict.clone());
+                            verdict
+                        }
+                    },
+                };
+                match trouble {
                     None => Device::healthy(function.address.clone()),
                     Some(why) => Device::unhealthy_because(function.address.clone(), why),
                 }

@@ -179,15 +179,15 @@ pub fn edits(edits: &ContainerEdits, grants: &Grants) -> Result<(), Violation> {
             "more than {MAX_EDIT_ENTRIES} entries in one kind of container edit"
         ));
     }
-    for (i, (name, value)) in edits.envs.iter().enumerate() {
-        if let Some((_, other)) = edits.envs[..i].iter().find(|(n, _)| n == name) {
-            return Err(format!(
-                "env {} is set twice, to {:?} and {:?} (devices' own edits must not disagree)",
-                truncate(name),
-                truncate(other),
-                truncate(value)
-            ));
-        }
+    if let Some((name, first, second)) = devicelet_rules::edits::env_set_twice(&edits.envs) {
+        return Err(format!(
+            "env {} is set twice, to {:?} and {:?} (devices' own edits must not disagree)",
+            truncate(name),
+            truncate(first),
+            truncate(second)
+        ));
+    }
+    for (name, value) in &edits.envs {
         if !is_env_name(name) {
             return Err(format!(
                 "env name {:?} is not a valid variable name",

@@ -739,13 +739,11 @@ impl<P: Plugin> Harness<P> {
                 self.plugin.allocate_with_config(resource, &ids, "")
             })?,
         };
-        for (i, (name, value)) in edits.envs.iter().enumerate() {
-            if let Some((_, other)) = edits.envs[..i].iter().find(|(n, _)| n == name) {
-                return Err(PluginError::Failed(format!(
-                    "the agent would refuse this answer: env {name} is set twice, to {other:?} \
-                     and {value:?}"
-                )));
-            }
+        if let Some((name, first, second)) = devicelet_rules::edits::env_set_twice(&edits.envs) {
+            return Err(PluginError::Failed(format!(
+                "the agent would refuse this answer: env {name} is set twice, to {first:?} and \
+                 {second:?}"
+            )));
         }
         for node in &edits.devices {
             self.host.dev_stat(&node.host_path).map_err(|e| {
