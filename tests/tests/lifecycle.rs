@@ -600,6 +600,12 @@ fn allocate_calls(agent: &devicelet::agent::Agent) -> u64 {
 async fn a_single_device_allocate_is_answered_from_the_answer_prepared_for_it() {
     let node = Node::new().await;
     let agent = node.start_agent(&bad_with_switch()).await;
+    // The kubelet calls Allocate only once the resource registered (its socket is bound after
+    // the first snapshot, which can come after the answers were prepared).
+    node.kubelet
+        .wait_until("devicelet.io/bad", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("registered");
     devicelet_tests::prepared_answers(&agent, "devicelet.io/bad", 2).await;
     let prepared = allocate_calls(&agent);
     assert_eq!(prepared, 2, "one call per healthy device, ahead of time");
@@ -667,6 +673,10 @@ async fn after_an_upgrade_allocate_answers_as_the_new_version_not_from_the_old_o
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let agent = node.start_agent(&generic_dev(FUSE)).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("registered");
     devicelet_tests::prepared_answers(&agent, "devicelet.io/fuse", 2).await;
     let permissions = |a: devicelet::kubelet::api::deviceplugin::ContainerAllocateResponse| {
         a.devices[0].permissions.clone()
