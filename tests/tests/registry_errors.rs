@@ -331,6 +331,47 @@ async fn a_sharing_rule_for_a_resource_the_module_does_not_declare_is_refused() 
     );
 }
 
+/// The registry takes `front-end = "dra"`, but until the DRA front end serves claims a module
+/// set to it is refused by name (with the driver it would be) rather than left silently unserved,
+/// by `validate` and by `run`, where the node's other modules serve as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_on_the_dra_front_end_is_refused_by_name_until_it_is_served() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    node.add_char("/dev/net/tun", 10, 200);
+    let dra = generic_dev(GOOD).replace(
+        "call-deadline = \"2s\"\n",
+        "call-deadline = \"2s\"\nfront-end = \"dra\"\n",
+    );
+    assert!(dra.contains("front-end"), "{dra}");
+    assert_refused(
+        &node,
+        &dra,
+        &[
+            "module `generic-dev` has `front-end = \"dra\"` (driver fuse.devicelet.io)",
+            "does not serve yet",
+        ],
+    );
+    let tun = generic_dev(r#"groups = [{ name = "tun", paths = ["/dev/net/tun"] }]"#)
+        .replace("name = \"generic-dev\"", "name = \"tun\"");
+    let agent = node.start_agent(&format!("{dra}\n{tun}")).await;
+    node.kubelet
+        .wait_until("devicelet.io/tun", devicelet_tests::WAIT, |r| {
+            r.allocatable == 1
+        })
+        .await
+        .expect("the other module serves");
+    let errors = agent.load_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("module `generic-dev` has `front-end = \"dra\"`")),
+        "{errors:?}"
+    );
+    assert!(agent.resource("devicelet.io/fuse").is_none());
+    agent.shutdown().await;
+}
+
 /// A registry of 9,000 modules (964 KiB) once made the agent serve for a second and then abort,
 /// leaving sockets behind: it is refused at the first module over the limit, by `validate`, at
 /// start, and on hot reload as a whole while the running set keeps serving.

@@ -89,6 +89,35 @@ pub fn plan(
 ) -> (Vec<(String, ResourceInfo)>, Vec<String>) {
     let mut served: Vec<(String, ResourceInfo)> = Vec::new();
     let mut errors = Vec::new();
+    if let crate::config::FrontEnd::Dra { driver } = &spec.front_end {
+        let drivers: Vec<String> = match driver {
+            Some(driver) => vec![driver.clone()],
+            None => declared
+                .iter()
+                .filter_map(|info| {
+                    let name = resource::served_name(
+                        &spec.resource_domain,
+                        info,
+                        spec.sharing.rule(&info.name),
+                    )
+                    .ok()?;
+                    crate::dra::names::default_driver(&name).ok()
+                })
+                .collect(),
+        };
+        errors.push(format!(
+            "module `{}` has `front-end = \"dra\"` (driver {}), which this build does not serve \
+             yet: the DRA front end is still being built (README \"DRA\"); its resources are not \
+             served. Serve it with the device-plugin front end (the default) for now",
+            spec.name,
+            if drivers.is_empty() {
+                "none".to_string()
+            } else {
+                drivers.join(", ")
+            }
+        ));
+        return (served, errors);
+    }
     if declared.len() > MAX_RESOURCES_PER_MODULE {
         errors.push(format!(
             "module `{}` declared {} resources; at most {MAX_RESOURCES_PER_MODULE} are served",

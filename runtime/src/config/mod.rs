@@ -61,6 +61,6 @@ pub use limits::{
     HEALTH_INTERVAL_MIN, MAX_MODULES, MAX_RESOURCES, MAX_RESOURCES_PER_MODULE, MEMORY_LIMIT_MAX,
     MEMORY_LIMIT_MIN,
 };
-pub use module::ModuleSpec;
+pub use module::{FrontEnd, ModuleSpec};
 pub use registry::Registry;
 pub use sharing::{MAX_REPLICAS, ShareRule, Sharing};

@@ -63,6 +63,22 @@ pub struct ModuleSpec {
     /// `file:line` of the `[module.config]` table (of the `[[module]]` entry when there is
     /// none), so a module refusing its config sends the operator to the right line.
     pub config_at: String,
+    /// Which kubelet API serves the module's resources.
+    pub front_end: FrontEnd,
+}
+
+/// The kubelet API a module is served through. One per module: a module served through both
+/// would advertise each device twice (as an extended resource and in a ResourceSlice), and the
+/// scheduler would hand the same device to two pods; that stays refused until one ledger
+/// arbitrates both front ends.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum FrontEnd {
+    /// The device-plugin API (`Registration`, `DevicePlugin`): extended resources.
+    #[default]
+    DevicePlugin,
+    /// Dynamic Resource Allocation as this driver, or, when `None`, as the driver named after the
+    /// module's resource (`dra::names::default_driver`).
+    Dra { driver: Option<String> },
 }
 
 const KEYS: &[&str] = &[
@@ -81,6 +97,29 @@ const KEYS: &[&str] = &[
     "device-list-strategy",
     "grants",
     "config",
+    "front-end",
+    "dra-driver",
+];
+
+/// Keys that tune the device-plugin front end only: each is refused beside `front-end = "dra"`,
+/// with what DRA does instead, rather than silently ignored.
+const DEVICE_PLUGIN_ONLY: &[(&str, &str)] = &[
+    (
+        "sharing",
+        "DRA shares a device by a ResourceClaim that several pods reference, not by replicas",
+    ),
+    (
+        "allocation-policy",
+        "under DRA the scheduler picks the devices; there is no GetPreferredAllocation",
+    ),
+    (
+        "device-list-strategy",
+        "the DRA front end always answers with CDI devices, one per claim and device",
+    ),
+    (
+        "allocate-ahead",
+        "the DRA front end asks the module when a claim is prepared, with the claim's config",
+    ),
 ];
 
 /// A module as read, with where its name was written, for reporting duplicates.
@@ -115,9 +154,19 @@ pub(super) fn parse(
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
     let mut config_at = node.location();
+    let mut front_end = None;
+    let mut dra_driver = None;
+    // Device-plugin-only keys seen, by line, to refuse beside `front-end = "dra"`.
+    let mut device_plugin_keys = Vec::new();
 
     for entry in table.entries() {
         let node = &entry.node;
+        if let Some((_, why)) = DEVICE_PLUGIN_ONLY.iter().find(|(k, _)| *k == entry.name) {
+            device_plugin_keys.push(node.error(format!(
+                "`{}` applies to the device-plugin front end only, and this module has `front-end = \"dra\"`: {why}",
+                entry.name
+            )));
+        }
         match entry.name {
             "name" => {
                 let text = node.str()?;
@@ -165,9 +214,30 @@ pub(super) fn parse(
                 config = json::config(node)?;
                 config_at = node.location();
             }
+            "front-end" => front_end = Some(front_end_of(node)?),
+            "dra-driver" => {
+                let text = node.str()?;
+                crate::dra::names::check_driver(text)
+                    .map_err(|e| node.error(format!("`dra-driver` {text:?}: {e}")))?;
+                dra_driver = Some((text.to_string(), node.error(
+                    "`dra-driver` names the module's DRA driver, and this module has no `front-end = \"dra\"`",
+                )));
+            }
             _ => return Err(entry.unknown(KEYS)),
         }
     }
+    let front_end = match (front_end, dra_driver) {
+        (Some(true), driver) => {
+            if let Some(error) = device_plugin_keys.into_iter().next() {
+                return Err(error);
+            }
+            FrontEnd::Dra {
+                driver: driver.map(|(name, _)| name),
+            }
+        }
+        (_, Some((_, not_dra))) => return Err(not_dra),
+        (_, None) => FrontEnd::DevicePlugin,
+    };
 
     if let (Some(error), false) = (needs_allocate_ahead, allocate_ahead) {
         return Err(error);
@@ -192,6 +262,7 @@ pub(super) fn parse(
             grants,
             config,
             config_at,
+            front_end,
         },
         name_span,
     })
@@ -212,6 +283,25 @@ pub(super) fn resource_domain_of(node: &Node<'_>) -> Result<String, RegistryErro
     names::check_resource_domain(text)
         .map_err(|(index, message)| node.error_in_str(index, message))?;
     Ok(text.to_string())
+}
+
+/// `front-end`: true for DRA. A list of both is the double-advertising case, refused by name.
+fn front_end_of(node: &Node<'_>) -> Result<bool, RegistryError> {
+    if node.get().as_array().is_some() {
+        return Err(node.error(
+            "one front end per module: serving a module through the device plugin and DRA at once \
+             would advertise every device twice (as an extended resource and in a ResourceSlice), \
+             and the scheduler could give one device to two pods; run it under one front end per \
+             node (README \"DRA\")",
+        ));
+    }
+    match node.str()? {
+        "device-plugin" => Ok(false),
+        "dra" => Ok(true),
+        other => Err(node.error(format!(
+            "unknown front end {other:?}: expected \"device-plugin\" (the default) or \"dra\""
+        ))),
+    }
 }
 
 fn policy(node: &Node<'_>) -> Result<crate::policy::AllocationPolicy, RegistryError> {

@@ -862,3 +862,82 @@ fn mount_grants_name_directories_outside_the_device_trees() {
     let text = format!("{MINIMAL}[module.grants]\nmounts = [\"run/x\"]\n");
     assert_invalid(&text, 5, Some("module[0].grants.mounts[0]"), "not under /");
 }
+
+#[test]
+fn front_end_defaults_to_the_device_plugin_and_dra_takes_an_optional_driver() {
+    use super::FrontEnd;
+    let registry = parse(MINIMAL).expect("valid");
+    assert_eq!(registry.modules[0].front_end, FrontEnd::DevicePlugin);
+    let registry = parse(&format!("{MINIMAL}front-end = \"dra\"\n")).expect("valid");
+    assert_eq!(
+        registry.modules[0].front_end,
+        FrontEnd::Dra { driver: None }
+    );
+    let registry = parse(&format!(
+        "{MINIMAL}front-end = \"dra\"\ndra-driver = \"gpu.example.com\"\n"
+    ))
+    .expect("valid");
+    assert_eq!(
+        registry.modules[0].front_end,
+        FrontEnd::Dra {
+            driver: Some("gpu.example.com".into())
+        }
+    );
+    let registry = parse(&format!("{MINIMAL}front-end = \"device-plugin\"\n")).expect("valid");
+    assert_eq!(registry.modules[0].front_end, FrontEnd::DevicePlugin);
+}
+
+#[test]
+fn both_front_ends_at_once_are_refused_citing_double_advertising() {
+    let rendered = assert_invalid(
+        &format!("{MINIMAL}front-end = [\"device-plugin\", \"dra\"]\n"),
+        4,
+        Some("module[0].front-end"),
+        "advertise every device twice",
+    );
+    assert!(rendered.contains("one front end per module"), "{rendered}");
+    assert_invalid(
+        &format!("{MINIMAL}front-end = \"csi\"\n"),
+        4,
+        Some("module[0].front-end"),
+        "expected \"device-plugin\" (the default) or \"dra\"",
+    );
+}
+
+#[test]
+fn dra_driver_must_be_a_dns_subdomain_and_needs_the_dra_front_end() {
+    assert_invalid(
+        &format!("{MINIMAL}front-end = \"dra\"\ndra-driver = \"GPU_example\"\n"),
+        5,
+        Some("module[0].dra-driver"),
+        "`dra-driver` \"GPU_example\"",
+    );
+    assert_invalid(
+        &format!("{MINIMAL}dra-driver = \"gpu.example.com\"\n"),
+        4,
+        Some("module[0].dra-driver"),
+        "has no `front-end = \"dra\"`",
+    );
+}
+
+#[test]
+fn device_plugin_only_keys_are_refused_beside_the_dra_front_end() {
+    assert_invalid(
+        &format!("{MINIMAL}front-end = \"dra\"\n[module.sharing]\nreplicas = 2\n"),
+        5,
+        Some("module[0].sharing"),
+        "DRA shares a device by a ResourceClaim",
+    );
+    assert_invalid(
+        &format!("{MINIMAL}allocation-policy = \"packed\"\nfront-end = \"dra\"\n"),
+        4,
+        Some("module[0].allocation-policy"),
+        "the scheduler picks the devices",
+    );
+    assert_invalid(
+        &format!("{MINIMAL}front-end = \"dra\"\ndevice-list-strategy = \"cdi-cri\"\n"),
+        5,
+        Some("module[0].device-list-strategy"),
+        "always answers with CDI devices",
+    );
+}
