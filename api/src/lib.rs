@@ -88,6 +88,8 @@ pub mod dra {
     }
 }
 
+mod dra_versions;
+
 /// PodResources API (`v1.PodResourcesLister`).
 pub mod podresources {
     #![allow(clippy::all, missing_docs)]

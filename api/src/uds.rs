@@ -21,6 +21,19 @@ pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
         .await
 }
 
+/// A client of the gRPC server on a Unix socket that connects on first use and again after
+/// every lost connection, as grpc-go's `NewClient` does (the kubelet's DRA plugin manager dials
+/// drivers this way): nothing fails until a call is made.
+pub fn connect_lazy(path: &Path) -> Channel {
+    let path: PathBuf = path.to_owned();
+    Endpoint::from_static("http://localhost").connect_with_connector_lazy(tower::service_fn(
+        move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        },
+    ))
+}
+
 /// Binds a Unix socket, replacing a stale file left by an earlier process: a stale file makes
 /// clients fail with "connection refused" instead of reaching us.
 pub fn bind(path: &Path) -> io::Result<UnixListener> {

@@ -33,6 +33,11 @@ pub enum SimError {
         path: PathBuf,
     },
 
+    /// A DRA call got no answer: the driver is not registered, or the call failed or ran out
+    /// of time (the kubelet's wording).
+    #[error("{0}")]
+    Dra(String),
+
     /// No plugin ever registered this resource (the kubelet's own wording).
     #[error("cannot allocate unregistered device {resource}")]
     UnknownResource {

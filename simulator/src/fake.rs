@@ -433,3 +433,177 @@ impl Drop for RegistryPlugin {
         self.server.abort();
     }
 }
+
+/// A fake DRA driver: the registration socket (`Registration`, type `DRAPlugin`) and, on its
+/// endpoint, `v1.DRAPlugin` and `v1beta1.DRAPlugin`. It answers every claim with one device
+/// named after the claim's UID and records the claims it was sent, per service.
+pub struct FakeDraPlugin {
+    pub registrar: Arc<Registrar>,
+    /// `("v1" | "v1beta1", "prepare" | "unprepare", claim UID)` for every claim received.
+    pub calls: DraCalls,
+    servers: Vec<JoinHandle<()>>,
+}
+
+impl FakeDraPlugin {
+    /// Serves `info` on `registration` and both DRA services on `endpoint` (the registration
+    /// socket itself when they are the same path).
+    pub fn serve(registration: &Path, endpoint: &Path, info: PluginInfo) -> FakeDraPlugin {
+        use devicelet_api::dra::{v1, v1beta1};
+        let registrar = Arc::new(Registrar {
+            info: Mutex::new(info),
+            get_info_calls: AtomicUsize::new(0),
+            statuses: watch::Sender::new(Vec::new()),
+        });
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let dra = Server::builder()
+            .add_service(v1::dra_plugin_server::DraPluginServer::new(DraV1(
+                calls.clone(),
+            )))
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(
+                DraV1beta1(calls.clone()),
+            ));
+        let mut servers = Vec::new();
+        let serve = |socket: &Path, router: tonic::transport::server::Router| {
+            if let Some(parent) = socket.parent() {
+                std::fs::create_dir_all(parent).unwrap();
+            }
+            let listener = uds::bind(socket).unwrap();
+            tokio::spawn(async move {
+                let incoming = UnixListenerStream::new(listener)
+                    .map(|accepted| accepted.map(|stream| Rewritten::server(stream, LOCALHOST)));
+                router.serve_with_incoming(incoming).await.unwrap();
+            })
+        };
+        let registration_service = RegistrationServer::new(RegistrarService(registrar.clone()));
+        if registration == endpoint {
+            servers.push(serve(registration, dra.add_service(registration_service)));
+        } else {
+            servers.push(serve(endpoint, dra));
+            servers.push(serve(
+                registration,
+                Server::builder().add_service(registration_service),
+            ));
+        }
+        FakeDraPlugin {
+            registrar,
+            calls,
+            servers,
+        }
+    }
+
+    pub fn calls(&self) -> Vec<(&'static str, &'static str, String)> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Drop for FakeDraPlugin {
+    fn drop(&mut self) {
+        for server in &self.servers {
+            server.abort();
+        }
+    }
+}
+
+/// `(service version, call, claim UID)` in the order received.
+pub type DraCalls = Arc<Mutex<Vec<(&'static str, &'static str, String)>>>;
+
+struct DraV1(DraCalls);
+struct DraV1beta1(DraCalls);
+
+/// What the fake answers for `claims`, recorded as received through `version`.
+fn fake_prepare(
+    calls: &DraCalls,
+    version: &'static str,
+    claims: Vec<devicelet_api::dra::v1::Claim>,
+) -> devicelet_api::dra::v1::NodePrepareResourcesResponse {
+    use devicelet_api::dra::v1::*;
+    let mut answers = std::collections::HashMap::new();
+    for claim in claims {
+        calls
+            .lock()
+            .unwrap()
+            .push((version, "prepare", claim.uid.clone()));
+        let device = Device {
+            request_names: vec!["gpu".into()],
+            pool_name: "node-a".into(),
+            device_name: format!("dev-{}", claim.uid),
+            cdi_device_ids: vec![format!("example.com/gpu={}", claim.uid)],
+            share_id: None,
+        };
+        let answer = NodePrepareResourceResponse {
+            devices: vec![device],
+            error: String::new(),
+        };
+        answers.insert(claim.uid, answer);
+    }
+    NodePrepareResourcesResponse { claims: answers }
+}
+
+/// Every claim answered without error, recorded as received through `version`.
+fn fake_unprepare(
+    calls: &DraCalls,
+    version: &'static str,
+    claims: Vec<devicelet_api::dra::v1::Claim>,
+) -> devicelet_api::dra::v1::NodeUnprepareResourcesResponse {
+    use devicelet_api::dra::v1::*;
+    let mut answers = std::collections::HashMap::new();
+    for claim in claims {
+        calls
+            .lock()
+            .unwrap()
+            .push((version, "unprepare", claim.uid.clone()));
+        answers.insert(claim.uid, NodeUnprepareResourceResponse::default());
+    }
+    NodeUnprepareResourcesResponse { claims: answers }
+}
+
+#[tonic::async_trait]
+impl devicelet_api::dra::v1::dra_plugin_server::DraPlugin for DraV1 {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<devicelet_api::dra::v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<devicelet_api::dra::v1::NodePrepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims;
+        Ok(Response::new(fake_prepare(&self.0, "v1", claims)))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<devicelet_api::dra::v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<devicelet_api::dra::v1::NodeUnprepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims;
+        Ok(Response::new(fake_unprepare(&self.0, "v1", claims)))
+    }
+}
+
+/// The same answers through `v1beta1`, converted as the kubelet's wrapper converts them.
+#[tonic::async_trait]
+impl devicelet_api::dra::v1beta1::dra_plugin_server::DraPlugin for DraV1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<devicelet_api::dra::v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<devicelet_api::dra::v1beta1::NodePrepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims.into_iter().map(Into::into);
+        let answer = fake_prepare(&self.0, "v1beta1", claims.collect());
+        Ok(Response::new(answer.into()))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<devicelet_api::dra::v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<devicelet_api::dra::v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims.into_iter().map(Into::into);
+        let answer = fake_unprepare(&self.0, "v1beta1", claims.collect());
+        Ok(Response::new(answer.into()))
+    }
+}
+
+/// `PluginInfo` of a DRA driver advertising `versions`, at `endpoint`.
+pub fn dra_plugin_info(driver: &str, endpoint: &Path, versions: &[&str]) -> PluginInfo {
+    PluginInfo {
+        r#type: devicelet_api::dra::DRA_PLUGIN.to_owned(),
+        name: driver.to_owned(),
+        endpoint: endpoint.to_string_lossy().into_owned(),
+        supported_versions: versions.iter().map(|v| v.to_string()).collect(),
+    }
+}

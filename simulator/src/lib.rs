@@ -40,6 +40,7 @@
 //! PodResources API, pods without devices, and the CSI and DRA handlers of the plugin watcher.
 
 mod allocate;
+mod dra;
 mod endpoint;
 mod error;
 mod events;
@@ -65,6 +66,7 @@ use tracing::info;
 
 use devicelet_api::deviceplugin::KUBELET_SOCKET;
 
+pub use dra::{DraRegistration, DraService};
 pub use error::SimError;
 pub use events::SimEvent;
 pub use state::{Allocation, PodRef, ResourceState};
@@ -103,6 +105,9 @@ pub struct SimConfig {
     /// (dial, `GetInfo`, type, validation); it doubles with every failure up to 2m2s, as the
     /// kubelet's reconciler backs off. Default 500 ms, the kubelet's first pause.
     pub registry_retry: Duration,
+    /// The deadline on `NodePrepareResources` and `NodeUnprepareResources` (kubelet: 45 s,
+    /// half its retry period).
+    pub dra_call_timeout: Duration,
 }
 
 impl Default for SimConfig {
@@ -115,6 +120,7 @@ impl Default for SimConfig {
             pod_resources_socket: None,
             plugins_registry: None,
             registry_retry: Duration::from_millis(500),
+            dra_call_timeout: devicelet_api::dra::CALL_DEADLINE,
         }
     }
 }
@@ -475,6 +481,46 @@ impl Simulator {
                 });
             }
         }
+    }
+
+    /// The DRA drivers the plugin manager holds: every registered endpoint, by driver.
+    pub fn dra_registrations(&self) -> Vec<DraRegistration> {
+        self.inner.lock().dra.registrations()
+    }
+
+    /// `NodePrepareResources` for `claims`, sent as the kubelet does: to `driver`'s newest
+    /// endpoint that accepts connections, through the service chosen at registration (a v1beta1
+    /// answer converted to v1), under [`SimConfig::dra_call_timeout`]. Err: no answer (the
+    /// driver not registered, the call failed or ran out of time), in the kubelet's words.
+    pub async fn node_prepare_resources(
+        &self,
+        driver: &str,
+        claims: Vec<devicelet_api::dra::v1::Claim>,
+    ) -> Result<devicelet_api::dra::v1::NodePrepareResourcesResponse, SimError> {
+        dra::prepare(
+            &self.inner.registry,
+            driver,
+            claims,
+            self.inner.config.dra_call_timeout,
+        )
+        .await
+        .map_err(SimError::Dra)
+    }
+
+    /// `NodeUnprepareResources`, sent like [`node_prepare_resources`](Self::node_prepare_resources).
+    pub async fn node_unprepare_resources(
+        &self,
+        driver: &str,
+        claims: Vec<devicelet_api::dra::v1::Claim>,
+    ) -> Result<devicelet_api::dra::v1::NodeUnprepareResourcesResponse, SimError> {
+        dra::unprepare(
+            &self.inner.registry,
+            driver,
+            claims,
+            self.inner.config.dra_call_timeout,
+        )
+        .await
+        .map_err(SimError::Dra)
     }
 
     /// Simulates a kubelet restart (KUBELET.md §7): stops serving, drops every plugin client and

@@ -186,6 +186,8 @@ pub(super) struct Registry {
     pub allocations: BTreeMap<u64, AllocationRecord>,
     /// The plugin watcher's view of `plugins_registry` (see `watcher.rs`).
     pub watch: WatchState,
+    /// The DRA plugin manager's drivers (see `dra.rs`).
+    pub dra: super::dra::DraState,
     next_allocation: u64,
     next_generation: u64,
 }
@@ -328,6 +330,8 @@ impl Registry {
     /// (from the checkpoint) with capacity 0 until their plugins register again. Allocations
     /// survive.
     pub fn forget_endpoints(&mut self) {
+        // The DRA plugin manager's store is memory only: the watcher's scan registers again.
+        self.dra = super::dra::DraState::default();
         for resource in self.resources.values_mut() {
             if let Some(endpoint) = resource.endpoint.take() {
                 endpoint.stream.abort();

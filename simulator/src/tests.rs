@@ -1011,7 +1011,9 @@ mod plugin_watcher {
     use devicelet_api::pluginregistration::{PluginInfo, RegistrationStatus};
 
     /// A simulator with the plugin-watcher route on `<tmp>/plugins_registry`.
-    async fn simulator_with_registry(config: SimConfig) -> (TempDir, Simulator, PathBuf) {
+    pub(super) async fn simulator_with_registry(
+        config: SimConfig,
+    ) -> (TempDir, Simulator, PathBuf) {
         let dir = TempDir::new().unwrap();
         let registry = dir.path().join("plugins_registry");
         let sim = Simulator::start_with(
@@ -1496,5 +1498,211 @@ mod plugin_watcher {
         }
         assert_eq!(plugin.registrar.get_info_calls.load(Ordering::SeqCst), 0);
         assert!(sim.resource(RESOURCE).is_none());
+    }
+}
+
+mod dra_plugins {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::fake::{FakeDraPlugin, dra_plugin_info};
+    use devicelet_api::dra::v1::Claim;
+
+    const DRIVER: &str = "gpu.example.com";
+
+    async fn simulator() -> (TempDir, Simulator, PathBuf) {
+        super::plugin_watcher::simulator_with_registry(test_config()).await
+    }
+
+    fn claim(uid: &str) -> Claim {
+        Claim {
+            namespace: "default".into(),
+            uid: uid.into(),
+            name: format!("claim-{uid}"),
+        }
+    }
+
+    /// The helper library's layout: `<driver>-reg.sock` in `plugins_registry`, the service on
+    /// `plugins/<driver>/dra.sock`.
+    fn serve(
+        dir: &TempDir,
+        registry: &std::path::Path,
+        versions: &[&str],
+        name: &str,
+    ) -> FakeDraPlugin {
+        let endpoint = dir.path().join("plugins").join(DRIVER).join(name);
+        FakeDraPlugin::serve(
+            &registry.join(format!("{DRIVER}-{name}-reg.sock")),
+            &endpoint,
+            dra_plugin_info(DRIVER, &endpoint, versions),
+        )
+    }
+
+    async fn registered(sim: &Simulator, count: usize) -> Vec<DraRegistration> {
+        sim.wait_registry(WAIT, |a| {
+            a.iter().filter(|a| a.registered()).count() >= count
+        })
+        .await
+        .unwrap();
+        sim.dra_registrations()
+    }
+
+    #[tokio::test]
+    async fn a_dra_driver_registers_through_the_plugin_watcher_and_is_called_on_the_service_it_listed_first()
+     {
+        let (dir, sim, registry) = simulator().await;
+        let plugin = serve(
+            &dir,
+            &registry,
+            &["v1beta1.DRAPlugin", "v1.DRAPlugin"],
+            "dra.sock",
+        );
+        let drivers = registered(&sim, 1).await;
+        assert_eq!(drivers.len(), 1);
+        assert_eq!(drivers[0].driver, DRIVER);
+        // The plugin's order decides, not the kubelet's.
+        assert_eq!(drivers[0].service, DraService::V1beta1);
+        plugin
+            .registrar
+            .wait_statuses(WAIT, |s| s.iter().any(|s| s.plugin_registered))
+            .await;
+
+        let prepared = sim
+            .node_prepare_resources(DRIVER, vec![claim("u1"), claim("u2")])
+            .await
+            .unwrap();
+        assert_eq!(prepared.claims.len(), 2);
+        let device = &prepared.claims["u1"].devices[0];
+        assert_eq!(device.device_name, "dev-u1");
+        assert_eq!(device.cdi_device_ids, ["example.com/gpu=u1"]);
+        sim.node_unprepare_resources(DRIVER, vec![claim("u1")])
+            .await
+            .unwrap();
+        assert_eq!(
+            plugin.calls(),
+            [
+                ("v1beta1", "prepare", "u1".to_string()),
+                ("v1beta1", "prepare", "u2".to_string()),
+                ("v1beta1", "unprepare", "u1".to_string()),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn services_the_kubelet_does_not_speak_are_refused_in_its_words_and_retried() {
+        let (dir, sim, registry) = simulator().await;
+        let plugin = serve(&dir, &registry, &["v1alpha4.DRAPlugin"], "dra.sock");
+        let attempts = sim.wait_registry(WAIT, |a| a.len() >= 2).await.unwrap();
+        let error = attempts[0].error.clone().unwrap();
+        assert!(
+            error.starts_with("RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions of DRA driver plugin gpu.example.com at endpoint "),
+            "{error}"
+        );
+        assert!(
+            error.ends_with(
+                r#"none of services supported by the plugin (["v1alpha4.DRAPlugin"]) are supported by the kubelet (["v1.DRAPlugin" "v1beta1.DRAPlugin"])"#
+            ),
+            "{error}"
+        );
+        assert!(attempts[0].retry);
+        assert!(sim.dra_registrations().is_empty());
+        let statuses = plugin.registrar.statuses();
+        assert!(
+            statuses
+                .iter()
+                .all(|s| !s.plugin_registered && s.error == error)
+        );
+        // Not registered: the kubelet's GetPlugin wording.
+        let err = sim
+            .node_prepare_resources(DRIVER, vec![claim("u1")])
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "DRA driver gpu.example.com is not registered"
+        );
+
+        *plugin.registrar.info.lock().unwrap() = dra_plugin_info(
+            DRIVER,
+            &dir.path().join("plugins").join(DRIVER).join("dra.sock"),
+            &[],
+        );
+        let attempts = sim
+            .wait_registry(WAIT, |a| {
+                a.last()
+                    .and_then(|a| a.error.as_deref())
+                    .is_some_and(|e| e.contains("empty list"))
+            })
+            .await
+            .unwrap();
+        assert!(
+            attempts
+                .last()
+                .unwrap()
+                .error
+                .as_deref()
+                .unwrap()
+                .ends_with("empty list of supported gRPC services (aka supported versions)")
+        );
+    }
+
+    #[tokio::test]
+    async fn during_a_rolling_update_the_newest_connected_endpoint_serves_and_removal_deregisters_only_it()
+     {
+        let (dir, sim, registry) = simulator().await;
+        let old = serve(&dir, &registry, &["v1.DRAPlugin"], "dra-old.sock");
+        registered(&sim, 1).await;
+        let new = serve(
+            &dir,
+            &registry,
+            &["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+            "dra-new.sock",
+        );
+        let drivers = registered(&sim, 2).await;
+        assert_eq!(drivers.len(), 2);
+        assert!(drivers.iter().all(|d| d.service == DraService::V1));
+
+        sim.node_prepare_resources(DRIVER, vec![claim("a")])
+            .await
+            .unwrap();
+        assert_eq!(new.calls(), [("v1", "prepare", "a".to_string())]);
+        assert!(old.calls().is_empty());
+
+        // The new endpoint stops accepting connections (its pod is going): the old one, still
+        // connected, serves.
+        drop(new);
+        std::fs::remove_file(dir.path().join("plugins").join(DRIVER).join("dra-new.sock")).unwrap();
+        sim.node_prepare_resources(DRIVER, vec![claim("b")])
+            .await
+            .unwrap();
+        assert_eq!(old.calls(), [("v1", "prepare", "b".to_string())]);
+
+        // Its registration socket removed: that endpoint alone is deregistered.
+        std::fs::remove_file(registry.join(format!("{DRIVER}-dra-new.sock-reg.sock"))).unwrap();
+        let deadline = std::time::Instant::now() + WAIT;
+        while sim.dra_registrations().len() != 1 {
+            assert!(std::time::Instant::now() < deadline, "not deregistered");
+            sim.wait_registry(Duration::from_millis(50), |_| false)
+                .await
+                .ok();
+        }
+        assert!(
+            sim.dra_registrations()[0]
+                .endpoint
+                .ends_with("dra-old.sock")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_kubelet_restart_forgets_dra_drivers_and_its_scan_registers_them_again() {
+        let (dir, sim, registry) = simulator().await;
+        let _plugin = serve(&dir, &registry, &["v1.DRAPlugin"], "dra.sock");
+        registered(&sim, 1).await;
+        sim.restart().await.unwrap();
+        registered(&sim, 2).await;
+        assert_eq!(sim.dra_registrations().len(), 1);
+        sim.node_prepare_resources(DRIVER, vec![claim("u")])
+            .await
+            .unwrap();
     }
 }

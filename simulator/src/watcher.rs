@@ -6,8 +6,9 @@
 //!   after every simulated restart, and when inotify lost events) it is scanned;
 //! - a socket file that appears (name not starting with `.`) is dialed, **with the socket path as
 //!   HTTP/2 `:authority`**, as the kubelet's grpc-go client sends it; `GetInfo` is called (1 s
-//!   deadline) and the answer checked: `type` must be `"DevicePlugin"` (the other types belong to
-//!   handlers the simulator does not have), `supported_versions` must include `"v1beta1"`,
+//!   deadline) and the answer checked: `type` `"DRAPlugin"` goes to the DRA plugin manager
+//!   (`dra.rs`); otherwise it must be `"DevicePlugin"` (`CSIPlugin` belongs to a handler the
+//!   simulator does not have), `supported_versions` must include `"v1beta1"`,
 //!   `name` must be an extended resource name; an empty `endpoint` means the registration
 //!   socket itself;
 //! - then the device manager registers it exactly as after `Register` on `kubelet.sock`: dials
@@ -47,6 +48,7 @@ use tracing::{info, warn};
 
 use devicelet_api::authority;
 use devicelet_api::deviceplugin::VERSION;
+use devicelet_api::dra::DRA_PLUGIN;
 use devicelet_api::names;
 use devicelet_api::pluginregistration::registration_client::RegistrationClient;
 use devicelet_api::pluginregistration::{
@@ -54,6 +56,7 @@ use devicelet_api::pluginregistration::{
 };
 
 use super::Inner;
+use super::dra;
 use super::endpoint;
 use super::error::SimError;
 use super::events::SimEvent;
@@ -125,6 +128,8 @@ pub(super) struct Watched {
     /// The name the device manager was asked to register (the kubelet's actual state of the
     /// world): set once `GetInfo`'s answer passed validation. Deregistration disconnects it.
     pub name: Option<String>,
+    /// For a DRA driver: the endpoint registered under `name`, which deregistration drops.
+    pub dra_endpoint: Option<String>,
 }
 
 impl WatchState {
@@ -331,6 +336,7 @@ impl Tasks {
                     uuid,
                     file,
                     name: None,
+                    dra_endpoint: None,
                 },
             );
             uuid
@@ -365,7 +371,11 @@ impl Tasks {
             return;
         };
         let resource = watched.name;
-        if let Some(name) = &resource
+        if let (Some(driver), Some(endpoint)) = (&resource, &watched.dra_endpoint) {
+            if registry.dra.deregister(driver, endpoint) {
+                info!("plugin watcher: DRA driver {driver}: endpoint {endpoint} deregistered");
+            }
+        } else if let Some(name) = &resource
             && registry.disconnect(name)
         {
             let reason = format!(
@@ -500,15 +510,18 @@ impl Work<'_> {
             info.r#type, info.name, info.endpoint, info.supported_versions
         );
 
+        if info.r#type == DRA_PLUGIN {
+            return self.attempt_dra(&mut client, info).await;
+        }
         if info.r#type != DEVICE_PLUGIN {
             let mut error = format!(
                 "RegisterPlugin error -- no handler registered for plugin type: {} at socket \
                  {socket}",
                 info.r#type
             );
-            if matches!(info.r#type.as_str(), "CSIPlugin" | "DRAPlugin") {
-                // A real kubelet has these handlers; the simulator only the device manager.
-                error.push_str(" (the kubelet simulator handles only DevicePlugin)");
+            if info.r#type == "CSIPlugin" {
+                // A real kubelet has this handler; the simulator does not.
+                error.push_str(" (the kubelet simulator handles DevicePlugin and DRAPlugin only)");
             }
             let notified = notify(&mut client, false, &error).await;
             return self.record(Some(info), error, Some(notified), true);
@@ -555,13 +568,24 @@ impl Work<'_> {
         if !self.is_current(&self.inner.lock()) {
             return false;
         }
+        self.registered(&mut client, info, registered).await
+    }
+
+    /// The end of an attempt that reached the handler's `RegisterPlugin`: the outcome notified
+    /// and recorded. A failure there is not retried.
+    async fn registered(
+        &self,
+        client: &mut RegistrationClient<Channel>,
+        info: PluginInfo,
+        registered: Result<(), String>,
+    ) -> bool {
         match registered {
             Ok(()) => {
-                let notified = notify(&mut client, true, "").await;
+                let notified = notify(client, true, "").await;
                 if let Err(e) = &notified {
                     warn!(
-                        "plugin watcher: {socket}: registered, but NotifyRegistrationStatus \
-                         failed: {e}"
+                        "plugin watcher: {}: registered, but NotifyRegistrationStatus failed: {e}",
+                        self.socket.display()
                     );
                 }
                 self.record_outcome(RegistryAttempt {
@@ -576,10 +600,56 @@ impl Work<'_> {
             Err(why) => {
                 let error =
                     format!("RegisterPlugin error -- plugin registration failed with err: {why}");
-                let notified = notify(&mut client, false, &error).await;
+                let notified = notify(client, false, &error).await;
                 self.record(Some(info), error, Some(notified), false)
             }
         }
+    }
+
+    /// The rest of an attempt for a `DRAPlugin` socket: the DRA handler's `ValidatePlugin`
+    /// (retried on failure), then `RegisterPlugin` (not retried: the plugin is in the actual
+    /// state of the world by then).
+    async fn attempt_dra(
+        &self,
+        client: &mut RegistrationClient<Channel>,
+        info: PluginInfo,
+    ) -> bool {
+        let endpoint = if info.endpoint.is_empty() {
+            self.socket.to_string_lossy().into_owned()
+        } else {
+            info.endpoint.clone()
+        };
+        let service = match dra::validate(&info.name, &endpoint, &info.supported_versions) {
+            Ok(service) => service,
+            Err(why) => {
+                let error =
+                    format!("RegisterPlugin error -- plugin validation failed with err: {why}");
+                let notified = notify(client, false, &error).await;
+                return self.record(Some(info), error, Some(notified), true);
+            }
+        };
+        let registered = {
+            let mut registry = self.inner.lock();
+            if !self.is_current(&registry) {
+                return false;
+            }
+            if let Some(watched) = registry.watch.plugins.get_mut(self.socket) {
+                watched.name = Some(info.name.clone());
+                watched.dra_endpoint = Some(endpoint.clone());
+            }
+            registry.dra.register(dra::DraRegistration {
+                driver: info.name.clone(),
+                endpoint: endpoint.clone(),
+                service,
+            })
+        };
+        if registered.is_ok() {
+            info!(
+                "plugin watcher: DRA driver {} registered at {endpoint} ({service:?})",
+                info.name
+            );
+        }
+        self.registered(client, info, registered).await
     }
 
     /// Records a failed attempt; returns `retry`.
