@@ -121,8 +121,13 @@ pub fn label_error(label: &str) -> Option<(usize, String)> {
 
 /// `[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*`, as `IsDNS1123Subdomain`
 /// (which checks only the total length, not a per-label one).
-fn is_dns1123_subdomain(s: &str) -> bool {
+pub fn is_dns1123_subdomain(s: &str) -> bool {
     s.len() <= SUBDOMAIN_MAX && s.split('.').all(|label| label_error(label).is_none())
+}
+
+/// One RFC 1123 label of at most 63 characters, as `IsDNS1123Label`.
+pub fn is_dns1123_label(s: &str) -> bool {
+    s.len() <= 63 && label_error(s).is_none()
 }
 
 /// A Kubernetes qualified name (`IsQualifiedName`), as annotation and label keys are: an optional

@@ -40,6 +40,7 @@
 //! PodResources API, pods without devices, and the CSI and DRA handlers of the plugin watcher.
 
 mod allocate;
+pub mod apiserver;
 mod dra;
 mod endpoint;
 mod error;
@@ -48,6 +49,7 @@ mod podresources;
 mod registration;
 mod server;
 mod state;
+mod validation;
 mod watcher;
 
 #[cfg(test)]

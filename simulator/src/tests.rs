@@ -1706,3 +1706,206 @@ mod dra_plugins {
             .unwrap();
     }
 }
+
+mod api_server {
+    use serde_json::{Value, json};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use crate::apiserver::{ApiServer, Kind};
+
+    const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
+
+    /// One HTTP/1.1 request as a client library sends it; the status and the JSON answer.
+    async fn http(api: &ApiServer, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let addr = api.url().trim_start_matches("http://").to_string();
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        let status = answer[9..12].parse().unwrap();
+        let (_, json) = answer.split_once("\r\n\r\n").unwrap();
+        (status, serde_json::from_str(json).unwrap())
+    }
+
+    /// Creates a slice as a client does: the status and the object or error.
+    async fn post(api: &ApiServer, slice: Value) -> (u16, Value) {
+        http(api, "POST", SLICES, Some(&slice)).await
+    }
+
+    fn slice(node: &str, driver: &str, devices: usize) -> Value {
+        let devices: Vec<Value> = (0..devices)
+            .map(|i| json!({"name": format!("gpu-{i}"), "attributes": {"index": {"int": i}}}))
+            .collect();
+        json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"generateName": format!("{node}-{driver}-")},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 0, "resourceSliceCount": 1},
+                "devices": devices,
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn slices_are_created_with_generated_names_and_listed_by_field_selector() {
+        let api = ApiServer::start().await.unwrap();
+        let (code, created) = post(&api, slice("node-a", "gpu.example.com", 2)).await;
+        assert_eq!(code, 201, "{created}");
+        let name = created["metadata"]["name"].as_str().unwrap();
+        assert!(name.starts_with("node-a-gpu.example.com-"), "{name}");
+        assert!(
+            created["metadata"]["uid"]
+                .as_str()
+                .is_some_and(|u| !u.is_empty())
+        );
+        assert!(created["metadata"]["resourceVersion"].is_string());
+        post(&api, slice("node-b", "gpu.example.com", 1)).await;
+        post(&api, slice("node-a", "fuse.devicelet.io", 1)).await;
+
+        let (code, list) = http(
+            &api,
+            "GET",
+            &format!(
+                "{SLICES}?fieldSelector=spec.driver%3Dgpu.example.com%2Cspec.nodeName%3Dnode-a"
+            ),
+            None,
+        )
+        .await;
+        assert_eq!(code, 200);
+        assert_eq!(list["kind"], "ResourceSliceList");
+        let items = list["items"].as_array().unwrap();
+        assert_eq!(items.len(), 1);
+        assert_eq!(items[0]["metadata"]["name"], name);
+        assert_eq!(api.list(Kind::ResourceSlice).len(), 3);
+
+        let (code, status) = http(&api, "GET", &format!("{SLICES}/nope"), None).await;
+        assert_eq!((code, status["reason"].as_str()), (404, Some("NotFound")));
+        assert_eq!(
+            status["message"],
+            "resourceslices.resource.k8s.io \"nope\" not found"
+        );
+        let (code, _) = http(&api, "GET", &format!("{SLICES}?watch=true"), None).await;
+        assert_eq!(code, 405);
+    }
+
+    #[tokio::test]
+    async fn an_update_with_a_stale_resource_version_is_a_conflict() {
+        let api = ApiServer::start().await.unwrap();
+        let (_, created) = post(&api, slice("node-a", "gpu.example.com", 1)).await;
+        let name = created["metadata"]["name"].as_str().unwrap().to_string();
+        let mut changed = created.clone();
+        changed["spec"]["pool"]["generation"] = json!(1);
+        let (code, updated) = http(&api, "PUT", &format!("{SLICES}/{name}"), Some(&changed)).await;
+        assert_eq!(code, 200, "{updated}");
+        assert_eq!(updated["metadata"]["generation"], 2);
+        assert_ne!(
+            updated["metadata"]["resourceVersion"],
+            created["metadata"]["resourceVersion"]
+        );
+
+        // The first copy again: someone else wrote in between.
+        let (code, status) = http(&api, "PUT", &format!("{SLICES}/{name}"), Some(&created)).await;
+        assert_eq!((code, status["reason"].as_str()), (409, Some("Conflict")));
+        assert!(
+            status["message"]
+                .as_str()
+                .unwrap()
+                .contains("the object has been modified"),
+            "{status}"
+        );
+    }
+
+    #[tokio::test]
+    async fn slices_past_the_api_limits_are_invalid_with_each_field_named() {
+        let api = ApiServer::start().await.unwrap();
+        let (code, status) = post(&api, slice("node-a", "gpu.example.com", 129)).await;
+        assert_eq!((code, status["reason"].as_str()), (422, Some("Invalid")));
+        let message = status["message"].as_str().unwrap();
+        assert!(
+            message.contains("spec.devices: Too many: 129: must have at most 128 items"),
+            "{message}"
+        );
+
+        let mut bad = slice("node-a", "GPU_example", 2);
+        bad["spec"]["devices"][0]["name"] = json!("0000:3b:00.0");
+        bad["spec"]["devices"][1]["attributes"]["index"] = json!({"int": 1, "string": "x"});
+        bad["spec"]["devices"][1]["attributes"]["example.com/bad-name"] = json!({"bool": true});
+        bad["spec"]["allNodes"] = json!(true);
+        bad["spec"]["pool"]["resourceSliceCount"] = json!(0);
+        let (code, status) = http(&api, "POST", SLICES, Some(&bad)).await;
+        assert_eq!(code, 422);
+        let message = status["message"].as_str().unwrap();
+        for cause in [
+            "spec.driver: Invalid value: \"GPU_example\"",
+            "spec.devices[0].name: Invalid value: \"0000:3b:00.0\": a lowercase RFC 1123 label",
+            "spec.devices[1].attributes[\"index\"]: Invalid value: [\"int\", \"string\"]: exactly one value",
+            "spec.devices[1].attributes[\"example.com/bad-name\"]: Invalid value: \"bad-name\": a C identifier",
+            "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required",
+            "spec.pool.resourceSliceCount: Invalid value: must be greater than zero",
+        ] {
+            assert!(message.contains(cause), "{cause:?} not in {message}");
+        }
+        assert!(api.list(Kind::ResourceSlice).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_node_wipe_deletes_only_its_slices_and_preconditions_guard_single_deletes() {
+        let api = ApiServer::start().await.unwrap();
+        let (_, mine) = post(&api, slice("node-a", "gpu.example.com", 1)).await;
+        post(&api, slice("node-b", "gpu.example.com", 1)).await;
+        // The kubelet's wipe at its start: every slice of its node.
+        let (code, _) = http(
+            &api,
+            "DELETE",
+            &format!("{SLICES}?fieldSelector=spec.nodeName%3Dnode-a"),
+            None,
+        )
+        .await;
+        assert_eq!(code, 200);
+        let left = api.list(Kind::ResourceSlice);
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0]["spec"]["nodeName"], "node-b");
+
+        let name = left[0]["metadata"]["name"].as_str().unwrap().to_string();
+        let wrong = json!({"preconditions": {"uid": mine["metadata"]["uid"]}});
+        let (code, status) = http(&api, "DELETE", &format!("{SLICES}/{name}"), Some(&wrong)).await;
+        assert_eq!((code, status["reason"].as_str()), (409, Some("Conflict")));
+        let (code, _) = http(&api, "DELETE", &format!("{SLICES}/{name}"), None).await;
+        assert_eq!(code, 200);
+        assert!(api.list(Kind::ResourceSlice).is_empty());
+    }
+
+    #[tokio::test]
+    async fn while_down_connections_are_refused_and_what_it_held_survives() {
+        let api = ApiServer::start().await.unwrap();
+        api.create(Kind::Node, "", json!({"metadata": {"name": "node-a"}}))
+            .unwrap();
+        let claim = json!({"metadata": {"name": "gpu-claim"}, "spec": {}});
+        api.create(Kind::ResourceClaim, "default", claim).unwrap();
+        api.down().await;
+        let addr = api.url().trim_start_matches("http://").to_string();
+        assert!(tokio::net::TcpStream::connect(&addr).await.is_err());
+        api.up().await.unwrap();
+        let (code, node) = http(&api, "GET", "/api/v1/nodes/node-a", None).await;
+        assert_eq!(code, 200);
+        assert_eq!(node["kind"], "Node");
+        let (code, claim) = http(
+            &api,
+            "GET",
+            "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/gpu-claim",
+            None,
+        )
+        .await;
+        assert_eq!(code, 200);
+        assert_eq!(claim["metadata"]["namespace"], "default");
+    }
+}

@@ -12,15 +12,16 @@ use sha2::{Digest, Sha256};
 
 /// Longest DNS label (RFC 1123): a device name.
 pub const MAX_LABEL: usize = 63;
-/// Longest DNS subdomain: a driver name.
-pub const MAX_SUBDOMAIN: usize = 253;
+/// Longest driver name (`DriverNameMaxLength`): a DNS subdomain, but the API keeps it to 63
+/// bytes, so a longer one would be refused in every ResourceSlice.
+pub const MAX_DRIVER: usize = 63;
 
 /// Why a name cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NameError {
     #[error(
         "{0:?} is not a DNS subdomain (lowercase letters, digits, `-` and `.`, each part starting \
-         and ending with a letter or digit, at most 253 characters), e.g. \"gpu.example.com\""
+         and ending with a letter or digit, at most 63 characters), e.g. \"gpu.example.com\""
     )]
     NotASubdomain(String),
     #[error("device IDs {0:?} and {1:?} map to the same DRA device name {2:?}")]
@@ -41,7 +42,7 @@ pub fn is_label(name: &str) -> bool {
 
 /// Checks a driver name: a DNS subdomain.
 pub fn check_driver(name: &str) -> Result<(), NameError> {
-    if name.len() <= MAX_SUBDOMAIN && name.split('.').all(is_label) {
+    if name.len() <= MAX_DRIVER && name.split('.').all(is_label) {
         Ok(())
     } else {
         Err(NameError::NotASubdomain(name.to_owned()))
@@ -143,6 +144,11 @@ mod tests {
             assert!(check_driver(bad).is_err(), "{bad}");
         }
         assert!(check_driver(&format!("{}.com", "a".repeat(64))).is_err());
+        // Every label fine, but longer than the 63 bytes a ResourceSlice's driver may have.
+        let long = format!("{}.{}.com", "a".repeat(40), "b".repeat(20));
+        assert_eq!(long.len(), 65);
+        assert!(check_driver(&long).is_err());
+        assert!(check_driver(&long[2..]).is_ok());
     }
 
     #[test]
