@@ -419,13 +419,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Accepts until aborted; its connections are its own tasks, so they close with it, as a server
+/// that goes down drops its clients' kept-alive connections.
 async fn serve(listener: TcpListener, store: Arc<Mutex<Store>>) {
+    let mut connections = tokio::task::JoinSet::new();
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
+        while connections.try_join_next().is_some() {}
         let store = store.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let service = hyper::service::service_fn(move |request| {
                 let store = store.clone();
                 async move { Ok::<_, Infallible>(respond(&store, request).await) }

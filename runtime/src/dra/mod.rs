@@ -2,4 +2,5 @@
 //! ResourceClaims through the kubelet's DRA plugin API. So far the names it publishes; see the
 //! README's DRA section for what works today.
 
+pub mod api;
 pub mod names;
