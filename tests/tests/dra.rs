@@ -129,3 +129,326 @@ async fn the_agents_api_client_reads_claims_and_writes_slices_as_kube_does() {
         "{down}"
     );
 }
+
+/// A node whose kubelet watches `plugins_registry/` (its DRA plugin manager behind it), with an
+/// API server holding the Node.
+struct DraNode {
+    node: devicelet_tests::Node,
+    kubelet: devicelet_simulator::Simulator,
+    api: ApiServer,
+    registry: std::path::PathBuf,
+}
+
+const NODE: &str = "node-a";
+const DRIVER: &str = "fuse.devicelet.io";
+
+impl DraNode {
+    async fn new() -> DraNode {
+        let node = devicelet_tests::Node::new().await;
+        node.add_char("/dev/fuse", 10, 229);
+        let registry = node.dir.path().join("plugins_registry");
+        let kubelet = devicelet_simulator::Simulator::start_with(
+            &node.dir.path().join("kubelet").join("device-plugins"),
+            devicelet_simulator::SimConfig {
+                plugins_registry: Some(registry.clone()),
+                ..devicelet_simulator::SimConfig::default()
+            },
+        )
+        .await
+        .expect("the kubelet");
+        let api = ApiServer::start().await.expect("API server");
+        api.create(Kind::Node, "", json!({"metadata": {"name": NODE}}))
+            .expect("node");
+        DraNode {
+            node,
+            kubelet,
+            api,
+            registry,
+        }
+    }
+
+    /// The agent with `modules`, serving DRA for this node through this API server.
+    async fn agent(&self, modules: &str) -> devicelet::agent::Agent {
+        let (kubeconfig, client) = client(&self.api).await;
+        std::mem::forget(kubeconfig);
+        let state = self.node.state_dir();
+        let (registry, plugins) = (
+            self.registry.clone(),
+            self.node.dir.path().join("kubelet").join("plugins"),
+        );
+        let cdi = self.node.dir.path().join("cdi");
+        self.node
+            .start_agent_with(modules, move |o| {
+                o.state_dir = Some(state.clone());
+                o.dra = Some(devicelet::dra::driver::DraOptions {
+                    registry_dir: registry,
+                    plugins_dir: plugins,
+                    node: NODE.into(),
+                    api: Some(client),
+                    state_dir: Some(state),
+                    cdi_dir: cdi,
+                    resync: std::time::Duration::from_millis(200),
+                });
+            })
+            .await
+    }
+
+    /// A claim allocated `devices` of our driver in this node's pool, as the scheduler leaves it.
+    fn claim(&self, name: &str, devices: &[&str], config: serde_json::Value) -> String {
+        let results: Vec<_> = devices
+            .iter()
+            .map(|d| json!({"request": "fuse", "driver": DRIVER, "pool": NODE, "device": d}))
+            .collect();
+        let created = self
+            .api
+            .create(
+                Kind::ResourceClaim,
+                "team-a",
+                json!({
+                    "metadata": {"name": name},
+                    "spec": {"devices": {"requests": [{"name": "fuse", "exactly": {"deviceClassName": "fuse.devicelet.io"}}]}},
+                    "status": {"allocation": {"devices": {"results": results, "config": config}}}
+                }),
+            )
+            .expect("claim");
+        created["metadata"]["uid"]
+            .as_str()
+            .expect("uid")
+            .to_string()
+    }
+}
+
+/// The pool's one slice, once it lists the node's device.
+async fn published(api: &ApiServer) -> serde_json::Value {
+    devicelet_tests::eventually_some("a published slice with the device", || {
+        let slices = api.list(Kind::ResourceSlice);
+        match slices.as_slice() {
+            [one]
+                if one["spec"]["devices"]
+                    .as_array()
+                    .is_some_and(|d| !d.is_empty()) =>
+            {
+                Some(one.clone())
+            }
+            _ => None,
+        }
+    })
+    .await
+}
+
+/// Waits until the kubelet registered the driver `count` times in all (once per agent start),
+/// and holds it now.
+async fn registered(kubelet: &devicelet_simulator::Simulator, count: usize) {
+    kubelet
+        .wait_registry(devicelet_tests::WAIT, |a| {
+            a.iter().filter(|a| a.registered()).count() >= count
+        })
+        .await
+        .expect("registered");
+    devicelet_tests::eventually("the driver held by the kubelet", || {
+        kubelet.dra_registrations().len() == 1
+    })
+    .await;
+}
+
+fn wire_claim(name: &str, uid: &str) -> devicelet::kubelet::api::dra::v1::Claim {
+    devicelet::kubelet::api::dra::v1::Claim {
+        namespace: "team-a".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+const FUSE_DRA: &str = r#"[[module]]
+name = "generic-dev"
+path = "@MODULES@/generic_dev.wasm"
+health-interval = "100ms"
+front-end = "dra"
+
+[module.grants]
+dev = ["/dev/*"]
+
+[module.config]
+groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(FUSE_DRA).await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+
+    // Registered through the plugin watcher as a DRAPlugin, v1 chosen.
+    registered(&dra.kubelet, 1).await;
+    let drivers = dra.kubelet.dra_registrations();
+    assert_eq!(drivers.len(), 1, "{drivers:?}");
+    assert_eq!(drivers[0].driver, DRIVER);
+    assert_eq!(drivers[0].service, devicelet_simulator::DraService::V1);
+
+    // The pool is published: one slice on this node, owned by the Node.
+    let slice = &published(&dra.api).await;
+    assert_eq!(slice["spec"]["driver"], DRIVER);
+    assert_eq!(slice["spec"]["nodeName"], NODE);
+    assert_eq!(slice["spec"]["pool"]["name"], NODE);
+    assert_eq!(slice["metadata"]["ownerReferences"][0]["kind"], "Node");
+    let device = slice["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+
+    // A claim for it is prepared: a CDI spec for the claim, its device named by the claim's UID.
+    let uid = dra.claim("fuse-claim", &[&device], json!([]));
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
+        .await
+        .expect("answered");
+    let prepared = &answer.claims[&uid];
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    assert_eq!(prepared.devices.len(), 1);
+    assert_eq!(prepared.devices[0].device_name, device);
+    assert_eq!(prepared.devices[0].pool_name, NODE);
+    let cdi_id = prepared.devices[0].cdi_device_ids[0].clone();
+    assert_eq!(cdi_id, format!("k8s.{DRIVER}/fuse={uid}-fuse"));
+    let spec_file = dra
+        .node
+        .dir
+        .path()
+        .join("cdi")
+        .join(format!("devicelet-dra_{DRIVER}_{uid}.json"));
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_file).expect("the claim's spec"))
+            .expect("json");
+    assert_eq!(spec["kind"], format!("k8s.{DRIVER}/fuse"));
+    assert_eq!(spec["devices"][0]["name"], format!("{uid}-fuse"));
+    let nodes = spec["devices"][0]["containerEdits"]["deviceNodes"].to_string();
+    assert!(nodes.contains("/dev/fuse"), "{spec}");
+
+    // Asked again (a kubelet restart), the same answer, and the module is not asked again.
+    let calls = devicelet_tests::module_status(&agent, "generic-dev")
+        .stats
+        .allocate_calls;
+    let again = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(again.claims[&uid], *prepared);
+    assert_eq!(
+        devicelet_tests::module_status(&agent, "generic-dev")
+            .stats
+            .allocate_calls,
+        calls
+    );
+    let status = agent.status();
+    assert_eq!(status.dra_drivers.len(), 1);
+    assert_eq!(status.dra_drivers[0].prepared_claims, 1);
+    assert!(status.dra_drivers[0].registered);
+
+    // Unprepared after an agent restart, from the checkpoint alone.
+    agent.shutdown().await;
+    let agent = dra.agent(FUSE_DRA).await;
+    registered(&dra.kubelet, 2).await;
+    let unprepared = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(unprepared.claims[&uid].error, "");
+    assert!(!spec_file.exists(), "the claim's spec is removed");
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 0);
+    // An unknown UID is fine (idempotent).
+    let unknown = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("gone", "no-such-uid")])
+        .await
+        .expect("answered");
+    assert_eq!(unknown.claims["no-such-uid"].error, "");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(FUSE_DRA).await;
+    registered(&dra.kubelet, 1).await;
+    let slice = published(&dra.api).await;
+    let device = slice["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("device")
+        .to_string();
+    let good = dra.claim("good", &[&device], json!([]));
+    // Another node's pool.
+    let foreign = {
+        let created = dra
+            .api
+            .create(
+                Kind::ResourceClaim,
+                "team-a",
+                json!({
+                    "metadata": {"name": "foreign"},
+                    "spec": {"devices": {"requests": []}},
+                    "status": {"allocation": {"devices": {"results": [
+                        {"request": "fuse", "driver": DRIVER, "pool": "node-b", "device": device}
+                    ]}}}
+                }),
+            )
+            .expect("claim");
+        created["metadata"]["uid"]
+            .as_str()
+            .expect("uid")
+            .to_string()
+    };
+    let unknown = dra.claim("unknown-device", &["no-such-device"], json!([]));
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(
+            DRIVER,
+            vec![
+                wire_claim("good", &good),
+                wire_claim("foreign", &foreign),
+                wire_claim("good", "a-stale-uid"),
+                wire_claim("unknown-device", &unknown),
+            ],
+        )
+        .await
+        .expect("answered");
+    assert_eq!(answer.claims.len(), 4);
+    assert_eq!(answer.claims[&good].error, "");
+    assert!(
+        answer.claims[&foreign]
+            .error
+            .contains("is in pool \"node-b\", not this node's pool \"node-a\""),
+        "{:?}",
+        answer.claims[&foreign]
+    );
+    assert!(answer.claims["a-stale-uid"].error.contains("got replaced"));
+    assert!(
+        answer.claims[&unknown]
+            .error
+            .contains("\"no-such-device\" is not one this driver publishes")
+    );
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 1);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(FUSE_DRA).await;
+    let first = published(&dra.api).await;
+    let name = first["metadata"]["name"]
+        .as_str()
+        .expect("name")
+        .to_string();
+    assert!(dra.api.delete(Kind::ResourceSlice, "", &name));
+    let again = published(&dra.api).await;
+    assert_ne!(again["metadata"]["name"], first["metadata"]["name"]);
+    assert!(
+        again["spec"]["pool"]["generation"].as_i64() > first["spec"]["pool"]["generation"].as_i64(),
+        "the pool's generation moves on: {} then {}",
+        first["spec"]["pool"]["generation"],
+        again["spec"]["pool"]["generation"]
+    );
+    agent.shutdown().await;
+}

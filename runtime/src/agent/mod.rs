@@ -59,6 +59,8 @@ pub struct AgentOptions {
     pub registration: Route,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; None serves none.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The DRA front end's settings; None serves no module with `front-end = "dra"`.
+    pub dra: Option<crate::dra::driver::DraOptions>,
 }
 
 impl AgentOptions {
@@ -76,6 +78,7 @@ impl AgentOptions {
             libraries: Libraries::default(),
             registration: Route::default(),
             metrics_addr: None,
+            dra: None,
         }
     }
 }
@@ -108,6 +111,8 @@ pub(crate) struct Shared {
     starting: std::sync::atomic::AtomicUsize,
     /// Modules waiting for NVML to answer before they are started again (one waiter each).
     nvml_waiters: Mutex<std::collections::BTreeSet<String>>,
+    /// Where and for which node modules with `front-end = "dra"` are served; None: not at all.
+    dra: Option<crate::dra::driver::DraOptions>,
 }
 
 impl Shared {
@@ -143,10 +148,17 @@ impl Shared {
 
     /// Every served resource name, with the module serving it.
     fn served_names(&self) -> BTreeMap<String, String> {
-        self.resources()
+        let mut names: BTreeMap<String, String> = self
+            .resources()
             .into_iter()
             .map(|r| (r.name, r.module))
-            .collect()
+            .collect();
+        for m in self.lock_modules().values() {
+            for d in &m.drivers {
+                names.insert(d.name.clone(), m.spec.name.clone());
+            }
+        }
+        names
     }
 
     /// Starts the given modules, or upgrades them when they run already: the new instance is
@@ -232,9 +244,13 @@ impl Shared {
         let taken = self.served_names();
         let (running, errors) = match old {
             Some(old) => {
-                modules::upgrade(old, handle, spec, host_root, &self.serving(), &taken).await
+                let dra = self.dra.as_ref();
+                modules::upgrade(old, handle, spec, host_root, &self.serving(), &taken, dra).await
             }
-            None => modules::serve_all(handle, spec, host_root, &self.serving(), &taken),
+            None => {
+                let dra = self.dra.as_ref();
+                modules::serve_all(handle, spec, host_root, &self.serving(), &taken, dra)
+            }
         };
         let version = running.handle().version().to_owned();
         for r in &running.resources {
@@ -415,6 +431,7 @@ impl Agent {
             stopping: Default::default(),
             starting: Default::default(),
             nvml_waiters: Default::default(),
+            dra: options.dra.clone(),
         });
         // Counted from before the metrics endpoint answers, so that it never reports ready
         // before the first modules are in.

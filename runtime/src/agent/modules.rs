@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use wasmtime::Engine;
 
-use crate::config::ModuleSpec;
+use crate::config::{FrontEnd, ModuleSpec};
 use crate::config::{MAX_RESOURCES, MAX_RESOURCES_PER_MODULE};
 use crate::device::ResourceInfo;
+use crate::dra::driver::{DraOptions, DriverSpec, RunningDriver};
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::nvml::Libraries;
 use crate::policy::sharing::Replicated;
@@ -24,6 +25,8 @@ pub struct RunningModule {
     /// The module version answering, swapped in place by an upgrade.
     pub slot: ModuleSlot,
     pub resources: Vec<RunningResource>,
+    /// Its resources served as DRA drivers instead (`front-end = "dra"`).
+    pub drivers: Vec<RunningDriver>,
     /// Pokes the resources' device watchers when nodes under the /dev grants change.
     _dev_watch: Option<notify::RecommendedWatcher>,
     /// Pokes them when NVML reports a critical event, for a module granted NVML.
@@ -40,6 +43,9 @@ impl RunningModule {
     /// their CDI specs go too.
     pub async fn stop(self, retire: bool) {
         stop_resources(self.resources, &self.slot, retire).await;
+        for driver in self.drivers {
+            driver.stop(retire).await;
+        }
     }
 }
 
@@ -89,35 +95,6 @@ pub fn plan(
 ) -> (Vec<(String, ResourceInfo)>, Vec<String>) {
     let mut served: Vec<(String, ResourceInfo)> = Vec::new();
     let mut errors = Vec::new();
-    if let crate::config::FrontEnd::Dra { driver } = &spec.front_end {
-        let drivers: Vec<String> = match driver {
-            Some(driver) => vec![driver.clone()],
-            None => declared
-                .iter()
-                .filter_map(|info| {
-                    let name = resource::served_name(
-                        &spec.resource_domain,
-                        info,
-                        spec.sharing.rule(&info.name),
-                    )
-                    .ok()?;
-                    crate::dra::names::default_driver(&name).ok()
-                })
-                .collect(),
-        };
-        errors.push(format!(
-            "module `{}` has `front-end = \"dra\"` (driver {}), which this build does not serve \
-             yet: the DRA front end is still being built (README \"DRA\"); its resources are not \
-             served. Serve it with the device-plugin front end (the default) for now",
-            spec.name,
-            if drivers.is_empty() {
-                "none".to_string()
-            } else {
-                drivers.join(", ")
-            }
-        ));
-        return (served, errors);
-    }
     if declared.len() > MAX_RESOURCES_PER_MODULE {
         errors.push(format!(
             "module `{}` declared {} resources; at most {MAX_RESOURCES_PER_MODULE} are served",
@@ -179,11 +156,96 @@ pub fn serve_all(
     host_root: &Path,
     at: &Serving<'_>,
     taken: &BTreeMap<String, String>,
+    dra: Option<&DraOptions>,
 ) -> (RunningModule, Vec<String>) {
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
     let slot = ModuleSlot::new(handle);
-    let resources = serve_planned(&slot, spec, host_root, &planned, at, &mut errors);
-    (running(spec, host_root, slot, resources), errors)
+    let (resources, drivers) = match &spec.front_end {
+        FrontEnd::DevicePlugin => (
+            serve_planned(&slot, spec, host_root, &planned, at, &mut errors),
+            Vec::new(),
+        ),
+        FrontEnd::Dra { driver } => (
+            Vec::new(),
+            start_drivers(
+                &slot,
+                spec,
+                driver.as_deref(),
+                host_root,
+                &planned,
+                dra,
+                &mut errors,
+            ),
+        ),
+    };
+    (running(spec, host_root, slot, resources, drivers), errors)
+}
+
+/// Serves each planned resource as a DRA driver: the registry's `dra-driver` for a module with
+/// one resource, else each resource's name turned around.
+fn start_drivers(
+    slot: &ModuleSlot,
+    spec: &ModuleSpec,
+    explicit: Option<&str>,
+    host_root: &Path,
+    planned: &[(String, ResourceInfo)],
+    dra: Option<&DraOptions>,
+    errors: &mut Vec<String>,
+) -> Vec<RunningDriver> {
+    let Some(options) = dra else {
+        errors.push(format!(
+            "module `{}` has `front-end = \"dra\"`, but the agent serves no DRA drivers: give it \
+             the node's name (--node-name, or NODE_NAME as a DaemonSet sets it from the pod's \
+             spec.nodeName)",
+            spec.name
+        ));
+        return Vec::new();
+    };
+    if explicit.is_some() && planned.len() > 1 {
+        let names: Vec<&str> = planned.iter().map(|(n, _)| n.as_str()).collect();
+        errors.push(format!(
+            "module `{}`: `dra-driver` names one driver, but the module serves {} resources ({}); \
+             drop it to serve each as its own driver (the resource name turned around)",
+            spec.name,
+            planned.len(),
+            names.join(", ")
+        ));
+        return Vec::new();
+    }
+    let mut drivers = Vec::new();
+    for (name, info) in planned {
+        let driver = match explicit {
+            Some(driver) => driver.to_owned(),
+            None => match crate::dra::names::default_driver(name) {
+                Ok(driver) => driver,
+                Err(e) => {
+                    errors.push(format!(
+                        "module `{}`: {name} makes no DRA driver name ({e}); set `dra-driver`",
+                        spec.name
+                    ));
+                    continue;
+                }
+            },
+        };
+        let upkeep: Arc<dyn Upkeep> = Arc::new(slot.clone());
+        let started = crate::dra::driver::start(
+            slot,
+            &upkeep,
+            DriverSpec {
+                driver: &driver,
+                name,
+                local: &info.name,
+                health_interval: spec.health_interval,
+                host_root: host_root.to_owned(),
+            },
+            options,
+        );
+        match started {
+            Ok(d) => drivers.push(d),
+            Err(e) => errors.push(format!("module `{}`: {e}", spec.name)),
+        }
+    }
+    drivers
 }
 
 /// Upgrades `old` to `handle` (a new version of its file or registry entry, loaded and
@@ -199,7 +261,17 @@ pub async fn upgrade(
     host_root: &Path,
     at: &Serving<'_>,
     taken: &BTreeMap<String, String>,
+    dra: Option<&DraOptions>,
 ) -> (RunningModule, Vec<String>) {
+    if !old.drivers.is_empty() || matches!(spec.front_end, FrontEnd::Dra { .. }) {
+        // DRA drivers start again on the new version (their checkpoints keep prepared claims);
+        // a module moved between front ends stops on one and starts on the other.
+        let name = spec.name.clone();
+        old.stop(false).await;
+        let (running, errors) = serve_all(handle, spec, host_root, at, taken, dra);
+        tracing::info!(module = name, "started again on its new version");
+        return (running, errors);
+    }
     let (planned, mut errors) = plan(spec, handle.resources(), taken);
     // The watcher's interval and the preparer are set when a resource starts serving.
     let same_interval = old.spec.health_interval == spec.health_interval
@@ -248,7 +320,10 @@ pub async fn upgrade(
     );
     // The old version's cells end once calls still running on it finish.
     drop(previous);
-    (running(spec, host_root, slot, resources), errors)
+    (
+        running(spec, host_root, slot, resources, Vec::new()),
+        errors,
+    )
 }
 
 fn serve_planned(
@@ -292,8 +367,13 @@ fn running(
     host_root: &Path,
     slot: ModuleSlot,
     resources: Vec<RunningResource>,
+    drivers: Vec<RunningDriver>,
 ) -> RunningModule {
-    let pokes: Vec<_> = resources.iter().map(|r| r.poke.clone()).collect();
+    let pokes: Vec<_> = resources
+        .iter()
+        .map(|r| r.poke.clone())
+        .chain(drivers.iter().map(|d| d.poke.clone()))
+        .collect();
     let nvml_events = slot
         .current()
         .nvml()
@@ -303,6 +383,7 @@ fn running(
         spec: spec.clone(),
         slot,
         resources,
+        drivers,
         _dev_watch: dev_watch,
         _nvml_events: nvml_events,
     }

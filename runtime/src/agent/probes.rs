@@ -50,6 +50,12 @@ fn live(shared: &Shared) -> Result<(), String> {
                 r.served.name, module.spec.name
             ));
         }
+        for d in module.drivers.iter().filter(|d| d.task_ended()) {
+            dead.push(format!(
+                "a task serving DRA driver {} (module `{}`) ended",
+                d.driver, module.spec.name
+            ));
+        }
     }
     if dead.is_empty() {
         Ok(())
@@ -80,6 +86,14 @@ pub(super) fn ready(shared: &Shared) -> Result<(), String> {
                 "module `{}` is waiting for NVML: {why}",
                 module.spec.name
             ));
+        }
+        for d in &module.drivers {
+            if !d.registered.get() {
+                missing.push(format!(
+                    "DRA driver {} (module `{}`) is not registered with the kubelet",
+                    d.driver, module.spec.name
+                ));
+            }
         }
         for r in &module.resources {
             if !r.served.registration.registered() {

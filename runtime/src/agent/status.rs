@@ -28,6 +28,63 @@ pub struct Status {
     /// The compile cache, when the agent was given a directory for one.
     #[serde(default)]
     pub cache: Option<CacheStatus>,
+    /// Resources served as DRA drivers.
+    #[serde(default)]
+    pub dra_drivers: Vec<DraDriverStatus>,
+}
+
+/// One resource served as a DRA driver.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraDriverStatus {
+    pub driver: String,
+    pub resource: String,
+    pub module: String,
+    /// Its socket in the plugin watcher's directory.
+    pub registration_socket: PathBuf,
+    /// Whether the kubelet last said it registered the driver.
+    pub registered: bool,
+    pub devices: usize,
+    pub healthy: usize,
+    /// The pool's generation and slices last published; the writes made and API errors met.
+    pub generation: i64,
+    pub slices: usize,
+    pub api_writes: u64,
+    pub api_errors: u64,
+    pub api_error: Option<String>,
+    /// Claims prepared and not yet unprepared (in the checkpoint).
+    pub prepared_claims: usize,
+}
+
+/// Every DRA driver the agent serves.
+fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
+    let modules = shared.lock_modules();
+    modules
+        .values()
+        .flat_map(|m| {
+            m.drivers.iter().map(|d| {
+                let devices = d.devices.borrow();
+                let published = d.published.borrow();
+                DraDriverStatus {
+                    driver: d.driver.clone(),
+                    resource: d.name.clone(),
+                    module: m.spec.name.clone(),
+                    registration_socket: d.registration_socket.clone(),
+                    registered: d.registered.get(),
+                    devices: devices.len(),
+                    healthy: devices
+                        .iter()
+                        .filter(|x| x.health == Health::Healthy)
+                        .count(),
+                    generation: published.generation,
+                    slices: published.slices,
+                    api_writes: published.writes,
+                    api_errors: published.errors,
+                    api_error: published.last_error.clone(),
+                    prepared_claims: d.claims.prepared(),
+                }
+            })
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,6 +283,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
         cache,
         modules,
         resources,
+        dra_drivers: dra_drivers(shared),
         load_errors: shared
             .load_errors
             .lock()

@@ -127,6 +127,18 @@ pub fn kind_of(resource: &str) -> Result<String, String> {
     Ok(format!("{vendor}/{class}"))
 }
 
+/// The CDI kind of a DRA driver's per-claim specs, `k8s.<driver>/<class>` with the class from
+/// the resource's own name (dra-example-driver names its `k8s.gpu.example.com/gpu`): the
+/// `k8s.` vendor prefix keeps them apart from a vendor's own specs.
+pub fn dra_kind(driver: &str, resource: &str) -> Result<String, String> {
+    let vendor = format!("k8s.{driver}");
+    check_vendor_or_class("vendor", &vendor, &['_', '-', '.'])?;
+    let name = resource.rsplit('/').next().unwrap_or(resource);
+    let class = class_of(name);
+    check_vendor_or_class("class", &class, &['_', '-'])?;
+    Ok(format!("{vendor}/{class}"))
+}
+
 /// Checks a fully qualified CDI device name, `vendor/class=device`, by the CDI grammar (vendor
 /// and class start with a letter and end with a letter or digit; the vendor may hold `-_.`, the
 /// class `-_`; the device as [`is_device_name`]). The one copy of that grammar: the CDI names a

@@ -109,7 +109,7 @@ impl LibraryArgs {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve every resource of the registry's modules to the kubelet.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Check a registry and load its modules without serving anything.
     Validate(validate::ValidateArgs),
     /// Show what a running agent serves: resources, devices, health and holders.
@@ -132,7 +132,7 @@ pub enum Command {
 
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Run(args) => run::run(args).await,
+        Command::Run(args) => run::run(*args).await,
         Command::Validate(args) => validate::run(args).await,
         Command::Status(args) => status::run(args).await,
         #[cfg(feature = "simulator")]

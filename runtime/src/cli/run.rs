@@ -53,6 +53,23 @@ pub struct RunArgs {
     /// `/healthz` and `/readyz` at this address (e.g. 0.0.0.0:9310). Off when not given.
     #[arg(long)]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// This node's name, which the DRA front end needs (its ResourceSlices' pool and
+    /// `spec.nodeName`): without it, modules with `front-end = "dra"` are not served. A
+    /// DaemonSet sets NODE_NAME from the pod's `spec.nodeName`.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// A kubeconfig for the DRA front end's API server, to run outside a cluster; in a pod the
+    /// service account is used.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubelet's plugins directory, where each DRA driver's service socket goes
+    /// (`<dir>/<driver>/dra.sock`); its registration socket goes in `--plugins-registry-dir`.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins")]
+    pub kubelet_plugins_dir: PathBuf,
+    /// How often each DRA driver compares its ResourceSlices with its devices when nothing
+    /// changed (slices wiped or edited by others come back within it).
+    #[arg(long, default_value = "10s", value_parser = crate::config::parse_duration)]
+    pub dra_resync: std::time::Duration,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
 }
@@ -79,9 +96,33 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.libraries = args.libraries.libraries();
     options.registration = match args.registration {
         RegistrationRoute::KubeletSocket => Route::KubeletSocket,
-        RegistrationRoute::PluginWatcher => Route::PluginWatcher(args.plugins_registry_dir),
+        RegistrationRoute::PluginWatcher => Route::PluginWatcher(args.plugins_registry_dir.clone()),
     };
     options.metrics_addr = args.metrics_addr;
+    if let Some(node) = args.node_name {
+        let wanted = options
+            .registry
+            .modules
+            .iter()
+            .any(|m| matches!(m.front_end, crate::config::FrontEnd::Dra { .. }));
+        let api = match crate::dra::api::ApiClient::connect(args.kubeconfig.as_deref()).await {
+            Ok(api) => Some(api),
+            Err(e) if wanted => return Err(e).context("the DRA front end"),
+            Err(e) => {
+                tracing::warn!("{e}; modules with front-end = \"dra\" would not be served");
+                None
+            }
+        };
+        options.dra = Some(crate::dra::driver::DraOptions {
+            registry_dir: args.plugins_registry_dir.clone(),
+            plugins_dir: args.kubelet_plugins_dir,
+            node,
+            api,
+            state_dir: options.state_dir.clone(),
+            cdi_dir: options.cdi_dir.clone(),
+            resync: args.dra_resync,
+        });
+    }
     let agent = Agent::start(options).await.context("starting the agent")?;
     for r in agent.resources() {
         tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");

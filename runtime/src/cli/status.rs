@@ -63,6 +63,25 @@ fn render(status: &Status) -> String {
             out += &format!("  FAILED: {failed}\n");
         }
     }
+    for d in &status.dra_drivers {
+        out += &format!(
+            "DRA driver {} for {} (module {}, {} devices, {} healthy, {}registered with the \
+             kubelet; pool generation {} in {} slice(s), {} claim(s) prepared{})\n",
+            d.driver,
+            d.resource,
+            d.module,
+            d.devices,
+            d.healthy,
+            if d.registered { "" } else { "not " },
+            d.generation,
+            d.slices,
+            d.prepared_claims,
+            d.api_error
+                .as_deref()
+                .map(|e| format!("; API error: {e}"))
+                .unwrap_or_default()
+        );
+    }
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();
         let prepared = r.devices.iter().filter(|d| d.prepared).count();
@@ -229,6 +248,7 @@ mod tests {
                 refused: Some("compile cache /x: /x has mode 0777".into()),
                 ..Default::default()
             }),
+            dra_drivers: Vec::new(),
         };
         let text = render(&status);
         assert!(text.contains("  gpu-0: 2 of 2 replicas in use\n"), "{text}");

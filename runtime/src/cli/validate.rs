@@ -84,7 +84,49 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             println!("  error: {e}");
         }
         let shared = crate::policy::sharing::Replicated::new(module.clone(), spec.sharing.clone());
+        let explicit = match &spec.front_end {
+            crate::config::FrontEnd::Dra { driver } => Some(driver.clone()),
+            crate::config::FrontEnd::DevicePlugin => None,
+        };
+        if let Some(Some(_)) = &explicit
+            && planned.len() > 1
+        {
+            failures += 1;
+            println!(
+                "  error: `dra-driver` names one driver, but the module serves {} resources; drop it \
+                 to serve each as its own driver",
+                planned.len()
+            );
+        }
         for (name, info) in planned {
+            if let Some(explicit) = &explicit {
+                match explicit
+                    .clone()
+                    .map_or_else(|| crate::dra::names::default_driver(&name), Ok)
+                {
+                    Ok(driver) => println!(
+                        "  resource {name} served as DRA driver {driver} (front-end = \"dra\"; \
+                         `run` needs --node-name)"
+                    ),
+                    Err(e) => {
+                        failures += 1;
+                        println!(
+                            "  error: {name} makes no DRA driver name ({e}); set `dra-driver`"
+                        );
+                    }
+                }
+                match DeviceBackend::enumerate(&module, &info.name).await {
+                    Ok(devices) => print_devices(&devices),
+                    Err(e) => {
+                        failures += 1;
+                        println!(
+                            "    error: enumerate failed, so `run` would publish no devices: {e}"
+                        );
+                    }
+                }
+                taken.insert(name, spec.name.clone());
+                continue;
+            }
             let rule = spec.sharing.rule(&info.name);
             let who =
                 crate::kubelet::resource::who_answers(spec.allocation_policy, &info, rule.shares());

@@ -62,6 +62,12 @@ pub struct ApiClient {
     client: kube::Client,
 }
 
+impl std::fmt::Debug for ApiClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiClient")
+    }
+}
+
 impl ApiClient {
     /// From `kubeconfig` when given (for running outside a cluster), else the pod's in-cluster
     /// service account. Connecting is lazy: an unreachable server fails the first request, not

@@ -510,7 +510,7 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 /// Only the kubelet (root) may talk to a plugin socket.
-fn restrict_to_owner(path: &Path) {
+pub(crate) fn restrict_to_owner(path: &Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
         tracing::warn!("cannot restrict {} to its owner: {e}", path.display());

@@ -10,7 +10,7 @@
 
 use std::future::Future;
 
-use crate::device::{ContainerEdits, Device};
+use crate::device::{ContainerEdits, Device, Request};
 
 /// Why a backend call failed, and so which gRPC status the kubelet gets. Every message names the
 /// backend (the module), because it ends up in a pod's events.
@@ -67,6 +67,31 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
             "{} offers no preferred allocation",
             self.name()
         ))))
+    }
+
+    /// What a container needs for `request`, which may carry the request's own config and key
+    /// (a DRA claim's). A backend that knows no config answers a request without one as
+    /// [`allocate`](Self::allocate) does, and refuses one with config.
+    fn allocate_request(
+        &self,
+        request: Request,
+    ) -> impl Future<Output = Result<ContainerEdits, BackendError>> + Send {
+        async move {
+            if !request.config.is_empty() {
+                return Err(BackendError::Invalid(format!(
+                    "{} takes no per-request config",
+                    self.name()
+                )));
+            }
+            self.allocate(&request.resource, request.ids).await
+        }
+    }
+
+    /// The end of `request` (a DRA claim unprepared): what was set up for it may go. Nothing by
+    /// default.
+    fn release(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = request;
+        std::future::ready(Ok(()))
     }
 
     /// Runs before a container using `ids` starts; only called when the resource's options ask

@@ -50,18 +50,21 @@ mod tests {
         found
     }
 
-    /// The kubelet's wire types stay in the device-plugin front end (`kubelet/`) and the command
-    /// line that drives the kubelet simulator (`cli/`): the core, the sandbox, the ledger, CDI and
-    /// the policies are written against the host's own types, so a second front end reuses them
-    /// as they are. Test code may build wire values to feed a front end's conversion.
+    /// The kubelet's wire types stay in the front ends (`kubelet/` for the device plugin, `dra/`
+    /// for DRA) and the command line that drives the kubelet simulator (`cli/`): the core, the
+    /// sandbox, the ledger, CDI and the policies are written against the host's own types, so
+    /// both front ends reuse them as they are. Test code may build wire values to feed a front
+    /// end's conversion.
     #[test]
     fn no_kubelet_wire_type_outside_the_front_ends() {
         let wire = [
             "api::deviceplugin",
             "api::podresources",
             "api::pluginregistration",
+            "api::dra",
         ];
-        let found = lines_naming(|top| top != "kubelet" && top != "cli", &wire);
+        let front_ends = ["kubelet", "dra", "cli"];
+        let found = lines_naming(|top| !front_ends.contains(&top), &wire);
         assert!(
             found.is_empty(),
             "wire types outside kubelet/ and cli/:\n{}",
@@ -74,7 +77,7 @@ mod tests {
     #[test]
     fn no_wasmtime_in_the_core_or_the_front_end() {
         let core = [
-            "resource", "kubelet", "ledger", "cdi", "policy", "nvml", "config", "metrics",
+            "resource", "kubelet", "dra", "ledger", "cdi", "policy", "nvml", "config", "metrics",
         ];
         let found = lines_naming(|top| core.contains(&top), &["wasmtime"]);
         assert!(

@@ -82,6 +82,17 @@ impl DeviceBackend for ModuleSlot {
         DeviceBackend::prestart(&*self.current(), resource, ids).await
     }
 
+    async fn allocate_request(
+        &self,
+        request: crate::device::Request,
+    ) -> Result<ContainerEdits, BackendError> {
+        DeviceBackend::allocate_request(&*self.current(), request).await
+    }
+
+    async fn release(&self, request: crate::device::Request) -> Result<(), BackendError> {
+        DeviceBackend::release(&*self.current(), request).await
+    }
+
     fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
         self.current().recheck_after(resource)
     }
@@ -147,5 +158,20 @@ impl DeviceBackend for ModuleHandle {
 
     async fn prestart(&self, resource: &str, ids: Vec<String>) -> Result<(), BackendError> {
         Ok(ModuleHandle::prestart(self, resource, ids).await?)
+    }
+
+    async fn allocate_request(
+        &self,
+        request: crate::device::Request,
+    ) -> Result<ContainerEdits, BackendError> {
+        Ok(ModuleHandle::allocate(self, request).await?)
+    }
+
+    /// Only a module that exports `release` is called.
+    async fn release(&self, request: crate::device::Request) -> Result<(), BackendError> {
+        if self.has_release() {
+            ModuleHandle::release(self, request).await?;
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,167 @@
+//! What one driver must prepare for a ResourceClaim: its allocation results for this driver, by
+//! request, each with the opaque config meant for it. Everything here is checked against what
+//! the kubelet asked for, because the claim is read from the API server and a claim naming
+//! another node's devices, or replaced by another of the same name, must not be prepared.
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+/// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
+/// config that applies to them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestWanted {
+    pub request: String,
+    /// Device names in this node's pool, in the order allocated.
+    pub devices: Vec<String>,
+    /// The opaque parameters meant for this driver and request, as JSON; empty when none.
+    pub config: String,
+}
+
+/// This driver's part of `claim`, which the kubelet asked for as `uid`; `pool` is this node's.
+/// Err says why the claim cannot be prepared here, naming it.
+pub fn wanted(
+    claim: &ResourceClaim,
+    uid: &str,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<RequestWanted>, String> {
+    let namespace = claim.metadata.namespace.as_deref().unwrap_or("");
+    let name = claim.metadata.name.as_deref().unwrap_or("");
+    let at = format!("ResourceClaim {namespace}/{name}");
+    let actual = claim.metadata.uid.as_deref().unwrap_or("");
+    if actual != uid {
+        return Err(format!(
+            "{at} got replaced: the kubelet asked for UID {uid}, the API server has {actual}"
+        ));
+    }
+    let devices = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .ok_or_else(|| format!("{at} is not allocated"))?;
+    let mut wanted: Vec<RequestWanted> = Vec::new();
+    for result in devices.results.iter().flatten() {
+        if result.driver != driver {
+            continue;
+        }
+        if result.pool != pool {
+            return Err(format!(
+                "{at}: device {} is in pool {:?}, not this node's pool {pool:?}",
+                result.device, result.pool
+            ));
+        }
+        let request = base(&result.request).to_string();
+        match wanted.iter_mut().find(|w| w.request == request) {
+            Some(w) => w.devices.push(result.device.clone()),
+            None => wanted.push(RequestWanted {
+                config: config_for(devices.config.as_deref().unwrap_or(&[]), driver, &request),
+                request,
+                devices: vec![result.device.clone()],
+            }),
+        }
+    }
+    if wanted.is_empty() {
+        return Err(format!("{at} has no devices of driver {driver}"));
+    }
+    Ok(wanted)
+}
+
+/// `gpu` of `gpu/large`.
+fn base(request: &str) -> &str {
+    request.split('/').next().unwrap_or(request)
+}
+
+/// The last config for this driver that names the request or no request (class configs come
+/// before the claim's own, so the claim's win), as dra-example-driver chooses.
+fn config_for(
+    configs: &[k8s_openapi::api::resource::v1::DeviceAllocationConfiguration],
+    driver: &str,
+    request: &str,
+) -> String {
+    configs
+        .iter()
+        .filter(|c| {
+            c.requests
+                .as_ref()
+                .is_none_or(|r| r.is_empty() || r.iter().any(|n| base(n) == request))
+        })
+        .filter_map(|c| c.opaque.as_ref())
+        .rfind(|o| o.driver == driver)
+        .map(|o| o.parameters.0.to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "gpus", "namespace": "team", "uid": "u-1"},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .expect("a claim")
+    }
+
+    fn result(request: &str, driver: &str, pool: &str, device: &str) -> serde_json::Value {
+        serde_json::json!({"request": request, "driver": driver, "pool": pool, "device": device})
+    }
+
+    #[test]
+    fn results_are_grouped_by_request_with_the_last_matching_config() {
+        let c = claim(
+            serde_json::json!([
+                result("gpu", "gpu.example.com", "node-a", "gpu-0"),
+                result("nic", "nic.example.com", "node-a", "eth-0"),
+                result("gpu/large", "gpu.example.com", "node-a", "gpu-1"),
+                result("other", "gpu.example.com", "node-a", "gpu-2"),
+            ]),
+            serde_json::json!([
+                {"source": "FromClass", "opaque": {"driver": "gpu.example.com", "parameters": {"mode": "class"}}},
+                {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": "gpu.example.com", "parameters": {"mode": "claim"}}},
+                {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": "nic.example.com", "parameters": {"mode": "nic"}}},
+            ]),
+        );
+        let wanted = wanted(&c, "u-1", "gpu.example.com", "node-a").expect("wanted");
+        assert_eq!(
+            wanted,
+            [
+                RequestWanted {
+                    request: "gpu".into(),
+                    devices: vec!["gpu-0".into(), "gpu-1".into()],
+                    config: r#"{"mode":"claim"}"#.into(),
+                },
+                RequestWanted {
+                    request: "other".into(),
+                    devices: vec!["gpu-2".into()],
+                    config: r#"{"mode":"class"}"#.into(),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_replaced_unallocated_or_foreign_claim_is_refused_by_name() {
+        let c = claim(
+            serde_json::json!([result("gpu", "gpu.example.com", "node-b", "gpu-0")]),
+            serde_json::json!([]),
+        );
+        let e = wanted(&c, "u-2", "gpu.example.com", "node-a").unwrap_err();
+        assert!(e.contains("team/gpus got replaced"), "{e}");
+        let e = wanted(&c, "u-1", "gpu.example.com", "node-a").unwrap_err();
+        assert!(
+            e.contains("is in pool \"node-b\", not this node's pool \"node-a\""),
+            "{e}"
+        );
+        let e = wanted(&c, "u-1", "other.example.com", "node-a").unwrap_err();
+        assert!(
+            e.contains("has no devices of driver other.example.com"),
+            "{e}"
+        );
+        let mut unallocated = c.clone();
+        unallocated.status = None;
+        let e = wanted(&unallocated, "u-1", "gpu.example.com", "node-a").unwrap_err();
+        assert!(e.ends_with("team/gpus is not allocated"), "{e}");
+    }
+}

@@ -1,0 +1,191 @@
+//! One resource served as a DRA driver: the resource core's device watcher (the same one the
+//! device-plugin front end uses), the driver's sockets for the kubelet (`server.rs`), its claims
+//! (`prepare.rs`, checkpointed in the state directory) and its ResourceSlices (`slices.rs`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+use super::api::ApiClient;
+use super::checkpoint::Checkpoint;
+use super::prepare::Claims;
+use super::server::{self, Registered};
+use super::slices::{self, Pool, Published};
+use crate::resource::backend::{DeviceBackend, Upkeep};
+use crate::resource::core::{self, CoreSpec};
+use crate::resource::snapshot::Snapshot;
+
+/// How often the publisher compares the API server's slices with the devices when nothing
+/// changed: slices a starting kubelet wiped, or someone deleted, are back within it.
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10);
+
+/// Where and for which node the agent serves DRA drivers.
+#[derive(Debug, Clone)]
+pub struct DraOptions {
+    /// The kubelet's plugin-watcher directory (`/var/lib/kubelet/plugins_registry`).
+    pub registry_dir: PathBuf,
+    /// The kubelet's plugins directory (`/var/lib/kubelet/plugins`): `<driver>/dra.sock`.
+    pub plugins_dir: PathBuf,
+    /// This node's name: the pool's name and the slices' `spec.nodeName`.
+    pub node: String,
+    /// The API server; None serves the kubelet but publishes nothing and prepares nothing.
+    pub api: Option<ApiClient>,
+    /// Where each driver's checkpoint goes (`dra-<driver>.json`); None keeps it in memory.
+    pub state_dir: Option<PathBuf>,
+    /// Where claims' CDI specs go.
+    pub cdi_dir: PathBuf,
+    pub resync: Duration,
+}
+
+/// What starting a driver needs to know of the resource.
+pub struct DriverSpec<'a> {
+    /// The DRA driver name.
+    pub driver: &'a str,
+    /// The resource's served name (`vendor.com/gpu`), shown in status.
+    pub name: &'a str,
+    /// The backend's own name of it.
+    pub local: &'a str,
+    pub health_interval: Duration,
+    pub host_root: PathBuf,
+}
+
+/// Counts of a driver's claims, for status and metrics.
+pub trait ClaimCounts: Send + Sync {
+    fn prepared(&self) -> usize;
+}
+
+impl<B: DeviceBackend> ClaimCounts for Claims<B> {
+    fn prepared(&self) -> usize {
+        self.checkpoint.uids().len()
+    }
+}
+
+/// A running driver.
+pub struct RunningDriver {
+    pub driver: String,
+    pub name: String,
+    pub local: String,
+    pub devices: watch::Receiver<Snapshot>,
+    pub poke: Arc<Notify>,
+    pub published: watch::Receiver<Published>,
+    pub registered: Arc<Registered>,
+    pub registration_socket: PathBuf,
+    pub service_socket: PathBuf,
+    pub claims: Arc<dyn ClaimCounts>,
+    api: Option<ApiClient>,
+    pool: Pool,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// Starts serving one resource of `backend` as a DRA driver.
+pub fn start<B: DeviceBackend>(
+    backend: &B,
+    upkeep: &Arc<dyn Upkeep>,
+    spec: DriverSpec<'_>,
+    options: &DraOptions,
+) -> Result<RunningDriver, String> {
+    let kind = crate::cdi::spec::dra_kind(spec.driver, spec.local)
+        .map_err(|e| format!("DRA driver {}: {e}", spec.driver))?;
+    let file = options
+        .state_dir
+        .as_ref()
+        .map(|d| d.join(format!("dra-{}.json", spec.driver)));
+    let checkpoint = Checkpoint::open(file)?;
+    let (stop, stopped) = watch::channel(false);
+    let core = core::start(
+        backend,
+        upkeep,
+        CoreSpec {
+            name: spec.name,
+            local: spec.local,
+            health_interval: spec.health_interval,
+            allocate_ahead: false,
+            shared: false,
+            cdi: None,
+            host_root: spec.host_root,
+        },
+        &stopped,
+    );
+    let claims = Arc::new(Claims::new(
+        spec.driver.to_owned(),
+        options.node.clone(),
+        spec.local.to_owned(),
+        kind,
+        backend.clone(),
+        core.devices.clone(),
+        options.api.clone(),
+        options.cdi_dir.clone(),
+        checkpoint,
+    ));
+    let served = server::serve(
+        claims.clone(),
+        &options.registry_dir,
+        &options.plugins_dir,
+        stopped.clone(),
+    )
+    .map_err(|e| format!("DRA driver {}: serving its sockets: {e}", spec.driver))?;
+    let pool = Pool {
+        driver: spec.driver.to_owned(),
+        node: options.node.clone(),
+    };
+    let (published_tx, published) = watch::channel(Published::default());
+    let mut tasks = core.tasks;
+    tasks.extend(served.tasks);
+    if let Some(api) = &options.api {
+        tasks.push(tokio::spawn(slices::publish(
+            api.clone(),
+            pool.clone(),
+            core.devices.clone(),
+            core.ready.clone(),
+            options.resync,
+            published_tx,
+            stopped,
+        )));
+    }
+    tracing::info!(
+        driver = spec.driver,
+        resource = spec.name,
+        socket = %served.registration.display(),
+        "serving as a DRA driver"
+    );
+    Ok(RunningDriver {
+        driver: spec.driver.to_owned(),
+        name: spec.name.to_owned(),
+        local: spec.local.to_owned(),
+        devices: core.devices,
+        poke: core.poke,
+        published,
+        registered: served.registered,
+        registration_socket: served.registration,
+        service_socket: served.service,
+        claims,
+        api: options.api.clone(),
+        pool,
+        stop,
+        tasks,
+    })
+}
+
+impl RunningDriver {
+    /// Whether one of its tasks ended, which only stopping explains.
+    pub fn task_ended(&self) -> bool {
+        self.tasks.iter().any(|t| t.is_finished())
+    }
+
+    /// Stops serving and removes its sockets; `retire` (the module or resource left the
+    /// registry): its ResourceSlices go too. Prepared claims stay checkpointed either way, so a
+    /// later agent can still unprepare them.
+    pub async fn stop(self, retire: bool) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        if retire && let Some(api) = &self.api {
+            slices::withdraw(api, &self.pool).await;
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! `NodePrepareResources` and `NodeUnprepareResources` for one driver (one served resource),
+//! whatever version of the kubelet's API carried them (`server.rs` converts).
+//!
+//! Prepare, per claim and serialized per claim UID: a claim already in the checkpoint is answered
+//! as before (the kubelet calls again after its own restart); otherwise the claim is fetched
+//! from the API server and checked (`claim.rs`), each request's device names are mapped back to
+//! the module's IDs in the current snapshot (each must be there and healthy), the module's
+//! `allocate` is asked with the request's opaque config and key `<claim UID>/<request>`, the
+//! answers go into one CDI spec file for the claim (a CDI device `<claim UID>-<request>` per
+//! request), the claim is checkpointed, and only then answered. One claim's failure is its own
+//! entry's error; requests already allocated for it are released.
+//!
+//! Unprepare needs only the UID: the checkpoint says what to release and which spec to remove.
+//! An unknown UID succeeds (it was never prepared here, or is already unprepared). A module
+//! that fails its `release` is logged and counted, never allowed to pin a claim forever.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use super::api::ApiClient;
+use super::checkpoint::{Checkpoint, PreparedClaim, PreparedRequest};
+use super::claim;
+use super::names::device_name;
+use crate::device::{ContainerEdits, Health, Request};
+use crate::resource::backend::DeviceBackend;
+use crate::resource::snapshot::Snapshot;
+
+/// Most claims answered in one call: a pod has far fewer; past it each gets an error.
+pub const MAX_CLAIMS_PER_CALL: usize = 256;
+
+/// A claim as the kubelet names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// One device of a prepared claim, as the kubelet is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedDevice {
+    pub request: String,
+    pub pool: String,
+    pub device: String,
+    pub cdi_ids: Vec<String>,
+}
+
+/// Everything one driver's claims need.
+pub struct Claims<B> {
+    pub driver: String,
+    /// This node's pool (the node's name).
+    pub pool: String,
+    /// The backend's own name of the resource.
+    pub resource: String,
+    /// The CDI kind of the claims' specs.
+    pub kind: String,
+    pub backend: B,
+    pub devices: watch::Receiver<Snapshot>,
+    pub api: Option<ApiClient>,
+    pub cdi_dir: PathBuf,
+    pub checkpoint: Checkpoint,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl<B: DeviceBackend> Claims<B> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        driver: String,
+        pool: String,
+        resource: String,
+        kind: String,
+        backend: B,
+        devices: watch::Receiver<Snapshot>,
+        api: Option<ApiClient>,
+        cdi_dir: PathBuf,
+        checkpoint: Checkpoint,
+    ) -> Claims<B> {
+        Claims {
+            driver,
+            pool,
+            resource,
+            kind,
+            backend,
+            devices,
+            api,
+            cdi_dir,
+            checkpoint,
+            locks: Mutex::default(),
+        }
+    }
+
+    /// Prepares each claim; the answer has an entry for every UID asked.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
+        let mut answers = BTreeMap::new();
+        for (i, claim) in claims.into_iter().enumerate() {
+            let answer = if i >= MAX_CLAIMS_PER_CALL {
+                Err(format!(
+                    "more than {MAX_CLAIMS_PER_CALL} claims in one NodePrepareResources call; \
+                     this one was not prepared"
+                ))
+            } else {
+                let lock = self.lock_for(&claim.uid);
+                let _held = lock.lock().await;
+                self.prepare_one(&claim).await
+            };
+            if let Err(e) = &answer {
+                tracing::warn!(driver = self.driver, claim = claim.uid, "prepare: {e}");
+            }
+            answers.insert(claim.uid, answer);
+        }
+        answers
+    }
+
+    /// Unprepares each claim by UID; the answer has an entry for every UID asked.
+    pub async fn unprepare(&self, uids: Vec<String>) -> BTreeMap<String, Result<(), String>> {
+        let mut answers = BTreeMap::new();
+        for uid in uids {
+            let lock = self.lock_for(&uid);
+            let answer = {
+                let _held = lock.lock().await;
+                self.unprepare_one(&uid).await
+            };
+            self.forget_lock(&uid, &lock);
+            answers.insert(uid, answer);
+        }
+        answers
+    }
+
+    fn lock_for(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(uid.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn forget_lock(&self, uid: &str, lock: &Arc<tokio::sync::Mutex<()>>) {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        // Only when no one else waits on it.
+        if Arc::strong_count(lock) <= 2 {
+            locks.remove(uid);
+        }
+    }
+
+    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        if let Some(done) = self.checkpoint.get(&claim.uid) {
+            return Ok(self.devices_of(&done));
+        }
+        let api = self
+            .api
+            .as_ref()
+            .ok_or("the agent has no API server to read claims from")?;
+        let object = api
+            .claim(&claim.namespace, &claim.name)
+            .await
+            .map_err(|e| e.to_string())?;
+        let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)?;
+        let mut requests = Vec::with_capacity(wanted.len());
+        let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
+        for want in wanted {
+            let devices = match self.ids_of(&want.devices) {
+                Ok(devices) => devices,
+                Err(e) => {
+                    self.release_all(&claim.uid, &requests).await;
+                    return Err(e);
+                }
+            };
+            let request = Request {
+                resource: self.resource.clone(),
+                ids: devices.iter().map(|(_, id)| id.clone()).collect(),
+                config: want.config.clone(),
+                key: format!("{}/{}", claim.uid, want.request),
+            };
+            let edits = match self.backend.allocate_request(request).await {
+                Ok(edits) => edits,
+                Err(e) => {
+                    self.release_all(&claim.uid, &requests).await;
+                    return Err(format!("request {:?}: {e}", want.request));
+                }
+            };
+            let cdi_ids = edits.cdi_devices.clone();
+            answers.insert(format!("{}-{}", claim.uid, want.request), Arc::new(edits));
+            requests.push(PreparedRequest {
+                request: want.request,
+                devices,
+                config: want.config,
+                cdi_ids,
+            });
+        }
+        let (spec_file, in_spec) = match self.write_spec(&claim.uid, &answers).await {
+            Ok(written) => written,
+            Err(e) => {
+                self.release_all(&claim.uid, &requests).await;
+                return Err(e);
+            }
+        };
+        // A request whose answer holds something a spec carries gets its CDI device first.
+        for request in &mut requests {
+            let name = format!("{}-{}", claim.uid, request.request);
+            if in_spec.contains(&name) {
+                request.cdi_ids.insert(0, format!("{}={name}", self.kind));
+            }
+        }
+        let prepared = PreparedClaim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            requests,
+            spec_file,
+        };
+        if let Err(e) = self.checkpoint.insert(&claim.uid, prepared.clone()) {
+            self.remove_spec(&prepared).await;
+            self.release_all(&claim.uid, &prepared.requests).await;
+            return Err(e);
+        }
+        Ok(self.devices_of(&prepared))
+    }
+
+    async fn unprepare_one(&self, uid: &str) -> Result<(), String> {
+        let Some(prepared) = self.checkpoint.get(uid) else {
+            return Ok(());
+        };
+        self.release_all(uid, &prepared.requests).await;
+        self.remove_spec(&prepared).await;
+        self.checkpoint.remove(uid)?;
+        Ok(())
+    }
+
+    /// What the kubelet is told for a prepared claim: each device, the request's CDI IDs on the
+    /// first device of the request (the answer covers the request as a whole).
+    fn devices_of(&self, claim: &PreparedClaim) -> Vec<PreparedDevice> {
+        let mut out = Vec::new();
+        for request in &claim.requests {
+            for (i, (name, _)) in request.devices.iter().enumerate() {
+                out.push(PreparedDevice {
+                    request: request.request.clone(),
+                    pool: self.pool.clone(),
+                    device: name.clone(),
+                    cdi_ids: if i == 0 {
+                        request.cdi_ids.clone()
+                    } else {
+                        Vec::new()
+                    },
+                });
+            }
+        }
+        out
+    }
+
+    /// (name, module ID) of each device name, from the current snapshot; each must be there and
+    /// healthy.
+    fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, String> {
+        let snapshot = self.devices.borrow().clone();
+        names
+            .iter()
+            .map(|name| {
+                let device = snapshot
+                    .iter()
+                    .find(|d| device_name(&d.id) == *name)
+                    .ok_or_else(|| format!("device {name:?} is not one this driver publishes"))?;
+                if device.health != Health::Healthy {
+                    let why = device.health_reason.as_deref().unwrap_or("no reason given");
+                    return Err(format!("device {name:?} is unhealthy: {why}"));
+                }
+                Ok((name.clone(), device.id.clone()))
+            })
+            .collect()
+    }
+
+    async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) {
+        for request in requests {
+            let release = Request {
+                resource: self.resource.clone(),
+                ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
+                config: request.config.clone(),
+                key: format!("{uid}/{}", request.request),
+            };
+            if let Err(e) = self.backend.release(release).await {
+                tracing::warn!(
+                    driver = self.driver,
+                    claim = uid,
+                    request = request.request,
+                    "the module's release failed (the claim is unprepared anyway): {e}"
+                );
+            }
+        }
+    }
+
+    /// The claim's spec file, `<cdi dir>/devicelet-dra_<driver>_<uid>.json`, and the CDI device
+    /// names in it; None when no request needs one.
+    async fn write_spec(
+        &self,
+        uid: &str,
+        answers: &BTreeMap<String, Arc<ContainerEdits>>,
+    ) -> Result<(Option<PathBuf>, BTreeSet<String>), String> {
+        let Some((spec, _)) = crate::cdi::build(&self.kind, answers) else {
+            return Ok((None, BTreeSet::new()));
+        };
+        let names = spec.devices.iter().map(|d| d.name.clone()).collect();
+        let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
+        let path = self
+            .cdi_dir
+            .join(format!("devicelet-dra_{}_{uid}.json", self.driver));
+        let (dir, name) = (self.cdi_dir.clone(), path.clone());
+        tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&dir)?;
+            let handle = cap_std::fs::Dir::open_ambient_dir(&dir, cap_std::ambient_authority())?;
+            let file = name
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            crate::files::write_atomically(&handle, file, &bytes, 0o644)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("writing the claim's CDI spec {}: {e}", path.display()))?;
+        Ok((Some(path), names))
+    }
+
+    async fn remove_spec(&self, claim: &PreparedClaim) {
+        if let Some(path) = claim.spec_file.clone() {
+            let _ = tokio::task::spawn_blocking(move || match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::warn!("removing the claim's CDI spec {}: {e}", path.display())
+                }
+                _ => {}
+            })
+            .await;
+        }
+    }
+}

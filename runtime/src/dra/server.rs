@@ -1,0 +1,256 @@
+//! What the kubelet sees of one DRA driver: the plugin watcher's registration socket
+//! `<plugins_registry>/<driver>-reg.sock` (`GetInfo`: type `DRAPlugin`, the service socket as the
+//! endpoint, `v1.DRAPlugin` then `v1beta1.DRAPlugin`) and the service socket
+//! `<plugins>/<driver>/dra.sock` serving both versions of `DRAPlugin` from one implementation
+//! (`prepare.rs`), as the kubelet-plugin helper library lays them out. The service socket is
+//! served first, so the endpoint the kubelet dials after `GetInfo` is already there. Both are
+//! removed when the driver stops. A kubelet restart needs nothing from us: the watcher's scan
+//! finds the registration socket again (its directory is not wiped).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::service::Routes;
+use tonic::{Request, Response, Status};
+
+use super::prepare::{ClaimRef, Claims, PreparedDevice};
+use crate::kubelet::api::dra::{self, v1, v1beta1};
+use crate::kubelet::api::pluginregistration::registration_server::{
+    Registration, RegistrationServer,
+};
+use crate::kubelet::api::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use crate::kubelet::api::{serve, uds};
+use crate::resource::backend::DeviceBackend;
+
+/// The registration socket of `driver` in the plugin watcher's directory.
+pub fn registration_socket(registry_dir: &Path, driver: &str) -> PathBuf {
+    registry_dir.join(format!("{driver}-reg.sock"))
+}
+
+/// The service socket of `driver` under the kubelet's plugins directory.
+pub fn service_socket(plugins_dir: &Path, driver: &str) -> PathBuf {
+    plugins_dir.join(driver).join("dra.sock")
+}
+
+/// Whether the kubelet said it registered the driver (its last `NotifyRegistrationStatus`).
+#[derive(Debug, Default)]
+pub struct Registered(AtomicBool);
+
+impl Registered {
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+struct Registrar {
+    driver: String,
+    endpoint: PathBuf,
+    registered: Arc<Registered>,
+}
+
+#[tonic::async_trait]
+impl Registration for Registrar {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: dra::DRA_PLUGIN.into(),
+            name: self.driver.clone(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: dra::SUPPORTED_VERSIONS.map(String::from).to_vec(),
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        self.registered
+            .0
+            .store(status.plugin_registered, Ordering::Relaxed);
+        if status.plugin_registered {
+            tracing::info!(
+                driver = self.driver,
+                "registered with the kubelet as a DRA driver"
+            );
+        } else {
+            tracing::warn!(
+                driver = self.driver,
+                "the kubelet refused the DRA driver: {}",
+                status.error
+            );
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// The `DRAPlugin` service in both versions over one [`Claims`].
+struct Plugin<B>(Arc<Claims<B>>);
+
+impl<B> Clone for Plugin<B> {
+    fn clone(&self) -> Self {
+        Plugin(self.0.clone())
+    }
+}
+
+impl<B: DeviceBackend> Plugin<B> {
+    async fn prepare(&self, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
+        let refs = claims
+            .into_iter()
+            .map(|c| ClaimRef {
+                namespace: c.namespace,
+                name: c.name,
+                uid: c.uid,
+            })
+            .collect();
+        let answers = self.0.prepare(refs).await;
+        let claims = answers
+            .into_iter()
+            .map(|(uid, answer)| {
+                let entry = match answer {
+                    Ok(devices) => v1::NodePrepareResourceResponse {
+                        devices: devices.into_iter().map(wire_device).collect(),
+                        error: String::new(),
+                    },
+                    Err(error) => v1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    },
+                };
+                (uid, entry)
+            })
+            .collect();
+        v1::NodePrepareResourcesResponse { claims }
+    }
+
+    async fn unprepare(&self, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
+        let answers = self
+            .0
+            .unprepare(claims.into_iter().map(|c| c.uid).collect())
+            .await;
+        let claims = answers
+            .into_iter()
+            .map(|(uid, answer)| {
+                let error = answer.err().unwrap_or_default();
+                (uid, v1::NodeUnprepareResourceResponse { error })
+            })
+            .collect();
+        v1::NodeUnprepareResourcesResponse { claims }
+    }
+}
+
+fn wire_device(d: PreparedDevice) -> v1::Device {
+    v1::Device {
+        request_names: vec![d.request],
+        pool_name: d.pool,
+        device_name: d.device,
+        cdi_device_ids: d.cdi_ids,
+        share_id: None,
+    }
+}
+
+#[tonic::async_trait]
+impl<B: DeviceBackend> v1::dra_plugin_server::DraPlugin for Plugin<B> {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        Ok(Response::new(
+            self.prepare(request.into_inner().claims).await,
+        ))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        Ok(Response::new(
+            self.unprepare(request.into_inner().claims).await,
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl<B: DeviceBackend> v1beta1::dra_plugin_server::DraPlugin for Plugin<B> {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims.into_iter().map(Into::into);
+        Ok(Response::new(self.prepare(claims.collect()).await.into()))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let claims = request.into_inner().claims.into_iter().map(Into::into);
+        Ok(Response::new(self.unprepare(claims.collect()).await.into()))
+    }
+}
+
+/// Where a driver is served, and whether the kubelet registered it.
+pub struct Served {
+    pub registration: PathBuf,
+    pub service: PathBuf,
+    pub registered: Arc<Registered>,
+    /// The two servers; each removes its socket when it ends.
+    pub tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Serves `claims`' driver until `stop` flips, then removes both sockets.
+pub fn serve<B: DeviceBackend>(
+    claims: Arc<Claims<B>>,
+    registry_dir: &Path,
+    plugins_dir: &Path,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<Served> {
+    let driver = claims.driver.clone();
+    let service = service_socket(plugins_dir, &driver);
+    let registration = registration_socket(registry_dir, &driver);
+    if let Some(dir) = service.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::create_dir_all(registry_dir)?;
+    let plugin = Plugin(claims);
+    let routes = Routes::new(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
+    let mut tasks = vec![spawn_server(&service, routes, stop.clone())?];
+    let registered = Arc::new(Registered::default());
+    let registrar = RegistrationServer::new(Registrar {
+        driver,
+        endpoint: service.clone(),
+        registered: registered.clone(),
+    });
+    tasks.push(spawn_server(&registration, Routes::new(registrar), stop)?);
+    Ok(Served {
+        registration,
+        service,
+        registered,
+        tasks,
+    })
+}
+
+/// Binds `socket` (only the kubelet, root, may connect) and serves `routes` on it until `stop`;
+/// then the file goes.
+fn spawn_server(
+    socket: &Path,
+    routes: Routes,
+    mut stop: watch::Receiver<bool>,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = uds::bind(socket)?;
+    crate::kubelet::lifecycle::restrict_to_owner(socket);
+    let path = socket.to_owned();
+    Ok(tokio::spawn(async move {
+        let incoming = UnixListenerStream::new(listener);
+        let shutdown = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        serve::serve(incoming, routes, serve::MAX_PLUGIN_CONNECTIONS, shutdown).await;
+        let _ = std::fs::remove_file(&path);
+    }))
+}

@@ -1,0 +1,424 @@
+//! Publishing one driver's devices as ResourceSlices: one pool per driver per node (named after
+//! the node), sharded at the API's 128 devices per slice, the pool's generation bumped on every
+//! change, each slice owned by the Node (so it goes with the node) and placed on it
+//! (`spec.nodeName`).
+//!
+//! Only healthy devices are published: an unhealthy one leaves its slice, so the scheduler
+//! allocates it to no new claim, on every API server that serves `resource.k8s.io/v1` (device
+//! taints would keep it visible but need the DRADeviceTaints feature). Typed attributes and
+//! capacities come from the module (WIT 0.2); names that are not the API's C identifiers
+//! (`pci-address`) are published with `-` and `.` as `_` (`pci_address`), and a PCI address also
+//! as the standard `resource.kubernetes.io/pciBusID`.
+//!
+//! The publisher compares what the API server holds with what it should on every device change
+//! and every resync interval, so slices wiped by a starting kubelet, or deleted or edited by
+//! someone, come back within one interval. Errors (API down, conflicts) are retried with backoff;
+//! nothing else waits on them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::{
+    Device as ApiDevice, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use tokio::sync::watch;
+
+use super::api::{ApiClient, ApiError};
+use super::names::device_name;
+use crate::backoff::Backoff;
+use crate::device::{AttributeValue, Device, Health};
+use crate::resource::snapshot::Snapshot;
+
+/// `ResourceSliceMaxDevices`.
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The standard attribute for a device's PCI address (KEP-4381).
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+/// What the publisher has done, for status and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Published {
+    /// The pool's generation last written (or found current).
+    pub generation: i64,
+    pub slices: usize,
+    pub devices: usize,
+    /// Writes made to the API server (creates, updates, deletes).
+    pub writes: u64,
+    /// API errors met.
+    pub errors: u64,
+    /// The last error, until a sync succeeds.
+    pub last_error: Option<String>,
+}
+
+/// The devices of `snapshot` as the API publishes them: healthy ones, by name.
+pub fn api_devices(snapshot: &[Device]) -> Vec<ApiDevice> {
+    let mut devices: Vec<ApiDevice> = snapshot
+        .iter()
+        .filter(|d| d.health == Health::Healthy)
+        .map(api_device)
+        .collect();
+    devices.sort_by(|a, b| a.name.cmp(&b.name));
+    devices
+}
+
+fn api_device(d: &Device) -> ApiDevice {
+    let mut attributes = BTreeMap::new();
+    for (name, value) in &d.attributes {
+        let Some(name) = attribute_name(name) else {
+            continue;
+        };
+        let attribute = match value {
+            AttributeValue::Int(i) => DeviceAttribute {
+                int: Some(*i),
+                ..DeviceAttribute::default()
+            },
+            AttributeValue::Bool(b) => DeviceAttribute {
+                bool: Some(*b),
+                ..DeviceAttribute::default()
+            },
+            AttributeValue::Text(t) if t.len() <= 64 => DeviceAttribute {
+                string: Some(t.clone()),
+                ..DeviceAttribute::default()
+            },
+            AttributeValue::Version(v) => DeviceAttribute {
+                version: Some(v.clone()),
+                ..DeviceAttribute::default()
+            },
+            AttributeValue::Text(_) => continue,
+        };
+        attributes.insert(name, attribute);
+    }
+    if let Some(address) = d
+        .attribute("pci-address")
+        .or_else(|| d.attribute("pciBusID"))
+        .filter(|a| is_pci_address(a))
+    {
+        attributes.insert(
+            PCI_BUS_ID.to_string(),
+            DeviceAttribute {
+                string: Some(address),
+                ..DeviceAttribute::default()
+            },
+        );
+    }
+    let capacity: BTreeMap<String, DeviceCapacity> = d
+        .capacities
+        .iter()
+        .filter_map(|(name, quantity)| {
+            Some((
+                attribute_name(name)?,
+                DeviceCapacity {
+                    value: Quantity(quantity.clone()),
+                    request_policy: None,
+                },
+            ))
+        })
+        .collect();
+    // The API's limit on attributes and capacities together; the module's own first.
+    let mut room = 32usize;
+    let attributes: BTreeMap<_, _> = attributes
+        .into_iter()
+        .take(room)
+        .inspect(|_| room -= 1)
+        .collect();
+    let capacity: BTreeMap<_, _> = capacity.into_iter().take(room).collect();
+    ApiDevice {
+        name: device_name(&d.id),
+        attributes: (!attributes.is_empty()).then_some(attributes),
+        capacity: (!capacity.is_empty()).then_some(capacity),
+        ..ApiDevice::default()
+    }
+}
+
+/// An attribute or capacity name the API takes: an optional domain and `/`, then a C identifier
+/// of at most 32 bytes; `-` and `.` in the identifier become `_`. None when it cannot be one.
+pub fn attribute_name(name: &str) -> Option<String> {
+    let (domain, id) = match name.rsplit_once('/') {
+        Some((domain, id)) => (Some(domain), id),
+        None => (None, name),
+    };
+    let id: String = id
+        .chars()
+        .map(|c| if c == '-' || c == '.' { '_' } else { c })
+        .collect();
+    let identifier = id
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && id.len() <= 32;
+    let domain_ok =
+        domain.is_none_or(|d| d.len() <= 63 && devicelet_api::names::is_dns1123_subdomain(d));
+    (identifier && domain_ok).then(|| match domain {
+        Some(d) => format!("{d}/{id}"),
+        None => id,
+    })
+}
+
+/// `0000:3b:00.0`.
+fn is_pci_address(a: &str) -> bool {
+    let b = a.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && [0, 1, 2, 3, 5, 6, 8, 9, 11]
+            .iter()
+            .all(|&i| b[i].is_ascii_hexdigit())
+}
+
+/// Who the slices are for.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    pub driver: String,
+    pub node: String,
+}
+
+impl Pool {
+    /// The slices the pool should have for `devices`, at `generation`, owned by the Node.
+    pub fn slices(
+        &self,
+        devices: &[ApiDevice],
+        generation: i64,
+        node_uid: &str,
+    ) -> Vec<ResourceSlice> {
+        let chunks: Vec<&[ApiDevice]> = if devices.is_empty() {
+            vec![&[]]
+        } else {
+            devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+        };
+        let count = chunks.len() as i64;
+        chunks
+            .into_iter()
+            .map(|chunk| ResourceSlice {
+                metadata: ObjectMeta {
+                    generate_name: Some(format!("{}-{}-", self.node, self.driver)),
+                    owner_references: Some(vec![OwnerReference {
+                        api_version: "v1".into(),
+                        kind: "Node".into(),
+                        name: self.node.clone(),
+                        uid: node_uid.to_owned(),
+                        controller: Some(true),
+                        block_owner_deletion: None,
+                    }]),
+                    ..ObjectMeta::default()
+                },
+                spec: ResourceSliceSpec {
+                    driver: self.driver.clone(),
+                    node_name: Some(self.node.clone()),
+                    pool: ResourcePool {
+                        name: self.node.clone(),
+                        generation,
+                        resource_slice_count: count,
+                    },
+                    devices: Some(chunk.to_vec()),
+                    ..ResourceSliceSpec::default()
+                },
+            })
+            .collect()
+    }
+}
+
+/// Makes the API server hold the pool for `devices`; the writes it made.
+async fn sync(
+    api: &ApiClient,
+    pool: &Pool,
+    node_uid: &str,
+    devices: &[ApiDevice],
+    last_generation: &mut i64,
+) -> Result<u64, ApiError> {
+    let mut existing = api.slices(&pool.driver, &pool.node).await?;
+    existing.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let found_generation = existing
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let current = (*last_generation).max(found_generation);
+    let want = pool.slices(devices, current, node_uid);
+    let same = existing.len() == want.len()
+        && existing.iter().zip(&want).all(|(have, want)| {
+            have.spec.pool == want.spec.pool
+                && have.spec.devices.as_deref().unwrap_or(&[])
+                    == want.spec.devices.as_deref().unwrap_or(&[])
+                && have.spec.node_name == want.spec.node_name
+        });
+    if same {
+        *last_generation = current;
+        return Ok(0);
+    }
+    let generation = current + 1;
+    let want = pool.slices(devices, generation, node_uid);
+    let mut writes = 0;
+    for (i, mut slice) in want.into_iter().enumerate() {
+        match existing.get(i) {
+            Some(have) => {
+                slice.metadata.name = have.metadata.name.clone();
+                slice.metadata.generate_name = None;
+                slice.metadata.resource_version = have.metadata.resource_version.clone();
+                api.replace_slice(&slice).await?;
+            }
+            None => {
+                api.create_slice(&slice).await?;
+            }
+        }
+        writes += 1;
+    }
+    let keep = pool.slices(devices, generation, node_uid).len();
+    for extra in existing.iter().skip(keep) {
+        api.delete_slice(extra).await?;
+        writes += 1;
+    }
+    *last_generation = generation;
+    Ok(writes)
+}
+
+/// Keeps the pool published until `stop`, from the first enumeration on (`ready`): after every
+/// device change, every `resync`, and with backoff after an error.
+pub async fn publish(
+    api: ApiClient,
+    pool: Pool,
+    mut devices: watch::Receiver<Snapshot>,
+    mut ready: watch::Receiver<bool>,
+    resync: Duration,
+    published: watch::Sender<Published>,
+    mut stop: watch::Receiver<bool>,
+) {
+    // Nothing before the first enumeration: an empty pool would only be replaced at once.
+    tokio::select! {
+        _ = ready.wait_for(|r| *r) => {}
+        _ = stop.wait_for(|s| *s) => return,
+    }
+    let mut node_uid: Option<String> = None;
+    let mut generation = 0i64;
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    loop {
+        let want = api_devices(&devices.borrow_and_update());
+        let result = async {
+            let uid = match &node_uid {
+                Some(uid) => uid.clone(),
+                None => {
+                    let uid = api.node_uid(&pool.node).await?;
+                    node_uid = Some(uid.clone());
+                    uid
+                }
+            };
+            sync(&api, &pool, &uid, &want, &mut generation).await
+        }
+        .await;
+        let pause = match result {
+            Ok(writes) => {
+                backoff.reset();
+                published.send_modify(|p| {
+                    p.generation = generation;
+                    p.devices = want.len();
+                    p.slices = want.len().div_ceil(MAX_DEVICES_PER_SLICE).max(1);
+                    p.writes += writes;
+                    p.last_error = None;
+                });
+                resync
+            }
+            Err(e) => {
+                tracing::warn!(
+                    driver = pool.driver,
+                    "publishing ResourceSlices: {e}; retrying"
+                );
+                published.send_modify(|p| {
+                    p.errors += 1;
+                    p.last_error = Some(e.to_string());
+                });
+                backoff.failed()
+            }
+        };
+        tokio::select! {
+            changed = devices.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// Deletes every slice of the pool (the driver goes away for good); errors are logged.
+pub async fn withdraw(api: &ApiClient, pool: &Pool) {
+    match api.slices(&pool.driver, &pool.node).await {
+        Ok(slices) => {
+            for slice in slices {
+                if let Err(e) = api.delete_slice(&slice).await {
+                    tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}");
+                }
+            }
+        }
+        Err(e) => tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_attributes_and_capacities_keep_their_kinds_and_names_become_identifiers() {
+        let mut gpu = Device::new("0000:3b:00.0", Health::Healthy);
+        gpu.attributes = vec![
+            (
+                "pci-address".into(),
+                AttributeValue::Text("0000:3b:00.0".into()),
+            ),
+            ("cores".into(), AttributeValue::Int(96)),
+            ("mig".into(), AttributeValue::Bool(true)),
+            (
+                "driverVersion".into(),
+                AttributeValue::Version("550.54.15".into()),
+            ),
+            ("bad name!".into(), AttributeValue::Text("x".into())),
+        ];
+        gpu.capacities = vec![("memory".into(), "80Gi".into())];
+        let sick = Device::new("gpu-1", Health::Unhealthy);
+        let devices = api_devices(&[gpu, sick]);
+        assert_eq!(devices.len(), 1, "only healthy devices are published");
+        let d = &devices[0];
+        assert_eq!(d.name, device_name("0000:3b:00.0"));
+        let attributes = d.attributes.as_ref().unwrap();
+        assert_eq!(
+            attributes["pci_address"].string.as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(
+            attributes[PCI_BUS_ID].string.as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(attributes["cores"].int, Some(96));
+        assert_eq!(attributes["mig"].bool, Some(true));
+        assert_eq!(
+            attributes["driverVersion"].version.as_deref(),
+            Some("550.54.15")
+        );
+        assert!(!attributes.keys().any(|k| k.contains("bad")));
+        assert_eq!(d.capacity.as_ref().unwrap()["memory"].value.0, "80Gi");
+    }
+
+    #[test]
+    fn a_pool_is_sharded_at_the_api_limit_and_every_slice_counts_them_all() {
+        let pool = Pool {
+            driver: "fuse.devicelet.io".into(),
+            node: "node-a".into(),
+        };
+        let snapshot: Vec<Device> = (0..300)
+            .map(|i| Device::new(format!("fuse-{i:03}"), Health::Healthy))
+            .collect();
+        let slices = pool.slices(&api_devices(&snapshot), 4, "uid-1");
+        assert_eq!(slices.len(), 3);
+        let sizes: Vec<usize> = slices
+            .iter()
+            .map(|s| s.spec.devices.as_ref().unwrap().len())
+            .collect();
+        assert_eq!(sizes, [128, 128, 44]);
+        assert!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 3
+            && s.spec.pool.generation == 4
+            && s.metadata.owner_references.as_ref().unwrap()[0].uid == "uid-1"));
+        // No devices still publishes the pool, empty, so consumers see it is there.
+        assert_eq!(pool.slices(&[], 1, "uid-1").len(), 1);
+    }
+}
