@@ -148,19 +148,27 @@ impl DraState {
 
 /// The plugin a call for `driver` goes to: the newest endpoint that accepts connections, else the
 /// newest. Errors as the kubelet's `GetPlugin` words them.
-fn pick(state: &DraState, driver: &str) -> Result<(DraRegistration, Channel), String> {
+async fn pick(
+    state: &std::sync::Mutex<super::Registry>,
+    driver: &str,
+) -> Result<(DraRegistration, Channel), String> {
     if driver.is_empty() {
         return Err("DRA driver name is empty".into());
     }
-    let candidates = state.candidates(driver);
+    let candidates = lock(state).dra.candidates(driver);
     let newest = candidates
         .first()
         .cloned()
         .ok_or_else(|| format!("DRA driver {driver} is not registered"))?;
-    Ok(candidates
-        .into_iter()
-        .find(|(r, _)| std::os::unix::net::UnixStream::connect(&r.endpoint).is_ok())
-        .unwrap_or(newest))
+    for candidate in candidates {
+        if tokio::net::UnixStream::connect(&candidate.0.endpoint)
+            .await
+            .is_ok()
+        {
+            return Ok(candidate);
+        }
+    }
+    Ok(newest)
 }
 
 pub(super) async fn prepare(
@@ -169,7 +177,7 @@ pub(super) async fn prepare(
     claims: Vec<v1::Claim>,
     deadline: Duration,
 ) -> Result<v1::NodePrepareResourcesResponse, String> {
-    let (registration, channel) = pick(&lock(state).dra, driver)?;
+    let (registration, channel) = pick(state, driver).await?;
     let call = async {
         match registration.service {
             DraService::V1 => {
@@ -199,7 +207,7 @@ pub(super) async fn unprepare(
     claims: Vec<v1::Claim>,
     deadline: Duration,
 ) -> Result<v1::NodeUnprepareResourcesResponse, String> {
-    let (registration, channel) = pick(&lock(state).dra, driver)?;
+    let (registration, channel) = pick(state, driver).await?;
     let call = async {
         match registration.service {
             DraService::V1 => {

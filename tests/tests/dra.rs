@@ -340,6 +340,15 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
             .allocate_calls,
         calls
     );
+    // Its spec gone (CDI specs live on tmpfs: a reboot), the claim is prepared again.
+    std::fs::remove_file(&spec_file).expect("removing the spec");
+    let after_reboot = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(after_reboot.claims[&uid], *prepared);
+    assert!(spec_file.exists(), "the claim's spec is written again");
     let status = agent.status();
     assert_eq!(status.dra_drivers.len(), 1);
     assert_eq!(status.dra_drivers[0].prepared_claims, 1);
@@ -400,6 +409,7 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
             .to_string()
     };
     let unknown = dra.claim("unknown-device", &["no-such-device"], json!([]));
+    let second = dra.claim("second", &[&device], json!([]));
     let answer = dra
         .kubelet
         .node_prepare_resources(
@@ -409,11 +419,19 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
                 wire_claim("foreign", &foreign),
                 wire_claim("good", "a-stale-uid"),
                 wire_claim("unknown-device", &unknown),
+                wire_claim("second", &second),
             ],
         )
         .await
         .expect("answered");
-    assert_eq!(answer.claims.len(), 4);
+    assert_eq!(answer.claims.len(), 5);
+    assert!(
+        answer.claims[&second]
+            .error
+            .contains("is already prepared for ResourceClaim team-a/good"),
+        "{:?}",
+        answer.claims[&second]
+    );
     assert_eq!(answer.claims[&good].error, "");
     assert!(
         answer.claims[&foreign]

@@ -156,6 +156,7 @@ impl Shared {
         for m in self.lock_modules().values() {
             for d in &m.drivers {
                 names.insert(d.name.clone(), m.spec.name.clone());
+                names.insert(modules::driver_key(&d.driver), m.spec.name.clone());
             }
         }
         names

@@ -172,13 +172,29 @@ pub fn serve_all(
                 spec,
                 driver.as_deref(),
                 host_root,
-                &planned,
+                (&planned, taken),
                 dra,
                 &mut errors,
             ),
         ),
     };
     (running(spec, host_root, slot, resources, drivers), errors)
+}
+
+/// How a DRA driver's name is kept among the served names, apart from resource names.
+pub fn driver_key(driver: &str) -> String {
+    format!("DRA driver {driver}")
+}
+
+/// The driver names a DRA module's planned resources get.
+fn driver_names(explicit: Option<&str>, planned: &[(String, ResourceInfo)]) -> Vec<String> {
+    match explicit {
+        Some(driver) => vec![driver.to_owned()],
+        None => planned
+            .iter()
+            .filter_map(|(name, _)| crate::dra::names::default_driver(name).ok())
+            .collect(),
+    }
 }
 
 /// Serves each planned resource as a DRA driver: the registry's `dra-driver` for a module with
@@ -188,7 +204,7 @@ fn start_drivers(
     spec: &ModuleSpec,
     explicit: Option<&str>,
     host_root: &Path,
-    planned: &[(String, ResourceInfo)],
+    (planned, taken): (&[(String, ResourceInfo)], &BTreeMap<String, String>),
     dra: Option<&DraOptions>,
     errors: &mut Vec<String>,
 ) -> Vec<RunningDriver> {
@@ -227,6 +243,14 @@ fn start_drivers(
                 }
             },
         };
+        if let Some(owner) = taken.get(&driver_key(&driver)) {
+            errors.push(format!(
+                "module `{}`: DRA driver {driver} (for {name}) is already served by module \
+                 `{owner}`; give one of them another `dra-driver`",
+                spec.name
+            ));
+            continue;
+        }
         let upkeep: Arc<dyn Upkeep> = Arc::new(slot.clone());
         let started = crate::dra::driver::start(
             slot,
@@ -267,7 +291,26 @@ pub async fn upgrade(
         // DRA drivers start again on the new version (their checkpoints keep prepared claims);
         // a module moved between front ends stops on one and starts on the other.
         let name = spec.name.clone();
-        old.stop(false).await;
+        let staying = match &spec.front_end {
+            FrontEnd::Dra { driver } => {
+                let (planned, _) = plan(spec, handle.resources(), taken);
+                driver_names(driver.as_deref(), &planned)
+            }
+            FrontEnd::DevicePlugin => Vec::new(),
+        };
+        let RunningModule {
+            resources,
+            drivers,
+            slot,
+            ..
+        } = old;
+        stop_resources(resources, &slot, true).await;
+        // A driver the new version no longer serves takes its slices with it, so its devices
+        // are not advertised while they may be served otherwise.
+        for driver in drivers {
+            let gone = !staying.contains(&driver.driver);
+            driver.stop(gone).await;
+        }
         let (running, errors) = serve_all(handle, spec, host_root, at, taken, dra);
         tracing::info!(module = name, "started again on its new version");
         return (running, errors);

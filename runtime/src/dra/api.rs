@@ -9,6 +9,9 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 
+/// The longest any one request to the API server may take.
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// Why a request to the API server gave no object.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -89,6 +92,13 @@ impl ApiClient {
                 ))
             })?,
         };
+        let mut config = config;
+        // A server that stops answering must fail the call, not hold it: a claim's GET has to
+        // fit in the kubelet's 45 s, and a stuck publisher would hold up stopping a driver.
+        config.connect_timeout = Some(CALL_TIMEOUT);
+        config.read_timeout = Some(CALL_TIMEOUT);
+        config.write_timeout = Some(CALL_TIMEOUT);
+        config.reset_reader_on_write = true;
         let client = kube::Client::try_from(config)
             .map_err(|e| ApiError::Config(format!("building the client: {e}")))?;
         Ok(ApiClient { client })

@@ -14,6 +14,9 @@ pub struct RequestWanted {
     pub devices: Vec<String>,
     /// The opaque parameters meant for this driver and request, as JSON; empty when none.
     pub config: String,
+    /// Allocated with admin access (monitoring a device that others use): it may be prepared
+    /// while another claim holds the device.
+    pub admin: bool,
 }
 
 /// This driver's part of `claim`, which the kubelet asked for as `uid`; `pool` is this node's.
@@ -51,12 +54,21 @@ pub fn wanted(
             ));
         }
         let request = base(&result.request).to_string();
+        let admin = result.admin_access == Some(true);
         match wanted.iter_mut().find(|w| w.request == request) {
-            Some(w) => w.devices.push(result.device.clone()),
+            Some(w) => {
+                w.devices.push(result.device.clone());
+                w.admin &= admin;
+            }
             None => wanted.push(RequestWanted {
-                config: config_for(devices.config.as_deref().unwrap_or(&[]), driver, &request),
+                config: config_for(
+                    devices.config.as_deref().unwrap_or(&[]),
+                    driver,
+                    &result.request,
+                ),
                 request,
                 devices: vec![result.device.clone()],
+                admin,
             }),
         }
     }
@@ -71,19 +83,21 @@ fn base(request: &str) -> &str {
     request.split('/').next().unwrap_or(request)
 }
 
-/// The last config for this driver that names the request or no request (class configs come
-/// before the claim's own, so the claim's win), as dra-example-driver chooses.
+/// The last config for this driver that names the request (`gpu/large` itself, or its main
+/// request `gpu`) or no request (class configs come before the claim's own, so the claim's
+/// win), as dra-example-driver chooses.
 fn config_for(
     configs: &[k8s_openapi::api::resource::v1::DeviceAllocationConfiguration],
     driver: &str,
     request: &str,
 ) -> String {
+    let main = base(request);
     configs
         .iter()
         .filter(|c| {
             c.requests
                 .as_ref()
-                .is_none_or(|r| r.is_empty() || r.iter().any(|n| base(n) == request))
+                .is_none_or(|r| r.is_empty() || r.iter().any(|n| n == request || n == main))
         })
         .filter_map(|c| c.opaque.as_ref())
         .rfind(|o| o.driver == driver)
@@ -131,11 +145,13 @@ mod tests {
                     request: "gpu".into(),
                     devices: vec!["gpu-0".into(), "gpu-1".into()],
                     config: r#"{"mode":"claim"}"#.into(),
+                    admin: false,
                 },
                 RequestWanted {
                     request: "other".into(),
                     devices: vec!["gpu-2".into()],
                     config: r#"{"mode":"class"}"#.into(),
+                    admin: false,
                 },
             ]
         );

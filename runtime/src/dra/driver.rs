@@ -121,6 +121,10 @@ pub fn start<B: DeviceBackend>(
         options.cdi_dir.clone(),
         checkpoint,
     ));
+    {
+        let claims = claims.clone();
+        tokio::task::spawn_blocking(move || claims.remove_stale_specs());
+    }
     let served = server::serve(
         claims.clone(),
         &options.registry_dir,

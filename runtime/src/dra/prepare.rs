@@ -10,9 +10,14 @@
 //! request), the claim is checkpointed, and only then answered. One claim's failure is its own
 //! entry's error; requests already allocated for it are released.
 //!
+//! A claim already checkpointed whose spec file is gone (CDI specs live on tmpfs, so after a
+//! reboot) is prepared again from the checkpoint. A device another prepared claim holds is
+//! refused unless the claim has admin access.
+//!
 //! Unprepare needs only the UID: the checkpoint says what to release and which spec to remove.
 //! An unknown UID succeeds (it was never prepared here, or is already unprepared). A module
-//! that fails its `release` is logged and counted, never allowed to pin a claim forever.
+//! that fails its `release` is logged, never allowed to pin a claim forever; a module's
+//! `release` must be idempotent (an unprepare that fails after it is retried).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -61,7 +66,7 @@ pub struct Claims<B> {
     pub devices: watch::Receiver<Snapshot>,
     pub api: Option<ApiClient>,
     pub cdi_dir: PathBuf,
-    pub checkpoint: Checkpoint,
+    pub checkpoint: Arc<Checkpoint>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -87,14 +92,16 @@ impl<B: DeviceBackend> Claims<B> {
             devices,
             api,
             cdi_dir,
-            checkpoint,
+            checkpoint: Arc::new(checkpoint),
             locks: Mutex::default(),
         }
     }
 
-    /// Prepares each claim; the answer has an entry for every UID asked.
+    /// Prepares each claim; the answer has an entry for every UID asked. Each claim runs in
+    /// its own task, so a kubelet that gives up on the call (its deadline, a dropped
+    /// connection) cannot leave a claim half prepared: allocated but not checkpointed.
     pub async fn prepare(
-        &self,
+        self: &Arc<Self>,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
         let mut answers = BTreeMap::new();
@@ -105,9 +112,19 @@ impl<B: DeviceBackend> Claims<B> {
                      this one was not prepared"
                 ))
             } else {
-                let lock = self.lock_for(&claim.uid);
-                let _held = lock.lock().await;
-                self.prepare_one(&claim).await
+                let me = self.clone();
+                let job = claim.clone();
+                tokio::spawn(async move {
+                    let lock = me.lock_for(&job.uid);
+                    let answer = {
+                        let _held = lock.lock().await;
+                        me.prepare_one(&job).await
+                    };
+                    me.forget_lock(&job.uid, &lock);
+                    answer
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("preparing the claim failed: {e}")))
             };
             if let Err(e) = &answer {
                 tracing::warn!(driver = self.driver, claim = claim.uid, "prepare: {e}");
@@ -117,19 +134,51 @@ impl<B: DeviceBackend> Claims<B> {
         answers
     }
 
-    /// Unprepares each claim by UID; the answer has an entry for every UID asked.
-    pub async fn unprepare(&self, uids: Vec<String>) -> BTreeMap<String, Result<(), String>> {
+    /// Unprepares each claim by UID, each in its own task like [`prepare`](Self::prepare); the
+    /// answer has an entry for every UID asked.
+    pub async fn unprepare(
+        self: &Arc<Self>,
+        uids: Vec<String>,
+    ) -> BTreeMap<String, Result<(), String>> {
         let mut answers = BTreeMap::new();
         for uid in uids {
-            let lock = self.lock_for(&uid);
-            let answer = {
-                let _held = lock.lock().await;
-                self.unprepare_one(&uid).await
-            };
-            self.forget_lock(&uid, &lock);
+            let (me, job) = (self.clone(), uid.clone());
+            let answer = tokio::spawn(async move {
+                let lock = me.lock_for(&job);
+                let answer = {
+                    let _held = lock.lock().await;
+                    me.unprepare_one(&job).await
+                };
+                me.forget_lock(&job, &lock);
+                answer
+            })
+            .await
+            .unwrap_or_else(|e| Err(format!("unpreparing the claim failed: {e}")));
             answers.insert(uid, answer);
         }
         answers
+    }
+
+    /// Removes claim specs of this driver that no checkpointed claim names: left by an agent
+    /// stopped between writing a spec and checkpointing its claim.
+    pub fn remove_stale_specs(&self) {
+        let prefix = format!("devicelet-dra_{}_", self.driver);
+        let Ok(entries) = std::fs::read_dir(&self.cdi_dir) else {
+            return;
+        };
+        let known = self.checkpoint.uids();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(uid) = name
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            if !known.iter().any(|k| k == uid) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 
     fn lock_for(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -151,7 +200,13 @@ impl<B: DeviceBackend> Claims<B> {
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         if let Some(done) = self.checkpoint.get(&claim.uid) {
-            return Ok(self.devices_of(&done));
+            let spec_gone = done.spec_file.as_ref().is_some_and(|f| !f.exists());
+            if !spec_gone {
+                return Ok(self.devices_of(&done));
+            }
+            // The node rebooted (CDI specs live on tmpfs) or someone removed it: the module is
+            // asked again, as for a new claim, with what the checkpoint kept.
+            return self.restore(&claim.uid, done).await;
         }
         let api = self
             .api
@@ -165,7 +220,10 @@ impl<B: DeviceBackend> Claims<B> {
         let mut requests = Vec::with_capacity(wanted.len());
         let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
         for want in wanted {
-            let devices = match self.ids_of(&want.devices) {
+            let devices = match self
+                .ids_of(&want.devices)
+                .and_then(|d| self.not_held(&claim.uid, &d, want.admin).map(|()| d))
+            {
                 Ok(devices) => devices,
                 Err(e) => {
                     self.release_all(&claim.uid, &requests).await;
@@ -194,6 +252,16 @@ impl<B: DeviceBackend> Claims<B> {
                 cdi_ids,
             });
         }
+        self.finish(claim, requests, answers).await
+    }
+
+    /// Writes the claim's spec and checkpoints it; on failure releases what was allocated.
+    async fn finish(
+        &self,
+        claim: &ClaimRef,
+        mut requests: Vec<PreparedRequest>,
+        answers: BTreeMap<String, Arc<ContainerEdits>>,
+    ) -> Result<Vec<PreparedDevice>, String> {
         let (spec_file, in_spec) = match self.write_spec(&claim.uid, &answers).await {
             Ok(written) => written,
             Err(e) => {
@@ -204,8 +272,9 @@ impl<B: DeviceBackend> Claims<B> {
         // A request whose answer holds something a spec carries gets its CDI device first.
         for request in &mut requests {
             let name = format!("{}-{}", claim.uid, request.request);
-            if in_spec.contains(&name) {
-                request.cdi_ids.insert(0, format!("{}={name}", self.kind));
+            let id = format!("{}={name}", self.kind);
+            if in_spec.contains(&name) && !request.cdi_ids.contains(&id) {
+                request.cdi_ids.insert(0, id);
             }
         }
         let prepared = PreparedClaim {
@@ -214,12 +283,67 @@ impl<B: DeviceBackend> Claims<B> {
             requests,
             spec_file,
         };
-        if let Err(e) = self.checkpoint.insert(&claim.uid, prepared.clone()) {
+        let (checkpoint, uid, record) =
+            (self.checkpoint.clone(), claim.uid.clone(), prepared.clone());
+        let recorded = tokio::task::spawn_blocking(move || checkpoint.insert(&uid, record))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
+        if let Err(e) = recorded {
             self.remove_spec(&prepared).await;
             self.release_all(&claim.uid, &prepared.requests).await;
             return Err(e);
         }
         Ok(self.devices_of(&prepared))
+    }
+
+    /// A checkpointed claim whose spec is gone, prepared again from what the checkpoint kept.
+    async fn restore(&self, uid: &str, done: PreparedClaim) -> Result<Vec<PreparedDevice>, String> {
+        let mut answers = BTreeMap::new();
+        for request in &done.requests {
+            let ask = Request {
+                resource: self.resource.clone(),
+                ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
+                config: request.config.clone(),
+                key: format!("{uid}/{}", request.request),
+            };
+            let edits = self
+                .backend
+                .allocate_request(ask)
+                .await
+                .map_err(|e| format!("request {:?}, prepared again: {e}", request.request))?;
+            answers.insert(format!("{uid}-{}", request.request), Arc::new(edits));
+        }
+        let claim = ClaimRef {
+            namespace: done.namespace.clone(),
+            name: done.name.clone(),
+            uid: uid.to_owned(),
+        };
+        self.finish(&claim, done.requests, answers).await
+    }
+
+    /// Refuses devices another prepared claim holds, unless this one has admin access.
+    fn not_held(&self, uid: &str, devices: &[(String, String)], admin: bool) -> Result<(), String> {
+        if admin {
+            return Ok(());
+        }
+        for other in self.checkpoint.uids().into_iter().filter(|u| u != uid) {
+            let Some(held) = self.checkpoint.get(&other) else {
+                continue;
+            };
+            for (name, id) in devices {
+                if held
+                    .requests
+                    .iter()
+                    .any(|r| r.devices.iter().any(|(_, h)| h == id))
+                {
+                    return Err(format!(
+                        "device {name:?} is already prepared for ResourceClaim {}/{} (UID {other})",
+                        held.namespace, held.name
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn unprepare_one(&self, uid: &str) -> Result<(), String> {
@@ -228,7 +352,10 @@ impl<B: DeviceBackend> Claims<B> {
         };
         self.release_all(uid, &prepared.requests).await;
         self.remove_spec(&prepared).await;
-        self.checkpoint.remove(uid)?;
+        let (checkpoint, uid) = (self.checkpoint.clone(), uid.to_owned());
+        tokio::task::spawn_blocking(move || checkpoint.remove(&uid))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()))?;
         Ok(())
     }
 
@@ -310,6 +437,14 @@ impl<B: DeviceBackend> Claims<B> {
         let (dir, name) = (self.cdi_dir.clone(), path.clone());
         tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir)?;
+            // As for the device-plugin front end's specs: a directory others can write is one
+            // where they could change what a runtime applies.
+            crate::trust::check_dir(&dir).map_err(|e| {
+                std::io::Error::other(format!(
+                    "the directory cannot be trusted: {e} ({})",
+                    e.fix()
+                ))
+            })?;
             let handle = cap_std::fs::Dir::open_ambient_dir(&dir, cap_std::ambient_authority())?;
             let file = name
                 .file_name()

@@ -60,7 +60,68 @@ pub fn api_devices(snapshot: &[Device]) -> Vec<ApiDevice> {
         .map(api_device)
         .collect();
     devices.sort_by(|a, b| a.name.cmp(&b.name));
+    // Two IDs on one name would get the whole slice refused: neither is published (an
+    // 8-hex-digit digest collision, in practice never).
+    let mut i = 0;
+    while i + 1 < devices.len() {
+        if devices[i].name == devices[i + 1].name {
+            let name = devices[i].name.clone();
+            tracing::warn!("two devices map to the DRA device name {name}; neither is published");
+            devices.retain(|d| d.name != name);
+        } else {
+            i += 1;
+        }
+    }
     devices
+}
+
+/// A Kubernetes quantity's value, to compare quantities as the API server does: it stores them
+/// in canonical form (`1024Mi` comes back as `1Gi`). None for what is not a quantity.
+pub fn quantity_value(q: &str) -> Option<f64> {
+    let end = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == '+'))
+        .unwrap_or(q.len());
+    let (number, suffix) = q.split_at(end);
+    let number: f64 = number.parse().ok()?;
+    let scale = match suffix {
+        "" => 1.0,
+        "n" => 1e-9,
+        "u" => 1e-6,
+        "m" => 1e-3,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        "Ki" => 1024.0,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        s if s.starts_with(['e', 'E']) => 10f64.powi(s[1..].parse().ok()?),
+        _ => return None,
+    };
+    Some(number * scale)
+}
+
+/// Whether the API server's copy of a device is what we would publish: equal but for how
+/// quantities are spelled.
+fn same_device(have: &ApiDevice, want: &ApiDevice) -> bool {
+    let capacities = |d: &ApiDevice| -> Vec<(String, Option<f64>)> {
+        d.capacity
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), quantity_value(&v.value.0)))
+            .collect()
+    };
+    have.name == want.name
+        && have.attributes.as_ref().filter(|a| !a.is_empty())
+            == want.attributes.as_ref().filter(|a| !a.is_empty())
+        && capacities(have) == capacities(want)
+        && have.taints.as_ref().is_none_or(|t| t.is_empty())
+        && have.consumes_counters.as_ref().is_none_or(|c| c.is_empty())
 }
 
 fn api_device(d: &Device) -> ApiDevice {
@@ -82,10 +143,14 @@ fn api_device(d: &Device) -> ApiDevice {
                 string: Some(t.clone()),
                 ..DeviceAttribute::default()
             },
-            AttributeValue::Version(v) => DeviceAttribute {
-                version: Some(v.clone()),
-                ..DeviceAttribute::default()
-            },
+            // The API refuses the whole slice for one version that is not semver.
+            AttributeValue::Version(v) if v.len() <= 64 && semver::Version::parse(v).is_ok() => {
+                DeviceAttribute {
+                    version: Some(v.clone()),
+                    ..DeviceAttribute::default()
+                }
+            }
+            AttributeValue::Version(_) => continue,
             AttributeValue::Text(_) => continue,
         };
         attributes.insert(name, attribute);
@@ -107,6 +172,7 @@ fn api_device(d: &Device) -> ApiDevice {
         .capacities
         .iter()
         .filter_map(|(name, quantity)| {
+            quantity_value(quantity)?;
             Some((
                 attribute_name(name)?,
                 DeviceCapacity {
@@ -238,12 +304,25 @@ async fn sync(
         .unwrap_or(0);
     let current = (*last_generation).max(found_generation);
     let want = pool.slices(devices, current, node_uid);
+    let owner = |s: &ResourceSlice| {
+        s.metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .map(|o| o.uid.clone())
+            .collect::<Vec<_>>()
+    };
     let same = existing.len() == want.len()
         && existing.iter().zip(&want).all(|(have, want)| {
+            let (h, w) = (
+                have.spec.devices.as_deref().unwrap_or(&[]),
+                want.spec.devices.as_deref().unwrap_or(&[]),
+            );
             have.spec.pool == want.spec.pool
-                && have.spec.devices.as_deref().unwrap_or(&[])
-                    == want.spec.devices.as_deref().unwrap_or(&[])
+                && h.len() == w.len()
+                && h.iter().zip(w).all(|(h, w)| same_device(h, w))
                 && have.spec.node_name == want.spec.node_name
+                && owner(have) == owner(want)
         });
     if same {
         *last_generation = current;
@@ -291,23 +370,20 @@ pub async fn publish(
         _ = ready.wait_for(|r| *r) => {}
         _ = stop.wait_for(|s| *s) => return,
     }
-    let mut node_uid: Option<String> = None;
     let mut generation = 0i64;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     loop {
         let want = api_devices(&devices.borrow_and_update());
+        // The Node's UID each time: a Node deleted and made again has a new one, and slices
+        // owned by the old one are garbage collected.
         let result = async {
-            let uid = match &node_uid {
-                Some(uid) => uid.clone(),
-                None => {
-                    let uid = api.node_uid(&pool.node).await?;
-                    node_uid = Some(uid.clone());
-                    uid
-                }
-            };
+            let uid = api.node_uid(&pool.node).await?;
             sync(&api, &pool, &uid, &want, &mut generation).await
-        }
-        .await;
+        };
+        let result = tokio::select! {
+            result = result => result,
+            _ = stop.wait_for(|s| *s) => return,
+        };
         let pause = match result {
             Ok(writes) => {
                 backoff.reset();
@@ -397,6 +473,40 @@ mod tests {
         );
         assert!(!attributes.keys().any(|k| k.contains("bad")));
         assert_eq!(d.capacity.as_ref().unwrap()["memory"].value.0, "80Gi");
+    }
+
+    #[test]
+    fn quantities_compare_by_value_as_the_api_server_stores_them() {
+        assert_eq!(quantity_value("1024Mi"), quantity_value("1Gi"));
+        assert_eq!(quantity_value("1000m"), quantity_value("1"));
+        assert_eq!(quantity_value("1.5G"), quantity_value("1500M"));
+        assert_eq!(quantity_value("80Gi"), Some(80.0 * 1024f64.powi(3)));
+        assert_eq!(quantity_value("12 GB"), None);
+        let mut gpu = Device::new("gpu-0", Health::Healthy);
+        gpu.capacities = vec![("memory".into(), "1024Mi".into())];
+        gpu.attributes = vec![
+            (
+                "driverVersion".into(),
+                AttributeValue::Version("12.4".into()),
+            ),
+            ("cuda".into(), AttributeValue::Version("12.4.0".into())),
+        ];
+        let ours = api_devices(&[gpu]);
+        let attributes = ours[0].attributes.as_ref().unwrap();
+        assert!(
+            !attributes.contains_key("driverVersion"),
+            "not semver: left out"
+        );
+        assert!(attributes.contains_key("cuda"));
+        let mut stored = ours[0].clone();
+        stored
+            .capacity
+            .as_mut()
+            .unwrap()
+            .get_mut("memory")
+            .unwrap()
+            .value = Quantity("1Gi".into());
+        assert!(same_device(&stored, &ours[0]));
     }
 
     #[test]
