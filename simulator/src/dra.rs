@@ -45,6 +45,26 @@ struct Plugin {
     channel: Channel,
     /// Order of registration across drivers: the newest usable one serves.
     seq: u64,
+    /// The health stream the kubelet keeps open on it (1.36: on every plugin).
+    health: Option<tokio::task::AbortHandle>,
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        if let Some(task) = self.health.take() {
+            task.abort();
+        }
+    }
+}
+
+/// One device's health as the driver last reported it on its health stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraDeviceHealth {
+    pub pool: String,
+    pub device: String,
+    /// `Healthy`, `Unhealthy` or `Unknown`.
+    pub health: String,
+    pub message: String,
 }
 
 /// The kubelet's per-driver lists of endpoints.
@@ -52,6 +72,8 @@ struct Plugin {
 pub(super) struct DraState {
     drivers: BTreeMap<String, Vec<Plugin>>,
     next_seq: u64,
+    /// The last complete health report of each driver.
+    pub health: BTreeMap<String, Vec<DraDeviceHealth>>,
 }
 
 /// The DRA handler's `ValidatePlugin`, with the kubelet's wording: the service to use, chosen in
@@ -109,8 +131,26 @@ impl DraState {
             registration,
             channel,
             seq: self.next_seq,
+            health: None,
         });
         Ok(())
+    }
+
+    /// Records the health stream's task for the endpoint, which ends with its registration.
+    pub(super) fn watching(
+        &mut self,
+        driver: &str,
+        endpoint: &str,
+        task: tokio::task::AbortHandle,
+    ) {
+        match self
+            .drivers
+            .get_mut(driver)
+            .and_then(|l| l.iter_mut().find(|p| p.registration.endpoint == endpoint))
+        {
+            Some(plugin) => plugin.health = Some(task),
+            None => task.abort(),
+        }
     }
 
     /// `DeRegisterPlugin`: drops that endpoint of the driver; true if it was registered.
@@ -123,6 +163,7 @@ impl DraState {
         let removed = list.len() != before;
         if list.is_empty() {
             self.drivers.remove(driver);
+            self.health.remove(driver);
         }
         removed
     }
@@ -261,4 +302,51 @@ fn lock(state: &std::sync::Mutex<super::Registry>) -> std::sync::MutexGuard<'_, 
     state
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The kubelet's health stream on one endpoint (`NodeWatchResources`, opened for every DRA
+/// plugin, retried every `retry` after it fails or ends, as the kubelet does every 5 s):
+/// every report replaces the driver's recorded health.
+pub(super) async fn watch_health(
+    inner: std::sync::Arc<super::Inner>,
+    driver: String,
+    endpoint: String,
+    retry: Duration,
+) {
+    use devicelet_api::dra::health::dra_resource_health_client::DraResourceHealthClient;
+    use devicelet_api::dra::health::{HealthStatus, NodeWatchResourcesRequest};
+    let channel = devicelet_api::uds::connect_lazy(Path::new(&endpoint));
+    loop {
+        let mut client = DraResourceHealthClient::new(channel.clone());
+        if let Ok(stream) = client
+            .node_watch_resources(NodeWatchResourcesRequest {})
+            .await
+        {
+            let mut stream = stream.into_inner();
+            while let Ok(Some(report)) = stream.message().await {
+                let devices = report
+                    .devices
+                    .into_iter()
+                    .map(|d| {
+                        let id = d.device.unwrap_or_default();
+                        DraDeviceHealth {
+                            pool: id.pool_name,
+                            device: id.device_name,
+                            health: match HealthStatus::try_from(d.health) {
+                                Ok(HealthStatus::Healthy) => "Healthy",
+                                Ok(HealthStatus::Unhealthy) => "Unhealthy",
+                                _ => "Unknown",
+                            }
+                            .to_string(),
+                            message: d.message,
+                        }
+                    })
+                    .collect();
+                let mut registry = inner.lock();
+                registry.dra.health.insert(driver.clone(), devices);
+                inner.notify(None);
+            }
+        }
+        tokio::time::sleep(retry).await;
+    }
 }

@@ -68,7 +68,7 @@ use tracing::info;
 
 use devicelet_api::deviceplugin::KUBELET_SOCKET;
 
-pub use dra::{DraRegistration, DraService};
+pub use dra::{DraDeviceHealth, DraRegistration, DraService};
 pub use error::SimError;
 pub use events::SimEvent;
 pub use state::{Allocation, PodRef, ResourceState};
@@ -110,6 +110,9 @@ pub struct SimConfig {
     /// The deadline on `NodePrepareResources` and `NodeUnprepareResources` (kubelet: 45 s,
     /// half its retry period).
     pub dra_call_timeout: Duration,
+    /// The pause before the kubelet opens a DRA driver's health stream again after it failed or
+    /// ended (kubelet 1.36: 5 s).
+    pub dra_health_retry: Duration,
 }
 
 impl Default for SimConfig {
@@ -123,6 +126,7 @@ impl Default for SimConfig {
             plugins_registry: None,
             registry_retry: Duration::from_millis(500),
             dra_call_timeout: devicelet_api::dra::CALL_DEADLINE,
+            dra_health_retry: Duration::from_secs(5),
         }
     }
 }
@@ -254,6 +258,8 @@ impl Inner {
         let mut registry = self.lock();
         registry.watch.epoch += 1;
         registry.watch.plugins.clear();
+        // Its DRA plugin manager starts empty too; dropping it ends the health streams.
+        registry.dra = dra::DraState::default();
     }
 
     fn take_pod_server(&self) -> Option<ServerHandle> {
@@ -481,6 +487,42 @@ impl Simulator {
                     after: timeout,
                     attempts: self.registry_attempts(),
                 });
+            }
+        }
+    }
+
+    /// What `driver`'s health stream last reported, device by device.
+    pub fn dra_health(&self, driver: &str) -> Vec<DraDeviceHealth> {
+        self.inner
+            .lock()
+            .dra
+            .health
+            .get(driver)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Waits until `pred` holds for `driver`'s reported health (at most `timeout`).
+    pub async fn wait_dra_health(
+        &self,
+        driver: &str,
+        timeout: Duration,
+        pred: impl Fn(&[DraDeviceHealth]) -> bool,
+    ) -> Result<Vec<DraDeviceHealth>, SimError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut changes = self.inner.changed.subscribe();
+        loop {
+            let health = self.dra_health(driver);
+            if pred(&health) {
+                return Ok(health);
+            }
+            if !matches!(
+                tokio::time::timeout_at(deadline, changes.changed()).await,
+                Ok(Ok(()))
+            ) {
+                return Err(SimError::Dra(format!(
+                    "the health of DRA driver {driver} not as expected after {timeout:?}: {health:?}"
+                )));
             }
         }
     }

@@ -648,6 +648,16 @@ impl Work<'_> {
                 "plugin watcher: DRA driver {} registered at {endpoint} ({service:?})",
                 info.name
             );
+            let task = tokio::spawn(dra::watch_health(
+                Arc::clone(self.inner),
+                info.name.clone(),
+                endpoint.clone(),
+                self.inner.config.dra_health_retry,
+            ));
+            self.inner
+                .lock()
+                .dra
+                .watching(&info.name, &endpoint, task.abort_handle());
         }
         self.registered(client, info, registered).await
     }

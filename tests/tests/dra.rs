@@ -470,3 +470,78 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
     );
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_device_reaches_the_health_stream_and_leaves_the_slice() {
+    let dra = DraNode::new().await;
+    dra.node
+        .tree
+        .write_file("/sys/testing/switch", "ok")
+        .expect("switch");
+    let agent = dra
+        .agent(
+            r#"[[module]]
+name = "flaky"
+path = "@MODULES@/misbehaving.wasm"
+health-interval = "100ms"
+front-end = "dra"
+
+[module.grants]
+sysfs = ["/sys/testing"]
+
+[module.config]
+resource = "bad"
+switch = "/sys/testing/switch"
+"#,
+        )
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    const BAD: &str = "bad.devicelet.io";
+    let devices_in_slice = |api: &ApiServer| -> Option<usize> {
+        let slices = api.list(Kind::ResourceSlice);
+        let [one] = slices.as_slice() else {
+            return None;
+        };
+        Some(one["spec"]["devices"].as_array().map_or(0, Vec::len))
+    };
+    let health_is = |want: &'static str| {
+        move |h: &[devicelet_simulator::DraDeviceHealth]| {
+            h.len() == 2 && h.iter().all(|d| d.health == want && d.pool == NODE)
+        }
+    };
+    dra.kubelet
+        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Healthy"))
+        .await
+        .expect("healthy devices on the stream");
+    devicelet_tests::eventually("both devices published", || {
+        devices_in_slice(&dra.api) == Some(2)
+    })
+    .await;
+
+    dra.node
+        .tree
+        .write_file("/sys/testing/switch", "unhealthy")
+        .expect("switch");
+    dra.kubelet
+        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Unhealthy"))
+        .await
+        .expect("unhealthy devices on the stream");
+    devicelet_tests::eventually("unhealthy devices out of the slice", || {
+        devices_in_slice(&dra.api) == Some(0)
+    })
+    .await;
+
+    dra.node
+        .tree
+        .write_file("/sys/testing/switch", "ok")
+        .expect("switch");
+    dra.kubelet
+        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Healthy"))
+        .await
+        .expect("healthy again");
+    devicelet_tests::eventually("both devices back", || {
+        devices_in_slice(&dra.api) == Some(2)
+    })
+    .await;
+    agent.shutdown().await;
+}

@@ -2,7 +2,7 @@
 //! `<plugins_registry>/<driver>-reg.sock` (`GetInfo`: type `DRAPlugin`, the service socket as the
 //! endpoint, `v1.DRAPlugin` then `v1beta1.DRAPlugin`) and the service socket
 //! `<plugins>/<driver>/dra.sock` serving both versions of `DRAPlugin` from one implementation
-//! (`prepare.rs`), as the kubelet-plugin helper library lays them out. The service socket is
+//! (`prepare.rs`) and the device-health stream (`health.rs`), as the kubelet-plugin helper library lays them out. The service socket is
 //! served first, so the endpoint the kubelet dials after `GetInfo` is already there. Both are
 //! removed when the driver stops. A kubelet restart needs nothing from us: the watcher's scan
 //! finds the registration socket again (its directory is not wiped).
@@ -60,7 +60,11 @@ impl Registration for Registrar {
             r#type: dra::DRA_PLUGIN.into(),
             name: self.driver.clone(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: dra::SUPPORTED_VERSIONS.map(String::from).to_vec(),
+            supported_versions: dra::SUPPORTED_VERSIONS
+                .into_iter()
+                .chain([super::health::SERVICE])
+                .map(String::from)
+                .collect(),
         }))
     }
 
@@ -216,9 +220,14 @@ pub fn serve<B: DeviceBackend>(
         std::fs::create_dir_all(dir)?;
     }
     std::fs::create_dir_all(registry_dir)?;
+    let health = super::health::HealthService {
+        pool: claims.pool.clone(),
+        devices: claims.devices.clone(),
+    };
     let plugin = Plugin(claims);
     let routes = Routes::new(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
-        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin))
+        .add_service(dra::health::dra_resource_health_server::DraResourceHealthServer::new(health));
     let mut tasks = vec![spawn_server(&service, routes, stop.clone())?];
     let registered = Arc::new(Registered::default());
     let registrar = RegistrationServer::new(Registrar {
