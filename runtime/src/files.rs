@@ -72,6 +72,18 @@ pub fn write_atomically(dir: &Dir, name: &str, bytes: &[u8], mode: u32) -> io::R
     write_all_atomically(dir, &[(name, bytes)], mode)
 }
 
+/// [`write_atomically`] of `path`, in the directory it names.
+pub fn write_file_atomically(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(io::Error::other(format!(
+            "{} has no directory or file name",
+            path.display()
+        )));
+    };
+    let dir = Dir::open_ambient_dir(dir, cap_std::ambient_authority())?;
+    write_atomically(&dir, name, bytes, mode)
+}
+
 /// [`write_atomically`] for several files that belong together: every temp file is written and
 /// fsynced first, then they are renamed into place in the order given, one right after the
 /// other, and the directory is fsynced once. A reader sees each file old or new, and the window

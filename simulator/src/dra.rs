@@ -189,14 +189,11 @@ impl DraState {
 
 /// The plugin a call for `driver` goes to: the newest endpoint that accepts connections, else the
 /// newest. Errors as the kubelet's `GetPlugin` words them.
-async fn pick(
-    state: &std::sync::Mutex<super::Registry>,
-    driver: &str,
-) -> Result<(DraRegistration, Channel), String> {
+async fn pick(inner: &super::Inner, driver: &str) -> Result<(DraRegistration, Channel), String> {
     if driver.is_empty() {
         return Err("DRA driver name is empty".into());
     }
-    let candidates = lock(state).dra.candidates(driver);
+    let candidates = inner.lock().dra.candidates(driver);
     let newest = candidates
         .first()
         .cloned()
@@ -213,12 +210,12 @@ async fn pick(
 }
 
 pub(super) async fn prepare(
-    state: &std::sync::Mutex<super::Registry>,
+    inner: &super::Inner,
     driver: &str,
     claims: Vec<v1::Claim>,
     deadline: Duration,
 ) -> Result<v1::NodePrepareResourcesResponse, String> {
-    let (registration, channel) = pick(state, driver).await?;
+    let (registration, channel) = pick(inner, driver).await?;
     let call = async {
         match registration.service {
             DraService::V1 => {
@@ -243,12 +240,12 @@ pub(super) async fn prepare(
 }
 
 pub(super) async fn unprepare(
-    state: &std::sync::Mutex<super::Registry>,
+    inner: &super::Inner,
     driver: &str,
     claims: Vec<v1::Claim>,
     deadline: Duration,
 ) -> Result<v1::NodeUnprepareResourcesResponse, String> {
-    let (registration, channel) = pick(state, driver).await?;
+    let (registration, channel) = pick(inner, driver).await?;
     let call = async {
         match registration.service {
             DraService::V1 => {
@@ -296,12 +293,6 @@ async fn answer<T>(
             "{what} for DRA driver {driver}: context deadline exceeded (no answer within {deadline:?})"
         )),
     }
-}
-
-fn lock(state: &std::sync::Mutex<super::Registry>) -> std::sync::MutexGuard<'_, super::Registry> {
-    state
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The kubelet's health stream on one endpoint (`NodeWatchResources`, opened for every DRA

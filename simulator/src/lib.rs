@@ -542,7 +542,7 @@ impl Simulator {
         claims: Vec<devicelet_api::dra::v1::Claim>,
     ) -> Result<devicelet_api::dra::v1::NodePrepareResourcesResponse, SimError> {
         dra::prepare(
-            &self.inner.registry,
+            &self.inner,
             driver,
             claims,
             self.inner.config.dra_call_timeout,
@@ -558,7 +558,7 @@ impl Simulator {
         claims: Vec<devicelet_api::dra::v1::Claim>,
     ) -> Result<devicelet_api::dra::v1::NodeUnprepareResourcesResponse, SimError> {
         dra::unprepare(
-            &self.inner.registry,
+            &self.inner,
             driver,
             claims,
             self.inner.config.dra_call_timeout,

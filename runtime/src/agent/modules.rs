@@ -188,13 +188,10 @@ pub fn driver_key(driver: &str) -> String {
 
 /// The driver names a DRA module's planned resources get.
 fn driver_names(explicit: Option<&str>, planned: &[(String, ResourceInfo)]) -> Vec<String> {
-    match explicit {
-        Some(driver) => vec![driver.to_owned()],
-        None => planned
-            .iter()
-            .filter_map(|(name, _)| crate::dra::names::default_driver(name).ok())
-            .collect(),
-    }
+    planned
+        .iter()
+        .filter_map(|(name, _)| crate::dra::names::driver_name(explicit, name).ok())
+        .collect()
 }
 
 /// Serves each planned resource as a DRA driver: the registry's `dra-driver` for a module with
@@ -230,18 +227,15 @@ fn start_drivers(
     }
     let mut drivers = Vec::new();
     for (name, info) in planned {
-        let driver = match explicit {
-            Some(driver) => driver.to_owned(),
-            None => match crate::dra::names::default_driver(name) {
-                Ok(driver) => driver,
-                Err(e) => {
-                    errors.push(format!(
-                        "module `{}`: {name} makes no DRA driver name ({e}); set `dra-driver`",
-                        spec.name
-                    ));
-                    continue;
-                }
-            },
+        let driver = match crate::dra::names::driver_name(explicit, name) {
+            Ok(driver) => driver,
+            Err(e) => {
+                errors.push(format!(
+                    "module `{}`: {name} makes no DRA driver name ({e}); set `dra-driver`",
+                    spec.name
+                ));
+                continue;
+            }
         };
         if let Some(owner) = taken.get(&driver_key(&driver)) {
             errors.push(format!(

@@ -556,13 +556,7 @@ fn next_entries(
 /// directory meanwhile ignores it. Returns the file now at the path, read back: it must hold what
 /// was written.
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<FileId> {
-    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
-        return Err(std::io::Error::other(
-            "the spec path has no directory or file name",
-        ));
-    };
-    let dir = cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())?;
-    crate::files::write_atomically(&dir, name, bytes, 0o644)?;
+    crate::files::write_file_atomically(path, bytes, 0o644)?;
     let (back, id) = read_spec(path)?;
     if back != bytes {
         return Err(std::io::Error::other(

@@ -100,10 +100,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
         }
         for (name, info) in planned {
             if let Some(explicit) = &explicit {
-                match explicit
-                    .clone()
-                    .map_or_else(|| crate::dra::names::default_driver(&name), Ok)
-                {
+                match crate::dra::names::driver_name(explicit.as_deref(), &name) {
                     Ok(driver) => println!(
                         "  resource {name} served as DRA driver {driver} (front-end = \"dra\"; \
                          `run` needs --node-name)"

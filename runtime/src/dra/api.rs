@@ -78,7 +78,7 @@ impl ApiClient {
     pub async fn connect(kubeconfig: Option<&Path>) -> Result<ApiClient, ApiError> {
         // Err: a provider is installed already, which is as good.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let config = match kubeconfig {
+        let mut config = match kubeconfig {
             Some(path) => {
                 let file = kube::config::Kubeconfig::read_from(path)
                     .map_err(|e| ApiError::Config(format!("{}: {e}", path.display())))?;
@@ -92,7 +92,6 @@ impl ApiClient {
                 ))
             })?,
         };
-        let mut config = config;
         // A server that stops answering must fail the call, not hold it: a claim's GET has to
         // fit in the kubelet's 45 s, and a stuck publisher would hold up stopping a driver.
         config.connect_timeout = Some(CALL_TIMEOUT);

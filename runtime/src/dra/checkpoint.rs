@@ -67,6 +67,20 @@ impl Checkpoint {
         self.lock().get(uid).cloned()
     }
 
+    /// The claim other than `except` that holds module device `id`, with its UID.
+    pub fn holder_of(&self, id: &str, except: &str) -> Option<(String, PreparedClaim)> {
+        self.lock()
+            .iter()
+            .find(|(uid, claim)| {
+                *uid != except
+                    && claim
+                        .requests
+                        .iter()
+                        .any(|r| r.devices.iter().any(|(_, held)| held == id))
+            })
+            .map(|(uid, claim)| (uid.clone(), claim.clone()))
+    }
+
     pub fn uids(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
     }
@@ -107,13 +121,7 @@ impl Checkpoint {
             claims: claims.clone(),
         };
         let bytes = serde_json::to_vec_pretty(&file).map_err(|e| e.to_string())?;
-        let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str()))
-        else {
-            return Err(format!("{}: not a file path", path.display()));
-        };
-        let dir = cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
-        crate::files::write_atomically(&dir, name, &bytes, 0o600)
+        crate::files::write_file_atomically(path, &bytes, 0o600)
             .map_err(|e| format!("writing the DRA checkpoint {}: {e}", path.display()))
     }
 }

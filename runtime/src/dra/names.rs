@@ -61,6 +61,15 @@ pub fn default_driver(resource: &str) -> Result<String, NameError> {
     Ok(name)
 }
 
+/// The driver a resource is served as: the registry's `dra-driver` when it names one, else
+/// [`default_driver`].
+pub fn driver_name(explicit: Option<&str>, resource: &str) -> Result<String, NameError> {
+    match explicit {
+        Some(driver) => Ok(driver.to_owned()),
+        None => default_driver(resource),
+    }
+}
+
 /// The ResourceSlice device name of module device `id`: the ID itself when it is a DNS label,
 /// else its letters and digits lower-cased with every other run as one `-`, then `-` and the
 /// first 8 hex digits of the ID's sha256 (`0000:3b:02.0` → `0000-3b-02-0-` + 8 hex digits).

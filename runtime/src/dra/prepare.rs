@@ -326,21 +326,12 @@ impl<B: DeviceBackend> Claims<B> {
         if admin {
             return Ok(());
         }
-        for other in self.checkpoint.uids().into_iter().filter(|u| u != uid) {
-            let Some(held) = self.checkpoint.get(&other) else {
-                continue;
-            };
-            for (name, id) in devices {
-                if held
-                    .requests
-                    .iter()
-                    .any(|r| r.devices.iter().any(|(_, h)| h == id))
-                {
-                    return Err(format!(
-                        "device {name:?} is already prepared for ResourceClaim {}/{} (UID {other})",
-                        held.namespace, held.name
-                    ));
-                }
+        for (name, id) in devices {
+            if let Some((other, held)) = self.checkpoint.holder_of(id, uid) {
+                return Err(format!(
+                    "device {name:?} is already prepared for ResourceClaim {}/{} (UID {other})",
+                    held.namespace, held.name
+                ));
             }
         }
         Ok(())
@@ -445,12 +436,7 @@ impl<B: DeviceBackend> Claims<B> {
                     e.fix()
                 ))
             })?;
-            let handle = cap_std::fs::Dir::open_ambient_dir(&dir, cap_std::ambient_authority())?;
-            let file = name
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default();
-            crate::files::write_atomically(&handle, file, &bytes, 0o644)
+            crate::files::write_file_atomically(&name, &bytes, 0o644)
         })
         .await
         .map_err(|e| e.to_string())?

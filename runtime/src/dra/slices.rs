@@ -158,7 +158,7 @@ fn api_device(d: &Device) -> ApiDevice {
     if let Some(address) = d
         .attribute("pci-address")
         .or_else(|| d.attribute("pciBusID"))
-        .filter(|a| is_pci_address(a))
+        .filter(|a| crate::policy::topology::is_pci_address(a))
     {
         attributes.insert(
             PCI_BUS_ID.to_string(),
@@ -172,7 +172,6 @@ fn api_device(d: &Device) -> ApiDevice {
         .capacities
         .iter()
         .filter_map(|(name, quantity)| {
-            quantity_value(quantity)?;
             Some((
                 attribute_name(name)?,
                 DeviceCapacity {
@@ -221,18 +220,6 @@ pub fn attribute_name(name: &str) -> Option<String> {
         Some(d) => format!("{d}/{id}"),
         None => id,
     })
-}
-
-/// `0000:3b:00.0`.
-fn is_pci_address(a: &str) -> bool {
-    let b = a.as_bytes();
-    b.len() == 12
-        && b[4] == b':'
-        && b[7] == b':'
-        && b[10] == b'.'
-        && [0, 1, 2, 3, 5, 6, 8, 9, 11]
-            .iter()
-            .all(|&i| b[i].is_ascii_hexdigit())
 }
 
 /// Who the slices are for.
@@ -330,6 +317,7 @@ async fn sync(
     }
     let generation = current + 1;
     let want = pool.slices(devices, generation, node_uid);
+    let keep = want.len();
     let mut writes = 0;
     for (i, mut slice) in want.into_iter().enumerate() {
         match existing.get(i) {
@@ -345,7 +333,6 @@ async fn sync(
         }
         writes += 1;
     }
-    let keep = pool.slices(devices, generation, node_uid).len();
     for extra in existing.iter().skip(keep) {
         api.delete_slice(extra).await?;
         writes += 1;

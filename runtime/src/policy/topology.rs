@@ -89,7 +89,7 @@ fn sysfs_file(device: &Device) -> Option<String> {
 
 /// `dddd:bb:dd.f` in hex: a domain of 4 to 8 digits (VMD domains have 5), bus, device,
 /// function.
-fn is_pci_address(a: &str) -> bool {
+pub(crate) fn is_pci_address(a: &str) -> bool {
     let hex = |s: &str, len: std::ops::RangeInclusive<usize>| {
         len.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_hexdigit())
     };
