@@ -36,7 +36,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn plural(self) -> &'static str {
+    /// The resource's name in its API group, as RBAC rules name it.
+    pub fn plural(self) -> &'static str {
         match self {
             Kind::Node => "nodes",
             Kind::ResourceSlice => "resourceslices",
@@ -51,6 +52,14 @@ impl Kind {
             Kind::ResourceSlice => "ResourceSlice",
             Kind::ResourceClaim => "ResourceClaim",
             Kind::DeviceClass => "DeviceClass",
+        }
+    }
+
+    /// The API group (`""` for the core group), as RBAC rules name it.
+    pub fn group(self) -> &'static str {
+        match self {
+            Kind::Node => "",
+            _ => "resource.k8s.io",
         }
     }
 

@@ -12,14 +12,29 @@ use std::process::Command;
 
 use clap::Parser;
 use devicelet::cli::{Cli, LogFormat};
-use devicelet::config::Registry;
+use devicelet::config::{FrontEnd, Registry};
 use devicelet::fixture::{FixtureTree, NodeType};
 use devicelet_tests::{FakeGpus, devicelet_bin, module_dir, workspace_root};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 /// The kustomizations an operator applies: the base and each overlay.
-const BUILDS: &[&str] = &["deploy", "deploy/nvidia"];
+const BUILDS: &[&str] = &["deploy", "deploy/nvidia", "deploy/dra"];
+/// What the registries in `deploy/` serve on a node with one device of each kind.
+const REFERENCE_RESOURCES: &[&str] = &[
+    "devicelet.io/fuse",
+    "devicelet.io/tun",
+    "devicelet.io/serial",
+    "amd.com/gpu",
+    "nvidia.com/gpu",
+];
+/// Kinds without a namespace.
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "DeviceClass",
+];
 /// Where the image keeps the reference modules (`scripts/image-rootfs.sh`).
 const IMAGE_MODULES: &str = "/opt/devicelet/modules/";
 /// The image's entrypoint when there is no Dockerfile to read it from.
@@ -435,7 +450,16 @@ fn each_kustomization_builds_one_agent_in_the_namespace_it_creates() {
             .as_str()
             .expect("a namespace name")
             .to_owned();
-        for o in objects.iter().filter(|o| o["kind"] != "Namespace") {
+        for o in &objects {
+            if CLUSTER_SCOPED.contains(&str_of(&o["kind"], "a kind")) {
+                assert!(
+                    o["metadata"].get("namespace").is_none(),
+                    "{b}: {} {} is cluster-scoped",
+                    o["kind"],
+                    o["metadata"]["name"]
+                );
+                continue;
+            }
             assert_eq!(
                 o["metadata"]["namespace"], namespace,
                 "{b}: {} {} is not in the namespace the build creates",
@@ -547,6 +571,18 @@ fn every_host_path_the_agent_uses_is_mounted_from_the_node_at_the_same_path() {
             true,
         );
         agent.assert_node_path("the state directory", &args.state_dir, true);
+        let (_, registry) = agent.registry(&args.config);
+        if registry
+            .modules
+            .iter()
+            .any(|m| matches!(m.front_end, FrontEnd::Dra { .. }))
+        {
+            agent.assert_node_path(
+                "the kubelet's plugins directory (DRA drivers' sockets)",
+                &args.kubelet_plugins_dir,
+                true,
+            );
+        }
         let cache = args
             .cache_dir
             .clone()
@@ -554,7 +590,6 @@ fn every_host_path_the_agent_uses_is_mounted_from_the_node_at_the_same_path() {
         agent.assert_node_path("the compile cache", &cache, true);
         agent.assert_node_path("the CDI directory", &args.cdi_dir, true);
 
-        let (_, registry) = agent.registry(&args.config);
         let root = &registry.host_root;
         agent.assert_node_path("sysfs under host-root", &root.join("sys"), false);
         let (_, read_only) = agent.host_path_of(&root.join("sys")).unwrap();
@@ -741,10 +776,12 @@ fn the_podmonitor_finds_the_agents_metrics_port() {
     }
 }
 
-#[test]
-fn the_registry_configmap_validates_against_the_reference_modules() {
-    let objects = built("deploy");
-    let agent = Agent::of("deploy", &objects);
+/// `devicelet validate` of a build's registry ConfigMap on a fixture node with one device of
+/// each kind the reference modules serve, the module paths pointing at the built modules:
+/// (stdout, stdout and stderr). Asserts that it passes and loads every module.
+fn validated(build: &str) -> (String, String) {
+    let objects = built(build);
+    let agent = Agent::of(build, &objects);
     let args = run_args!(agent.cli());
     let (text, registry) = agent.registry(&args.config);
     assert_eq!(
@@ -849,27 +886,115 @@ fn the_registry_configmap_validates_against_the_reference_modules() {
         stdout.contains("NVML: driver 550.54.15, 1 GPU(s)"),
         "the NVIDIA module sees NVML:\n{report}"
     );
+    assert!(
+        stdout.contains(&format!("{}: ok", file.display())),
+        "{report}"
+    );
+    (stdout.into_owned(), report)
+}
+
+/// The block `validate` prints for one resource.
+fn resource_block<'a>(stdout: &'a str, resource: &str, report: &str) -> &'a str {
+    let block = stdout
+        .split("\n  resource ")
+        .find(|b| b.starts_with(&format!("{resource} ")))
+        .unwrap_or_else(|| panic!("{resource} is declared:\n{report}"));
+    block.split("\nmodule `").next().unwrap()
+}
+
+#[test]
+fn the_registry_configmap_validates_against_the_reference_modules() {
+    let (stdout, report) = validated("deploy");
     // Every resource finds its device on this node: the grants cover what each module reads.
-    for resource in [
-        "devicelet.io/fuse",
-        "devicelet.io/tun",
-        "devicelet.io/serial",
-        "amd.com/gpu",
-        "nvidia.com/gpu",
-    ] {
-        let block = stdout
-            .split("\n  resource ")
-            .find(|b| b.starts_with(&format!("{resource} ")))
-            .unwrap_or_else(|| panic!("{resource} is declared:\n{report}"));
-        let block = block.split("\nmodule `").next().unwrap();
+    for resource in REFERENCE_RESOURCES {
+        let block = resource_block(&stdout, resource, &report);
         assert!(
             block.contains(" devices, ") && !block.contains("0 devices now"),
             "{resource} advertises its device:\n{report}"
         );
         assert!(!block.contains("error"), "{resource}:\n{report}");
     }
-    assert!(
-        stdout.contains(&format!("{}: ok", file.display())),
-        "{report}"
+}
+
+#[test]
+fn the_dra_build_serves_every_module_through_dra_with_a_device_class_per_driver() {
+    let (stdout, report) = validated("deploy/dra");
+    let objects = built("deploy/dra");
+    let agent = Agent::of("deploy/dra", &objects);
+
+    // Each resource the registry serves is a DRA driver, publishing its device on this node.
+    let mut drivers = BTreeMap::new();
+    for resource in REFERENCE_RESOURCES {
+        let block = resource_block(&stdout, resource, &report);
+        let driver = block
+            .split("served as DRA driver ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{resource} is served through DRA:\n{report}"));
+        assert!(!block.contains("error"), "{resource}:\n{report}");
+        drivers.insert(driver.to_owned(), resource);
+    }
+
+    // One DeviceClass per driver, selecting exactly that driver's devices.
+    let mut classes = BTreeMap::new();
+    for class in objects.iter().filter(|o| o["kind"] == "DeviceClass") {
+        assert_eq!(class["apiVersion"], "resource.k8s.io/v1");
+        let selectors = list(&class["spec"]["selectors"]);
+        let [selector] = selectors else {
+            panic!("{}: one selector", class["metadata"]["name"])
+        };
+        let expression = str_of(&selector["cel"]["expression"], "a CEL expression");
+        let driver = expression
+            .strip_prefix("device.driver == \"")
+            .and_then(|d| d.strip_suffix('"'))
+            .unwrap_or_else(|| panic!("selects by driver: {expression}"));
+        classes.insert(driver.to_owned(), class);
+    }
+    assert_eq!(
+        classes.keys().collect::<Vec<_>>(),
+        drivers.keys().collect::<Vec<_>>(),
+        "a DeviceClass for each driver the registry serves, and none for others"
     );
+    // KEP-5004: nvidia.com/gpu, the resource pod specs already ask for, served by the class of
+    // the driver that serves that resource.
+    let extended: Vec<(&String, &str)> = classes
+        .iter()
+        .filter_map(|(driver, c)| Some((driver, c["spec"]["extendedResourceName"].as_str()?)))
+        .collect();
+    assert_eq!(extended.len(), 1, "{extended:?}");
+    let (driver, resource) = extended[0];
+    assert_eq!(resource, "nvidia.com/gpu");
+    assert_eq!(
+        *drivers[driver], resource,
+        "the class's driver serves {resource}"
+    );
+
+    // The agent knows its node and can reach the API server as the ServiceAccount the
+    // ClusterRole is bound to (deploy/dra/rbac.yaml is checked against the agent's requests
+    // in tests/tests/dra.rs).
+    let env = list(&agent.container["env"])
+        .iter()
+        .find(|e| e["name"] == "NODE_NAME")
+        .expect("NODE_NAME is set");
+    assert_eq!(env["valueFrom"]["fieldRef"]["fieldPath"], "spec.nodeName");
+    assert_eq!(agent.pod["automountServiceAccountToken"], true);
+    let account = str_of(&agent.pod["serviceAccountName"], "serviceAccountName");
+    let namespace = &agent
+        .objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .unwrap()["metadata"]["namespace"];
+    assert!(agent.objects.iter().any(|o| o["kind"] == "ServiceAccount"
+        && o["metadata"]["name"] == account
+        && &o["metadata"]["namespace"] == namespace));
+    let binding = only(agent.objects, "ClusterRoleBinding");
+    assert!(
+        list(&binding["subjects"])
+            .iter()
+            .any(|s| s["kind"] == "ServiceAccount"
+                && s["name"] == account
+                && &s["namespace"] == namespace)
+    );
+    let role = only(agent.objects, "ClusterRole");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
 }

@@ -169,6 +169,15 @@ impl DraNode {
 
     /// The agent with `modules`, serving DRA for this node through this API server.
     async fn agent(&self, modules: &str) -> devicelet::agent::Agent {
+        self.agent_with(modules, |_| {}).await
+    }
+
+    /// [`agent`](Self::agent), after letting `adjust` change its options.
+    async fn agent_with(
+        &self,
+        modules: &str,
+        adjust: impl FnOnce(&mut devicelet::agent::AgentOptions),
+    ) -> devicelet::agent::Agent {
         let (kubeconfig, client) = client(&self.api).await;
         std::mem::forget(kubeconfig);
         let state = self.node.state_dir();
@@ -189,6 +198,7 @@ impl DraNode {
                     cdi_dir: cdi,
                     resync: std::time::Duration::from_millis(200),
                 });
+                adjust(o);
             })
             .await
     }
@@ -259,23 +269,32 @@ fn wire_claim(name: &str, uid: &str) -> devicelet::kubelet::api::dra::v1::Claim 
     }
 }
 
-const FUSE_DRA: &str = r#"[[module]]
+/// generic-dev serving `devicelet.io/fuse` from `paths` (TOML strings) through `front_end`.
+fn fuse_via(front_end: &str, paths: &str) -> String {
+    format!(
+        r#"[[module]]
 name = "generic-dev"
 path = "@MODULES@/generic_dev.wasm"
 health-interval = "100ms"
-front-end = "dra"
+front-end = "{front_end}"
 
 [module.grants]
 dev = ["/dev/*"]
 
 [module.config]
-groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
-"#;
+groups = [{{ name = "fuse", paths = [{paths}] }}]
+"#
+    )
+}
+
+fn fuse_dra() -> String {
+    fuse_via("dra", r#""/dev/fuse""#)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     let dra = DraNode::new().await;
-    let agent = dra.agent(FUSE_DRA).await;
+    let agent = dra.agent(&fuse_dra()).await;
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
 
     // Registered through the plugin watcher as a DRAPlugin, v1 chosen.
@@ -356,7 +375,7 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
 
     // Unprepared after an agent restart, from the checkpoint alone.
     agent.shutdown().await;
-    let agent = dra.agent(FUSE_DRA).await;
+    let agent = dra.agent(&fuse_dra()).await;
     registered(&dra.kubelet, 2).await;
     let unprepared = dra
         .kubelet
@@ -374,12 +393,13 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
         .expect("answered");
     assert_eq!(unknown.claims["no-such-uid"].error, "");
     agent.shutdown().await;
+    assert_rbac_allows(&dra.api);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
     let dra = DraNode::new().await;
-    let agent = dra.agent(FUSE_DRA).await;
+    let agent = dra.agent(&fuse_dra()).await;
     registered(&dra.kubelet, 1).await;
     let slice = published(&dra.api).await;
     let device = slice["spec"]["devices"][0]["name"]
@@ -453,7 +473,7 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
     let dra = DraNode::new().await;
-    let agent = dra.agent(FUSE_DRA).await;
+    let agent = dra.agent(&fuse_dra()).await;
     let first = published(&dra.api).await;
     let name = first["metadata"]["name"]
         .as_str()
@@ -544,4 +564,142 @@ switch = "/sys/testing/switch"
     })
     .await;
     agent.shutdown().await;
+}
+
+/// Every request the agent made of the API server is one the ClusterRole in
+/// `deploy/dra/rbac.yaml` allows: the manifests grant what the code asks.
+fn assert_rbac_allows(api: &ApiServer) {
+    use serde::Deserialize;
+    let file = devicelet_tests::workspace_root().join("deploy/dra/rbac.yaml");
+    let text = std::fs::read_to_string(&file).expect("deploy/dra/rbac.yaml");
+    let role = serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|doc| serde_json::Value::deserialize(doc).expect("YAML"))
+        .find(|doc| doc["kind"] == "ClusterRole")
+        .expect("a ClusterRole");
+    let has = |list: &serde_json::Value, want: &str| {
+        list.as_array()
+            .is_some_and(|l| l.iter().any(|v| v == want || v == "*"))
+    };
+    let requests = api.requests();
+    assert!(
+        !requests.is_empty(),
+        "the agent asked the API server nothing"
+    );
+    for (verb, kind) in requests {
+        let allowed = role["rules"].as_array().is_some_and(|rules| {
+            rules.iter().any(|r| {
+                has(&r["apiGroups"], kind.group())
+                    && has(&r["resources"], kind.plural())
+                    && has(&r["verbs"], &verb)
+            })
+        });
+        assert!(
+            allowed,
+            "{}: the agent's {verb} of {} is not allowed",
+            file.display(),
+            kind.plural()
+        );
+    }
+}
+
+/// The names of the devices the pool's one slice lists.
+fn slice_devices(api: &ApiServer) -> Option<Vec<String>> {
+    let slices = api.list(Kind::ResourceSlice);
+    let [one] = slices.as_slice() else {
+        return None;
+    };
+    Some(
+        one["spec"]["devices"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .filter_map(|d| d["name"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_device_out_twice() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    let modules = |front_end: &str| fuse_via(front_end, r#""/dev/fuse", "/dev/fuse1""#);
+    // This node's kubelet serves both APIs: the agent registers its device plugin with it and
+    // reconciles its ledger with its PodResources.
+    let (plugin_dir, pod_resources) = (
+        dra.kubelet.plugin_dir().to_owned(),
+        dra.kubelet.pod_resources_socket().to_owned(),
+    );
+    let agent = dra
+        .agent_with(&modules("device-plugin"), move |o| {
+            o.plugin_dir = plugin_dir;
+            o.pod_resources = Some(pod_resources);
+            o.reconcile_interval = std::time::Duration::from_millis(100);
+            o.reconcile_grace = std::time::Duration::from_secs(5);
+        })
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    dra.kubelet
+        .wait_until("devicelet.io/fuse", devicelet_tests::WAIT, |r| {
+            r.allocatable == 2
+        })
+        .await
+        .expect("the device plugin serves both devices");
+    let pod = devicelet_simulator::PodRef::new("team-a", "trainer", "main");
+    let held = dra
+        .kubelet
+        .allocate_for(&pod, "devicelet.io/fuse", 1)
+        .await
+        .expect("a container gets one device");
+    let held_name = devicelet::dra::names::device_name(&held.device_ids[0]);
+    devicelet_tests::eventually("the ledger sees the container holding it", || {
+        agent
+            .ledger()
+            .holders("devicelet.io/fuse")
+            .iter()
+            .any(|(_, holder)| holder.is_some())
+    })
+    .await;
+
+    // The operator moves the resource to DRA while the container runs.
+    dra.node.registry(&modules("dra"));
+    registered(&dra.kubelet, 1).await;
+    let published = devicelet_tests::eventually_some("the free device published", || {
+        slice_devices(&dra.api).filter(|d| d.len() == 1)
+    })
+    .await;
+    assert!(
+        !published.contains(&held_name),
+        "the held device stays out of the pool: {published:?}"
+    );
+    // A claim for it anyway (a stale allocation) is refused, saying why.
+    let uid = dra.claim("early", &[&held_name], json!([]));
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("early", &uid)])
+        .await
+        .expect("answered");
+    assert!(
+        answer.claims[&uid]
+            .error
+            .contains("still held by a container the device-plugin front end allocated it to"),
+        "{:?}",
+        answer.claims[&uid]
+    );
+
+    // The container ends: its device joins the pool and can be claimed.
+    dra.kubelet.terminate_pod("team-a", "trainer");
+    devicelet_tests::eventually("both devices published", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2 && d.contains(&held_name))
+    })
+    .await;
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("early", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    agent.shutdown().await;
+    assert_rbac_allows(&dra.api);
 }

@@ -10,10 +10,12 @@ use wasmtime::Engine;
 use crate::config::{FrontEnd, ModuleSpec};
 use crate::config::{MAX_RESOURCES, MAX_RESOURCES_PER_MODULE};
 use crate::device::ResourceInfo;
+use crate::dra::HeldElsewhere;
 use crate::dra::driver::{DraOptions, DriverSpec, RunningDriver};
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
+use crate::ledger::Ledger;
 use crate::nvml::Libraries;
-use crate::policy::sharing::Replicated;
+use crate::policy::sharing::{Replicated, physical_id};
 use crate::resource::backend::Upkeep;
 use crate::sandbox::cache::CompileCache;
 use crate::sandbox::loader::load;
@@ -173,7 +175,7 @@ pub fn serve_all(
                 driver.as_deref(),
                 host_root,
                 (&planned, taken),
-                dra,
+                (dra, at.ledger),
                 &mut errors,
             ),
         ),
@@ -202,7 +204,7 @@ fn start_drivers(
     explicit: Option<&str>,
     host_root: &Path,
     (planned, taken): (&[(String, ResourceInfo)], &BTreeMap<String, String>),
-    dra: Option<&DraOptions>,
+    (dra, ledger): (Option<&DraOptions>, &Ledger),
     errors: &mut Vec<String>,
 ) -> Vec<RunningDriver> {
     let Some(options) = dra else {
@@ -246,6 +248,18 @@ fn start_drivers(
             continue;
         }
         let upkeep: Arc<dyn Upkeep> = Arc::new(slot.clone());
+        // What the device-plugin front end handed out under the same name stays out of the
+        // pool until the kubelet reports its container gone (see `HeldElsewhere`).
+        let held: HeldElsewhere = {
+            let (ledger, name) = (ledger.clone(), name.clone());
+            Arc::new(move || {
+                ledger
+                    .holders(&name)
+                    .into_iter()
+                    .map(|(id, _)| physical_id(&id).to_owned())
+                    .collect()
+            })
+        };
         let started = crate::dra::driver::start(
             slot,
             &upkeep,
@@ -255,6 +269,7 @@ fn start_drivers(
                 local: &info.name,
                 health_interval: spec.health_interval,
                 host_root: host_root.to_owned(),
+                held,
             },
             options,
         );

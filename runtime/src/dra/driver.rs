@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use super::HeldElsewhere;
 use super::api::ApiClient;
 use super::checkpoint::Checkpoint;
 use super::prepare::Claims;
@@ -50,6 +51,7 @@ pub struct DriverSpec<'a> {
     pub local: &'a str,
     pub health_interval: Duration,
     pub host_root: PathBuf,
+    pub held: HeldElsewhere,
 }
 
 /// Counts of a driver's claims, for status and metrics.
@@ -120,6 +122,7 @@ pub fn start<B: DeviceBackend>(
         options.api.clone(),
         options.cdi_dir.clone(),
         checkpoint,
+        spec.held.clone(),
     ));
     {
         let claims = claims.clone();
@@ -144,6 +147,7 @@ pub fn start<B: DeviceBackend>(
             api.clone(),
             pool.clone(),
             core.devices.clone(),
+            spec.held.clone(),
             core.ready.clone(),
             options.resync,
             published_tx,

@@ -12,3 +12,13 @@ pub mod names;
 pub mod prepare;
 pub mod server;
 pub mod slices;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+/// The module IDs of a resource's devices that running containers hold through the
+/// device-plugin front end (the allocation ledger's record, reconciled with the kubelet's
+/// PodResources). A driver keeps them out of its slices and refuses claims for them, so a node
+/// that moves a resource from the device plugin to DRA never hands one device out twice: each
+/// device joins the pool once the container holding it has ended.
+pub type HeldElsewhere = Arc<dyn Fn() -> BTreeSet<String> + Send + Sync>;

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
+use super::HeldElsewhere;
 use super::api::ApiClient;
 use super::checkpoint::{Checkpoint, PreparedClaim, PreparedRequest};
 use super::claim;
@@ -67,6 +68,8 @@ pub struct Claims<B> {
     pub api: Option<ApiClient>,
     pub cdi_dir: PathBuf,
     pub checkpoint: Arc<Checkpoint>,
+    /// Devices containers hold through the device-plugin front end.
+    pub held: HeldElsewhere,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -82,6 +85,7 @@ impl<B: DeviceBackend> Claims<B> {
         api: Option<ApiClient>,
         cdi_dir: PathBuf,
         checkpoint: Checkpoint,
+        held: HeldElsewhere,
     ) -> Claims<B> {
         Claims {
             driver,
@@ -93,6 +97,7 @@ impl<B: DeviceBackend> Claims<B> {
             api,
             cdi_dir,
             checkpoint: Arc::new(checkpoint),
+            held,
             locks: Mutex::default(),
         }
     }
@@ -371,10 +376,11 @@ impl<B: DeviceBackend> Claims<B> {
         out
     }
 
-    /// (name, module ID) of each device name, from the current snapshot; each must be there and
-    /// healthy.
+    /// (name, module ID) of each device name, from the current snapshot; each must be there,
+    /// healthy, and held by no device-plugin container.
     fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, String> {
         let snapshot = self.devices.borrow().clone();
+        let held = (self.held)();
         names
             .iter()
             .map(|name| {
@@ -385,6 +391,12 @@ impl<B: DeviceBackend> Claims<B> {
                 if device.health != Health::Healthy {
                     let why = device.health_reason.as_deref().unwrap_or("no reason given");
                     return Err(format!("device {name:?} is unhealthy: {why}"));
+                }
+                if held.contains(&device.id) {
+                    return Err(format!(
+                        "device {name:?} is still held by a container the device-plugin front \
+                         end allocated it to; it joins the pool when that container ends"
+                    ));
                 }
                 Ok((name.clone(), device.id.clone()))
             })

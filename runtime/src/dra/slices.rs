@@ -5,7 +5,9 @@
 //!
 //! Only healthy devices are published: an unhealthy one leaves its slice, so the scheduler
 //! allocates it to no new claim, on every API server that serves `resource.k8s.io/v1` (device
-//! taints would keep it visible but need the DRADeviceTaints feature). Typed attributes and
+//! taints would keep it visible but need the DRADeviceTaints feature). So is a device a container
+//! still holds through the device-plugin front end (a node moving the resource to DRA): it joins
+//! the pool once that container ends. Typed attributes and
 //! capacities come from the module (WIT 0.2); names that are not the API's C identifiers
 //! (`pci-address`) are published with `-` and `.` as `_` (`pci_address`), and a PCI address also
 //! as the standard `resource.kubernetes.io/pciBusID`.
@@ -15,7 +17,7 @@
 //! someone, come back within one interval. Errors (API down, conflicts) are retried with backoff;
 //! nothing else waits on them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{
@@ -26,6 +28,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use tokio::sync::watch;
 
+use super::HeldElsewhere;
 use super::api::{ApiClient, ApiError};
 use super::names::device_name;
 use crate::backoff::Backoff;
@@ -52,11 +55,12 @@ pub struct Published {
     pub last_error: Option<String>,
 }
 
-/// The devices of `snapshot` as the API publishes them: healthy ones, by name.
-pub fn api_devices(snapshot: &[Device]) -> Vec<ApiDevice> {
+/// The devices of `snapshot` as the API publishes them, by name: healthy ones no container
+/// holds through the device-plugin front end (`held`, module IDs).
+pub fn api_devices(snapshot: &[Device], held: &BTreeSet<String>) -> Vec<ApiDevice> {
     let mut devices: Vec<ApiDevice> = snapshot
         .iter()
-        .filter(|d| d.health == Health::Healthy)
+        .filter(|d| d.health == Health::Healthy && !held.contains(&d.id))
         .map(api_device)
         .collect();
     devices.sort_by(|a, b| a.name.cmp(&b.name));
@@ -342,11 +346,14 @@ async fn sync(
 }
 
 /// Keeps the pool published until `stop`, from the first enumeration on (`ready`): after every
-/// device change, every `resync`, and with backoff after an error.
+/// device change, every `resync`, and with backoff after an error. Devices `held` by
+/// device-plugin containers join it at the first of those after they are freed.
+#[allow(clippy::too_many_arguments)]
 pub async fn publish(
     api: ApiClient,
     pool: Pool,
     mut devices: watch::Receiver<Snapshot>,
+    held: HeldElsewhere,
     mut ready: watch::Receiver<bool>,
     resync: Duration,
     published: watch::Sender<Published>,
@@ -360,7 +367,8 @@ pub async fn publish(
     let mut generation = 0i64;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     loop {
-        let want = api_devices(&devices.borrow_and_update());
+        let held = held();
+        let want = api_devices(&devices.borrow_and_update(), &held);
         // The Node's UID each time: a Node deleted and made again has a new one, and slices
         // owned by the old one are garbage collected.
         let result = async {
@@ -439,7 +447,7 @@ mod tests {
         ];
         gpu.capacities = vec![("memory".into(), "80Gi".into())];
         let sick = Device::new("gpu-1", Health::Unhealthy);
-        let devices = api_devices(&[gpu, sick]);
+        let devices = api_devices(&[gpu, sick], &BTreeSet::new());
         assert_eq!(devices.len(), 1, "only healthy devices are published");
         let d = &devices[0];
         assert_eq!(d.name, device_name("0000:3b:00.0"));
@@ -478,7 +486,7 @@ mod tests {
             ),
             ("cuda".into(), AttributeValue::Version("12.4.0".into())),
         ];
-        let ours = api_devices(&[gpu]);
+        let ours = api_devices(&[gpu], &BTreeSet::new());
         let attributes = ours[0].attributes.as_ref().unwrap();
         assert!(
             !attributes.contains_key("driverVersion"),
@@ -505,7 +513,7 @@ mod tests {
         let snapshot: Vec<Device> = (0..300)
             .map(|i| Device::new(format!("fuse-{i:03}"), Health::Healthy))
             .collect();
-        let slices = pool.slices(&api_devices(&snapshot), 4, "uid-1");
+        let slices = pool.slices(&api_devices(&snapshot, &BTreeSet::new()), 4, "uid-1");
         assert_eq!(slices.len(), 3);
         let sizes: Vec<usize> = slices
             .iter()
