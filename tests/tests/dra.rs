@@ -197,6 +197,7 @@ impl DraNode {
                     state_dir: Some(state),
                     cdi_dir: cdi,
                     resync: std::time::Duration::from_millis(200),
+                    events: Default::default(),
                 });
                 adjust(o);
             })
@@ -637,6 +638,7 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
             o.pod_resources = Some(pod_resources);
             o.reconcile_interval = std::time::Duration::from_millis(100);
             o.reconcile_grace = std::time::Duration::from_secs(5);
+            o.metrics_addr = Some(([127, 0, 0, 1], 0).into());
         })
         .await;
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
@@ -700,6 +702,113 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
         .await
         .expect("answered");
     assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+
+    // Metrics: the refused and the prepared claim, the slices written, the driver's figures.
+    let samples = devicelet_tests::scrape(agent.metrics_addr().expect("metrics")).await;
+    let figure = |name: &str, labels: &[(&str, &str)]| {
+        devicelet_tests::metric(&samples, name, labels)
+            .unwrap_or_else(|| panic!("{name} {labels:?} is exported"))
+    };
+    for result in ["ok", "error"] {
+        let labels = [("driver", DRIVER), ("result", result)];
+        assert_eq!(
+            figure("devicelet_dra_prepare_duration_seconds_count", &labels),
+            1.0,
+            "{result}"
+        );
+    }
+    assert!(figure("devicelet_dra_slice_writes_total", &[("driver", DRIVER)]) >= 2.0);
+    let labels = [("driver", DRIVER), ("module", "generic-dev")];
+    assert_eq!(figure("devicelet_dra_driver_registered", &labels), 1.0);
+    assert_eq!(figure("devicelet_dra_devices_published", &labels), 2.0);
+    assert_eq!(figure("devicelet_dra_claims_prepared", &labels), 1.0);
+    assert!(figure("devicelet_dra_pool_generation", &labels) >= 2.0);
     agent.shutdown().await;
     assert_rbac_allows(&dra.api);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_the_kubelet() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/net/tun", 10, 200);
+    // FUSE through DRA, TUN through the device plugin, in one agent.
+    let modules = format!(
+        "{}\n{}",
+        fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#),
+        devicelet_tests::generic_dev(r#"groups = [{ name = "tun", paths = ["/dev/net/tun"] }]"#)
+            .replacen("name = \"generic-dev\"", "name = \"generic-tun\"", 1)
+    );
+    let plugin_dir = dra.kubelet.plugin_dir().to_owned();
+    let agent = dra
+        .agent_with(&modules, move |o| {
+            o.plugin_dir = plugin_dir;
+            o.metrics_addr = Some(([127, 0, 0, 1], 0).into());
+        })
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    registered(&dra.kubelet, 1).await;
+    let device = published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim("while-down", &[&device], json!([]));
+
+    dra.api.down().await;
+    // A device arrives: its slice cannot be written, and the publisher keeps trying.
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    devicelet_tests::eventually("the API error in status", || {
+        agent.status().dra_drivers[0].api_error.is_some()
+    })
+    .await;
+    // The kubelet's prepare gets the error in the claim's own entry, at once.
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("while-down", &uid)])
+        .await
+        .expect("answered");
+    assert!(
+        answer.claims[&uid]
+            .error
+            .contains("getting ResourceClaim team-a/while-down"),
+        "{:?}",
+        answer.claims[&uid]
+    );
+    // The device-plugin resource allocates meanwhile.
+    dra.kubelet
+        .wait_until("devicelet.io/tun", devicelet_tests::WAIT, |r| {
+            r.allocatable == 1
+        })
+        .await
+        .expect("tun registered");
+    let tun = dra
+        .kubelet
+        .allocate("devicelet.io/tun", 1)
+        .await
+        .expect("TUN allocated while the API server is down");
+    assert_eq!(tun.device_ids.len(), 1);
+    let samples = devicelet_tests::scrape(agent.metrics_addr().expect("metrics")).await;
+    assert!(
+        devicelet_tests::metric(
+            &samples,
+            "devicelet_dra_api_errors_total",
+            &[("driver", DRIVER)]
+        )
+        .is_some_and(|n| n >= 2.0),
+        "the publisher's and the claim's errors are counted"
+    );
+
+    // Back up: the new device is published and the claim prepared.
+    dra.api.up().await.expect("the API server back");
+    devicelet_tests::eventually("both devices published", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, vec![wire_claim("while-down", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    assert_eq!(agent.status().dra_drivers[0].api_error, None);
+    agent.shutdown().await;
 }

@@ -401,6 +401,7 @@ impl Agent {
                 )
             })?;
         }
+        let metrics = Metrics::default();
         let ledger = match &options.state_dir {
             Some(dir) => Ledger::open(dir).context("opening the allocation ledger")?,
             None => Ledger::in_memory(),
@@ -427,12 +428,15 @@ impl Agent {
             load_errors: Mutex::new(Vec::new()),
             reload_error: Mutex::new(None),
             reloads: Default::default(),
-            metrics: Metrics::default(),
+            metrics: metrics.clone(),
             loops: Mutex::new(Vec::new()),
             stopping: Default::default(),
             starting: Default::default(),
             nvml_waiters: Default::default(),
-            dra: options.dra.clone(),
+            dra: options.dra.clone().map(|mut dra| {
+                dra.events = metrics.dra_events();
+                dra
+            }),
         });
         // Counted from before the metrics endpoint answers, so that it never reports ready
         // before the first modules are in.

@@ -45,6 +45,8 @@ pub struct DraDriverStatus {
     pub registered: bool,
     pub devices: usize,
     pub healthy: usize,
+    /// Devices in the published slices: the healthy ones no device-plugin container holds.
+    pub published: usize,
     /// The pool's generation and slices last published; the writes made and API errors met.
     pub generation: i64,
     pub slices: usize,
@@ -75,6 +77,7 @@ fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
                         .iter()
                         .filter(|x| x.health == Health::Healthy)
                         .count(),
+                    published: published.devices,
                     generation: published.generation,
                     slices: published.slices,
                     api_writes: published.writes,

@@ -121,6 +121,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             state_dir: options.state_dir.clone(),
             cdi_dir: options.cdi_dir.clone(),
             resync: args.dra_resync,
+            events: Default::default(),
         });
     }
     let agent = Agent::start(options).await.context("starting the agent")?;

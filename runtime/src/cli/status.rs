@@ -65,13 +65,14 @@ fn render(status: &Status) -> String {
     }
     for d in &status.dra_drivers {
         out += &format!(
-            "DRA driver {} for {} (module {}, {} devices, {} healthy, {}registered with the \
-             kubelet; pool generation {} in {} slice(s), {} claim(s) prepared{})\n",
+            "DRA driver {} for {} (module {}, {} devices, {} healthy, {} published, {}registered \
+             with the kubelet; pool generation {} in {} slice(s), {} claim(s) prepared{})\n",
             d.driver,
             d.resource,
             d.module,
             d.devices,
             d.healthy,
+            d.published,
             if d.registered { "" } else { "not " },
             d.generation,
             d.slices,

@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 use super::HeldElsewhere;
 use super::api::ApiClient;
 use super::checkpoint::Checkpoint;
+use super::events::DraEvents;
 use super::prepare::Claims;
 use super::server::{self, Registered};
 use super::slices::{self, Pool, Published};
@@ -39,6 +40,8 @@ pub struct DraOptions {
     /// Where claims' CDI specs go.
     pub cdi_dir: PathBuf,
     pub resync: Duration,
+    /// Where drivers report what they do (the agent's metrics).
+    pub events: DraEvents,
 }
 
 /// What starting a driver needs to know of the resource.
@@ -123,6 +126,7 @@ pub fn start<B: DeviceBackend>(
         options.cdi_dir.clone(),
         checkpoint,
         spec.held.clone(),
+        options.events.clone(),
     ));
     {
         let claims = claims.clone();
@@ -148,6 +152,7 @@ pub fn start<B: DeviceBackend>(
             pool.clone(),
             core.devices.clone(),
             spec.held.clone(),
+            options.events.clone(),
             core.ready.clone(),
             options.resync,
             published_tx,

@@ -7,6 +7,7 @@ pub mod api;
 pub mod checkpoint;
 pub mod claim;
 pub mod driver;
+pub mod events;
 pub mod health;
 pub mod names;
 pub mod prepare;

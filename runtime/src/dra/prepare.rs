@@ -29,6 +29,7 @@ use super::HeldElsewhere;
 use super::api::ApiClient;
 use super::checkpoint::{Checkpoint, PreparedClaim, PreparedRequest};
 use super::claim;
+use super::events::{DraEvent, DraEvents};
 use super::names::device_name;
 use crate::device::{ContainerEdits, Health, Request};
 use crate::resource::backend::DeviceBackend;
@@ -70,6 +71,7 @@ pub struct Claims<B> {
     pub checkpoint: Arc<Checkpoint>,
     /// Devices containers hold through the device-plugin front end.
     pub held: HeldElsewhere,
+    events: DraEvents,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -86,6 +88,7 @@ impl<B: DeviceBackend> Claims<B> {
         cdi_dir: PathBuf,
         checkpoint: Checkpoint,
         held: HeldElsewhere,
+        events: DraEvents,
     ) -> Claims<B> {
         Claims {
             driver,
@@ -98,6 +101,7 @@ impl<B: DeviceBackend> Claims<B> {
             cdi_dir,
             checkpoint: Arc::new(checkpoint),
             held,
+            events,
             locks: Mutex::default(),
         }
     }
@@ -111,6 +115,7 @@ impl<B: DeviceBackend> Claims<B> {
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
         let mut answers = BTreeMap::new();
         for (i, claim) in claims.into_iter().enumerate() {
+            let started = std::time::Instant::now();
             let answer = if i >= MAX_CLAIMS_PER_CALL {
                 Err(format!(
                     "more than {MAX_CLAIMS_PER_CALL} claims in one NodePrepareResources call; \
@@ -134,6 +139,9 @@ impl<B: DeviceBackend> Claims<B> {
             if let Err(e) = &answer {
                 tracing::warn!(driver = self.driver, claim = claim.uid, "prepare: {e}");
             }
+            let (ok, took) = (answer.is_ok(), started.elapsed());
+            self.events
+                .emit(&self.driver, DraEvent::Prepared { ok, took });
             answers.insert(claim.uid, answer);
         }
         answers
@@ -147,6 +155,7 @@ impl<B: DeviceBackend> Claims<B> {
     ) -> BTreeMap<String, Result<(), String>> {
         let mut answers = BTreeMap::new();
         for uid in uids {
+            let started = std::time::Instant::now();
             let (me, job) = (self.clone(), uid.clone());
             let answer = tokio::spawn(async move {
                 let lock = me.lock_for(&job);
@@ -159,6 +168,9 @@ impl<B: DeviceBackend> Claims<B> {
             })
             .await
             .unwrap_or_else(|e| Err(format!("unpreparing the claim failed: {e}")));
+            let (ok, took) = (answer.is_ok(), started.elapsed());
+            self.events
+                .emit(&self.driver, DraEvent::Unprepared { ok, took });
             answers.insert(uid, answer);
         }
         answers
@@ -220,7 +232,10 @@ impl<B: DeviceBackend> Claims<B> {
         let object = api
             .claim(&claim.namespace, &claim.name)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| {
+                self.events.emit(&self.driver, DraEvent::ApiError);
+                e.to_string()
+            })?;
         let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)?;
         let mut requests = Vec::with_capacity(wanted.len());
         let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();

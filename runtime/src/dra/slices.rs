@@ -30,6 +30,7 @@ use tokio::sync::watch;
 
 use super::HeldElsewhere;
 use super::api::{ApiClient, ApiError};
+use super::events::{DraEvent, DraEvents};
 use super::names::device_name;
 use crate::backoff::Backoff;
 use crate::device::{AttributeValue, Device, Health};
@@ -354,6 +355,7 @@ pub async fn publish(
     pool: Pool,
     mut devices: watch::Receiver<Snapshot>,
     held: HeldElsewhere,
+    events: DraEvents,
     mut ready: watch::Receiver<bool>,
     resync: Duration,
     published: watch::Sender<Published>,
@@ -382,6 +384,9 @@ pub async fn publish(
         let pause = match result {
             Ok(writes) => {
                 backoff.reset();
+                if writes > 0 {
+                    events.emit(&pool.driver, DraEvent::SliceWrites(writes));
+                }
                 published.send_modify(|p| {
                     p.generation = generation;
                     p.devices = want.len();
@@ -396,6 +401,7 @@ pub async fn publish(
                     driver = pool.driver,
                     "publishing ResourceSlices: {e}; retrying"
                 );
+                events.emit(&pool.driver, DraEvent::ApiError);
                 published.send_modify(|p| {
                     p.errors += 1;
                     p.last_error = Some(e.to_string());

@@ -21,6 +21,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use crate::agent::status::Status;
+use crate::dra::events::{DraEvent, DraEvents};
 use crate::ledger::ReconcileReport;
 use crate::sandbox::{CallKind, CallObserver, Outcome};
 
@@ -58,6 +59,24 @@ struct ResourceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DriverLabels {
+    driver: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimLabels {
+    driver: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DraDriverLabels {
+    driver: String,
+    resource: String,
+    module: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
 }
@@ -73,6 +92,10 @@ pub struct Metrics {
     reconciles: Family<ResultLabels, Counter>,
     reconciled: Family<ResultLabels, Counter>,
     reloads: Family<ResultLabels, Counter>,
+    prepares: Family<ClaimLabels, Histogram, fn() -> Histogram>,
+    unprepares: Family<ClaimLabels, Histogram, fn() -> Histogram>,
+    slice_writes: Family<DriverLabels, Counter>,
+    api_errors: Family<DriverLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -82,6 +105,10 @@ impl Default for Metrics {
             reconciles: Family::default(),
             reconciled: Family::default(),
             reloads: Family::default(),
+            prepares: Family::new_with_constructor(call_histogram),
+            unprepares: Family::new_with_constructor(call_histogram),
+            slice_writes: Family::default(),
+            api_errors: Family::default(),
         }
     }
 }
@@ -118,6 +145,36 @@ impl Metrics {
                 .get_or_create(&result(change))
                 .inc_by(n as u64);
         }
+    }
+
+    /// Counts what DRA drivers report, by driver.
+    pub fn dra_events(&self) -> DraEvents {
+        let me = self.clone();
+        DraEvents::new(move |driver: &str, event: DraEvent| {
+            let claim = |ok: bool| ClaimLabels {
+                driver: driver.to_owned(),
+                result: if ok { "ok" } else { "error" }.into(),
+            };
+            let by_driver = DriverLabels {
+                driver: driver.to_owned(),
+            };
+            match event {
+                DraEvent::Prepared { ok, took } => me
+                    .prepares
+                    .get_or_create(&claim(ok))
+                    .observe(took.as_secs_f64()),
+                DraEvent::Unprepared { ok, took } => me
+                    .unprepares
+                    .get_or_create(&claim(ok))
+                    .observe(took.as_secs_f64()),
+                DraEvent::SliceWrites(n) => {
+                    me.slice_writes.get_or_create(&by_driver).inc_by(n);
+                }
+                DraEvent::ApiError => {
+                    me.api_errors.get_or_create(&by_driver).inc();
+                }
+            }
+        })
     }
 
     /// A registry edit read: `applied`, or `refused` (the running set kept serving).
@@ -163,6 +220,26 @@ impl Metrics {
             "registry_reloads",
             "Edits of the registry or module files read, by result (applied, refused)",
             self.reloads.clone(),
+        );
+        registry.register(
+            "dra_prepare_duration_seconds",
+            "Claims answered in the kubelet's NodePrepareResources calls, by DRA driver and result (ok, error), with the time each took",
+            self.prepares.clone(),
+        );
+        registry.register(
+            "dra_unprepare_duration_seconds",
+            "Claims answered in the kubelet's NodeUnprepareResources calls, by DRA driver and result, with the time each took",
+            self.unprepares.clone(),
+        );
+        registry.register(
+            "dra_slice_writes",
+            "ResourceSlices created, replaced or deleted, by DRA driver",
+            self.slice_writes.clone(),
+        );
+        registry.register(
+            "dra_api_errors",
+            "Requests to the API server that failed (unreachable, refused, conflicts; retried), by DRA driver",
+            self.api_errors.clone(),
         );
     }
 }
@@ -477,6 +554,51 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
                 ),
             ],
         );
+    }
+    let drivers: [Figure<crate::agent::status::DraDriverStatus>; 6] = [
+        (
+            "dra_driver_registered",
+            "1 while the kubelet holds the DRA driver's registration",
+            &|d| u64::from(d.registered),
+        ),
+        ("dra_devices", "The DRA driver's devices", &|d| {
+            d.devices as u64
+        }),
+        (
+            "dra_devices_published",
+            "Devices in the DRA driver's ResourceSlices: healthy, and held by no device-plugin container",
+            &|d| d.published as u64,
+        ),
+        (
+            "dra_pool_generation",
+            "The generation of the DRA driver's pool last published",
+            &|d| u64::try_from(d.generation).unwrap_or(0),
+        ),
+        (
+            "dra_slices",
+            "ResourceSlices the DRA driver's pool has",
+            &|d| d.slices as u64,
+        ),
+        (
+            "dra_claims_prepared",
+            "Claims prepared and not yet unprepared (in the driver's checkpoint)",
+            &|d| d.prepared_claims as u64,
+        ),
+    ];
+    for (name, help, f) in drivers {
+        let values = status
+            .dra_drivers
+            .iter()
+            .map(|d| {
+                let labels = DraDriverLabels {
+                    driver: d.driver.clone(),
+                    resource: d.resource.clone(),
+                    module: d.module.clone(),
+                };
+                (labels, f(d))
+            })
+            .collect();
+        gauges(registry, name, help, values);
     }
     registry.register(
         "ledger_entries",
