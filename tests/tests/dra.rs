@@ -204,6 +204,20 @@ impl DraNode {
             .await
     }
 
+    /// The kubelet's NodePrepareResources for one claim of team-a: that claim's entry.
+    async fn prepare(
+        &self,
+        name: &str,
+        uid: &str,
+    ) -> devicelet::kubelet::api::dra::v1::NodePrepareResourceResponse {
+        let mut answer = self
+            .kubelet
+            .node_prepare_resources(DRIVER, vec![wire_claim(name, uid)])
+            .await
+            .expect("answered");
+        answer.claims.remove(uid).expect("an entry for the claim")
+    }
+
     /// A claim allocated `devices` of our driver in this node's pool, as the scheduler leaves it.
     fn claim(&self, name: &str, devices: &[&str], config: serde_json::Value) -> String {
         let results: Vec<_> = devices
@@ -318,12 +332,7 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
 
     // A claim for it is prepared: a CDI spec for the claim, its device named by the claim's UID.
     let uid = dra.claim("fuse-claim", &[&device], json!([]));
-    let answer = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
-        .await
-        .expect("answered");
-    let prepared = &answer.claims[&uid];
+    let prepared = &dra.prepare("fuse-claim", &uid).await;
     assert_eq!(prepared.error, "", "{prepared:?}");
     assert_eq!(prepared.devices.len(), 1);
     assert_eq!(prepared.devices[0].device_name, device);
@@ -348,12 +357,8 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     let calls = devicelet_tests::module_status(&agent, "generic-dev")
         .stats
         .allocate_calls;
-    let again = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
-        .await
-        .expect("answered");
-    assert_eq!(again.claims[&uid], *prepared);
+    let again = dra.prepare("fuse-claim", &uid).await;
+    assert_eq!(again, *prepared);
     assert_eq!(
         devicelet_tests::module_status(&agent, "generic-dev")
             .stats
@@ -362,12 +367,8 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     );
     // Its spec gone (CDI specs live on tmpfs: a reboot), the claim is prepared again.
     std::fs::remove_file(&spec_file).expect("removing the spec");
-    let after_reboot = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("fuse-claim", &uid)])
-        .await
-        .expect("answered");
-    assert_eq!(after_reboot.claims[&uid], *prepared);
+    let after_reboot = dra.prepare("fuse-claim", &uid).await;
+    assert_eq!(after_reboot, *prepared);
     assert!(spec_file.exists(), "the claim's spec is written again");
     let status = agent.status();
     assert_eq!(status.dra_drivers.len(), 1);
@@ -677,17 +678,12 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
     );
     // A claim for it anyway (a stale allocation) is refused, saying why.
     let uid = dra.claim("early", &[&held_name], json!([]));
-    let answer = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("early", &uid)])
-        .await
-        .expect("answered");
+    let answer = dra.prepare("early", &uid).await;
     assert!(
-        answer.claims[&uid]
+        answer
             .error
             .contains("still held by a container the device-plugin front end allocated it to"),
-        "{:?}",
-        answer.claims[&uid]
+        "{answer:?}"
     );
 
     // The container ends: its device joins the pool and can be claimed.
@@ -696,12 +692,8 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
         slice_devices(&dra.api).is_some_and(|d| d.len() == 2 && d.contains(&held_name))
     })
     .await;
-    let answer = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("early", &uid)])
-        .await
-        .expect("answered");
-    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    let answer = dra.prepare("early", &uid).await;
+    assert_eq!(answer.error, "", "{answer:?}");
 
     // Metrics: the refused and the prepared claim, the slices written, the driver's figures.
     let samples = devicelet_tests::scrape(agent.metrics_addr().expect("metrics")).await;
@@ -761,17 +753,12 @@ async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_th
     })
     .await;
     // The kubelet's prepare gets the error in the claim's own entry, at once.
-    let answer = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("while-down", &uid)])
-        .await
-        .expect("answered");
+    let answer = dra.prepare("while-down", &uid).await;
     assert!(
-        answer.claims[&uid]
+        answer
             .error
             .contains("getting ResourceClaim team-a/while-down"),
-        "{:?}",
-        answer.claims[&uid]
+        "{answer:?}"
     );
     // The device-plugin resource allocates meanwhile.
     dra.kubelet
@@ -803,12 +790,8 @@ async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_th
         slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
     })
     .await;
-    let answer = dra
-        .kubelet
-        .node_prepare_resources(DRIVER, vec![wire_claim("while-down", &uid)])
-        .await
-        .expect("answered");
-    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    let answer = dra.prepare("while-down", &uid).await;
+    assert_eq!(answer.error, "", "{answer:?}");
     assert_eq!(agent.status().dra_drivers[0].api_error, None);
     agent.shutdown().await;
 }
