@@ -2,6 +2,9 @@
 //! (device tree + kubelet device-plugin directory), and runs the real agent against the kubelet
 //! simulator over real Unix sockets.
 
+pub mod cdi;
+pub mod dra;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;

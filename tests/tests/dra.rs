@@ -1,20 +1,15 @@
 //! The DRA front end against the kubelet simulator's DRA plugin manager and its API server
 //! stand-in.
 
-use devicelet::dra::api::ApiClient;
 use devicelet_simulator::apiserver::{ApiServer, Kind};
+use devicelet_tests::dra::{
+    DraNode, NODE, assert_rbac_allows, client, published, registered, slice_devices, wire_claim,
+};
 use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::json;
 
-/// The agent's API client through a kubeconfig naming the stand-in, as `--kubeconfig` does.
-async fn client(api: &ApiServer) -> (tempfile::TempDir, ApiClient) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("kubeconfig");
-    std::fs::write(&file, api.kubeconfig()).expect("kubeconfig");
-    let client = ApiClient::connect(Some(&file)).await.expect("client");
-    (dir, client)
-}
+const DRIVER: &str = "fuse.devicelet.io";
 
 fn slice(node: &str, devices: &[&str]) -> ResourceSlice {
     ResourceSlice {
@@ -130,160 +125,6 @@ async fn the_agents_api_client_reads_claims_and_writes_slices_as_kube_does() {
     );
 }
 
-/// A node whose kubelet watches `plugins_registry/` (its DRA plugin manager behind it), with an
-/// API server holding the Node.
-struct DraNode {
-    node: devicelet_tests::Node,
-    kubelet: devicelet_simulator::Simulator,
-    api: ApiServer,
-    registry: std::path::PathBuf,
-}
-
-const NODE: &str = "node-a";
-const DRIVER: &str = "fuse.devicelet.io";
-
-impl DraNode {
-    async fn new() -> DraNode {
-        let node = devicelet_tests::Node::new().await;
-        node.add_char("/dev/fuse", 10, 229);
-        let registry = node.dir.path().join("plugins_registry");
-        let kubelet = devicelet_simulator::Simulator::start_with(
-            &node.dir.path().join("kubelet").join("device-plugins"),
-            devicelet_simulator::SimConfig {
-                plugins_registry: Some(registry.clone()),
-                ..devicelet_simulator::SimConfig::default()
-            },
-        )
-        .await
-        .expect("the kubelet");
-        let api = ApiServer::start().await.expect("API server");
-        api.create(Kind::Node, "", json!({"metadata": {"name": NODE}}))
-            .expect("node");
-        DraNode {
-            node,
-            kubelet,
-            api,
-            registry,
-        }
-    }
-
-    /// The agent with `modules`, serving DRA for this node through this API server.
-    async fn agent(&self, modules: &str) -> devicelet::agent::Agent {
-        self.agent_with(modules, |_| {}).await
-    }
-
-    /// [`agent`](Self::agent), after letting `adjust` change its options.
-    async fn agent_with(
-        &self,
-        modules: &str,
-        adjust: impl FnOnce(&mut devicelet::agent::AgentOptions),
-    ) -> devicelet::agent::Agent {
-        let (kubeconfig, client) = client(&self.api).await;
-        std::mem::forget(kubeconfig);
-        let state = self.node.state_dir();
-        let (registry, plugins) = (
-            self.registry.clone(),
-            self.node.dir.path().join("kubelet").join("plugins"),
-        );
-        let cdi = self.node.dir.path().join("cdi");
-        self.node
-            .start_agent_with(modules, move |o| {
-                o.state_dir = Some(state.clone());
-                o.dra = Some(devicelet::dra::driver::DraOptions {
-                    registry_dir: registry,
-                    plugins_dir: plugins,
-                    node: NODE.into(),
-                    api: Some(client),
-                    state_dir: Some(state),
-                    cdi_dir: cdi,
-                    resync: std::time::Duration::from_millis(200),
-                    events: Default::default(),
-                });
-                adjust(o);
-            })
-            .await
-    }
-
-    /// The kubelet's NodePrepareResources for one claim of team-a: that claim's entry.
-    async fn prepare(
-        &self,
-        name: &str,
-        uid: &str,
-    ) -> devicelet::kubelet::api::dra::v1::NodePrepareResourceResponse {
-        let mut answer = self
-            .kubelet
-            .node_prepare_resources(DRIVER, vec![wire_claim(name, uid)])
-            .await
-            .expect("answered");
-        answer.claims.remove(uid).expect("an entry for the claim")
-    }
-
-    /// A claim allocated `devices` of our driver in this node's pool, as the scheduler leaves it.
-    fn claim(&self, name: &str, devices: &[&str], config: serde_json::Value) -> String {
-        let results: Vec<_> = devices
-            .iter()
-            .map(|d| json!({"request": "fuse", "driver": DRIVER, "pool": NODE, "device": d}))
-            .collect();
-        let created = self
-            .api
-            .create(
-                Kind::ResourceClaim,
-                "team-a",
-                json!({
-                    "metadata": {"name": name},
-                    "spec": {"devices": {"requests": [{"name": "fuse", "exactly": {"deviceClassName": "fuse.devicelet.io"}}]}},
-                    "status": {"allocation": {"devices": {"results": results, "config": config}}}
-                }),
-            )
-            .expect("claim");
-        created["metadata"]["uid"]
-            .as_str()
-            .expect("uid")
-            .to_string()
-    }
-}
-
-/// The pool's one slice, once it lists the node's device.
-async fn published(api: &ApiServer) -> serde_json::Value {
-    devicelet_tests::eventually_some("a published slice with the device", || {
-        let slices = api.list(Kind::ResourceSlice);
-        match slices.as_slice() {
-            [one]
-                if one["spec"]["devices"]
-                    .as_array()
-                    .is_some_and(|d| !d.is_empty()) =>
-            {
-                Some(one.clone())
-            }
-            _ => None,
-        }
-    })
-    .await
-}
-
-/// Waits until the kubelet registered the driver `count` times in all (once per agent start),
-/// and holds it now.
-async fn registered(kubelet: &devicelet_simulator::Simulator, count: usize) {
-    kubelet
-        .wait_registry(devicelet_tests::WAIT, |a| {
-            a.iter().filter(|a| a.registered()).count() >= count
-        })
-        .await
-        .expect("registered");
-    devicelet_tests::eventually("the driver held by the kubelet", || {
-        kubelet.dra_registrations().len() == 1
-    })
-    .await;
-}
-
-fn wire_claim(name: &str, uid: &str) -> devicelet::kubelet::api::dra::v1::Claim {
-    devicelet::kubelet::api::dra::v1::Claim {
-        namespace: "team-a".into(),
-        uid: uid.into(),
-        name: name.into(),
-    }
-}
-
 /// generic-dev serving `devicelet.io/fuse` from `paths` (TOML strings) through `front_end`.
 fn fuse_via(front_end: &str, paths: &str) -> String {
     format!(
@@ -331,8 +172,8 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
         .to_string();
 
     // A claim for it is prepared: a CDI spec for the claim, its device named by the claim's UID.
-    let uid = dra.claim("fuse-claim", &[&device], json!([]));
-    let prepared = &dra.prepare("fuse-claim", &uid).await;
+    let uid = dra.claim(DRIVER, "fuse-claim", &[&device], json!([]));
+    let prepared = &dra.prepare(DRIVER, "fuse-claim", &uid).await;
     assert_eq!(prepared.error, "", "{prepared:?}");
     assert_eq!(prepared.devices.len(), 1);
     assert_eq!(prepared.devices[0].device_name, device);
@@ -357,7 +198,7 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     let calls = devicelet_tests::module_status(&agent, "generic-dev")
         .stats
         .allocate_calls;
-    let again = dra.prepare("fuse-claim", &uid).await;
+    let again = dra.prepare(DRIVER, "fuse-claim", &uid).await;
     assert_eq!(again, *prepared);
     assert_eq!(
         devicelet_tests::module_status(&agent, "generic-dev")
@@ -367,7 +208,7 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     );
     // Its spec gone (CDI specs live on tmpfs: a reboot), the claim is prepared again.
     std::fs::remove_file(&spec_file).expect("removing the spec");
-    let after_reboot = dra.prepare("fuse-claim", &uid).await;
+    let after_reboot = dra.prepare(DRIVER, "fuse-claim", &uid).await;
     assert_eq!(after_reboot, *prepared);
     assert!(spec_file.exists(), "the claim's spec is written again");
     let status = agent.status();
@@ -408,7 +249,7 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
         .as_str()
         .expect("device")
         .to_string();
-    let good = dra.claim("good", &[&device], json!([]));
+    let good = dra.claim(DRIVER, "good", &[&device], json!([]));
     // Another node's pool.
     let foreign = {
         let created = dra
@@ -430,8 +271,8 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
             .expect("uid")
             .to_string()
     };
-    let unknown = dra.claim("unknown-device", &["no-such-device"], json!([]));
-    let second = dra.claim("second", &[&device], json!([]));
+    let unknown = dra.claim(DRIVER, "unknown-device", &["no-such-device"], json!([]));
+    let second = dra.claim(DRIVER, "second", &[&device], json!([]));
     let answer = dra
         .kubelet
         .node_prepare_resources(
@@ -568,60 +409,6 @@ switch = "/sys/testing/switch"
     agent.shutdown().await;
 }
 
-/// Every request the agent made of the API server is one the ClusterRole in
-/// `deploy/dra/rbac.yaml` allows: the manifests grant what the code asks.
-fn assert_rbac_allows(api: &ApiServer) {
-    use serde::Deserialize;
-    let file = devicelet_tests::workspace_root().join("deploy/dra/rbac.yaml");
-    let text = std::fs::read_to_string(&file).expect("deploy/dra/rbac.yaml");
-    let role = serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|doc| serde_json::Value::deserialize(doc).expect("YAML"))
-        .find(|doc| doc["kind"] == "ClusterRole")
-        .expect("a ClusterRole");
-    let has = |list: &serde_json::Value, want: &str| {
-        list.as_array()
-            .is_some_and(|l| l.iter().any(|v| v == want || v == "*"))
-    };
-    let requests = api.requests();
-    assert!(
-        !requests.is_empty(),
-        "the agent asked the API server nothing"
-    );
-    for (verb, kind) in requests {
-        let allowed = role["rules"].as_array().is_some_and(|rules| {
-            rules.iter().any(|r| {
-                has(&r["apiGroups"], kind.group())
-                    && has(&r["resources"], kind.plural())
-                    && has(&r["verbs"], &verb)
-            })
-        });
-        assert!(
-            allowed,
-            "{}: the agent's {verb} of {} is not allowed",
-            file.display(),
-            kind.plural()
-        );
-    }
-}
-
-/// The names of the devices the pool's one slice lists.
-fn slice_devices(api: &ApiServer) -> Option<Vec<String>> {
-    let slices = api.list(Kind::ResourceSlice);
-    let [one] = slices.as_slice() else {
-        return None;
-    };
-    Some(
-        one["spec"]["devices"]
-            .as_array()
-            .map(|d| {
-                d.iter()
-                    .filter_map(|d| d["name"].as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_device_out_twice() {
     let dra = DraNode::new().await;
@@ -677,8 +464,8 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
         "the held device stays out of the pool: {published:?}"
     );
     // A claim for it anyway (a stale allocation) is refused, saying why.
-    let uid = dra.claim("early", &[&held_name], json!([]));
-    let answer = dra.prepare("early", &uid).await;
+    let uid = dra.claim(DRIVER, "early", &[&held_name], json!([]));
+    let answer = dra.prepare(DRIVER, "early", &uid).await;
     assert!(
         answer
             .error
@@ -692,7 +479,7 @@ async fn a_resource_moved_from_the_device_plugin_to_dra_never_hands_a_held_devic
         slice_devices(&dra.api).is_some_and(|d| d.len() == 2 && d.contains(&held_name))
     })
     .await;
-    let answer = dra.prepare("early", &uid).await;
+    let answer = dra.prepare(DRIVER, "early", &uid).await;
     assert_eq!(answer.error, "", "{answer:?}");
 
     // Metrics: the refused and the prepared claim, the slices written, the driver's figures.
@@ -743,7 +530,7 @@ async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_th
         .as_str()
         .expect("a device")
         .to_string();
-    let uid = dra.claim("while-down", &[&device], json!([]));
+    let uid = dra.claim(DRIVER, "while-down", &[&device], json!([]));
 
     dra.api.down().await;
     // A device arrives: its slice cannot be written, and the publisher keeps trying.
@@ -753,7 +540,7 @@ async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_th
     })
     .await;
     // The kubelet's prepare gets the error in the claim's own entry, at once.
-    let answer = dra.prepare("while-down", &uid).await;
+    let answer = dra.prepare(DRIVER, "while-down", &uid).await;
     assert!(
         answer
             .error
@@ -790,8 +577,50 @@ async fn the_api_server_down_for_a_while_stalls_neither_the_device_plugin_nor_th
         slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
     })
     .await;
-    let answer = dra.prepare("while-down", &uid).await;
+    let answer = dra.prepare(DRIVER, "while-down", &uid).await;
     assert_eq!(answer.error, "", "{answer:?}");
     assert_eq!(agent.status().dra_drivers[0].api_error, None);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_claims_in_one_call_get_an_answer_each_and_only_the_first_are_tried() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(&fuse_dra()).await;
+    registered(&dra.kubelet, 1).await;
+    let device = published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim(DRIVER, "real", &[&device], json!([]));
+    let mut claims = vec![wire_claim("real", &uid)];
+    claims.extend((1..10_000).map(|i| wire_claim(&format!("flood-{i}"), &format!("uid-{i}"))));
+    let gets_before = dra.api.requests().len();
+
+    let answer = dra
+        .kubelet
+        .node_prepare_resources(DRIVER, claims)
+        .await
+        .expect("answered within the kubelet's deadline");
+    assert_eq!(answer.claims.len(), 10_000, "an entry for every claim");
+    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    let max = devicelet::dra::prepare::MAX_CLAIMS_PER_CALL;
+    let untried = answer
+        .claims
+        .values()
+        .filter(|c| c.error.contains("claims in one NodePrepareResources call"))
+        .count();
+    assert_eq!(untried, 10_000 - max);
+    // Only the claims it tried were read from the API server.
+    let reads = dra.api.requests()[gets_before..]
+        .iter()
+        .filter(|(verb, kind)| verb == "get" && *kind == Kind::ResourceClaim)
+        .count();
+    assert_eq!(reads, max);
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 1);
+
+    // The driver still answers at once.
+    let again = dra.prepare(DRIVER, "real", &uid).await;
+    assert_eq!(again.error, "");
     agent.shutdown().await;
 }

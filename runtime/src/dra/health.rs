@@ -10,8 +10,7 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use super::names::device_name;
-use crate::device::Health;
+use super::units::units;
 use crate::kubelet::api::dra::health::dra_resource_health_server::DraResourceHealth;
 use crate::kubelet::api::dra::health::{
     DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
@@ -28,26 +27,27 @@ pub struct HealthService {
     pub devices: watch::Receiver<Snapshot>,
 }
 
-/// The complete health of `snapshot`'s devices.
+/// The complete health of `snapshot`'s devices, as published (a group as one device).
 pub fn report(pool: &str, snapshot: &Snapshot) -> NodeWatchResourcesResponse {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or_default();
-    let devices = snapshot
-        .iter()
-        .map(|d| DeviceHealth {
+    let devices = units(snapshot)
+        .into_iter()
+        .map(|u| DeviceHealth {
+            health: if u.healthy() {
+                HealthStatus::Healthy
+            } else {
+                HealthStatus::Unhealthy
+            } as i32,
+            message: u.reason().unwrap_or_default(),
             device: Some(DeviceIdentifier {
                 pool_name: pool.to_owned(),
-                device_name: device_name(&d.id),
+                device_name: u.name,
             }),
-            health: match d.health {
-                Health::Healthy => HealthStatus::Healthy,
-                Health::Unhealthy => HealthStatus::Unhealthy,
-            } as i32,
             last_updated_time: now,
             health_check_timeout_seconds: 0,
-            message: d.health_reason.clone().unwrap_or_default(),
         })
         .collect();
     NodeWatchResourcesResponse { devices }

@@ -13,6 +13,7 @@ pub mod names;
 pub mod prepare;
 pub mod server;
 pub mod slices;
+pub mod units;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

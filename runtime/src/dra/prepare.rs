@@ -30,8 +30,8 @@ use super::api::ApiClient;
 use super::checkpoint::{Checkpoint, PreparedClaim, PreparedRequest};
 use super::claim;
 use super::events::{DraEvent, DraEvents};
-use super::names::device_name;
-use crate::device::{ContainerEdits, Health, Request};
+use super::units::units;
+use crate::device::{ContainerEdits, Request};
 use crate::resource::backend::DeviceBackend;
 use crate::resource::snapshot::Snapshot;
 
@@ -370,12 +370,15 @@ impl<B: DeviceBackend> Claims<B> {
         Ok(())
     }
 
-    /// What the kubelet is told for a prepared claim: each device, the request's CDI IDs on the
-    /// first device of the request (the answer covers the request as a whole).
+    /// What the kubelet is told for a prepared claim: each device (a group's members once,
+    /// under its name), the request's CDI IDs on the first device of the request (the answer
+    /// covers the request as a whole).
     fn devices_of(&self, claim: &PreparedClaim) -> Vec<PreparedDevice> {
         let mut out = Vec::new();
         for request in &claim.requests {
-            for (i, (name, _)) in request.devices.iter().enumerate() {
+            let mut names: Vec<&String> = request.devices.iter().map(|(name, _)| name).collect();
+            names.dedup();
+            for (i, name) in names.into_iter().enumerate() {
                 out.push(PreparedDevice {
                     request: request.request.clone(),
                     pool: self.pool.clone(),
@@ -391,31 +394,31 @@ impl<B: DeviceBackend> Claims<B> {
         out
     }
 
-    /// (name, module ID) of each device name, from the current snapshot; each must be there,
-    /// healthy, and held by no device-plugin container.
+    /// (name, module ID) of each device name's members (a group's every device), from the
+    /// current snapshot; each must be published: healthy, and held by no device-plugin
+    /// container.
     fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, String> {
         let snapshot = self.devices.borrow().clone();
         let held = (self.held)();
-        names
-            .iter()
-            .map(|name| {
-                let device = snapshot
-                    .iter()
-                    .find(|d| device_name(&d.id) == *name)
-                    .ok_or_else(|| format!("device {name:?} is not one this driver publishes"))?;
-                if device.health != Health::Healthy {
-                    let why = device.health_reason.as_deref().unwrap_or("no reason given");
-                    return Err(format!("device {name:?} is unhealthy: {why}"));
-                }
-                if held.contains(&device.id) {
-                    return Err(format!(
-                        "device {name:?} is still held by a container the device-plugin front \
-                         end allocated it to; it joins the pool when that container ends"
-                    ));
-                }
-                Ok((name.clone(), device.id.clone()))
-            })
-            .collect()
+        let units = units(&snapshot);
+        let mut out = Vec::new();
+        for name in names {
+            let unit = units
+                .iter()
+                .find(|u| u.name == *name)
+                .ok_or_else(|| format!("device {name:?} is not one this driver publishes"))?;
+            if let Some(why) = unit.reason() {
+                return Err(format!("device {name:?} is unhealthy: {why}"));
+            }
+            if unit.members.iter().any(|d| held.contains(&d.id)) {
+                return Err(format!(
+                    "device {name:?} is still held by a container the device-plugin front end \
+                     allocated it to; it joins the pool when that container ends"
+                ));
+            }
+            out.extend(unit.members.iter().map(|d| (name.clone(), d.id.clone())));
+        }
+        Ok(out)
     }
 
     async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) {

@@ -32,8 +32,9 @@ use super::HeldElsewhere;
 use super::api::{ApiClient, ApiError};
 use super::events::{DraEvent, DraEvents};
 use super::names::device_name;
+use super::units::units;
 use crate::backoff::Backoff;
-use crate::device::{AttributeValue, Device, Health};
+use crate::device::{AttributeValue, Device};
 use crate::resource::snapshot::Snapshot;
 
 /// `ResourceSliceMaxDevices`.
@@ -56,13 +57,14 @@ pub struct Published {
     pub last_error: Option<String>,
 }
 
-/// The devices of `snapshot` as the API publishes them, by name: healthy ones no container
-/// holds through the device-plugin front end (`held`, module IDs).
+/// The devices of `snapshot` as the API publishes them, by name: healthy units (a device, or a
+/// whole group) no member of which a container holds through the device-plugin front end
+/// (`held`, module IDs).
 pub fn api_devices(snapshot: &[Device], held: &BTreeSet<String>) -> Vec<ApiDevice> {
-    let mut devices: Vec<ApiDevice> = snapshot
+    let mut devices: Vec<ApiDevice> = units(snapshot)
         .iter()
-        .filter(|d| d.health == Health::Healthy && !held.contains(&d.id))
-        .map(api_device)
+        .filter(|u| u.healthy() && !u.members.iter().any(|d| held.contains(&d.id)))
+        .map(|u| api_device(u.first))
         .collect();
     devices.sort_by(|a, b| a.name.cmp(&b.name));
     // Two IDs on one name would get the whole slice refused: neither is published (an
@@ -434,6 +436,7 @@ pub async fn withdraw(api: &ApiClient, pool: &Pool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Health;
 
     #[test]
     fn typed_attributes_and_capacities_keep_their_kinds_and_names_become_identifiers() {
