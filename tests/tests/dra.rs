@@ -624,3 +624,85 @@ async fn ten_thousand_claims_in_one_call_get_an_answer_each_and_only_the_first_a
     assert_eq!(again.error, "");
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_edit_upgrades_a_dra_module_in_place_keeping_its_driver_and_claims() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/net/tun", 10, 200);
+    let groups = |extra: &str| {
+        fuse_dra().replace(
+            r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#,
+            &format!(r#"groups = [{{ name = "fuse", paths = ["/dev/fuse"] }}{extra}]"#),
+        )
+    };
+    let agent = dra.agent(&groups("")).await;
+    registered(&dra.kubelet, 1).await;
+    let device = published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim(DRIVER, "kept", &[&device], json!([]));
+    assert_eq!(dra.prepare(DRIVER, "kept", &uid).await.error, "");
+    let generation = || {
+        agent
+            .status()
+            .dra_drivers
+            .iter()
+            .find(|d| d.driver == DRIVER)
+            .map(|d| d.generation)
+    };
+    let before = generation();
+    let attempts = dra.kubelet.registry_attempts().len();
+
+    // The edit adds a resource: a new driver starts beside the running one, which is not
+    // touched (no new registration, same pool generation, its claim still prepared).
+    dra.node
+        .registry(&groups(r#", { name = "tun", paths = ["/dev/net/tun"] }"#));
+    devicelet_tests::eventually("the tun driver registered and published", || {
+        dra.kubelet
+            .dra_registrations()
+            .iter()
+            .any(|r| r.driver == "tun.devicelet.io")
+            && dra
+                .api
+                .list(Kind::ResourceSlice)
+                .iter()
+                .any(|s| s["spec"]["driver"] == "tun.devicelet.io")
+    })
+    .await;
+    assert_eq!(
+        dra.kubelet.registry_attempts().len(),
+        attempts + 1,
+        "only the new driver registered: {:?}",
+        dra.kubelet.registry_attempts()
+    );
+    assert_eq!(generation(), before);
+    let fuse = agent
+        .status()
+        .dra_drivers
+        .into_iter()
+        .find(|d| d.driver == DRIVER)
+        .expect("the fuse driver");
+    assert_eq!(fuse.prepared_claims, 1);
+    // The new version answers the kept driver's unprepare.
+    let unprepared = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("kept", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(unprepared.claims[&uid].error, "");
+
+    // The edit is undone: the tun driver goes, and its slices with it.
+    dra.node.registry(&groups(""));
+    devicelet_tests::eventually("the tun driver's slices withdrawn", || {
+        dra.api
+            .list(Kind::ResourceSlice)
+            .iter()
+            .all(|s| s["spec"]["driver"] != "tun.devicelet.io")
+            && agent.status().dra_drivers.len() == 1
+    })
+    .await;
+    assert_eq!(dra.kubelet.registry_attempts().len(), attempts + 1);
+    agent.shutdown().await;
+    assert_rbac_allows(&dra.api);
+}

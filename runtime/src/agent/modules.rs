@@ -296,9 +296,26 @@ pub async fn upgrade(
     taken: &BTreeMap<String, String>,
     dra: Option<&DraOptions>,
 ) -> (RunningModule, Vec<String>) {
+    if let FrontEnd::Dra { driver } = &spec.front_end
+        && !old.drivers.is_empty()
+        && old.spec.health_interval == spec.health_interval
+    {
+        return upgrade_drivers(
+            old,
+            handle,
+            spec,
+            driver.as_deref(),
+            host_root,
+            at,
+            taken,
+            dra,
+        )
+        .await;
+    }
     if !old.drivers.is_empty() || matches!(spec.front_end, FrontEnd::Dra { .. }) {
-        // DRA drivers start again on the new version (their checkpoints keep prepared claims);
-        // a module moved between front ends stops on one and starts on the other.
+        // A module moved between front ends (or a DRA module whose health interval changed,
+        // which its drivers' watchers were started with) stops on one and starts on the other;
+        // DRA checkpoints keep prepared claims.
         let name = spec.name.clone();
         let staying = match &spec.front_end {
             FrontEnd::Dra { driver } => {
@@ -376,6 +393,70 @@ pub async fn upgrade(
         running(spec, host_root, slot, resources, Vec::new()),
         errors,
     )
+}
+
+/// Upgrades a DRA module in place, as [`upgrade`] does for device-plugin resources: each
+/// driver the new version still serves (same driver name, same resource) keeps its sockets,
+/// registration, health streams, pool and claims, and enumerates again at once through the new
+/// version, which answers its next prepare and unprepare. Drivers no longer served stop and
+/// take their slices with them; new ones start.
+#[allow(clippy::too_many_arguments)]
+async fn upgrade_drivers(
+    old: RunningModule,
+    handle: ModuleHandle,
+    spec: &ModuleSpec,
+    explicit: Option<&str>,
+    host_root: &Path,
+    at: &Serving<'_>,
+    taken: &BTreeMap<String, String>,
+    dra: Option<&DraOptions>,
+) -> (RunningModule, Vec<String>) {
+    let (planned, mut errors) = plan(spec, handle.resources(), taken);
+    let wanted: Vec<(String, &String, &ResourceInfo)> = planned
+        .iter()
+        .filter_map(|(name, info)| {
+            let driver = crate::dra::names::driver_name(explicit, name).ok()?;
+            Some((driver, name, info))
+        })
+        .collect();
+    let RunningModule { slot, drivers, .. } = old;
+    let (kept, gone): (Vec<_>, Vec<_>) = drivers.into_iter().partition(|d| {
+        wanted.iter().any(|(driver, name, info)| {
+            *driver == d.driver && **name == d.name && info.name == d.local
+        })
+    });
+    // Gone ones stop while the old version still answers their last calls.
+    for driver in gone {
+        driver.stop(true).await;
+    }
+    handle.inherit_own_edits(&slot.current());
+    let previous = slot.replace(handle);
+    for d in &kept {
+        d.poke.notify_one();
+    }
+    let fresh: Vec<(String, ResourceInfo)> = planned
+        .iter()
+        .filter(|(name, _)| !kept.iter().any(|d| d.name == *name))
+        .cloned()
+        .collect();
+    let mut drivers = kept;
+    drivers.extend(start_drivers(
+        &slot,
+        spec,
+        explicit,
+        host_root,
+        (&fresh, taken),
+        (dra, at.ledger),
+        &mut errors,
+    ));
+    tracing::info!(
+        module = spec.name,
+        from = previous.digest(),
+        to = slot.current().digest(),
+        "upgraded in place"
+    );
+    drop(previous);
+    (running(spec, host_root, slot, Vec::new(), drivers), errors)
 }
 
 fn serve_planned(
