@@ -381,14 +381,7 @@ pub async fn upgrade(
         at,
         &mut errors,
     ));
-    tracing::info!(
-        module = spec.name,
-        from = previous.digest(),
-        to = slot.current().digest(),
-        "upgraded in place"
-    );
-    // The old version's cells end once calls still running on it finish.
-    drop(previous);
+    upgraded(spec, &slot, previous);
     (
         running(spec, host_root, slot, resources, Vec::new()),
         errors,
@@ -449,14 +442,19 @@ async fn upgrade_drivers(
         (dra, at.ledger),
         &mut errors,
     ));
+    upgraded(spec, &slot, previous);
+    (running(spec, host_root, slot, Vec::new(), drivers), errors)
+}
+
+/// Logs an in-place upgrade and lets go of the old version: its cells end once calls still
+/// running on it finish.
+fn upgraded(spec: &ModuleSpec, slot: &ModuleSlot, previous: Arc<ModuleHandle>) {
     tracing::info!(
         module = spec.name,
         from = previous.digest(),
         to = slot.current().digest(),
         "upgraded in place"
     );
-    drop(previous);
-    (running(spec, host_root, slot, Vec::new(), drivers), errors)
 }
 
 fn serve_planned(
