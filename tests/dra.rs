@@ -25,24 +25,31 @@ pub struct DraNode {
 
 /// The node's name: its pool's.
 pub const NODE: &str = "node-a";
+/// How long after a driver's last endpoint goes the kubelet wipes its slices (30 s on a node).
+pub const WIPE_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl DraNode {
     pub async fn new() -> DraNode {
         let node = crate::Node::new().await;
         node.add_char("/dev/fuse", 10, 229);
         let registry = node.dir.path().join("plugins_registry");
+        let api = ApiServer::start().await.expect("API server");
+        api.create(Kind::Node, "", json!({"metadata": {"name": NODE}}))
+            .expect("node");
         let kubelet = devicelet_simulator::Simulator::start_with(
             &node.dir.path().join("kubelet").join("device-plugins"),
             devicelet_simulator::SimConfig {
                 plugins_registry: Some(registry.clone()),
+                dra_api: Some(devicelet_simulator::DraApi {
+                    server: api.handle(),
+                    node: NODE.into(),
+                }),
+                dra_wipe_delay: WIPE_DELAY,
                 ..devicelet_simulator::SimConfig::default()
             },
         )
         .await
         .expect("the kubelet");
-        let api = ApiServer::start().await.expect("API server");
-        api.create(Kind::Node, "", json!({"metadata": {"name": NODE}}))
-            .expect("node");
         DraNode {
             node,
             kubelet,

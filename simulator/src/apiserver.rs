@@ -87,8 +87,8 @@ impl Kind {
 type Key = (Kind, String, String);
 
 #[derive(Default)]
-struct Store {
-    objects: BTreeMap<Key, Value>,
+pub(crate) struct Store {
+    pub(crate) objects: BTreeMap<Key, Value>,
     resource_version: u64,
     uids: u64,
     /// Requests answered, by verb and kind, for tests that count what a client did.
@@ -134,12 +134,12 @@ impl ApiError {
 }
 
 impl Store {
-    fn next_version(&mut self) -> String {
+    pub(crate) fn next_version(&mut self) -> String {
         self.resource_version += 1;
         self.resource_version.to_string()
     }
 
-    fn create(
+    pub(crate) fn create(
         &mut self,
         kind: Kind,
         namespace: &str,
@@ -250,7 +250,7 @@ impl Store {
         Ok(object)
     }
 
-    fn list(
+    pub(crate) fn list(
         &self,
         kind: Kind,
         namespace: Option<&str>,
@@ -311,6 +311,33 @@ fn check(kind: Kind, name: &str, object: &Value) -> Result<(), ApiError> {
     }
 }
 
+/// The stand-in's objects as the simulated kubelet and scheduler in the same process reach them
+/// (`scheduler.rs`): their requests are not counted among the clients' in
+/// [`ApiServer::requests`]. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiHandle {
+    pub(crate) store: Arc<Mutex<Store>>,
+}
+
+impl std::fmt::Debug for ApiHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiHandle")
+    }
+}
+
+/// The same server.
+impl PartialEq for ApiHandle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.store, &other.store)
+    }
+}
+
+impl ApiHandle {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Store> {
+        lock(&self.store)
+    }
+}
+
 /// The API server stand-in; dropping it stops serving.
 pub struct ApiServer {
     addr: SocketAddr,
@@ -330,6 +357,14 @@ impl ApiServer {
             store,
             task: Mutex::new(Some(task)),
         })
+    }
+
+    /// Its objects, for the simulated kubelet ([`SimConfig::dra_api`](crate::SimConfig)) and
+    /// scheduler ([`ApiHandle::allocate_claim`]).
+    pub fn handle(&self) -> ApiHandle {
+        ApiHandle {
+            store: self.store.clone(),
+        }
     }
 
     /// `http://127.0.0.1:<port>`, what a kubeconfig's `server` names.

@@ -168,6 +168,11 @@ impl DraState {
         removed
     }
 
+    /// Whether `driver` has an endpoint registered.
+    pub(super) fn has(&self, driver: &str) -> bool {
+        self.drivers.contains_key(driver)
+    }
+
     /// Every registered endpoint, by driver and then in registration order.
     pub(super) fn registrations(&self) -> Vec<DraRegistration> {
         self.drivers

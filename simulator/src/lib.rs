@@ -47,6 +47,7 @@ mod error;
 mod events;
 mod podresources;
 mod registration;
+mod scheduler;
 mod server;
 mod state;
 mod validation;
@@ -76,6 +77,13 @@ pub use watcher::RegistryAttempt;
 
 use server::ServerHandle;
 use state::Registry;
+
+/// The API server a simulated kubelet reaches for DRA, and which node it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraApi {
+    pub server: apiserver::ApiHandle,
+    pub node: String,
+}
 
 /// Timings of the simulated kubelet. The defaults are the kubelet's; tests shorten them.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,6 +121,12 @@ pub struct SimConfig {
     /// The pause before the kubelet opens a DRA driver's health stream again after it failed or
     /// ended (kubelet 1.36: 5 s).
     pub dra_health_retry: Duration,
+    /// The API server this kubelet's DRA manager reaches, and the node it runs: it wipes the
+    /// node's ResourceSlices at every start, and a driver's [`dra_wipe_delay`](Self::dra_wipe_delay)
+    /// after its last endpoint deregistered unless it registered again. None: no wipes.
+    pub dra_api: Option<DraApi>,
+    /// How long after a DRA driver's last endpoint goes its slices are wiped (kubelet: 30 s).
+    pub dra_wipe_delay: Duration,
 }
 
 impl Default for SimConfig {
@@ -127,6 +141,8 @@ impl Default for SimConfig {
             registry_retry: Duration::from_millis(500),
             dra_call_timeout: devicelet_api::dra::CALL_DEADLINE,
             dra_health_retry: Duration::from_secs(5),
+            dra_api: None,
+            dra_wipe_delay: Duration::from_secs(30),
         }
     }
 }
@@ -224,6 +240,38 @@ impl Inner {
         }
         self.stop_watcher();
         self.lock().abort_streams();
+    }
+
+    /// A starting kubelet's DRA manager wipes every ResourceSlice of its node at once.
+    fn wipe_at_start(&self) {
+        if let Some(api) = &self.config.dra_api {
+            let wiped = api.server.wipe_slices(&api.node, None);
+            info!(
+                "kubelet start: {wiped} ResourceSlices of node {} wiped",
+                api.node
+            );
+        }
+    }
+
+    /// The last endpoint of `driver` went: its slices are wiped after the delay, unless it
+    /// registered again meanwhile.
+    fn wipe_later(self: &Arc<Self>, driver: &str) {
+        let Some(api) = self.config.dra_api.clone() else {
+            return;
+        };
+        let (inner, driver) = (Arc::downgrade(self), driver.to_owned());
+        let delay = self.config.dra_wipe_delay;
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let Some(inner) = inner.upgrade() else {
+                return;
+            };
+            if inner.lock().dra.has(&driver) {
+                return;
+            }
+            let wiped = api.server.wipe_slices(&api.node, Some(&driver));
+            info!("DRA driver {driver} gone for {delay:?}: {wiped} ResourceSlices wiped");
+        });
     }
 
     /// Starts the plugin watcher if configured: it scans the directory, then follows it.
@@ -338,6 +386,7 @@ impl Simulator {
             watcher: Mutex::new(None),
             admission: tokio::sync::Mutex::new(()),
         });
+        inner.wipe_at_start();
         let pod_server = server::serve_pod_resources(&inner)?;
         *inner
             .pod_server
@@ -587,6 +636,7 @@ impl Simulator {
         server::stop(inner).await;
         inner.stop_watcher();
         inner.lock().forget_endpoints();
+        inner.wipe_at_start();
         self.restart_stopped().await
     }
 
@@ -626,6 +676,7 @@ impl Simulator {
         server::stop(inner).await;
         inner.stop_watcher();
         inner.lock().forget_endpoints();
+        inner.wipe_at_start();
         let removed = match order {
             RestartOrder::SocketsThenKubelet => return self.restart_stopped().await,
             RestartOrder::PluginSocketsFirst => {

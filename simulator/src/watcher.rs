@@ -374,6 +374,9 @@ impl Tasks {
         if let (Some(driver), Some(endpoint)) = (&resource, &watched.dra_endpoint) {
             if registry.dra.deregister(driver, endpoint) {
                 info!("plugin watcher: DRA driver {driver}: endpoint {endpoint} deregistered");
+                if !registry.dra.has(driver) {
+                    inner.wipe_later(driver);
+                }
             }
         } else if let Some(name) = &resource
             && registry.disconnect(name)

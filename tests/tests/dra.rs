@@ -318,11 +318,8 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
     let dra = DraNode::new().await;
     let agent = dra.agent(&fuse_dra()).await;
     let first = published(&dra.api).await;
-    let name = first["metadata"]["name"]
-        .as_str()
-        .expect("name")
-        .to_string();
-    assert!(dra.api.delete(Kind::ResourceSlice, "", &name));
+    // A restarting kubelet wipes every slice of its node at once.
+    dra.kubelet.restart().await.expect("kubelet restart");
     let again = published(&dra.api).await;
     assert_ne!(again["metadata"]["name"], first["metadata"]["name"]);
     assert!(
@@ -331,6 +328,48 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
         first["spec"]["pool"]["generation"],
         again["spec"]["pool"]["generation"]
     );
+    registered(&dra.kubelet, 2).await;
+    agent.shutdown().await;
+
+    // The agent stopped for longer than the kubelet's wipe delay: its slices are wiped, and
+    // published again when it comes back.
+    devicelet_tests::eventually("the stopped driver's slices wiped", || {
+        dra.api.list(Kind::ResourceSlice).is_empty()
+    })
+    .await;
+    let agent = dra.agent(&fuse_dra()).await;
+    published(&dra.api).await;
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schedulers_claims_are_prepared_and_no_device_is_allocated_twice() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    let agent = dra
+        .agent(&fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#))
+        .await;
+    registered(&dra.kubelet, 1).await;
+    devicelet_tests::eventually("both devices published", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    let scheduler = dra.api.handle();
+    let mut devices = Vec::new();
+    for name in ["first", "second"] {
+        let claim = scheduler
+            .allocate_claim("team-a", name, DRIVER, NODE, 1)
+            .expect("allocated");
+        let uid = claim["metadata"]["uid"].as_str().expect("uid").to_string();
+        let prepared = dra.prepare(DRIVER, name, &uid).await;
+        assert_eq!(prepared.error, "", "{prepared:?}");
+        devices.push(prepared.devices[0].device_name.clone());
+    }
+    assert_ne!(devices[0], devices[1], "two claims, two devices");
+    let none = scheduler
+        .allocate_claim("team-a", "third", DRIVER, NODE, 1)
+        .unwrap_err();
+    assert!(none.contains("0 free"), "{none}");
     agent.shutdown().await;
 }
 
