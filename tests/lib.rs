@@ -539,3 +539,24 @@ pub fn validate_registry(file: &Path, args: &[&std::ffi::OsStr]) -> (bool, Strin
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
 }
+
+/// Reads a child's output lines until one contains `needle`, keeping every line read in
+/// `seen` (shown on failure).
+pub async fn read_until(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    needle: &str,
+    seen: &mut String,
+) {
+    let found = tokio::time::timeout(WAIT, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            seen.push_str(&line);
+            seen.push('\n');
+            if line.contains(needle) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(found == Ok(true), "no line with {needle:?} in:\n{seen}");
+}

@@ -3,9 +3,9 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use devicelet_tests::{WAIT, devicelet_bin, module_dir, workspace_root};
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{ChildStdout, Command};
+use devicelet_tests::{devicelet_bin, module_dir, read_until as until, workspace_root};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
 
 const CONFIG: &str = r#"resource-domain = "amd.com"
 
@@ -28,22 +28,6 @@ fn command(fixture: &std::path::Path, config: &std::path::Path) -> Command {
         .stdout(Stdio::piped())
         .kill_on_drop(true);
     cmd
-}
-
-/// Reads lines until one contains `needle`; every line read so far, on failure too.
-async fn until(lines: &mut Lines<BufReader<ChildStdout>>, needle: &str, seen: &mut String) {
-    let found = tokio::time::timeout(WAIT, async {
-        while let Ok(Some(line)) = lines.next_line().await {
-            seen.push_str(&line);
-            seen.push('\n');
-            if line.contains(needle) {
-                return true;
-            }
-        }
-        false
-    })
-    .await;
-    assert!(found == Ok(true), "no line with {needle:?} in:\n{seen}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,6 +57,50 @@ async fn try_shows_registration_snapshots_and_an_allocation_then_stops() {
         "{text}"
     );
     assert!(text.contains("/dev/kfd"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_dra_publishes_the_devices_and_prepares_and_unprepares_a_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("amd.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let fixture = workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
+    let run = |allocate: &'static str| {
+        let mut cmd = command(&fixture, &config);
+        cmd.args(["--dra", "--allocate", allocate, "--once"]);
+        async move { cmd.output().await.expect("running devicelet try --dra") }
+    };
+    let out = run("2").await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("registered DRA driver gpu.amd.com with the kubelet"),
+        "{text}"
+    );
+    assert!(
+        text.contains("gpu.amd.com: pool generation 1, 2 device(s) published"),
+        "{text}"
+    );
+    assert!(
+        text.contains("resource.kubernetes.io/pciBusID=\"0000:23:00.0\""),
+        "{text}"
+    );
+    assert!(text.contains("prepared by gpu.amd.com"), "{text}");
+    assert!(text.contains("CDI k8s.gpu.amd.com/gpu="), "{text}");
+    assert!(text.contains("device /dev/kfd"), "{text}");
+    assert!(text.contains("unprepared: its CDI spec removed"), "{text}");
+
+    let out = run("3").await;
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("gpu.amd.com: 2 device(s) published, fewer than --allocate 3"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,11 +2,14 @@
 
 #[cfg(feature = "simulator")]
 mod demo;
-mod run;
 #[cfg(feature = "simulator")]
+mod dra_show;
+mod run;
 pub mod simulate;
+mod simulate_dra;
 mod status;
 #[cfg(feature = "simulator")]
+mod try_dra;
 mod try_module;
 mod validate;
 

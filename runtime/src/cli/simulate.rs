@@ -47,6 +47,27 @@ pub struct SimulateArgs {
     /// deregisters it. Restarts leave DIR alone and find its plugins again by themselves.
     #[arg(long, value_name = "DIR")]
     pub plugins_registry_dir: Option<PathBuf>,
+    /// Also play the kubelet's DRA plugin manager (needs `--plugins-registry-dir`: DRA drivers
+    /// register only by the plugin watcher) with an API server stand-in on 127.0.0.1 holding
+    /// this node, its ResourceSlices and ResourceClaims. A kubeconfig for it is written to
+    /// `--kubeconfig-out`, and the `devicelet run` line that serves DRA drivers here is
+    /// printed. Drivers' registrations and published devices are shown as they change; the
+    /// node's slices are wiped at every (re)start and 30 s after a driver's last endpoint goes,
+    /// as the kubelet does.
+    #[arg(long)]
+    pub dra: bool,
+    /// With `--dra`: the node's name (the agent's `--node-name`).
+    #[arg(long, default_value = "sim-node")]
+    pub node_name: String,
+    /// With `--dra`: where to write the API server stand-in's kubeconfig. Default:
+    /// `dra-kubeconfig` next to `--dir`.
+    #[arg(long)]
+    pub kubeconfig_out: Option<PathBuf>,
+    /// With `--dra`, e.g. `--claim gpu.example.com=2`: once that driver is registered and
+    /// publishes 2 devices, allocate a ResourceClaim for them as the scheduler would and
+    /// prepare it as the kubelet would (NodePrepareResources), printing the answer. Repeatable.
+    #[arg(long)]
+    pub claim: Vec<String>,
 }
 
 /// One `--allocate RESOURCE=COUNT` request.
@@ -54,6 +75,31 @@ pub struct SimulateArgs {
 struct Request {
     resource: String,
     count: usize,
+}
+
+/// One `--claim DRIVER=COUNT` request.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct ClaimRequest {
+    pub driver: String,
+    pub count: usize,
+}
+
+fn parse_claim(text: &str) -> anyhow::Result<ClaimRequest> {
+    let Some((driver, count)) = text.rsplit_once('=') else {
+        bail!("--claim {text:?}: expected DRIVER=COUNT, e.g. gpu.example.com=1");
+    };
+    if !devicelet_api::names::is_dns1123_subdomain(driver) {
+        bail!("--claim {text:?}: {driver:?} is not a DRA driver name (a DNS subdomain)");
+    }
+    let count: usize = count
+        .parse()
+        .ok()
+        .filter(|n| *n > 0)
+        .with_context(|| format!("--claim {text:?}: the count must be a positive integer"))?;
+    Ok(ClaimRequest {
+        driver: driver.to_owned(),
+        count,
+    })
 }
 
 fn parse_request(text: &str) -> anyhow::Result<Request> {
@@ -87,11 +133,27 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if args.restart_every.is_some_and(|every| every.is_zero()) {
         bail!("--restart-every must be longer than 0");
     }
+    let claims = args
+        .claim
+        .iter()
+        .map(|text| parse_claim(text))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if !args.dra && !claims.is_empty() {
+        bail!("--claim needs --dra");
+    }
+    let api = match args.dra {
+        true => Some(super::simulate_dra::start(&args).await?),
+        false => None,
+    };
 
     let config = SimConfig {
         accept_delay: args.accept_delay,
         pod_resources_socket: args.pod_resources_socket.clone(),
         plugins_registry: args.plugins_registry_dir.clone(),
+        dra_api: api.as_ref().map(|api| devicelet_simulator::DraApi {
+            server: api.handle(),
+            node: args.node_name.clone(),
+        }),
         ..SimConfig::default()
     };
     let sim = Simulator::start_with(&args.dir, config)
@@ -120,6 +182,8 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if let Some(every) = args.restart_every {
         println!("restarting the simulated kubelet every {every:?}");
     }
+    let _dra =
+        api.map(|api| super::simulate_dra::watch(api, sim.clone(), args.node_name.clone(), claims));
 
     let stop = super::stop_signal();
     tokio::pin!(stop);

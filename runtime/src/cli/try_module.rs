@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 
 use super::simulate::{Shown, format_allocation, show};
 use crate::agent::{Agent, AgentOptions};
-use crate::config::Registry;
+use crate::config::{FrontEnd, Registry};
 use crate::fixture::FixtureTree;
 use devicelet_simulator::{SimEvent, Simulator};
 
@@ -43,6 +43,12 @@ pub struct TryArgs {
     /// Stop after the allocations instead of watching the fixture until Ctrl-C.
     #[arg(long)]
     pub once: bool,
+    /// Serve the module through DRA (as `front-end = "dra"` in its config does): the kubelet's
+    /// DRA plugin manager, an API server stand-in and the scheduler's allocator run in the
+    /// process; a claim for `--allocate` devices of each driver is prepared, shown and
+    /// unprepared.
+    #[arg(long)]
+    pub dra: bool,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
 }
@@ -51,6 +57,7 @@ pub struct TryArgs {
 /// their file, line and column).
 struct Given {
     grants: bool,
+    front_end: bool,
     health_interval: bool,
     /// A key `try` sets itself, if the operator set it too.
     own: Option<&'static str>,
@@ -67,6 +74,7 @@ fn given(config: &str) -> Result<Given, toml::de::Error> {
     };
     Ok(Given {
         grants: in_module("grants"),
+        front_end: table.contains_key("front-end"),
         health_interval: table.contains_key("health-interval"),
         own: OWN_KEYS.into_iter().find(|k| table.contains_key(*k)),
     })
@@ -92,13 +100,22 @@ fn module_name(module: &Path) -> String {
 
 /// The registry `try` runs: the fixture as host root, the module, then the operator's keys
 /// verbatim, so their lines keep their numbers after the header; with how many lines that is.
-fn registry_text(root: &Path, module: &Path, config: &str, given: &Given) -> (String, usize) {
+fn registry_text(
+    root: &Path,
+    module: &Path,
+    config: &str,
+    given: &Given,
+    dra: bool,
+) -> (String, usize) {
     let mut text = format!(
         "host-root = {:?}\n[[module]]\nname = {:?}\npath = {:?}\n",
         root.display().to_string(),
         module_name(module),
         module.display().to_string()
     );
+    if dra && !given.front_end {
+        text.push_str("front-end = \"dra\"\n");
+    }
     if !given.health_interval {
         text.push_str("health-interval = \"1s\"\n");
     }
@@ -166,7 +183,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     tree.load(&fixture)
         .with_context(|| format!("loading the fixture {}", fixture.display()))?;
     let registry_file = work.path().join("registry.toml");
-    let (text, header) = registry_text(tree.root(), &module, &config, &keys);
+    let (text, header) = registry_text(tree.root(), &module, &config, &keys, args.dra);
     std::fs::write(&registry_file, text)?;
     let registry = Registry::load(&registry_file).map_err(|e| {
         anyhow::anyhow!(relocate(
@@ -176,6 +193,46 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
             header
         ))
     })?;
+    if let Some(spec) = registry.modules.first()
+        && matches!(spec.front_end, FrontEnd::Dra { .. })
+    {
+        println!(
+            "trying {} (as module `{}`) on the fixture {}",
+            module.display(),
+            module_name(&module),
+            fixture.display()
+        );
+        let (changed_tx, changed) = tokio::sync::mpsc::channel::<()>(1);
+        let _watch = if args.once {
+            None
+        } else {
+            Some(watch_fixture(&fixture, changed_tx)?)
+        };
+        let reload = || match tree.load(&fixture) {
+            Ok(()) => println!("fixture changed: reloaded"),
+            Err(e) => println!("fixture changed, but cannot be loaded: {e}"),
+        };
+        return super::try_dra::run(super::try_dra::Trial {
+            work: work.path(),
+            registry,
+            allocate: args.allocate,
+            once: args.once,
+            libraries: args.libraries.libraries(),
+            changed: (!args.once).then_some(changed),
+            reload: &reload,
+        })
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(relocate(
+                &format!("{e:#}"),
+                &registry_file,
+                config_path,
+                header
+            ))
+        });
+    } else if args.dra {
+        bail!("`front-end` in the config says otherwise; leave it out with --dra");
+    }
 
     let plugin_dir = work.path().join("device-plugins");
     let kubelet = Simulator::start(&plugin_dir).await?;
@@ -326,7 +383,7 @@ mod tests {
     /// The registry and its header's length.
     fn made(module: &str, config: &str) -> (String, usize) {
         let keys = given(config).unwrap();
-        registry_text(Path::new("/tmp/n"), Path::new(module), config, &keys)
+        registry_text(Path::new("/tmp/n"), Path::new(module), config, &keys, false)
     }
 
     fn text(module: &str, config: &str) -> String {

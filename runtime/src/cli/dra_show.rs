@@ -1,0 +1,70 @@
+//! How `try --dra` and `simulate --dra` show what a DRA driver publishes and prepares.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+use crate::kubelet::api::dra::v1::NodePrepareResourceResponse;
+use devicelet_simulator::apiserver::{ApiServer, Kind};
+
+/// The devices of `driver`'s slices, one line each with their attributes.
+pub fn published(api: &ApiServer, driver: &str) -> String {
+    let mut text = String::new();
+    for slice in api
+        .list(Kind::ResourceSlice)
+        .iter()
+        .filter(|s| s["spec"]["driver"] == driver)
+    {
+        for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
+            let _ = write!(text, "\n  {}", device["name"].as_str().unwrap_or("?"));
+            let attributes: BTreeMap<&String, &Value> = device["attributes"]
+                .as_object()
+                .map(|a| a.iter().collect())
+                .unwrap_or_default();
+            for (name, value) in attributes {
+                let value = value
+                    .as_object()
+                    .and_then(|v| v.values().next())
+                    .map(|v| v.to_string())
+                    .unwrap_or_default();
+                let _ = write!(text, " {name}={value}");
+            }
+        }
+    }
+    text
+}
+
+/// A prepared claim as `try` and `simulate` show it.
+pub fn format_prepared(
+    driver: &str,
+    name: &str,
+    uid: &str,
+    prepared: &NodePrepareResourceResponse,
+) -> String {
+    let mut text = format!("claim default/{name} (UID {uid}) prepared by {driver}:");
+    for d in &prepared.devices {
+        let _ = write!(
+            text,
+            "\n  request {}: device {} in pool {}, CDI {}",
+            d.request_names.join(","),
+            d.device_name,
+            d.pool_name,
+            if d.cdi_device_ids.is_empty() {
+                "-".to_owned()
+            } else {
+                d.cdi_device_ids.join(" ")
+            }
+        );
+    }
+    text
+}
+
+/// How many devices `driver`'s slices list.
+pub fn device_count(api: &ApiServer, driver: &str) -> usize {
+    api.list(Kind::ResourceSlice)
+        .iter()
+        .filter(|s| s["spec"]["driver"] == driver)
+        .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+        .sum()
+}
