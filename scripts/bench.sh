@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
-cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu
+cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu -p amd-gpu
 cargo build --release -p devicelet -p devicelet-bench -p fake-nvml
 target="${CARGO_TARGET_DIR:-target}"
 export DEVICELET_BENCH_SCRIPT="./scripts/bench.sh${*:+ $*}"

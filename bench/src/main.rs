@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "target/release/devicelet")]
     pub devicelet: PathBuf,
     /// Only these benchmarks (comma-separated): allocate, preferred, startup, restart, health,
-    /// memory, guest-call, isolation, nvidia, operations.
+    /// memory, guest-call, isolation, nvidia, operations, dra.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// A tenth of the samples: a smoke run, figures not comparable.
@@ -82,7 +82,12 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "{} is missing: build devicelet first (scripts/bench.sh does)",
         settings.devicelet.display()
     );
-    for wasm in ["generic_dev.wasm", "misbehaving.wasm", "nvidia_gpu.wasm"] {
+    for wasm in [
+        "generic_dev.wasm",
+        "misbehaving.wasm",
+        "nvidia_gpu.wasm",
+        "amd_gpu.wasm",
+    ] {
         let path = settings.module_dir.join(wasm);
         anyhow::ensure!(
             path.is_file(),

@@ -8,6 +8,7 @@
 //! runs in this process, or as `devicelet run` ([`process`]) for start-up and memory.
 
 mod allocate;
+mod dra;
 mod floor;
 mod guest_call;
 mod health;
@@ -58,7 +59,7 @@ impl Settings {
 }
 
 /// The benchmarks, by the names `--only` takes, in table order.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 11] = [
     "allocate",
     "preferred",
     "startup",
@@ -69,12 +70,14 @@ pub const NAMES: [&str; 10] = [
     "isolation",
     "nvidia",
     "operations",
+    "dra",
 ];
 
 /// Runs the benchmark called `name` (one of [`NAMES`]).
 pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
     match name {
         "allocate" => allocate::run(s).await,
+        "dra" => dra::run(s).await,
         "preferred" => preferred::run(s).await,
         "startup" => startup::run(s).await,
         "restart" => restart::run(s).await,
@@ -182,6 +185,23 @@ pub fn method() -> Vec<String> {
          of one resource each, `--metrics-addr` on 127.0.0.1; each sample opens a TCP \
          connection, sends `GET /metrics` and reads the answer to the end (the endpoint closes \
          the connection after one request), after 100 warm-up scrapes.",
+        "11: the agent in the bench process serving its module through DRA, against the \
+         simulator's kubelet (plugin watcher, DRA plugin manager) and its API server stand-in \
+         (HTTP on 127.0.0.1, the agent's kube client through a kubeconfig). Prepare rows: \
+         generic-dev with /dev/fuse-0 … fuse-9 as driver fuse.devicelet.io; for each sample the \
+         scheduler's allocator (`ApiHandle::allocate_claim`) makes a claim for 1 or 8 devices \
+         (not timed), then one NodePrepareResources of that claim is timed through tonic's \
+         DRAPlugin v1 client on the driver's dra.sock (the claim read from the API server, \
+         checked, the module's allocate, the claim's CDI spec written, the claim checkpointed \
+         to `dra-<driver>.json` in a state directory on this machine's disk, as `devicelet run` \
+         keeps it), then one NodeUnprepareResources (timed on its own row), and the claim is \
+         deleted; the first tenth of the claims warm up. Publish row: /dev/fuse-10 is created \
+         (mknod in the fixture tree) and the clock stops when the stand-in's slices list 11 \
+         devices (read every 500 µs); it is removed between samples. Health rows: amd-gpu over \
+         its 2-gpus fixture as driver gpu.amd.com, health-interval 5 s, a DRAResourceHealth \
+         client of our own on dra.sock; /dev/dri/renderD129 is removed and the clocks stop when \
+         the stream reports a device Unhealthy and when the slices list one device; the node is \
+         made again and both are back before the next sample.",
     ]
     .into_iter()
     .map(str::to_owned)
