@@ -328,7 +328,11 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
         first["spec"]["pool"]["generation"],
         again["spec"]["pool"]["generation"]
     );
-    registered(&dra.kubelet, 2).await;
+    // The restarted kubelet's watcher found the driver again.
+    devicelet_tests::eventually("the driver registered with the new kubelet", || {
+        dra.kubelet.dra_registrations().len() == 1
+    })
+    .await;
     agent.shutdown().await;
 
     // The agent stopped for longer than the kubelet's wipe delay: its slices are wiped, and
@@ -691,7 +695,15 @@ async fn a_registry_edit_upgrades_a_dra_module_in_place_keeping_its_driver_and_c
             .map(|d| d.generation)
     };
     let before = generation();
-    let attempts = dra.kubelet.registry_attempts().len();
+    let attempts_of = |driver: &str| {
+        let socket = format!("{driver}-reg.sock");
+        dra.kubelet
+            .registry_attempts()
+            .iter()
+            .filter(|a| a.socket.ends_with(&socket))
+            .count()
+    };
+    let attempts = attempts_of(DRIVER);
 
     // The edit adds a resource: a new driver starts beside the running one, which is not
     // touched (no new registration, same pool generation, its claim still prepared).
@@ -709,10 +721,14 @@ async fn a_registry_edit_upgrades_a_dra_module_in_place_keeping_its_driver_and_c
                 .any(|s| s["spec"]["driver"] == "tun.devicelet.io")
     })
     .await;
+    devicelet_tests::eventually("the tun driver's registration recorded", || {
+        attempts_of("tun.devicelet.io") == 1
+    })
+    .await;
     assert_eq!(
-        dra.kubelet.registry_attempts().len(),
-        attempts + 1,
-        "only the new driver registered: {:?}",
+        attempts_of(DRIVER),
+        attempts,
+        "the kept driver did not register again: {:?}",
         dra.kubelet.registry_attempts()
     );
     assert_eq!(generation(), before);
@@ -741,7 +757,58 @@ async fn a_registry_edit_upgrades_a_dra_module_in_place_keeping_its_driver_and_c
             && agent.status().dra_drivers.len() == 1
     })
     .await;
-    assert_eq!(dra.kubelet.registry_attempts().len(), attempts + 1);
+    assert_eq!(attempts_of(DRIVER), attempts);
     agent.shutdown().await;
     assert_rbac_allows(&dra.api);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_past_the_apis_device_limit_is_sharded_into_slices_the_api_server_accepts() {
+    let dra = DraNode::new().await;
+    let agent = dra
+        .agent(
+            r#"[[module]]
+name = "many"
+path = "@MODULES@/misbehaving.wasm"
+health-interval = "1h"
+front-end = "dra"
+
+[module.grants]
+sysfs = ["/sys/testing"]
+
+[module.config]
+resource = "many"
+devices = 300
+"#,
+        )
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    let slices = devicelet_tests::eventually_some("300 devices in three slices", || {
+        let slices = dra.api.list(Kind::ResourceSlice);
+        let sizes: Vec<usize> = slices
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .collect();
+        (sizes.iter().sum::<usize>() == 300).then_some(slices)
+    })
+    .await;
+    let mut sizes: Vec<usize> = slices
+        .iter()
+        .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+        .collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, [44, 128, 128], "sharded at the API's 128");
+    for slice in &slices {
+        assert_eq!(slice["spec"]["pool"]["resourceSliceCount"], 3);
+        assert_eq!(
+            slice["spec"]["pool"]["generation"],
+            slices[0]["spec"]["pool"]["generation"]
+        );
+    }
+    // The scheduler takes the pool as complete: a claim for all of it is allocated.
+    dra.api
+        .handle()
+        .allocate_claim("team-a", "all", "many.devicelet.io", NODE, 300)
+        .expect("the whole pool");
+    agent.shutdown().await;
 }

@@ -226,9 +226,14 @@ ids = ["10de:2230", "10de:1aef"]
     let slice = slice_of(&dra, 2).await;
     const DRIVER: &str = "ga102gl.nvidia.com";
     assert_eq!(slice["spec"]["driver"], DRIVER);
-    let device = slice["spec"]["devices"][0]["name"]
-        .as_str()
-        .expect("a name");
+    // Typed attributes keep their types: the IOMMU group an int, virtualFunction a bool.
+    let first = &slice["spec"]["devices"][0];
+    assert!(first["attributes"]["iommuGroup"]["int"].is_i64(), "{first}");
+    assert_eq!(
+        first["attributes"]["virtualFunction"]["bool"], false,
+        "{first}"
+    );
+    let device = first["name"].as_str().expect("a name");
     let container = claim_and_resolve(&dra, DRIVER, device).await;
     let listed = container
         .envs

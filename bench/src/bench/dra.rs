@@ -23,8 +23,8 @@ use super::report::Row;
 use super::stats::{Samples, duration};
 use devicelet::dra::api::ApiClient;
 use devicelet::dra::driver::DraOptions;
-use devicelet::kubelet::api::dra::health::{HealthStatus, NodeWatchResourcesRequest};
 use devicelet::kubelet::api::dra::health::dra_resource_health_client::DraResourceHealthClient;
+use devicelet::kubelet::api::dra::health::{HealthStatus, NodeWatchResourcesRequest};
 use devicelet::kubelet::api::dra::v1::dra_plugin_client::DraPluginClient;
 use devicelet::kubelet::api::dra::v1::{
     Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest,
@@ -91,6 +91,8 @@ impl DraNode {
         let client = self.client.clone();
         self.node
             .start_agent_with(&registry, move |o| {
+                // The agent makes its state directory (0700); the checkpoint goes in it.
+                o.state_dir = Some(state.clone());
                 o.dra = Some(DraOptions {
                     registry_dir,
                     plugins_dir: plugins,
@@ -253,8 +255,7 @@ async fn prepare_rows(s: &Settings) -> anyhow::Result<Vec<Row>> {
 async fn health_rows(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let dra = DraNode::start().await?;
     dra.node.tree.load(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../guests/amd-gpu/fixtures/2-gpus"),
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../guests/amd-gpu/fixtures/2-gpus"),
     )?;
     let agent = dra
         .agent(&format!(
