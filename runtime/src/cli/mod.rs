@@ -5,11 +5,14 @@ mod demo;
 #[cfg(feature = "simulator")]
 mod dra_show;
 mod run;
+#[cfg(feature = "simulator")]
 pub mod simulate;
+#[cfg(feature = "simulator")]
 mod simulate_dra;
 mod status;
 #[cfg(feature = "simulator")]
 mod try_dra;
+#[cfg(feature = "simulator")]
 mod try_module;
 mod validate;
 
