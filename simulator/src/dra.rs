@@ -74,6 +74,9 @@ pub(super) struct DraState {
     next_seq: u64,
     /// The last complete health report of each driver.
     pub health: BTreeMap<String, Vec<DraDeviceHealth>>,
+    /// Drivers whose slices are to be wiped (their last endpoint went), each with the token of
+    /// its one pending wipe; a registration cancels it.
+    pub pending_wipes: BTreeMap<String, u64>,
 }
 
 /// The DRA handler's `ValidatePlugin`, with the kubelet's wording: the service to use, chosen in
@@ -126,6 +129,7 @@ impl DraState {
             ));
         }
         let channel = devicelet_api::uds::connect_lazy(Path::new(&registration.endpoint));
+        self.pending_wipes.remove(&registration.driver);
         self.next_seq += 1;
         list.push(Plugin {
             registration,
@@ -166,6 +170,26 @@ impl DraState {
             self.health.remove(driver);
         }
         removed
+    }
+
+    /// Queues a wipe of `driver`'s slices: its token, or None when one is queued already (its
+    /// deadline stands, as the kubelet's does).
+    pub(super) fn queue_wipe(&mut self, driver: &str) -> Option<u64> {
+        if self.pending_wipes.contains_key(driver) {
+            return None;
+        }
+        self.next_seq += 1;
+        self.pending_wipes.insert(driver.to_owned(), self.next_seq);
+        Some(self.next_seq)
+    }
+
+    /// Whether the wipe `token` of `driver` is still due; if so it is taken off the queue.
+    pub(super) fn wipe_due(&mut self, driver: &str, token: u64) -> bool {
+        let due = self.pending_wipes.get(driver) == Some(&token);
+        if due {
+            self.pending_wipes.remove(driver);
+        }
+        due
     }
 
     /// Whether `driver` has an endpoint registered.

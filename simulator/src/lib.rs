@@ -254,9 +254,13 @@ impl Inner {
     }
 
     /// The last endpoint of `driver` went: its slices are wiped after the delay, unless it
-    /// registered again meanwhile.
-    fn wipe_later(self: &Arc<Self>, driver: &str) {
+    /// registered again meanwhile (which cancels the wipe); a wipe already queued keeps its
+    /// deadline. Called with the registry locked.
+    fn wipe_later(self: &Arc<Self>, registry: &mut Registry, driver: &str) {
         let Some(api) = self.config.dra_api.clone() else {
+            return;
+        };
+        let Some(token) = registry.dra.queue_wipe(driver) else {
             return;
         };
         let (inner, driver) = (Arc::downgrade(self), driver.to_owned());
@@ -266,7 +270,7 @@ impl Inner {
             let Some(inner) = inner.upgrade() else {
                 return;
             };
-            if inner.lock().dra.has(&driver) {
+            if !inner.lock().dra.wipe_due(&driver, token) {
                 return;
             }
             let wiped = api.server.wipe_slices(&api.node, Some(&driver));

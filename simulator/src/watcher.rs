@@ -375,7 +375,7 @@ impl Tasks {
             if registry.dra.deregister(driver, endpoint) {
                 info!("plugin watcher: DRA driver {driver}: endpoint {endpoint} deregistered");
                 if !registry.dra.has(driver) {
-                    inner.wipe_later(driver);
+                    inner.wipe_later(&mut registry, driver);
                 }
             }
         } else if let Some(name) = &resource

@@ -739,7 +739,7 @@ async fn a_registry_edit_upgrades_a_dra_module_in_place_keeping_its_driver_and_c
         .find(|d| d.driver == DRIVER)
         .expect("the fuse driver");
     assert_eq!(fuse.prepared_claims, 1);
-    // The new version answers the kept driver's unprepare.
+    // The kept driver still unprepares the claim it prepared before the upgrade.
     let unprepared = dra
         .kubelet
         .node_unprepare_resources(DRIVER, vec![wire_claim("kept", &uid)])
@@ -810,5 +810,47 @@ devices = 300
         .handle()
         .allocate_claim("team-a", "all", "many.devicelet.io", NODE, 300)
         .expect("the whole pool");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_that_gives_one_named_driver_two_resources_is_refused_not_served_twice() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/net/tun", 10, 200);
+    let named = |groups: &str| {
+        fuse_dra()
+            .replace(
+                "front-end = \"dra\"",
+                "front-end = \"dra\"\ndra-driver = \"devices.example.com\"",
+            )
+            .replace(
+                r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#,
+                &format!("groups = [{groups}]"),
+            )
+    };
+    let fuse = r#"{ name = "fuse", paths = ["/dev/fuse"] }"#;
+    let agent = dra.agent(&named(fuse)).await;
+    devicelet_tests::eventually("the named driver registered", || {
+        dra.kubelet
+            .dra_registrations()
+            .iter()
+            .any(|r| r.driver == "devices.example.com")
+    })
+    .await;
+    dra.node.registry(&named(&format!(
+        r#"{fuse}, {{ name = "tun", paths = ["/dev/net/tun"] }}"#
+    )));
+    devicelet_tests::eventually("the edit refused, naming why", || {
+        agent
+            .load_errors()
+            .iter()
+            .any(|e| e.contains("`dra-driver` names one driver, but the module serves 2"))
+    })
+    .await;
+    assert!(
+        agent.status().dra_drivers.is_empty(),
+        "no driver of that name runs twice: {:?}",
+        agent.status().dra_drivers
+    );
     agent.shutdown().await;
 }

@@ -38,13 +38,23 @@ pub async fn run(
         };
         complained = false;
         // Only our resources are adopted from PodResources; other plugins' are not our business.
-        let ours: Vec<String> = shared.resources().into_iter().map(|r| r.name).collect();
+        // A resource served through DRA counts too: allocations its device plugin made (before a
+        // move, or before the ledger was lost) keep its devices out of the pool until they end.
+        let mut ours: Vec<String> = shared.resources().into_iter().map(|r| r.name).collect();
+        for name in shared.dra_resources() {
+            ours.push(format!("{name}{}", crate::policy::sharing::RENAMED_SUFFIX));
+            ours.push(name);
+        }
         let report = shared
             .ledger
             .reconcile(&podresources::held(&pods), grace, &|r| {
                 ours.iter().any(|n| n == r)
             });
         shared.metrics.reconciled(Some(&report));
+        if !report.freed.is_empty() {
+            // Devices held through the device plugin may have been freed: DRA pools take them in.
+            shared.republish_drivers();
+        }
         tracing::debug!(%report, "ledger reconciled with PodResources");
     }
 }

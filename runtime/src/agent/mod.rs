@@ -146,6 +146,23 @@ impl Shared {
             .collect()
     }
 
+    /// The resources served as DRA drivers.
+    fn dra_resources(&self) -> Vec<String> {
+        self.lock_modules()
+            .values()
+            .flat_map(|m| m.drivers.iter().map(|d| d.name.clone()))
+            .collect()
+    }
+
+    /// Has every DRA driver compare its pool with its devices now.
+    fn republish_drivers(&self) {
+        for m in self.lock_modules().values() {
+            for d in &m.drivers {
+                d.republish.notify_one();
+            }
+        }
+    }
+
     /// Every served resource name, with the module serving it.
     fn served_names(&self) -> BTreeMap<String, String> {
         let mut names: BTreeMap<String, String> = self

@@ -251,11 +251,16 @@ fn start_drivers(
         // What the device-plugin front end handed out under the same name stays out of the
         // pool until the kubelet reports its container gone (see `HeldElsewhere`).
         let held: HeldElsewhere = {
-            let (ledger, name) = (ledger.clone(), name.clone());
+            // Under its own name, and as the device plugin served it shared and renamed.
+            let ledger = ledger.clone();
+            let names = [
+                name.clone(),
+                format!("{name}{}", crate::policy::sharing::RENAMED_SUFFIX),
+            ];
             Arc::new(move || {
-                ledger
-                    .holders(&name)
-                    .into_iter()
+                names
+                    .iter()
+                    .flat_map(|n| ledger.holders(n))
                     .map(|(id, _)| physical_id(&id).to_owned())
                     .collect()
             })
@@ -412,11 +417,15 @@ async fn upgrade_drivers(
             Some((driver, name, info))
         })
         .collect();
+    // One `dra-driver` for several resources is refused by `start_drivers`, which must then
+    // see them all: nothing is kept.
+    let keep_any = explicit.is_none() || planned.len() <= 1;
     let RunningModule { slot, drivers, .. } = old;
     let (kept, gone): (Vec<_>, Vec<_>) = drivers.into_iter().partition(|d| {
-        wanted.iter().any(|(driver, name, info)| {
-            *driver == d.driver && **name == d.name && info.name == d.local
-        })
+        keep_any
+            && wanted.iter().any(|(driver, name, info)| {
+                *driver == d.driver && **name == d.name && info.name == d.local
+            })
     });
     // Gone ones stop while the old version still answers their last calls.
     for driver in gone {
@@ -432,13 +441,18 @@ async fn upgrade_drivers(
         .filter(|(name, _)| !kept.iter().any(|d| d.name == *name))
         .cloned()
         .collect();
+    // The kept drivers' names are taken: a fresh resource may not start a second one.
+    let mut taken = taken.clone();
+    for d in &kept {
+        taken.insert(driver_key(&d.driver), spec.name.clone());
+    }
     let mut drivers = kept;
     drivers.extend(start_drivers(
         &slot,
         spec,
         explicit,
         host_root,
-        (&fresh, taken),
+        (&fresh, &taken),
         (dra, at.ledger),
         &mut errors,
     ));

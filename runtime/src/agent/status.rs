@@ -43,6 +43,7 @@ pub struct DraDriverStatus {
     pub registration_socket: PathBuf,
     /// Whether the kubelet last said it registered the driver.
     pub registered: bool,
+    /// DRA devices, as published: a device group counts once.
     pub devices: usize,
     pub healthy: usize,
     /// Devices in the published slices: the healthy ones no device-plugin container holds.
@@ -65,6 +66,7 @@ fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
         .flat_map(|m| {
             m.drivers.iter().map(|d| {
                 let devices = d.devices.borrow();
+                let units = crate::dra::units::units(&devices);
                 let published = d.published.borrow();
                 DraDriverStatus {
                     driver: d.driver.clone(),
@@ -72,11 +74,9 @@ fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
                     module: m.spec.name.clone(),
                     registration_socket: d.registration_socket.clone(),
                     registered: d.registered.get(),
-                    devices: devices.len(),
-                    healthy: devices
-                        .iter()
-                        .filter(|x| x.health == Health::Healthy)
-                        .count(),
+                    // As published: a device group counts once.
+                    devices: units.len(),
+                    healthy: units.iter().filter(|u| u.healthy()).count(),
                     published: published.devices,
                     generation: published.generation,
                     slices: published.slices,

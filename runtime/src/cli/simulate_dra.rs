@@ -82,7 +82,9 @@ pub fn watch(
     Transcript(tokio::spawn(transcript(api, sim, node, claims)))
 }
 
-async fn transcript(api: ApiServer, sim: Simulator, node: String, mut claims: Vec<ClaimRequest>) {
+async fn transcript(api: ApiServer, sim: Simulator, node: String, claims: Vec<ClaimRequest>) {
+    // Each request, and whether its failure to allocate was said.
+    let mut claims: Vec<(ClaimRequest, bool)> = claims.into_iter().map(|c| (c, false)).collect();
     let mut endpoints: BTreeSet<(String, String)> = BTreeSet::new();
     let mut shown: BTreeMap<String, String> = BTreeMap::new();
     let mut made = 0u32;
@@ -127,42 +129,51 @@ async fn transcript(api: ApiServer, sim: Simulator, node: String, mut claims: Ve
                 shown.insert(driver.clone(), text);
             }
         }
-        let ready: Vec<ClaimRequest>;
-        (ready, claims) = claims.into_iter().partition(|c| {
+        let ready: Vec<(ClaimRequest, bool)>;
+        (ready, claims) = claims.into_iter().partition(|(c, _)| {
             endpoints.iter().any(|(d, _)| *d == c.driver)
                 && device_count(&api, &c.driver) >= c.count
         });
-        for request in ready {
-            made += 1;
-            let name = format!("sim-claim-{made}");
-            println!("{}", claim(&api, &sim, &node, &name, &request).await);
+        for (request, said) in ready {
+            let name = format!("sim-claim-{}", made + 1);
+            match claim(&api, &sim, &node, &name, &request).await {
+                Ok(text) => {
+                    made += 1;
+                    println!("{text}");
+                }
+                // Not allocatable yet (an incomplete pool, an older generation's slices):
+                // tried again at the next look, said once.
+                Err(e) => {
+                    if !said {
+                        println!("{e}; trying again as the pool changes");
+                    }
+                    claims.push((request, true));
+                }
+            }
         }
     }
 }
 
-/// Allocates and prepares one claim; what happened.
+/// Allocates and prepares one claim: what happened, or Err when nothing could be allocated.
 async fn claim(
     api: &ApiServer,
     sim: &Simulator,
     node: &str,
     name: &str,
     request: &ClaimRequest,
-) -> String {
+) -> Result<String, String> {
     let ClaimRequest { driver, count } = request;
-    let object = match api
+    let object = api
         .handle()
         .allocate_claim("default", name, driver, node, *count)
-    {
-        Ok(object) => object,
-        Err(e) => return format!("claim for {count} device(s) of {driver}: {e}"),
-    };
+        .map_err(|e| format!("claim for {count} device(s) of {driver}: {e}"))?;
     let uid = object["metadata"]["uid"].as_str().unwrap_or_default();
     let wire = Claim {
         namespace: "default".into(),
         uid: uid.into(),
         name: name.into(),
     };
-    match sim.node_prepare_resources(driver, vec![wire]).await {
+    Ok(match sim.node_prepare_resources(driver, vec![wire]).await {
         Ok(mut answer) => match answer.claims.remove(uid) {
             Some(prepared) if prepared.error.is_empty() => {
                 format_prepared(driver, name, uid, &prepared)
@@ -171,5 +182,5 @@ async fn claim(
             None => format!("claim default/{name}: the driver answered nothing for it"),
         },
         Err(e) => format!("NodePrepareResources for claim default/{name} failed: {e}"),
-    }
+    })
 }

@@ -250,6 +250,9 @@ async fn claim(
         .await
         .with_context(|| format!("NodeUnprepareResources for claim default/{name}"))?;
     match unprepared.claims.get(uid).map(|c| c.error.as_str()) {
+        Some("") if spec.exists() => {
+            bail!("claim default/{name} unprepared, but its CDI spec is still there")
+        }
         Some("") => {
             let _ = write!(text, "\n  unprepared: its CDI spec removed");
         }

@@ -75,12 +75,16 @@ pub struct RunningDriver {
     pub local: String,
     pub devices: watch::Receiver<Snapshot>,
     pub poke: Arc<Notify>,
+    /// Wakes the publisher to compare the pool with the devices now (devices held elsewhere
+    /// may have been freed).
+    pub republish: Arc<Notify>,
     pub published: watch::Receiver<Published>,
     pub registered: Arc<Registered>,
     pub registration_socket: PathBuf,
     pub service_socket: PathBuf,
     pub claims: Arc<dyn ClaimCounts>,
     api: Option<ApiClient>,
+    events: DraEvents,
     pool: Pool,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
@@ -144,6 +148,7 @@ pub fn start<B: DeviceBackend>(
         node: options.node.clone(),
     };
     let (published_tx, published) = watch::channel(Published::default());
+    let republish = Arc::new(Notify::new());
     let mut tasks = core.tasks;
     tasks.extend(served.tasks);
     if let Some(api) = &options.api {
@@ -151,7 +156,7 @@ pub fn start<B: DeviceBackend>(
             api.clone(),
             pool.clone(),
             core.devices.clone(),
-            spec.held.clone(),
+            (spec.held.clone(), republish.clone()),
             options.events.clone(),
             core.ready.clone(),
             options.resync,
@@ -171,12 +176,14 @@ pub fn start<B: DeviceBackend>(
         local: spec.local.to_owned(),
         devices: core.devices,
         poke: core.poke,
+        republish,
         published,
         registered: served.registered,
         registration_socket: served.registration,
         service_socket: served.service,
         claims,
         api: options.api.clone(),
+        events: options.events.clone(),
         pool,
         stop,
         tasks,
@@ -198,7 +205,7 @@ impl RunningDriver {
             let _ = task.await;
         }
         if retire && let Some(api) = &self.api {
-            slices::withdraw(api, &self.pool).await;
+            slices::withdraw(api, &self.pool, &self.events).await;
         }
     }
 }

@@ -349,14 +349,15 @@ async fn sync(
 }
 
 /// Keeps the pool published until `stop`, from the first enumeration on (`ready`): after every
-/// device change, every `resync`, and with backoff after an error. Devices `held` by
-/// device-plugin containers join it at the first of those after they are freed.
+/// device change, every `resync`, when woken by `republish`, and with backoff after an error.
+/// Devices `held` by device-plugin containers join it at the first of those after they are
+/// freed (the agent wakes it when a reconciliation frees ledger entries).
 #[allow(clippy::too_many_arguments)]
 pub async fn publish(
     api: ApiClient,
     pool: Pool,
     mut devices: watch::Receiver<Snapshot>,
-    held: HeldElsewhere,
+    (held, republish): (HeldElsewhere, std::sync::Arc<tokio::sync::Notify>),
     events: DraEvents,
     mut ready: watch::Receiver<bool>,
     resync: Duration,
@@ -413,23 +414,36 @@ pub async fn publish(
         };
         tokio::select! {
             changed = devices.changed() => if changed.is_err() { return },
+            () = republish.notified() => {}
             () = tokio::time::sleep(pause) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
     }
 }
 
-/// Deletes every slice of the pool (the driver goes away for good); errors are logged.
-pub async fn withdraw(api: &ApiClient, pool: &Pool) {
+/// Deletes every slice of the pool (the driver goes away for good); errors are logged and
+/// counted.
+pub async fn withdraw(api: &ApiClient, pool: &Pool, events: &DraEvents) {
     match api.slices(&pool.driver, &pool.node).await {
         Ok(slices) => {
+            let mut deleted = 0;
             for slice in slices {
-                if let Err(e) = api.delete_slice(&slice).await {
-                    tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}");
+                match api.delete_slice(&slice).await {
+                    Ok(()) => deleted += 1,
+                    Err(e) => {
+                        events.emit(&pool.driver, DraEvent::ApiError);
+                        tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}");
+                    }
                 }
             }
+            if deleted > 0 {
+                events.emit(&pool.driver, DraEvent::SliceWrites(deleted));
+            }
         }
-        Err(e) => tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}"),
+        Err(e) => {
+            events.emit(&pool.driver, DraEvent::ApiError);
+            tracing::warn!(driver = pool.driver, "removing ResourceSlices: {e}");
+        }
     }
 }
 

@@ -238,7 +238,7 @@ impl Metrics {
         );
         registry.register(
             "dra_api_errors",
-            "Requests to the API server that failed (unreachable, refused, conflicts; retried), by DRA driver",
+            "Requests to the API server that failed (unreachable, refused, conflicts), by DRA driver: the publisher's (retried with backoff) and claims read for NodePrepareResources (that claim's entry fails)",
             self.api_errors.clone(),
         );
     }

@@ -26,11 +26,14 @@ pub fn physical_id(id: &str) -> &str {
     }
 }
 
+/// What a shared resource's name gets when its rule renames it.
+pub const RENAMED_SUFFIX: &str = ".shared";
+
 /// The served name of a resource the module declared as `name`: `<name>.shared` when its rule
 /// shares and renames.
 pub fn served_name(name: String, rule: &ShareRule) -> String {
     if rule.rename && rule.shares() {
-        format!("{name}.shared")
+        format!("{name}{RENAMED_SUFFIX}")
     } else {
         name
     }
