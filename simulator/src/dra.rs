@@ -77,6 +77,8 @@ pub(super) struct DraState {
     /// Drivers whose slices are to be wiped (their last endpoint went), each with the token of
     /// its one pending wipe; a registration cancels it.
     pub pending_wipes: BTreeMap<String, u64>,
+    /// The DRA manager's claims, by UID (`dra_pods.rs`).
+    pub claims: BTreeMap<String, super::dra_pods::ClaimInfo>,
 }
 
 /// The DRA handler's `ValidatePlugin`, with the kubelet's wording: the service to use, chosen in

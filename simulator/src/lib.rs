@@ -42,6 +42,7 @@
 mod allocate;
 pub mod apiserver;
 mod dra;
+mod dra_pods;
 mod endpoint;
 mod error;
 mod events;
@@ -70,6 +71,7 @@ use tracing::info;
 use devicelet_api::deviceplugin::KUBELET_SOCKET;
 
 pub use dra::{DraDeviceHealth, DraRegistration, DraService};
+pub use dra_pods::PodClaim;
 pub use error::SimError;
 pub use events::SimEvent;
 pub use state::{Allocation, PodRef, ResourceState};

@@ -331,7 +331,11 @@ impl Registry {
     /// survive.
     pub fn forget_endpoints(&mut self) {
         // The DRA plugin manager's store is memory only: the watcher's scan registers again.
+        // The DRA manager's claims come back from its checkpoint, none of them prepared.
+        let mut claims = std::mem::take(&mut self.dra.claims);
+        super::dra_pods::restarted(&mut claims);
         self.dra = super::dra::DraState::default();
+        self.dra.claims = claims;
         for resource in self.resources.values_mut() {
             if let Some(endpoint) = resource.endpoint.take() {
                 endpoint.stream.abort();

@@ -854,3 +854,117 @@ async fn an_upgrade_that_gives_one_named_driver_two_resources_is_refused_not_ser
     );
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_claims_are_prepared_per_driver_unprepared_after_their_last_pod_and_again_after_a_kubelet_restart()
+ {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    let agent = dra
+        .agent(&fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#))
+        .await;
+    registered(&dra.kubelet, 1).await;
+    devicelet_tests::eventually("both devices published", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    let scheduler = dra.api.handle();
+    for name in ["own", "shared"] {
+        scheduler
+            .allocate_claim("team-a", name, DRIVER, NODE, 1)
+            .expect("allocated");
+    }
+    // The driver's prepare calls and claims, as the agent counts them.
+    let prepares = || {
+        let samples = devicelet_tests::parse_metrics(&agent.metrics());
+        devicelet_tests::metric(
+            &samples,
+            "devicelet_dra_prepare_duration_seconds_count",
+            &[("driver", DRIVER), ("result", "ok")],
+        )
+        .unwrap_or(0.0)
+    };
+    let prepared = || agent.status().dra_drivers[0].prepared_claims;
+
+    let first = dra
+        .kubelet
+        .start_pod_with_claims("team-a", "one", &["own", "shared"])
+        .await
+        .expect("the pod's claims prepared");
+    assert_eq!(first.len(), 2);
+    assert!(first.iter().all(|c| c.devices[DRIVER].len() == 1));
+    assert_eq!((prepares(), prepared()), (2.0, 2));
+    // A second pod using the shared claim: prepared already, the driver is not called.
+    dra.kubelet
+        .start_pod_with_claims("team-a", "two", &["shared"])
+        .await
+        .expect("the shared claim");
+    assert_eq!(prepares(), 2.0);
+
+    // The first pod ends: its own claim goes, the shared one stays for the second pod.
+    dra.kubelet
+        .end_pod_claims("team-a", "one")
+        .await
+        .expect("unprepared");
+    assert_eq!(prepared(), 1);
+
+    // After a kubelet restart nothing counts as prepared: the next pod has the driver called
+    // again for the shared claim, which answers the same.
+    dra.kubelet.restart().await.expect("restart");
+    devicelet_tests::eventually("the driver registered again", || {
+        dra.kubelet.dra_registrations().len() == 1
+    })
+    .await;
+    devicelet_tests::eventually("the pool published again after the wipe", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    let third = dra
+        .kubelet
+        .start_pod_with_claims("team-a", "three", &["shared"])
+        .await
+        .expect("prepared again");
+    assert_eq!(prepares(), 3.0);
+    let before = first.iter().find(|c| c.name == "shared").expect("shared");
+    assert_eq!(third[0].devices, before.devices, "the same answer");
+    for pod in ["two", "three"] {
+        dra.kubelet
+            .end_pod_claims("team-a", pod)
+            .await
+            .expect("unprepared");
+    }
+    assert_eq!(prepared(), 0);
+
+    // What the kubelet refuses before calling anyone.
+    let e = dra
+        .kubelet
+        .start_pod_with_claims("team-a", "four", &["missing"])
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("failed to fetch ResourceClaim missing"),
+        "{e}"
+    );
+    dra.api
+        .create(
+            Kind::ResourceClaim,
+            "team-a",
+            json!({"metadata": {"name": "elsewhere"}, "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": "gpu.example.com", "pool": NODE, "device": "gpu-0"}
+            ]}}}}),
+        )
+        .expect("claim");
+    let e = dra
+        .kubelet
+        .start_pod_with_claims("team-a", "five", &["elsewhere"])
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("DRA driver gpu.example.com is not registered"),
+        "{e}"
+    );
+    agent.shutdown().await;
+}
