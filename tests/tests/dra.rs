@@ -125,6 +125,21 @@ async fn the_agents_api_client_reads_claims_and_writes_slices_as_kube_does() {
     );
 }
 
+/// A node with two FUSE devices served through DRA, both published.
+async fn two_fuses() -> (DraNode, devicelet::agent::Agent) {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    let agent = dra
+        .agent(&fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#))
+        .await;
+    registered(&dra.kubelet, 1).await;
+    devicelet_tests::eventually("both devices published", || {
+        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    (dra, agent)
+}
+
 /// generic-dev serving `devicelet.io/fuse` from `paths` (TOML strings) through `front_end`.
 fn fuse_via(front_end: &str, paths: &str) -> String {
     format!(
@@ -348,16 +363,7 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_schedulers_claims_are_prepared_and_no_device_is_allocated_twice() {
-    let dra = DraNode::new().await;
-    dra.node.add_char("/dev/fuse1", 10, 230);
-    let agent = dra
-        .agent(&fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#))
-        .await;
-    registered(&dra.kubelet, 1).await;
-    devicelet_tests::eventually("both devices published", || {
-        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
-    })
-    .await;
+    let (dra, agent) = two_fuses().await;
     let scheduler = dra.api.handle();
     let mut devices = Vec::new();
     for name in ["first", "second"] {
@@ -858,16 +864,7 @@ async fn an_upgrade_that_gives_one_named_driver_two_resources_is_refused_not_ser
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_claims_are_prepared_per_driver_unprepared_after_their_last_pod_and_again_after_a_kubelet_restart()
  {
-    let dra = DraNode::new().await;
-    dra.node.add_char("/dev/fuse1", 10, 230);
-    let agent = dra
-        .agent(&fuse_via("dra", r#""/dev/fuse", "/dev/fuse1""#))
-        .await;
-    registered(&dra.kubelet, 1).await;
-    devicelet_tests::eventually("both devices published", || {
-        slice_devices(&dra.api).is_some_and(|d| d.len() == 2)
-    })
-    .await;
+    let (dra, agent) = two_fuses().await;
     let scheduler = dra.api.handle();
     for name in ["own", "shared"] {
         scheduler
