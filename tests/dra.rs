@@ -89,6 +89,7 @@ impl DraNode {
                     cdi_dir: cdi,
                     resync: std::time::Duration::from_millis(200),
                     events: Default::default(),
+                    retirees: Default::default(),
                 });
                 adjust(o);
             })

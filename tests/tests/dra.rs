@@ -965,3 +965,94 @@ async fn pods_claims_are_prepared_per_driver_unprepared_after_their_last_pod_and
     );
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_that_leaves_the_registry_answers_for_its_claims_until_they_are_unprepared() {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/net/tun", 10, 200);
+    let tun =
+        devicelet_tests::generic_dev(r#"groups = [{ name = "tun", paths = ["/dev/net/tun"] }]"#)
+            .replacen("name = \"generic-dev\"", "name = \"generic-tun\"", 1);
+    let both = format!("{}\n{tun}", fuse_dra());
+    let agent = dra.agent(&both).await;
+    registered(&dra.kubelet, 1).await;
+    let device = published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim(DRIVER, "in-use", &[&device], json!([]));
+    let prepared = dra.prepare(DRIVER, "in-use", &uid).await;
+    assert_eq!(prepared.error, "");
+
+    // The operator removes the module while a pod uses the claim.
+    dra.node.registry(&tun);
+    devicelet_tests::eventually("the driver retiring, its slices gone", || {
+        agent
+            .status()
+            .dra_drivers
+            .iter()
+            .any(|d| d.driver == DRIVER && d.retiring && d.prepared_claims == 1)
+            && dra.api.list(Kind::ResourceSlice).is_empty()
+    })
+    .await;
+    assert_eq!(dra.kubelet.dra_registrations().len(), 1, "still registered");
+    // The claim it prepared: the same answer. A new one: refused, saying why.
+    assert_eq!(dra.prepare(DRIVER, "in-use", &uid).await, prepared);
+    let other = dra.claim(DRIVER, "late", &[&device], json!([]));
+    let refused = dra.prepare(DRIVER, "late", &other).await;
+    assert!(
+        refused.error.contains("left this node's registry"),
+        "{refused:?}"
+    );
+    // The pod ends: the claim is unprepared, and the driver goes with its last claim.
+    let unprepared = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("in-use", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(unprepared.claims[&uid].error, "");
+    devicelet_tests::eventually(
+        "the retired driver gone from status and the kubelet",
+        || agent.status().dra_drivers.is_empty() && dra.kubelet.dra_registrations().is_empty(),
+    )
+    .await;
+
+    // Retiring again, then served again: the new driver takes over its claim.
+    dra.node.registry(&both);
+    devicelet_tests::eventually("served again", || {
+        agent
+            .status()
+            .dra_drivers
+            .iter()
+            .any(|d| d.driver == DRIVER && !d.retiring && d.registered)
+    })
+    .await;
+    let device = published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let again = dra.claim(DRIVER, "again", &[&device], json!([]));
+    assert_eq!(dra.prepare(DRIVER, "again", &again).await.error, "");
+    dra.node.registry(&tun);
+    devicelet_tests::eventually("retiring", || {
+        agent.status().dra_drivers.iter().any(|d| d.retiring)
+    })
+    .await;
+    dra.node.registry(&both);
+    devicelet_tests::eventually("taken over by the new driver", || {
+        let drivers = agent.status().dra_drivers;
+        drivers.len() == 1
+            && !drivers[0].retiring
+            && drivers[0].registered
+            && drivers[0].prepared_claims == 1
+            && dra.kubelet.dra_registrations().len() == 1
+    })
+    .await;
+    let unprepared = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("again", &again)])
+        .await
+        .expect("answered");
+    assert_eq!(unprepared.claims[&again].error, "");
+    agent.shutdown().await;
+}

@@ -102,6 +102,7 @@ impl DraNode {
                     cdi_dir: cdi,
                     resync: Duration::from_secs(10),
                     events: Default::default(),
+                    retirees: Default::default(),
                 });
             })
             .await

@@ -267,7 +267,7 @@ impl Shared {
             }
             None => {
                 let dra = self.dra.as_ref();
-                modules::serve_all(handle, spec, host_root, &self.serving(), &taken, dra)
+                modules::serve_all(handle, spec, host_root, &self.serving(), &taken, dra).await
             }
         };
         let version = running.handle().version().to_owned();
@@ -612,6 +612,9 @@ impl Agent {
         let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();
         for name in names {
             self.shared.stop_module(&name, false).await;
+        }
+        if let Some(dra) = &self.shared.dra {
+            dra.retirees.stop_all().await;
         }
         let ledger = self.shared.ledger.clone();
         match tokio::task::spawn_blocking(move || ledger.flush()).await {

@@ -152,7 +152,7 @@ pub fn plan(
 
 /// Serves every resource of a started module's [`plan`]; the errors are the plan's and any
 /// resource that could not be served.
-pub fn serve_all(
+pub async fn serve_all(
     handle: ModuleHandle,
     spec: &ModuleSpec,
     host_root: &Path,
@@ -177,7 +177,8 @@ pub fn serve_all(
                 (&planned, taken),
                 (dra, at.ledger),
                 &mut errors,
-            ),
+            )
+            .await,
         ),
     };
     (running(spec, host_root, slot, resources, drivers), errors)
@@ -198,7 +199,7 @@ fn driver_names(explicit: Option<&str>, planned: &[(String, ResourceInfo)]) -> V
 
 /// Serves each planned resource as a DRA driver: the registry's `dra-driver` for a module with
 /// one resource, else each resource's name turned around.
-fn start_drivers(
+async fn start_drivers(
     slot: &ModuleSlot,
     spec: &ModuleSpec,
     explicit: Option<&str>,
@@ -247,6 +248,9 @@ fn start_drivers(
             ));
             continue;
         }
+        // A driver of this name still answering for claims after it left the registry hands
+        // over: the new one reads its checkpoint.
+        options.retirees.take_over(&driver).await;
         let upkeep: Arc<dyn Upkeep> = Arc::new(slot.clone());
         // What the device-plugin front end handed out under the same name stays out of the
         // pool until the kubelet reports its container gone (see `HeldElsewhere`).
@@ -342,7 +346,7 @@ pub async fn upgrade(
             let gone = !staying.contains(&driver.driver);
             driver.stop(gone).await;
         }
-        let (running, errors) = serve_all(handle, spec, host_root, at, taken, dra);
+        let (running, errors) = serve_all(handle, spec, host_root, at, taken, dra).await;
         tracing::info!(module = name, "started again on its new version");
         return (running, errors);
     }
@@ -447,15 +451,18 @@ async fn upgrade_drivers(
         taken.insert(driver_key(&d.driver), spec.name.clone());
     }
     let mut drivers = kept;
-    drivers.extend(start_drivers(
-        &slot,
-        spec,
-        explicit,
-        host_root,
-        (&fresh, &taken),
-        (dra, at.ledger),
-        &mut errors,
-    ));
+    drivers.extend(
+        start_drivers(
+            &slot,
+            spec,
+            explicit,
+            host_root,
+            (&fresh, &taken),
+            (dra, at.ledger),
+            &mut errors,
+        )
+        .await,
+    );
     upgraded(spec, &slot, previous);
     (running(spec, host_root, slot, Vec::new(), drivers), errors)
 }

@@ -56,38 +56,50 @@ pub struct DraDriverStatus {
     pub api_error: Option<String>,
     /// Claims prepared and not yet unprepared (in the checkpoint).
     pub prepared_claims: usize,
+    /// Left the registry: it answers only for the claims it prepared, until they are
+    /// unprepared (its module is then empty).
+    #[serde(default)]
+    pub retiring: bool,
 }
 
 /// Every DRA driver the agent serves.
 fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
-    let modules = shared.lock_modules();
-    modules
+    let mut out: Vec<DraDriverStatus> = shared
+        .lock_modules()
         .values()
-        .flat_map(|m| {
-            m.drivers.iter().map(|d| {
-                let devices = d.devices.borrow();
-                let units = crate::dra::units::units(&devices);
-                let published = d.published.borrow();
-                DraDriverStatus {
-                    driver: d.driver.clone(),
-                    resource: d.name.clone(),
-                    module: m.spec.name.clone(),
-                    registration_socket: d.registration_socket.clone(),
-                    registered: d.registered.get(),
-                    // As published: a device group counts once.
-                    devices: units.len(),
-                    healthy: units.iter().filter(|u| u.healthy()).count(),
-                    published: published.devices,
-                    generation: published.generation,
-                    slices: published.slices,
-                    api_writes: published.writes,
-                    api_errors: published.errors,
-                    api_error: published.last_error.clone(),
-                    prepared_claims: d.claims.prepared(),
-                }
-            })
-        })
-        .collect()
+        .flat_map(|m| m.drivers.iter().map(|d| driver_status(d, &m.spec.name)))
+        .collect();
+    if let Some(dra) = &shared.dra {
+        out.extend(dra.retirees.each(|d| DraDriverStatus {
+            retiring: true,
+            ..driver_status(d, "")
+        }));
+    }
+    out
+}
+
+fn driver_status(d: &crate::dra::driver::RunningDriver, module: &str) -> DraDriverStatus {
+    let devices = d.devices.borrow();
+    let units = crate::dra::units::units(&devices);
+    let published = d.published.borrow();
+    DraDriverStatus {
+        driver: d.driver.clone(),
+        resource: d.name.clone(),
+        module: module.to_owned(),
+        registration_socket: d.registration_socket.clone(),
+        registered: d.registered.get(),
+        // As published: a device group counts once.
+        devices: units.len(),
+        healthy: units.iter().filter(|u| u.healthy()).count(),
+        published: published.devices,
+        generation: published.generation,
+        slices: published.slices,
+        api_writes: published.writes,
+        api_errors: published.errors,
+        api_error: published.last_error.clone(),
+        prepared_claims: d.claims.prepared(),
+        retiring: false,
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -122,6 +122,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             cdi_dir: options.cdi_dir.clone(),
             resync: args.dra_resync,
             events: Default::default(),
+            retirees: Default::default(),
         });
     }
     let agent = Agent::start(options).await.context("starting the agent")?;

@@ -82,6 +82,10 @@ fn render(status: &Status) -> String {
                 .map(|e| format!("; API error: {e}"))
                 .unwrap_or_default()
         );
+        if d.retiring {
+            out += "  RETIRING: left the registry; answers only for the claims it prepared, until \
+                    they are unprepared\n";
+        }
     }
     for r in &status.resources {
         let healthy = r.devices.iter().filter(|d| d.healthy).count();

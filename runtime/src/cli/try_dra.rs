@@ -89,6 +89,7 @@ pub async fn run(trial: Trial<'_>) -> anyhow::Result<()> {
         cdi_dir: cdi_dir.clone(),
         resync: Duration::from_secs(1),
         events: Default::default(),
+        retirees: Default::default(),
     });
     let agent = Agent::start(options).await?;
     let watching = Watching {

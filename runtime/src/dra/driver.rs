@@ -14,6 +14,7 @@ use super::api::ApiClient;
 use super::checkpoint::Checkpoint;
 use super::events::DraEvents;
 use super::prepare::Claims;
+use super::retire::Retirees;
 use super::server::{self, Registered};
 use super::slices::{self, Pool, Published};
 use crate::resource::backend::{DeviceBackend, Upkeep};
@@ -42,6 +43,8 @@ pub struct DraOptions {
     pub resync: Duration,
     /// Where drivers report what they do (the agent's metrics).
     pub events: DraEvents,
+    /// Drivers that left the registry with claims still prepared.
+    pub retirees: Retirees,
 }
 
 /// What starting a driver needs to know of the resource.
@@ -57,14 +60,22 @@ pub struct DriverSpec<'a> {
     pub held: HeldElsewhere,
 }
 
-/// Counts of a driver's claims, for status and metrics.
+/// A driver's claims as the rest of the agent sees them: counted for status and metrics, and
+/// closed to new claims when the driver retires.
 pub trait ClaimCounts: Send + Sync {
     fn prepared(&self) -> usize;
+    /// From now on only claims prepared already are answered by prepare.
+    fn retire(&self);
 }
 
 impl<B: DeviceBackend> ClaimCounts for Claims<B> {
     fn prepared(&self) -> usize {
         self.checkpoint.uids().len()
+    }
+
+    fn retire(&self) {
+        self.retiring
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -85,9 +96,12 @@ pub struct RunningDriver {
     pub claims: Arc<dyn ClaimCounts>,
     api: Option<ApiClient>,
     events: DraEvents,
+    retirees: Retirees,
     pool: Pool,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    /// Publishes the pool; None without an API server.
+    publisher: Option<JoinHandle<()>>,
 }
 
 /// Starts serving one resource of `backend` as a DRA driver.
@@ -151,8 +165,8 @@ pub fn start<B: DeviceBackend>(
     let republish = Arc::new(Notify::new());
     let mut tasks = core.tasks;
     tasks.extend(served.tasks);
-    if let Some(api) = &options.api {
-        tasks.push(tokio::spawn(slices::publish(
+    let publisher = options.api.as_ref().map(|api| {
+        tokio::spawn(slices::publish(
             api.clone(),
             pool.clone(),
             core.devices.clone(),
@@ -162,8 +176,8 @@ pub fn start<B: DeviceBackend>(
             options.resync,
             published_tx,
             stopped,
-        )));
-    }
+        ))
+    });
     tracing::info!(
         driver = spec.driver,
         resource = spec.name,
@@ -184,28 +198,54 @@ pub fn start<B: DeviceBackend>(
         claims,
         api: options.api.clone(),
         events: options.events.clone(),
+        retirees: options.retirees.clone(),
         pool,
         stop,
         tasks,
+        publisher,
     })
 }
 
 impl RunningDriver {
     /// Whether one of its tasks ended, which only stopping explains.
     pub fn task_ended(&self) -> bool {
-        self.tasks.iter().any(|t| t.is_finished())
+        self.tasks
+            .iter()
+            .chain(&self.publisher)
+            .any(|t| t.is_finished())
     }
 
-    /// Stops serving and removes its sockets; `retire` (the module or resource left the
-    /// registry): its ResourceSlices go too. Prepared claims stay checkpointed either way, so a
-    /// later agent can still unprepare them.
-    pub async fn stop(self, retire: bool) {
-        let _ = self.stop.send(true);
-        for task in self.tasks {
-            let _ = task.await;
+    /// Stops serving; `retire` (the module or resource left the registry): its ResourceSlices
+    /// go too, and while claims it prepared remain it keeps answering for them (see
+    /// `retire.rs`) before it stops. Prepared claims stay checkpointed either way, so a later
+    /// agent can still unprepare them.
+    pub async fn stop(mut self, retire: bool) {
+        if !retire {
+            self.shutdown().await;
+            return;
         }
-        if retire && let Some(api) = &self.api {
+        if self.claims.prepared() > 0 {
+            self.claims.retire();
+        }
+        if let Some(publisher) = self.publisher.take() {
+            publisher.abort();
+            let _ = publisher.await;
+        }
+        if let Some(api) = &self.api {
             slices::withdraw(api, &self.pool, &self.events).await;
+        }
+        if self.claims.prepared() > 0 {
+            self.retirees.clone().hold(self);
+        } else {
+            self.shutdown().await;
+        }
+    }
+
+    /// Stops serving and removes its sockets; the slices and the checkpoint stay.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks.into_iter().chain(self.publisher) {
+            let _ = task.await;
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod events;
 pub mod health;
 pub mod names;
 pub mod prepare;
+pub mod retire;
 pub mod server;
 pub mod slices;
 pub mod units;

@@ -72,6 +72,8 @@ pub struct Claims<B> {
     /// Devices containers hold through the device-plugin front end.
     pub held: HeldElsewhere,
     events: DraEvents,
+    /// Left the registry: only claims prepared already are answered (`retire.rs`).
+    pub(super) retiring: std::sync::atomic::AtomicBool,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -102,6 +104,7 @@ impl<B: DeviceBackend> Claims<B> {
             checkpoint: Arc::new(checkpoint),
             held,
             events,
+            retiring: Default::default(),
             locks: Mutex::default(),
         }
     }
@@ -224,6 +227,13 @@ impl<B: DeviceBackend> Claims<B> {
             // The node rebooted (CDI specs live on tmpfs) or someone removed it: the module is
             // asked again, as for a new claim, with what the checkpoint kept.
             return self.restore(&claim.uid, done).await;
+        }
+        if self.retiring.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(format!(
+                "DRA driver {} left this node's registry: it only answers for the claims it \
+                 prepared before, until they are unprepared",
+                self.driver
+            ));
         }
         let api = self
             .api
