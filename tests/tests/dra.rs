@@ -288,6 +288,8 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
     };
     let unknown = dra.claim(DRIVER, "unknown-device", &["no-such-device"], json!([]));
     let second = dra.claim(DRIVER, "second", &[&device], json!([]));
+    // Only another driver's devices: not ours to prepare.
+    let others = dra.claim("gpu.example.com", "others", &[&device], json!([]));
     let answer = dra
         .kubelet
         .node_prepare_resources(
@@ -298,11 +300,19 @@ async fn a_claim_for_another_node_or_replaced_fails_alone_in_its_own_entry() {
                 wire_claim("good", "a-stale-uid"),
                 wire_claim("unknown-device", &unknown),
                 wire_claim("second", &second),
+                wire_claim("others", &others),
             ],
         )
         .await
         .expect("answered");
-    assert_eq!(answer.claims.len(), 5);
+    assert_eq!(answer.claims.len(), 6);
+    assert!(
+        answer.claims[&others]
+            .error
+            .contains("has no devices of driver fuse.devicelet.io"),
+        "{:?}",
+        answer.claims[&others]
+    );
     assert!(
         answer.claims[&second]
             .error
