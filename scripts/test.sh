@@ -6,6 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+# A real OCI registry for the module-source scenarios (Debian's CNCF distribution registry; the
+# tests start their own instances on 127.0.0.1).
+if ! command -v docker-registry >/dev/null; then
+  apt-get install -y -q docker-registry >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry >/dev/null; }
+fi
 cargo fmt --all -- --check
 guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0)
 cargo build --release --target wasm32-wasip2 "${guests[@]}"

@@ -4,6 +4,7 @@
 
 pub mod cdi;
 pub mod dra;
+pub mod oci;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

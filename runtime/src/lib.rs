@@ -18,6 +18,7 @@ pub mod kubelet;
 pub mod ledger;
 pub mod metrics;
 pub mod nvml;
+pub mod oci;
 pub mod policy;
 pub mod resource;
 pub mod sandbox;

@@ -35,7 +35,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         None,
         spec,
         &registry.host_root,
-        &Default::default(),
+        (&Default::default(), None),
     )
     .await?;
     let mut through_cell = Vec::new();

@@ -61,6 +61,8 @@ pub struct AgentOptions {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The DRA front end's settings; None serves no module with `front-end = "dra"`.
     pub dra: Option<crate::dra::driver::DraOptions>,
+    /// Registries (`host[:port]`) reached over plain HTTP for modules with a `source`.
+    pub insecure_registries: Vec<String>,
 }
 
 impl AgentOptions {
@@ -79,6 +81,7 @@ impl AgentOptions {
             registration: Route::default(),
             metrics_addr: None,
             dra: None,
+            insecure_registries: Vec::new(),
         }
     }
 }
@@ -113,6 +116,8 @@ pub(crate) struct Shared {
     nvml_waiters: Mutex<std::collections::BTreeSet<String>>,
     /// Where and for which node modules with `front-end = "dra"` are served; None: not at all.
     dra: Option<crate::dra::driver::DraOptions>,
+    /// Fetches modules with a `source` into the module store; None without a state directory.
+    fetcher: Option<crate::oci::Fetcher>,
 }
 
 impl Shared {
@@ -228,7 +233,7 @@ impl Shared {
             self.usable_cache(),
             spec,
             host_root,
-            &self.libraries,
+            (&self.libraries, self.fetcher.as_ref()),
         )
         .await
         {
@@ -450,6 +455,10 @@ impl Agent {
             stopping: Default::default(),
             starting: Default::default(),
             nvml_waiters: Default::default(),
+            fetcher: options.state_dir.as_ref().map(|dir| crate::oci::Fetcher {
+                store: crate::oci::store::Store::under(dir),
+                insecure: options.insecure_registries.clone(),
+            }),
             dra: options.dra.clone().map(|mut dra| {
                 dra.events = metrics.dra_events();
                 dra

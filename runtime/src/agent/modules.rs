@@ -15,6 +15,7 @@ use crate::dra::driver::{DraOptions, DriverSpec, RunningDriver};
 use crate::kubelet::resource::{self, Owner, RunningResource, Serving};
 use crate::ledger::Ledger;
 use crate::nvml::Libraries;
+use crate::oci::Fetcher;
 use crate::policy::sharing::{Replicated, physical_id};
 use crate::resource::backend::Upkeep;
 use crate::sandbox::cache::CompileCache;
@@ -70,9 +71,28 @@ pub async fn start_module(
     cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
-    libraries: &Libraries,
+    (libraries, fetcher): (&Libraries, Option<&Fetcher>),
 ) -> Result<ModuleHandle, LoadError> {
-    let (engine, spec_owned, root) = (engine.clone(), spec.clone(), host_root.to_owned());
+    // A module from a registry loads from its entry in the module store, pulled first if
+    // missing.
+    let mut spec_owned = spec.clone();
+    if let Some(source) = &spec.source {
+        let invalid = |message: String| LoadError::Invalid {
+            module: spec.name.clone(),
+            message,
+        };
+        let fetcher = fetcher.ok_or_else(|| {
+            invalid(format!(
+                "it comes from {source}, but the agent has no state directory for its module \
+                 store (--state-dir)"
+            ))
+        })?;
+        spec_owned.path = fetcher
+            .fetch(source)
+            .await
+            .map_err(|e| invalid(format!("pulling {source}: {e}")))?;
+    }
+    let (engine, root) = (engine.clone(), host_root.to_owned());
     let libraries = libraries.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         load(&engine, cache.as_deref(), &spec_owned, &root, &libraries)

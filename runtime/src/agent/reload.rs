@@ -45,7 +45,14 @@ fn concerns(event: &notify::Event, files: &BTreeSet<PathBuf>) -> bool {
 /// The files whose change matters: the registry and every module's `.wasm`.
 fn files_of(registry: &Registry) -> BTreeSet<PathBuf> {
     std::iter::once(registry.file.clone())
-        .chain(registry.modules.iter().map(|m| m.path.clone()))
+        // A module from a registry has no file of its own to follow: its digest is its entry's.
+        .chain(
+            registry
+                .modules
+                .iter()
+                .filter(|m| m.source.is_none())
+                .map(|m| m.path.clone()),
+        )
         .map(|p| std::path::absolute(&p).unwrap_or(p))
         .collect()
 }
@@ -174,7 +181,8 @@ fn needs_restart(
     new: &ModuleSpec,
     digest: Option<&str>,
 ) -> bool {
-    running.spec != *new || digest != Some(running.handle().digest())
+    // A module from a registry is pinned by the digest in its entry: the entry says it all.
+    running.spec != *new || (new.source.is_none() && digest != Some(running.handle().digest()))
 }
 
 /// `digests` are the new modules' file digests, hashed before any lock is taken: status and

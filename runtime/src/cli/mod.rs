@@ -4,6 +4,7 @@
 mod demo;
 #[cfg(feature = "simulator")]
 mod dra_show;
+mod module;
 mod run;
 #[cfg(feature = "simulator")]
 pub mod simulate;
@@ -112,6 +113,16 @@ impl LibraryArgs {
     }
 }
 
+/// How modules with a `source` are fetched.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RegistryArgs {
+    /// A registry (`host[:port]`) reached over plain HTTP instead of HTTPS, for modules whose
+    /// `source` names it (repeat for several). Every other registry is reached over HTTPS with
+    /// the system's roots.
+    #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+    pub insecure: Vec<String>,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve every resource of the registry's modules to the kubelet.
@@ -130,6 +141,9 @@ pub enum Command {
     /// allocation, then the fixture watched for changes.
     #[cfg(feature = "simulator")]
     Try(try_module::TryArgs),
+    /// Modules in OCI registries: push one.
+    #[command(subcommand)]
+    Module(module::ModuleCommand),
     /// Internal: compiles a component read on stdin for the agent, writing the precompiled form
     /// on stdout (the agent runs it as a child, so the compiler's memory is never its own).
     #[command(hide = true)]
@@ -147,6 +161,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args).await,
         #[cfg(feature = "simulator")]
         Command::Try(args) => try_module::run(args).await,
+        Command::Module(command) => module::run(command).await,
         Command::CompileModule => crate::sandbox::compiler::serve_child(),
     }
 }

@@ -72,6 +72,8 @@ pub struct RunArgs {
     pub dra_resync: std::time::Duration,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
+    #[command(flatten)]
+    pub registries: super::RegistryArgs,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,6 +96,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.hot_reload = !args.no_hot_reload;
     options.cdi_dir = args.cdi_dir;
     options.libraries = args.libraries.libraries();
+    options.insecure_registries = args.registries.insecure;
     options.registration = match args.registration {
         RegistrationRoute::KubeletSocket => Route::KubeletSocket,
         RegistrationRoute::PluginWatcher => Route::PluginWatcher(args.plugins_registry_dir.clone()),

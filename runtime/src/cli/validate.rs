@@ -24,6 +24,8 @@ pub struct ValidateArgs {
     pub cdi_spec_dirs: Vec<PathBuf>,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
+    #[command(flatten)]
+    pub registries: super::RegistryArgs,
 }
 
 pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
@@ -37,9 +39,23 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let mut taken = BTreeMap::new();
     let libraries = args.libraries.libraries();
     let installed = crate::cdi::installed::Installed::read(&args.cdi_spec_dirs);
+    // Modules from registries are pulled into a store of validate's own, removed after.
+    let store_dir = std::env::temp_dir().join(format!("devicelet-validate-{}", std::process::id()));
+    let fetcher = crate::oci::Fetcher {
+        store: crate::oci::store::Store::under(&store_dir),
+        insecure: args.registries.insecure.clone(),
+    };
+    let _remove = RemoveOnDrop(store_dir);
     for spec in &registry.modules {
-        let module = match start_module(&engine, None, spec, &registry.host_root, &libraries).await
-        {
+        let loaded = start_module(
+            &engine,
+            None,
+            spec,
+            &registry.host_root,
+            (&libraries, Some(&fetcher)),
+        )
+        .await;
+        let module = match loaded {
             Ok(module) => module,
             Err(e) => {
                 failures += 1;
@@ -47,7 +63,11 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
                 continue;
             }
         };
-        println!("module `{}` ({}): loaded", spec.name, spec.path.display());
+        let from = match &spec.source {
+            Some(source) => source.to_string(),
+            None => spec.path.display().to_string(),
+        };
+        println!("module `{}` ({from}): loaded", spec.name);
         let interface = module.interface();
         let host: Vec<&str> = interface
             .imports
@@ -426,4 +446,13 @@ fn describe_sharing(rule: &crate::config::ShareRule) -> String {
         text.push_str(", one device per container");
     }
     text
+}
+
+/// Removes a scratch directory when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -25,7 +25,11 @@ pub struct ModuleSpec {
     pub name: String,
     /// The component file. Resolved against the registry file's directory when written relative,
     /// so a registry and its modules can be moved together. Not checked for existence here.
+    /// The module file; for a module with `source`, empty until the agent resolves it to its
+    /// entry in the module store.
     pub path: PathBuf,
+    /// Where the module comes from when not a file: an OCI registry, pinned by digest.
+    pub source: Option<crate::oci::OciSource>,
     /// Domain for the module's bare resource names: its own `resource-domain`, else the
     /// registry's.
     pub resource_domain: String,
@@ -84,6 +88,7 @@ pub enum FrontEnd {
 const KEYS: &[&str] = &[
     "name",
     "path",
+    "source",
     "resource-domain",
     "health-interval",
     "call-deadline",
@@ -138,6 +143,7 @@ pub(super) fn parse(
     let table = node.table("a table, written [[module]]")?;
     let mut name = None;
     let mut path = None;
+    let mut source = None;
     let mut resource_domain = None;
     let mut health_interval = DEFAULT_HEALTH_INTERVAL;
     let mut call_deadline = DEFAULT_CALL_DEADLINE;
@@ -175,6 +181,10 @@ pub(super) fn parse(
                 name = Some((text.to_string(), node.span()));
             }
             "path" => path = Some(module_path(node, base)?),
+            "source" => {
+                let text = node.str()?;
+                source = Some(crate::oci::reference::parse(text).map_err(|e| node.error(e))?);
+            }
             "resource-domain" => resource_domain = Some(resource_domain_of(node)?),
             "health-interval" => {
                 health_interval = duration(node, HEALTH_INTERVAL_MIN, HEALTH_INTERVAL_MAX)?
@@ -243,11 +253,32 @@ pub(super) fn parse(
         return Err(error);
     }
     let (name, name_span) = name.ok_or_else(|| table.missing("name"))?;
-    let path = path.ok_or_else(|| table.missing("path"))?;
+    let path = match (path, &source) {
+        (Some(_), Some(_)) => {
+            return Err(table.error(
+                "`path` and `source` both name the module's file; give one: `path` for a file \
+                 on the node, `source` for oci://…@sha256:… from a registry",
+            ));
+        }
+        (Some(path), None) => path,
+        (None, Some(_)) if sha256.is_some() => {
+            return Err(table
+                .error("`sha256` pins a `path`; a `source` is pinned by its own digest already"));
+        }
+        (None, Some(_)) => PathBuf::new(),
+        // `path` is the usual one; the message says the other exists.
+        (None, None) => {
+            return Err(table.missing_because(
+                "path",
+                "missing required key `path` (a .wasm file), or `source` (oci://…@sha256:…)",
+            ));
+        }
+    };
     Ok(Parsed {
         spec: ModuleSpec {
             name,
             path,
+            source,
             resource_domain: resource_domain.unwrap_or_else(|| default_domain.to_string()),
             health_interval,
             call_deadline,

@@ -941,3 +941,44 @@ fn device_plugin_only_keys_are_refused_beside_the_dra_front_end() {
         "always answers with CDI devices",
     );
 }
+
+#[test]
+fn a_module_comes_from_a_path_or_a_pinned_source_never_both() {
+    let digest = "4f6c3a5e9b0d2a1c8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0e9f8a7b6c5d";
+    let good = format!(
+        "[[module]]\nname = \"a\"\nsource = \"oci://registry.example.com/vendor/a:1.0@sha256:{digest}\"\n"
+    );
+    let registry = parse(&good).expect("a pinned source");
+    let source = registry.modules[0].source.as_ref().expect("the source");
+    assert_eq!(source.digest, digest);
+    assert_eq!(source.tag.as_deref(), Some("1.0"));
+    assert_eq!(registry.modules[0].path, std::path::PathBuf::new());
+
+    assert_invalid(
+        "[[module]]\nname = \"a\"\nsource = \"oci://registry.example.com/vendor/a:1.0\"\n",
+        3,
+        Some("module[0].source"),
+        "has no digest",
+    );
+    assert_invalid(
+        &format!(
+            "[[module]]\nname = \"a\"\npath = \"a.wasm\"\n{}",
+            &good[22..]
+        ),
+        1,
+        Some("module[0]"),
+        "`path` and `source` both name the module's file",
+    );
+    assert_invalid(
+        &format!("{good}sha256 = \"{digest}\"\n"),
+        1,
+        Some("module[0]"),
+        "a `source` is pinned by its own digest already",
+    );
+    assert_invalid(
+        "[[module]]\nname = \"a\"\n",
+        1,
+        Some("module[0].path"),
+        "or `source` (oci://",
+    );
+}

@@ -152,14 +152,21 @@ impl<'a> Table<'a> {
         entries
     }
 
+    /// An error about the table as a whole (two keys that exclude each other), pointing at it.
+    pub(super) fn error(&self, message: impl Into<String>) -> RegistryError {
+        self.src.error(self.span.start, &self.path, message)
+    }
+
     /// A required key is absent: point at the table that should have held it (its `[[header]]`,
     /// or its opening brace when inline).
     pub(super) fn missing(&self, key: &str) -> RegistryError {
-        self.src.error(
-            self.span.start,
-            &self.path.key(key),
-            format!("missing required key `{key}`"),
-        )
+        self.missing_because(key, format!("missing required key `{key}`"))
+    }
+
+    /// [`missing`](Self::missing), saying more.
+    pub(super) fn missing_because(&self, key: &str, message: impl Into<String>) -> RegistryError {
+        self.src
+            .error(self.span.start, &self.path.key(key), message)
     }
 }
 

@@ -132,6 +132,18 @@ pub struct ModuleInterface {
 
 /// Checks the module's WIT version (from its export names) and names the first import it is not
 /// allowed, before wasmtime's less specific link error.
+/// A component's imports and exports by name, for the config `devicelet module push` writes.
+/// Compiles it: only what compiles is pushed.
+pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
+    let engine = super::engine::new_engine().map_err(|e| format!("{e:#}"))?;
+    let component = super::compiler::compile(&engine, bytes)
+        .map_err(|e| format!("not a component this agent can load: {e:#}"))?;
+    let ty = component.component_type();
+    let imports = ty.imports(&engine).map(|(n, _)| n.to_owned()).collect();
+    let exports = ty.exports(&engine).map(|(n, _)| n.to_owned()).collect();
+    Ok((imports, exports))
+}
+
 fn check_imports(
     engine: &Engine,
     component: &Component,

@@ -1,0 +1,227 @@
+//! Fetching a module by its pinned manifest digest: from the store when both its manifest and
+//! its layer are there, else from the registry, every byte checked (the manifest against the
+//! pin, its media types against the wasm OCI layout, the layer's size against the cap and its
+//! bytes against the manifest's digest) before anything is stored.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::manifest::OciDescriptor;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use serde::Deserialize;
+use tokio_stream::StreamExt;
+
+use super::reference::OciSource;
+use super::store::Store;
+use crate::digest::sha256_hex;
+
+/// The media types of the wasm OCI layout (`docs/design/oci.md`).
+pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const CONFIG_MEDIA_TYPE: &str = "application/vnd.wasm.config.v0+json";
+pub const LAYER_MEDIA_TYPE: &str = "application/wasm";
+/// A manifest is small; anything larger is not one.
+const MAX_MANIFEST: u64 = 4 << 20;
+/// One pull, end to end.
+pub const PULL_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How the agent reaches registries.
+#[derive(Debug, Clone)]
+pub struct Fetcher {
+    pub store: Store,
+    /// Registries (`host[:port]`) spoken to over plain HTTP; every other one over HTTPS with
+    /// the system's roots.
+    pub insecure: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Manifest {
+    media_type: Option<String>,
+    config: Descriptor,
+    layers: Vec<Descriptor>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Descriptor {
+    media_type: String,
+    digest: String,
+    size: i64,
+}
+
+/// The module layer a wasm manifest names: (its sha256 hex, its size). Err names what is not
+/// the wasm OCI layout.
+fn layer_of(manifest: &[u8]) -> Result<(String, u64), String> {
+    let m: Manifest = serde_json::from_slice(manifest)
+        .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))?;
+    if let Some(t) = &m.media_type
+        && t != MANIFEST_MEDIA_TYPE
+    {
+        return Err(format!(
+            "the manifest's media type is {t}, not {MANIFEST_MEDIA_TYPE}"
+        ));
+    }
+    if m.config.media_type != CONFIG_MEDIA_TYPE {
+        return Err(format!(
+            "the artifact's config is {}, not {CONFIG_MEDIA_TYPE}: it is not a wasm component \
+             artifact (push modules with `devicelet module push` or `wkg oci push`)",
+            m.config.media_type
+        ));
+    }
+    let [layer] = m.layers.as_slice() else {
+        return Err(format!(
+            "the artifact has {} layers; a wasm component artifact has one",
+            m.layers.len()
+        ));
+    };
+    if layer.media_type != LAYER_MEDIA_TYPE {
+        return Err(format!(
+            "the artifact's layer is {}, not {LAYER_MEDIA_TYPE}",
+            layer.media_type
+        ));
+    }
+    let size = u64::try_from(layer.size).map_err(|_| "the layer's size is negative".to_string())?;
+    if size > crate::files::MAX_MODULE {
+        return Err(format!(
+            "the module is {size} bytes, more than the {} a module may be",
+            crate::files::MAX_MODULE
+        ));
+    }
+    let hex = layer
+        .digest
+        .strip_prefix("sha256:")
+        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| format!("the layer's digest {} is not a sha256", layer.digest))?;
+    Ok((hex.to_ascii_lowercase(), size))
+}
+
+/// A client for `insecure` (plain HTTP) and every other registry over HTTPS.
+pub fn client(insecure: &[String]) -> Client {
+    // kube and this client share rustls; ring is the agent's provider (see dra/api.rs).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Client::new(ClientConfig {
+        protocol: ClientProtocol::HttpsExcept(insecure.to_vec()),
+        connect_timeout: Some(Duration::from_secs(10)),
+        read_timeout: Some(Duration::from_secs(30)),
+        ..ClientConfig::default()
+    })
+}
+
+impl Fetcher {
+    /// The path of the module `source` pins, in the store: from the store, or pulled and
+    /// checked first. Err says what failed, for the module's load error.
+    pub async fn fetch(&self, source: &OciSource) -> Result<PathBuf, String> {
+        if let Some(manifest) = self.store.get(&source.digest, MAX_MANIFEST)
+            && let Ok((layer, _)) = layer_of(&manifest)
+            && self.store.get(&layer, crate::files::MAX_MODULE).is_some()
+        {
+            return Ok(self.store.path(&layer));
+        }
+        tokio::time::timeout(PULL_DEADLINE, self.pull(source))
+            .await
+            .map_err(|_| format!("the pull took longer than {PULL_DEADLINE:?}"))?
+    }
+
+    async fn pull(&self, source: &OciSource) -> Result<PathBuf, String> {
+        let reference: Reference = source.by_digest().parse().map_err(|e| format!("{e}"))?;
+        let client = client(&self.insecure);
+        let (manifest, _) = client
+            .pull_manifest_raw(&reference, &RegistryAuth::Anonymous, &[MANIFEST_MEDIA_TYPE])
+            .await
+            .map_err(|e| format!("fetching the manifest: {e}"))?;
+        let got = sha256_hex(&manifest);
+        if got != source.digest {
+            return Err(format!(
+                "the registry answered a manifest whose digest is sha256:{got}, not the pinned \
+                 sha256:{}",
+                source.digest
+            ));
+        }
+        let (layer, size) = layer_of(&manifest)?;
+        let descriptor = OciDescriptor {
+            media_type: LAYER_MEDIA_TYPE.into(),
+            digest: format!("sha256:{layer}"),
+            size: size as i64,
+            ..OciDescriptor::default()
+        };
+        let mut stream = client
+            .pull_blob_stream(&reference, &descriptor)
+            .await
+            .map_err(|e| format!("fetching the module: {e}"))?;
+        let mut bytes = Vec::with_capacity(size as usize);
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| format!("fetching the module: {e}"))?;
+            if (bytes.len() + chunk.len()) as u64 > size {
+                return Err(format!(
+                    "the registry sent more than the {size} bytes the manifest says"
+                ));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        let got = sha256_hex(&bytes);
+        if got != layer {
+            return Err(format!(
+                "the module's bytes have digest sha256:{got}, not the manifest's sha256:{layer}: \
+                 refused"
+            ));
+        }
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || {
+            store.put(&bytes)?;
+            store.put(&manifest)?;
+            Ok(store.path(&layer))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(config: &str, layers: &[(&str, i64)]) -> Vec<u8> {
+        let layers: Vec<_> = layers
+            .iter()
+            .map(|(t, size)| {
+                serde_json::json!({"mediaType": t, "digest": format!("sha256:{}", "a".repeat(64)), "size": size})
+            })
+            .collect();
+        serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MEDIA_TYPE,
+            "config": {"mediaType": config, "digest": format!("sha256:{}", "b".repeat(64)), "size": 2},
+            "layers": layers,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_the_wasm_layout_is_taken_and_refusals_name_what_is_wrong() {
+        let ok = manifest(CONFIG_MEDIA_TYPE, &[(LAYER_MEDIA_TYPE, 10)]);
+        assert_eq!(layer_of(&ok), Ok(("a".repeat(64), 10)));
+        let image = manifest(
+            "application/vnd.oci.image.config.v1+json",
+            &[(LAYER_MEDIA_TYPE, 10)],
+        );
+        assert!(
+            layer_of(&image)
+                .unwrap_err()
+                .contains("not a wasm component artifact")
+        );
+        let tar = manifest(
+            CONFIG_MEDIA_TYPE,
+            &[("application/vnd.oci.image.layer.v1.tar+gzip", 10)],
+        );
+        assert!(layer_of(&tar).unwrap_err().contains("not application/wasm"));
+        let two = manifest(
+            CONFIG_MEDIA_TYPE,
+            &[(LAYER_MEDIA_TYPE, 10), (LAYER_MEDIA_TYPE, 10)],
+        );
+        assert!(layer_of(&two).unwrap_err().contains("has 2 layers"));
+        let huge = manifest(CONFIG_MEDIA_TYPE, &[(LAYER_MEDIA_TYPE, 1 << 40)]);
+        assert!(layer_of(&huge).unwrap_err().contains("more than"));
+    }
+}

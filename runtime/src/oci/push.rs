@@ -1,0 +1,144 @@
+//! `devicelet module push`: a module as a wasm component artifact (the layout `wkg` writes:
+//! `docs/design/oci.md`): its bytes one `application/wasm` layer, a
+//! `application/vnd.wasm.config.v0+json` config naming its imports and exports, and an OCI
+//! image manifest, whose digest pins it in a registry line.
+
+use std::path::Path;
+
+use oci_client::Reference;
+use oci_client::secrets::RegistryAuth;
+
+use super::pull::{CONFIG_MEDIA_TYPE, LAYER_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, client};
+use super::reference::OciSource;
+use crate::digest::sha256_hex;
+
+/// Where to push: `oci://<registry>/<repository>:<tag>` (no digest: pushing makes it).
+pub fn target(text: &str) -> Result<(String, String, String), String> {
+    let rest = text
+        .strip_prefix("oci://")
+        .ok_or_else(|| format!("{text:?}: expected oci://<registry>/<repository>:<tag>"))?;
+    if rest.contains('@') {
+        return Err(format!(
+            "{text:?}: push to a tag; the digest is what pushing makes"
+        ));
+    }
+    let (registry, path) = rest
+        .split_once('/')
+        .ok_or_else(|| format!("{text:?} names no repository"))?;
+    let (repository, tag) = match path.rsplit_once(':') {
+        Some((repository, tag)) if !tag.contains('/') => (repository, tag),
+        _ => (path, "latest"),
+    };
+    // The same rules as a module's source, checked with a stand-in digest.
+    let check = format!(
+        "oci://{registry}/{repository}:{tag}@sha256:{}",
+        "0".repeat(64)
+    );
+    super::reference::parse(&check)?;
+    Ok((registry.to_owned(), repository.to_owned(), tag.to_owned()))
+}
+
+/// RFC 3339 UTC, as the config's `created` wants it.
+fn now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or_default();
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days to civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Pushes the module at `file` to `to` (`oci://<registry>/<repository>:<tag>`); the source
+/// that pins it. `interface` lists the component's (imports, exports).
+pub async fn push(
+    file: &Path,
+    to: &str,
+    interface: (Vec<String>, Vec<String>),
+    insecure: &[String],
+) -> Result<OciSource, String> {
+    let (registry, repository, tag) = target(to)?;
+    let bytes = crate::files::read_regular(file, crate::files::MAX_MODULE)
+        .map_err(|e| format!("reading {}: {e}", file.display()))?;
+    let layer = format!("sha256:{}", sha256_hex(&bytes));
+    let (imports, exports) = interface;
+    let config = serde_json::to_vec(&serde_json::json!({
+        "created": now_rfc3339(),
+        "architecture": "wasm",
+        "os": "wasip2",
+        "layerDigests": [layer],
+        "component": {"imports": imports, "exports": exports},
+    }))
+    .map_err(|e| e.to_string())?;
+    let config_digest = format!("sha256:{}", sha256_hex(&config));
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA_TYPE,
+        "artifactType": "application/vnd.wasm.component.v1+wasm",
+        "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": config_digest, "size": config.len()},
+        "layers": [{"mediaType": LAYER_MEDIA_TYPE, "digest": layer, "size": bytes.len()}],
+    }))
+    .map_err(|e| e.to_string())?;
+    let reference: Reference = format!("{registry}/{repository}:{tag}")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let client = client(insecure);
+    client
+        .store_auth_if_needed(&registry, &RegistryAuth::Anonymous)
+        .await;
+    client
+        .push_blob(&reference, config, &config_digest)
+        .await
+        .map_err(|e| format!("pushing the config: {e}"))?;
+    client
+        .push_blob(&reference, bytes, &layer)
+        .await
+        .map_err(|e| format!("pushing the module: {e}"))?;
+    let digest = sha256_hex(&manifest);
+    client
+        .push_manifest_raw(
+            &reference,
+            manifest,
+            http::HeaderValue::from_static(MANIFEST_MEDIA_TYPE),
+        )
+        .await
+        .map_err(|e| format!("pushing the manifest: {e}"))?;
+    Ok(OciSource {
+        registry,
+        repository,
+        tag: Some(tag),
+        digest,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_push_target_is_a_tag_and_the_date_is_rfc3339() {
+        assert_eq!(
+            target("oci://localhost:5000/vendor/gpu:1.0").unwrap(),
+            ("localhost:5000".into(), "vendor/gpu".into(), "1.0".into())
+        );
+        assert_eq!(target("oci://r.io/a").unwrap().2, "latest");
+        assert!(target(&format!("oci://r.io/a@sha256:{}", "0".repeat(64))).is_err());
+        let now = now_rfc3339();
+        assert_eq!(now.len(), 20, "{now}");
+        assert!(now.ends_with('Z') && now.as_bytes()[10] == b'T', "{now}");
+    }
+}

@@ -1,0 +1,216 @@
+//! Modules from an OCI registry (`source = "oci://…@sha256:…"`), against a real registry
+//! (Debian's docker-registry, plain HTTP on 127.0.0.1, listed as insecure): pushed with
+//! `devicelet module push`, pulled by digest into the module store, served from the store with
+//! the registry down, and refused by name when they are not what the digest pins.
+
+use devicelet_tests::oci::TestRegistry;
+use devicelet_tests::{Node, WAIT, module_dir};
+
+/// generic-dev serving /dev/fuse, from `source_line` (`source = "…"`).
+fn fuse_from(source_line: &str) -> String {
+    format!(
+        "[[module]]\nname = \"generic-dev\"\n{source_line}\nhealth-interval = \"100ms\"\n\
+         [module.grants]\ndev = [\"/dev/fuse\"]\n[module.config]\n\
+         groups = [{{ name = \"fuse\", paths = [\"/dev/fuse\"] }}]\n"
+    )
+}
+
+async fn agent(node: &Node, modules: &str, registry: &TestRegistry) -> devicelet::agent::Agent {
+    let (state, insecure) = (node.state_dir(), registry.addr.clone());
+    node.start_agent_with(modules, move |o| {
+        o.state_dir = Some(state);
+        o.insecure_registries = vec![insecure];
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registry_down() {
+    let mut registry = TestRegistry::start();
+    let line = registry.push(
+        &module_dir().join("generic_dev.wasm"),
+        "devicelet/generic-dev",
+        "0.2.0",
+    );
+    let digest = line
+        .rsplit_once("@sha256:")
+        .map(|(_, d)| d.trim_end_matches('"').to_owned())
+        .expect("a digest in the registry line");
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = fuse_from(&line);
+
+    let first = agent(&node, &modules, &registry).await;
+    assert!(first.load_errors().is_empty(), "{:?}", first.load_errors());
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served from the registry");
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocated");
+    let store = node.state_dir().join("modules/sha256");
+    assert!(
+        store.join(&digest).is_file(),
+        "the manifest is stored by its digest"
+    );
+    first.shutdown().await;
+
+    // The registry is down: the node starts from its store.
+    registry.down();
+    let offline = agent(&node, &modules, &registry).await;
+    assert!(
+        offline.load_errors().is_empty(),
+        "{:?}",
+        offline.load_errors()
+    );
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| {
+            r.registrations >= 2 && r.allocatable == 1
+        })
+        .await
+        .expect("served from the store");
+    offline.shutdown().await;
+
+    // A store entry whose bytes no longer match its name is deleted; with the registry down
+    // the module cannot load, and says why; with it back, it is pulled again.
+    let layer = std::fs::read_dir(&store)
+        .expect("the store")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.file_name().is_some_and(|n| n != digest.as_str()))
+        .expect("the module's entry");
+    std::fs::write(&layer, b"tampered").expect("tamper");
+    let refused = agent(&node, &modules, &registry).await;
+    let errors = refused.load_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("pulling oci://") && e.contains("generic-dev")),
+        "{errors:?}"
+    );
+    assert!(!layer.exists(), "the tampered entry is deleted");
+    refused.shutdown().await;
+    registry.up();
+    let again = agent(&node, &modules, &registry).await;
+    assert!(again.load_errors().is_empty(), "{:?}", again.load_errors());
+    assert!(layer.is_file(), "pulled again");
+    again.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_name() {
+    let registry = TestRegistry::start();
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+
+    // A container image's layout under a module's name.
+    let image = registry.push_raw(
+        "vendor/not-wasm",
+        "1.0",
+        ("application/vnd.oci.image.config.v1+json", b"{}"),
+        (
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+            b"not a module",
+        ),
+    );
+    let line = format!(
+        "source = \"oci://{}/vendor/not-wasm:1.0@sha256:{image}\"",
+        registry.addr
+    );
+    let refused = agent(&node, &fuse_from(&line), &registry).await;
+    let errors = refused.load_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("application/vnd.oci.image.config.v1+json")
+                && e.contains("not a wasm component artifact")),
+        "{errors:?}"
+    );
+    refused.shutdown().await;
+
+    // The wasm layout, but the digest pins nothing there.
+    let wrong = format!(
+        "source = \"oci://{}/vendor/not-wasm:1.0@sha256:{}\"",
+        registry.addr,
+        "0".repeat(64)
+    );
+    let missing = agent(&node, &fuse_from(&wrong), &registry).await;
+    let errors = missing.load_errors();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("fetching the manifest") && e.contains("manifest unknown")),
+        "{errors:?}"
+    );
+    missing.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_the_running_version()
+{
+    let registry = TestRegistry::start();
+    let wasm = std::fs::read(module_dir().join("generic_dev.wasm")).expect("the module");
+    // Two artifacts of the same module, told apart by their config (another build's date).
+    let push = |created: &str| {
+        let config = serde_json::to_vec(&serde_json::json!({
+            "created": created, "architecture": "wasm", "os": "wasip2",
+            "layerDigests": [format!("sha256:{}", devicelet::digest::sha256_hex(&wasm))],
+        }))
+        .expect("config");
+        registry.push_raw(
+            "vendor/generic-dev",
+            created,
+            ("application/vnd.wasm.config.v0+json", &config),
+            ("application/wasm", &wasm),
+        )
+    };
+    let (first, second) = (push("2026-11-01"), push("2026-11-02"));
+    let line = |digest: &str| {
+        format!(
+            "source = \"oci://{}/vendor/generic-dev@sha256:{digest}\"",
+            registry.addr
+        )
+    };
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = agent(&node, &fuse_from(&line(&first)), &registry).await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served");
+
+    // A digest that is not there: the running version keeps serving.
+    node.registry(&fuse_from(&line(&"0".repeat(64))));
+    devicelet_tests::eventually("the failed pull reported", || {
+        agent.load_errors().iter().any(|e| {
+            e.contains("manifest unknown") && e.contains("the running version keeps serving")
+        })
+    })
+    .await;
+    assert_eq!(
+        node.kubelet
+            .resource("devicelet.io/fuse")
+            .map(|r| r.allocatable),
+        Some(1)
+    );
+
+    // The second artifact: pulled, and the module upgraded in place (no new registration).
+    let registrations = node.kubelet.registrations("devicelet.io/fuse");
+    node.registry(&fuse_from(&line(&second)));
+    let store = node.state_dir().join("modules/sha256");
+    devicelet_tests::eventually("the second artifact pulled and serving", || {
+        store.join(&second).is_file() && agent.load_errors().is_empty()
+    })
+    .await;
+    assert_eq!(
+        node.kubelet.registrations("devicelet.io/fuse"),
+        registrations
+    );
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocated after the upgrade");
+    agent.shutdown().await;
+}
