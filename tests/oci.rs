@@ -172,6 +172,23 @@ impl TestRegistry {
     }
 }
 
+impl TestRegistry {
+    /// `devicelet module inspect REFERENCE`: (success, stdout and stderr).
+    pub fn inspect(&self, reference: &str) -> (bool, String) {
+        let out = Command::new(crate::devicelet_bin())
+            .args(["module", "inspect", reference])
+            .args(["--insecure-registry", &self.addr, "--log", "warn"])
+            .output()
+            .expect("running devicelet module inspect");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+}
+
 impl Drop for TestRegistry {
     fn drop(&mut self) {
         self.down();

@@ -36,6 +36,18 @@ async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registr
         .rsplit_once("@sha256:")
         .map(|(_, d)| d.trim_end_matches('"').to_owned())
         .expect("a digest in the registry line");
+    // What a vendor or operator sees of it before any node pulls it.
+    let reference = line.trim_start_matches("source = \"").trim_end_matches('"');
+    let (ok, shown) = registry.inspect(reference);
+    assert!(ok, "{shown}");
+    for needle in [
+        "implements devicelet:plugin@0.2.0",
+        "layer: application/wasm",
+        "devicelet:plugin/devnodes@0.2.0",
+        "a node would pull and load it",
+    ] {
+        assert!(shown.contains(needle), "{needle:?} in:\n{shown}");
+    }
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let modules = fuse_from(&line);
@@ -117,6 +129,11 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
     let line = format!(
         "source = \"oci://{}/vendor/not-wasm:1.0@sha256:{image}\"",
         registry.addr
+    );
+    let (_, shown) = registry.inspect(line.trim_start_matches("source = \"").trim_end_matches('"'));
+    assert!(
+        shown.contains("a node would refuse it") && shown.contains("not a wasm component artifact"),
+        "{shown}"
     );
     let refused = agent(&node, &fuse_from(&line), &registry).await;
     let errors = refused.load_errors();

@@ -141,7 +141,7 @@ pub enum Command {
     /// allocation, then the fixture watched for changes.
     #[cfg(feature = "simulator")]
     Try(try_module::TryArgs),
-    /// Modules in OCI registries: push one.
+    /// Modules in OCI registries: push one, or inspect one.
     #[command(subcommand)]
     Module(module::ModuleCommand),
     /// Internal: compiles a component read on stdin for the agent, writing the precompiled form

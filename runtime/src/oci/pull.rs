@@ -109,6 +109,84 @@ pub fn client(insecure: &[String]) -> Client {
     })
 }
 
+/// The manifest `source` pins, fetched by digest and checked against it, with the reference
+/// its blobs are fetched through.
+async fn manifest_of(client: &Client, source: &OciSource) -> Result<(Reference, Vec<u8>), String> {
+    let reference: Reference = source.by_digest().parse().map_err(|e| format!("{e}"))?;
+    let (manifest, _) = client
+        .pull_manifest_raw(&reference, &RegistryAuth::Anonymous, &[MANIFEST_MEDIA_TYPE])
+        .await
+        .map_err(|e| format!("fetching the manifest: {e}"))?;
+    if manifest.len() as u64 > MAX_MANIFEST {
+        return Err(format!("the manifest is larger than {MAX_MANIFEST} bytes"));
+    }
+    let got = sha256_hex(&manifest);
+    if got != source.digest {
+        return Err(format!(
+            "the registry answered a manifest whose digest is sha256:{got}, not the pinned \
+             sha256:{}",
+            source.digest
+        ));
+    }
+    Ok((reference, manifest.to_vec()))
+}
+
+/// What `devicelet module inspect` shows of an artifact, read without fetching the module.
+#[derive(Debug, Clone)]
+pub struct Inspection {
+    pub manifest_media_type: String,
+    pub config_media_type: String,
+    /// Why the artifact is not one a node would load; None when it is.
+    pub refused: Option<String>,
+    /// The layer's media type, digest and size, when there is one layer.
+    pub layer: Option<(String, String, u64)>,
+    /// The config, as JSON, when it is the wasm layout's.
+    pub config: Option<serde_json::Value>,
+}
+
+/// Reads the artifact `source` pins: its manifest (checked against the pin) and its config.
+pub async fn inspect(source: &OciSource, insecure: &[String]) -> Result<Inspection, String> {
+    let client = client(insecure);
+    let (reference, manifest) = manifest_of(&client, source).await?;
+    let m: Manifest = serde_json::from_slice(&manifest)
+        .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))?;
+    let refused = layer_of(&manifest).err();
+    let layer = match m.layers.as_slice() {
+        [l] => Some((
+            l.media_type.clone(),
+            l.digest.clone(),
+            u64::try_from(l.size).unwrap_or(0),
+        )),
+        _ => None,
+    };
+    let config = if m.config.media_type == CONFIG_MEDIA_TYPE && m.config.size <= 1 << 20 {
+        let descriptor = OciDescriptor {
+            media_type: m.config.media_type.clone(),
+            digest: m.config.digest.clone(),
+            size: m.config.size,
+            ..OciDescriptor::default()
+        };
+        let mut bytes = Vec::new();
+        client
+            .pull_blob(&reference, &descriptor, &mut bytes)
+            .await
+            .map_err(|e| format!("fetching the config: {e}"))?;
+        if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
+            return Err("the config's bytes do not match its digest".into());
+        }
+        serde_json::from_slice(&bytes).ok()
+    } else {
+        None
+    };
+    Ok(Inspection {
+        manifest_media_type: m.media_type.unwrap_or_else(|| "(none given)".into()),
+        config_media_type: m.config.media_type,
+        refused,
+        layer,
+        config,
+    })
+}
+
 impl Fetcher {
     /// The path of the module `source` pins, in the store: from the store, or pulled and
     /// checked first. Err says what failed, for the module's load error.
@@ -125,20 +203,8 @@ impl Fetcher {
     }
 
     async fn pull(&self, source: &OciSource) -> Result<PathBuf, String> {
-        let reference: Reference = source.by_digest().parse().map_err(|e| format!("{e}"))?;
         let client = client(&self.insecure);
-        let (manifest, _) = client
-            .pull_manifest_raw(&reference, &RegistryAuth::Anonymous, &[MANIFEST_MEDIA_TYPE])
-            .await
-            .map_err(|e| format!("fetching the manifest: {e}"))?;
-        let got = sha256_hex(&manifest);
-        if got != source.digest {
-            return Err(format!(
-                "the registry answered a manifest whose digest is sha256:{got}, not the pinned \
-                 sha256:{}",
-                source.digest
-            ));
-        }
+        let (reference, manifest) = manifest_of(&client, source).await?;
         let (layer, size) = layer_of(&manifest)?;
         let descriptor = OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.into(),
