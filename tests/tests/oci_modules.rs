@@ -86,28 +86,42 @@ async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registr
     offline.shutdown().await;
 
     // A store entry whose bytes no longer match its name is deleted; with the registry down
-    // the module cannot load, and says why; with it back, it is pulled again.
+    // the module waits for its pull, and says why; with it back, it is pulled and served.
     let layer = std::fs::read_dir(&store)
         .expect("the store")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.file_name().is_some_and(|n| n != digest.as_str()))
         .expect("the module's entry");
     std::fs::write(&layer, b"tampered").expect("tamper");
-    let refused = agent(&node, &modules, &registry).await;
-    let errors = refused.load_errors();
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("pulling oci://") && e.contains("generic-dev")),
-        "{errors:?}"
-    );
+    let waiting = agent(&node, &modules, &registry).await;
     assert!(!layer.exists(), "the tampered entry is deleted");
-    refused.shutdown().await;
+    let pending = devicelet_tests::eventually_some("a failed pull reported", || {
+        waiting
+            .pending()
+            .into_iter()
+            .find(|p| p.attempts >= 1 && p.module == "generic-dev")
+    })
+    .await;
+    assert!(!pending.running);
+    assert!(
+        pending
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("fetching the manifest")),
+        "{pending:?}"
+    );
     registry.up();
-    let again = agent(&node, &modules, &registry).await;
-    assert!(again.load_errors().is_empty(), "{:?}", again.load_errors());
+    devicelet_tests::eventually("pulled again and served", || {
+        waiting.pending().is_empty() && waiting.resource("devicelet.io/fuse").is_some()
+    })
+    .await;
     assert!(layer.is_file(), "pulled again");
-    again.shutdown().await;
+    assert!(
+        waiting.load_errors().is_empty(),
+        "{:?}",
+        waiting.load_errors()
+    );
+    waiting.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,14 +150,56 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         "{shown}"
     );
     let refused = agent(&node, &fuse_from(&line), &registry).await;
-    let errors = refused.load_errors();
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("application/vnd.oci.image.config.v1+json")
-                && e.contains("not a wasm component artifact")),
-        "{errors:?}"
+    // Refused for good: no retry changes what a digest pins.
+    devicelet_tests::eventually("the artifact refused by name", || {
+        refused.load_errors().iter().any(|e| {
+            e.contains("application/vnd.oci.image.config.v1+json")
+                && e.contains("not a wasm component artifact")
+        })
+    })
+    .await;
+    assert!(refused.pending().is_empty(), "{:?}", refused.pending());
+    refused.shutdown().await;
+
+    // A module whose config lists an import its grants do not allow (devnodes, with no /dev
+    // grant) is refused from the config: its module is never fetched, nor compiled.
+    let pushed = registry.push(
+        &module_dir().join("generic_dev.wasm"),
+        "devicelet/generic-dev",
+        "0.2.0",
     );
+    let ungranted = format!(
+        "[[module]]\nname = \"generic-dev\"\n{pushed}\n[module.grants]\nsysfs = [\"/sys/class\"]\n"
+    );
+    let state = node.state_dir();
+    let cache = node.dir.path().join("cache");
+    let refused = node
+        .start_agent_with(&ungranted, {
+            let (state, cache, insecure) = (state.clone(), cache.clone(), registry.addr.clone());
+            move |o| {
+                o.state_dir = Some(state);
+                o.cache_dir = Some(cache);
+                o.insecure_registries = vec![insecure];
+            }
+        })
+        .await;
+    devicelet_tests::eventually("refused from its config", || {
+        refused.load_errors().iter().any(|e| {
+            e.contains("devicelet:plugin/devnodes@0.2.0")
+                && e.contains("registry grants do not allow")
+                && e.contains("refused before fetching the module")
+        })
+    })
+    .await;
+    let layer = devicelet::digest::sha256_hex(
+        &std::fs::read(module_dir().join("generic_dev.wasm")).expect("the module"),
+    );
+    assert!(
+        !state.join("modules/sha256").join(&layer).exists(),
+        "the module was not fetched"
+    );
+    let stats = refused.cache_stats().expect("a compile cache");
+    assert_eq!((stats.hits, stats.misses), (0, 0), "nothing compiled");
     refused.shutdown().await;
 
     // The wasm layout, but the digest pins nothing there.
@@ -152,13 +208,24 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         registry.addr,
         "0".repeat(64)
     );
+    // Not (yet) there is no refusal: the module waits for its pull, tried again with backoff.
     let missing = agent(&node, &fuse_from(&wrong), &registry).await;
-    let errors = missing.load_errors();
+    let pending = devicelet_tests::eventually_some("the failed pull reported", || {
+        missing.pending().into_iter().find(|p| p.attempts >= 1)
+    })
+    .await;
     assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("fetching the manifest") && e.contains("manifest unknown")),
-        "{errors:?}"
+        pending
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("fetching the manifest") && e.contains("manifest unknown")),
+        "{pending:?}"
+    );
+    assert!(pending.next_attempt_in_ms.is_some(), "{pending:?}");
+    assert!(
+        missing.load_errors().is_empty(),
+        "{:?}",
+        missing.load_errors()
     );
     missing.shutdown().await;
 }
@@ -198,14 +265,20 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
         .await
         .expect("served");
 
-    // A digest that is not there: the running version keeps serving.
+    // A digest that is not there: the running version keeps serving while it is tried.
     node.registry(&fuse_from(&line(&"0".repeat(64))));
-    devicelet_tests::eventually("the failed pull reported", || {
-        agent.load_errors().iter().any(|e| {
-            e.contains("manifest unknown") && e.contains("the running version keeps serving")
-        })
+    let pending = devicelet_tests::eventually_some("the failed pull reported", || {
+        agent.pending().into_iter().find(|p| p.attempts >= 1)
     })
     .await;
+    assert!(pending.running, "{pending:?}");
+    assert!(
+        pending
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("manifest unknown")),
+        "{pending:?}"
+    );
     assert_eq!(
         node.kubelet
             .resource("devicelet.io/fuse")
@@ -218,7 +291,12 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
     node.registry(&fuse_from(&line(&second)));
     let store = node.state_dir().join("modules/sha256");
     devicelet_tests::eventually("the second artifact pulled and serving", || {
-        store.join(&second).is_file() && agent.load_errors().is_empty()
+        store.join(&second).is_file()
+            && agent.status().modules.iter().any(|m| {
+                m.source
+                    .as_deref()
+                    .is_some_and(|s| s.ends_with(second.as_str()))
+            })
     })
     .await;
     assert_eq!(
@@ -229,5 +307,95 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
         .allocate("devicelet.io/fuse", 1)
         .await
         .expect("allocated after the upgrade");
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_down_at_first_start_leaves_its_module_pending_and_the_others_serving() {
+    let mut registry = TestRegistry::start();
+    let line = registry.push(
+        &module_dir().join("generic_dev.wasm"),
+        "devicelet/generic-dev",
+        "0.2.0",
+    );
+    registry.down();
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    node.add_char("/dev/net/tun", 10, 200);
+    // One module from the registry (serving tun), one from a file (serving fuse).
+    let modules = format!(
+        "{}\n[[module]]\nname = \"local\"\npath = \"{}\"\nhealth-interval = \"100ms\"\n\
+         [module.grants]\ndev = [\"/dev/fuse\"]\n[module.config]\n\
+         groups = [{{ name = \"fuse\", paths = [\"/dev/fuse\"] }}]\n",
+        fuse_from(&line)
+            .replace("/dev/fuse", "/dev/net/tun")
+            .replace("name = \"fuse\"", "name = \"tun\""),
+        module_dir().join("generic_dev.wasm").display()
+    );
+    let (state, insecure) = (node.state_dir(), registry.addr.clone());
+    let agent = node
+        .start_agent_with(&modules, move |o| {
+            o.state_dir = Some(state);
+            o.insecure_registries = vec![insecure];
+            o.metrics_addr = Some(([127, 0, 0, 1], 0).into());
+        })
+        .await;
+    let addr = agent.metrics_addr().expect("the metrics endpoint");
+
+    // The file module serves and allocates while the other waits for its registry.
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("the file module serves");
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocated meanwhile");
+    let pending = devicelet_tests::eventually_some("a failed pull reported", || {
+        agent.pending().into_iter().find(|p| p.attempts >= 1)
+    })
+    .await;
+    assert_eq!(pending.module, "generic-dev");
+    assert!(!pending.running && pending.next_attempt_in_ms.is_some());
+    assert!(agent.resource("devicelet.io/tun").is_none());
+    let (status, body) = devicelet_tests::http_get(addr, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("module `generic-dev` waits for its pull"),
+        "{body}"
+    );
+    let (_, metrics) = devicelet_tests::http_get(addr, "/metrics").await;
+    for needle in [
+        "devicelet_module_pending{module=\"generic-dev\",running=\"0\"} 1",
+        "devicelet_module_pulls_total{module=\"generic-dev\",result=\"failed\"}",
+    ] {
+        assert!(metrics.contains(needle), "{needle} in:\n{metrics}");
+    }
+
+    // The registry comes up: the next try pulls it, and it serves beside the other.
+    registry.up();
+    node.kubelet
+        .wait_until("devicelet.io/tun", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served once pulled");
+    assert!(agent.pending().is_empty(), "{:?}", agent.pending());
+    node.kubelet
+        .allocate("devicelet.io/tun", 1)
+        .await
+        .expect("allocated");
+    let mut ready = devicelet_tests::http_get(addr, "/readyz").await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while ready.0 != 200 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        ready = devicelet_tests::http_get(addr, "/readyz").await;
+    }
+    assert_eq!(ready.0, 200, "{}", ready.1);
+    let (_, metrics) = devicelet_tests::http_get(addr, "/metrics").await;
+    assert!(
+        metrics.contains("devicelet_module_pulls_total{module=\"generic-dev\",result=\"ok\"} 1"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("devicelet_module_pending{"), "{metrics}");
+    assert_eq!(node.kubelet.registrations("devicelet.io/fuse"), 1);
     agent.shutdown().await;
 }

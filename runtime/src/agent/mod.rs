@@ -7,6 +7,7 @@
 mod dev_watch;
 mod ledger_sync;
 mod modules;
+mod pending;
 mod probes;
 mod reload;
 pub mod status;
@@ -32,6 +33,7 @@ use crate::sandbox::engine;
 pub use crate::kubelet::resource::{ServedResource, qualify};
 use crate::kubelet::{resource, restart_watch};
 pub use modules::{plan, start_module};
+pub use pending::PendingStatus;
 
 /// Where the agent serves, what it serves and where it keeps its state.
 #[derive(Debug, Clone)]
@@ -118,6 +120,19 @@ pub(crate) struct Shared {
     dra: Option<crate::dra::driver::DraOptions>,
     /// Fetches modules with a `source` into the module store; None without a state directory.
     fetcher: Option<crate::oci::Fetcher>,
+    /// Modules whose registry entry waits for a pull, by name.
+    pending: Mutex<BTreeMap<String, pending::Pending>>,
+}
+
+/// Which start [`Shared::start_module_if`] goes on with, once the module is loaded.
+#[derive(Clone, Copy)]
+enum Over<'a> {
+    /// Any: a start from the registry.
+    Any,
+    /// Only while this registry entry still runs (a restart of the same entry).
+    Running(&'a ModuleSpec),
+    /// Only while this entry still waits for its pull (the pull's own start).
+    Pending(&'a ModuleSpec),
 }
 
 impl Shared {
@@ -142,6 +157,17 @@ impl Shared {
 
     fn set_load_errors(&self, errors: Vec<String>) {
         *self.load_errors.lock().unwrap_or_else(|p| p.into_inner()) = errors;
+    }
+
+    /// Adds what a start outside a registry read (after a background pull) reported.
+    fn add_load_errors(&self, errors: Vec<String>) {
+        let mut all = self.load_errors.lock().unwrap_or_else(|p| p.into_inner());
+        for e in errors {
+            if !all.contains(&e) {
+                all.push(e);
+            }
+        }
+        all.sort();
     }
 
     fn resources(&self) -> Vec<ServedResource> {
@@ -217,23 +243,62 @@ impl Shared {
     }
 
     async fn start_module(self: &Arc<Self>, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
-        self.start_module_if(spec, host_root, None).await
+        self.start_module_if(spec, host_root, Over::Any).await
     }
 
-    /// [`start_module`](Self::start_module); with `only_over`, only if that spec still runs
-    /// (checked once the new version is loaded, under the claim, so a reload meanwhile wins).
+    /// The file a module loads from: its own, or for a module from a registry its module
+    /// store entry. None: the entry is not in the store yet, and the module now waits for its
+    /// pull in the background ([`pend`](Self::pend)). Err: why it cannot load.
+    async fn module_file(
+        self: &Arc<Self>,
+        spec: &ModuleSpec,
+        host_root: &Path,
+    ) -> Result<Option<ModuleSpec>, String> {
+        let Some(source) = &spec.source else {
+            return Ok(Some(spec.clone()));
+        };
+        let Some(fetcher) = self.fetcher.clone() else {
+            return Err(format!(
+                "module `{}`: it comes from {source}, but the agent has no state directory for \
+                 its module store (--state-dir)",
+                spec.name
+            ));
+        };
+        let pinned = source.clone();
+        let stored = tokio::task::spawn_blocking(move || fetcher.stored(&pinned))
+            .await
+            .ok()
+            .flatten();
+        let Some(path) = stored else {
+            self.pend(spec, host_root);
+            return Ok(None);
+        };
+        Ok(Some(ModuleSpec {
+            path,
+            source: None,
+            ..spec.clone()
+        }))
+    }
+
+    /// [`start_module`](Self::start_module), unless `over` says otherwise (checked once the
+    /// new version is loaded, under the claim, so a reload meanwhile wins).
     async fn start_module_if(
         self: &Arc<Self>,
         spec: &ModuleSpec,
         host_root: &Path,
-        only_over: Option<&ModuleSpec>,
+        over: Over<'_>,
     ) -> Vec<String> {
+        let file = match self.module_file(spec, host_root).await {
+            Ok(Some(file)) => file,
+            Ok(None) => return Vec::new(),
+            Err(e) => return vec![e],
+        };
         let handle = match modules::start_module(
             &self.engine,
             self.usable_cache(),
-            spec,
+            &file,
             host_root,
-            (&self.libraries, self.fetcher.as_ref()),
+            (&self.libraries, None),
         )
         .await
         {
@@ -253,15 +318,24 @@ impl Shared {
         // resource's own task) and done one module at a time, so two modules can never both
         // claim a name. An upgrade swaps the new version in behind the running resources.
         let _claiming = self.claiming.lock().await;
-        if let Some(expected) = only_over {
-            let still = !self.stopping.load(std::sync::atomic::Ordering::Relaxed)
-                && self
-                    .lock_modules()
-                    .get(&spec.name)
-                    .is_some_and(|m| m.spec == *expected);
-            if !still {
-                return Vec::new();
+        let stopping = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
+        let go = match over {
+            Over::Any => {
+                // A pull of the same entry that landed meanwhile has nothing left to start.
+                self.take_pending(spec);
+                true
             }
+            Over::Running(expected) => {
+                !stopping
+                    && self
+                        .lock_modules()
+                        .get(&spec.name)
+                        .is_some_and(|m| m.spec == *expected)
+            }
+            Over::Pending(expected) => !stopping && self.take_pending(expected),
+        };
+        if !go {
+            return Vec::new();
         }
         let old = self.lock_modules().remove(&spec.name);
         let taken = self.served_names();
@@ -339,7 +413,7 @@ impl Shared {
                 module = name,
                 "NVML answers now: starting the module again so it sees the GPUs at init"
             );
-            let errors = Box::pin(shared.start_module_if(&spec, &root, Some(&spec))).await;
+            let errors = Box::pin(shared.start_module_if(&spec, &root, Over::Running(&spec))).await;
             for e in &errors {
                 tracing::error!("{e}");
             }
@@ -459,6 +533,7 @@ impl Agent {
                 store: crate::oci::store::Store::under(dir),
                 insecure: options.insecure_registries.clone(),
             }),
+            pending: Mutex::new(BTreeMap::new()),
             dra: options.dra.clone().map(|mut dra| {
                 dra.events = metrics.dra_events();
                 dra
@@ -566,6 +641,11 @@ impl Agent {
 
     /// How many times a change in the registry's or the modules' files made the agent read the
     /// registry again.
+    /// Modules waiting for a pull from their registry, and how it goes.
+    pub fn pending(&self) -> Vec<PendingStatus> {
+        self.shared.pending_status()
+    }
+
     pub fn reloads(&self) -> u64 {
         self.shared
             .reloads
@@ -617,6 +697,7 @@ impl Agent {
             .stopping
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self.stop.send(true);
+        self.shared.drop_pending_unless(|_| false);
         while self.tasks.join_next().await.is_some() {}
         let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();
         for name in names {

@@ -88,7 +88,7 @@ pub async fn start_module(
             ))
         })?;
         spec_owned.path = fetcher
-            .fetch(source)
+            .fetch(source, spec)
             .await
             .map_err(|e| invalid(format!("pulling {source}: {e}")))?;
     }

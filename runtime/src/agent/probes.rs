@@ -65,13 +65,18 @@ fn live(shared: &Shared) -> Result<(), String> {
 }
 
 /// Ready once every loaded module runs and each of its resources is registered with the
-/// kubelet. Modules that failed to load are not counted: they are reported in the load errors
-/// and metrics, and must not hold up a rollout of the node's other device types.
+/// kubelet, and no module waits for its first pull from a registry. Modules that failed to load
+/// are not counted: they are reported in the load errors and metrics, and must not hold up a
+/// rollout of the node's other device types.
 pub(super) fn ready(shared: &Shared) -> Result<(), String> {
     if shared.starting.load(Ordering::Relaxed) > 0 {
         return Err("modules are still loading".into());
     }
-    let mut missing = Vec::new();
+    let mut missing: Vec<String> = shared
+        .pending_first()
+        .into_iter()
+        .map(|(module, why)| format!("module `{module}` waits for its pull: {why}"))
+        .collect();
     for module in shared.lock_modules().values() {
         if let Some(why) = module.handle().failure() {
             missing.push(format!(

@@ -189,6 +189,8 @@ fn needs_restart(
 /// resource listings must not wait on file reads.
 async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[Option<String>]) {
     let root_changed = old.host_root != new.host_root;
+    // A pull for an entry that changed or left goes; the new entry's starts below.
+    shared.drop_pending_unless(|spec| !root_changed && new.modules.contains(spec));
     let (removed, to_start): (Vec<String>, Vec<String>) = {
         let running = shared.lock_modules();
         let removed = running

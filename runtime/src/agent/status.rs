@@ -31,6 +31,9 @@ pub struct Status {
     /// Resources served as DRA drivers.
     #[serde(default)]
     pub dra_drivers: Vec<DraDriverStatus>,
+    /// Modules waiting for a pull from their OCI registry.
+    #[serde(default)]
+    pub pending: Vec<super::PendingStatus>,
 }
 
 /// One resource served as a DRA driver.
@@ -129,6 +132,9 @@ pub struct ModuleStatus {
     pub version: String,
     /// sha256 of the running module file.
     pub digest: String,
+    /// The registry entry's `source` (`oci://…@sha256:…`) it was pulled from, if any.
+    #[serde(default)]
+    pub source: Option<String>,
     /// Traps, missed deadlines, refused answers...: what the sandbox caught so far.
     pub stats: ModuleStats,
     /// Set once the module stopped running for good (too many cells stuck in host calls): its
@@ -217,6 +223,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 name: m.spec.name.clone(),
                 version: handle.version().to_owned(),
                 digest: handle.digest().to_owned(),
+                source: m.spec.source.as_ref().map(|s| s.to_string()),
                 stats: handle.stats(),
                 failed: handle.failure(),
                 host_memory: used as u64,
@@ -299,6 +306,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
         modules,
         resources,
         dra_drivers: dra_drivers(shared),
+        pending: shared.pending_status(),
         load_errors: shared
             .load_errors
             .lock()

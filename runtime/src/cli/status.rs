@@ -178,6 +178,27 @@ fn render(status: &Status) -> String {
             ),
         };
     }
+    for p in &status.pending {
+        out += &format!(
+            "PENDING module `{}`: pulling {} for {}s{}{}\n",
+            p.module,
+            p.source,
+            p.waiting_ms / 1000,
+            if p.running {
+                " (its earlier version keeps serving)"
+            } else {
+                ""
+            },
+            match (&p.last_error, p.next_attempt_in_ms) {
+                (Some(e), Some(next)) => format!(
+                    "; try {} failed: {e}; next in {}s",
+                    p.attempts,
+                    next.div_ceil(1000)
+                ),
+                _ => String::new(),
+            }
+        );
+    }
     for e in &status.load_errors {
         out += &format!("not served: {e}\n");
     }
@@ -254,8 +275,26 @@ mod tests {
                 ..Default::default()
             }),
             dra_drivers: Vec::new(),
+            pending: vec![crate::agent::PendingStatus {
+                module: "gpus".into(),
+                source: format!("oci://r.io/v/gpu@sha256:{}", "a".repeat(64)),
+                running: true,
+                waiting_ms: 12_500,
+                attempts: 3,
+                last_error: Some("fetching the manifest: connection refused".into()),
+                next_attempt_in_ms: Some(7_001),
+            }],
         };
         let text = render(&status);
+        assert!(
+            text.contains(&format!(
+                "PENDING module `gpus`: pulling oci://r.io/v/gpu@sha256:{} for 12s (its earlier \
+                 version keeps serving); try 3 failed: fetching the manifest: connection refused; \
+                 next in 8s\n",
+                "a".repeat(64)
+            )),
+            "{text}"
+        );
         assert!(text.contains("  gpu-0: 2 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("  gpu-1: 0 of 2 replicas in use\n"), "{text}");
         assert!(text.contains("4 with an Allocate answer ready"), "{text}");

@@ -96,6 +96,19 @@ pub struct Metrics {
     unprepares: Family<ClaimLabels, Histogram, fn() -> Histogram>,
     slice_writes: Family<DriverLabels, Counter>,
     api_errors: Family<DriverLabels, Counter>,
+    pulls: Family<PullLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PendingLabels {
+    module: String,
+    running: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PullLabels {
+    module: String,
+    result: String,
 }
 
 impl Default for Metrics {
@@ -109,6 +122,7 @@ impl Default for Metrics {
             unprepares: Family::new_with_constructor(call_histogram),
             slice_writes: Family::default(),
             api_errors: Family::default(),
+            pulls: Family::default(),
         }
     }
 }
@@ -177,6 +191,17 @@ impl Metrics {
         })
     }
 
+    /// One pull of a module from its OCI registry: `ok`, `failed` (tried again) or `refused`
+    /// (what the digest pins cannot load).
+    pub fn pulled(&self, module: &str, result: &str) {
+        self.pulls
+            .get_or_create(&PullLabels {
+                module: module.into(),
+                result: result.into(),
+            })
+            .inc();
+    }
+
     /// A registry edit read: `applied`, or `refused` (the running set kept serving).
     pub fn reloaded(&self, applied: bool) {
         let result = if applied { "applied" } else { "refused" };
@@ -240,6 +265,11 @@ impl Metrics {
             "dra_api_errors",
             "Requests to the API server that failed (unreachable, refused, conflicts), by DRA driver: the publisher's (retried with backoff) and claims read for NodePrepareResources (that claim's entry fails)",
             self.api_errors.clone(),
+        );
+        registry.register(
+            "module_pulls",
+            "Pulls of modules from their OCI registry, by module and result (ok; failed, tried again with backoff; refused, what the digest pins cannot load)",
+            self.pulls.clone(),
         );
     }
 }
@@ -306,6 +336,22 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
         "module_load_errors",
         "Modules or resources of the registry that are not served",
         gauge(status.load_errors.len() as u64),
+    );
+    gauges(
+        registry,
+        "module_pending",
+        "1 while a module waits for a pull from its OCI registry (running: 1 when an earlier version serves meanwhile)",
+        status
+            .pending
+            .iter()
+            .map(|p| {
+                let labels = PendingLabels {
+                    module: p.module.clone(),
+                    running: u8::from(p.running).to_string(),
+                };
+                (labels, 1)
+            })
+            .collect(),
     );
 
     use crate::agent::status::{DeviceStatus, ModuleStatus, ResourceStatus};

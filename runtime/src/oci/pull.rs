@@ -15,6 +15,7 @@ use tokio_stream::StreamExt;
 
 use super::reference::OciSource;
 use super::store::Store;
+use crate::config::ModuleSpec;
 use crate::digest::sha256_hex;
 
 /// The media types of the wasm OCI layout (`docs/design/oci.md`).
@@ -131,6 +132,62 @@ async fn manifest_of(client: &Client, source: &OciSource) -> Result<(Reference, 
     Ok((reference, manifest.to_vec()))
 }
 
+/// The largest artifact config read: it lists a component's imports and exports.
+const MAX_CONFIG: i64 = 1 << 20;
+
+/// The artifact's config as JSON, when it is the wasm layout's (checked against its digest);
+/// None for any other config.
+async fn config_of(
+    client: &Client,
+    reference: &Reference,
+    m: &Manifest,
+) -> Result<Option<serde_json::Value>, String> {
+    if m.config.media_type != CONFIG_MEDIA_TYPE || !(0..=MAX_CONFIG).contains(&m.config.size) {
+        return Ok(None);
+    }
+    let descriptor = OciDescriptor {
+        media_type: m.config.media_type.clone(),
+        digest: m.config.digest.clone(),
+        size: m.config.size,
+        ..OciDescriptor::default()
+    };
+    let mut bytes = Vec::new();
+    client
+        .pull_blob(reference, &descriptor, &mut bytes)
+        .await
+        .map_err(|e| format!("fetching the config: {e}"))?;
+    if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
+        return Err("the config's bytes do not match its digest".into());
+    }
+    Ok(serde_json::from_slice(&bytes).ok())
+}
+
+/// The component's (exports, imports) as a wasm config lists them (`component.exports`,
+/// `component.imports`, as `wkg` and `devicelet module push` write them); None when it does not.
+pub fn listed_interface(config: &serde_json::Value) -> Option<(Vec<String>, Vec<String>)> {
+    let names = |key: &str| -> Option<Vec<String>> {
+        config
+            .get("component")?
+            .get(key)?
+            .as_array()?
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned))
+            .collect()
+    };
+    Some((names("exports")?, names("imports")?))
+}
+
+/// Why a pull did not give a module. `Refused`: what the digest pins is not a module this
+/// node loads (its layout, its size, its imports), which no retry changes; `Failed`: anything
+/// else (the registry unreachable or refusing, bytes that do not match), tried again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PullError {
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// What `devicelet module inspect` shows of an artifact, read without fetching the module.
 #[derive(Debug, Clone)]
 pub struct Inspection {
@@ -159,25 +216,7 @@ pub async fn inspect(source: &OciSource, insecure: &[String]) -> Result<Inspecti
         )),
         _ => None,
     };
-    let config = if m.config.media_type == CONFIG_MEDIA_TYPE && m.config.size <= 1 << 20 {
-        let descriptor = OciDescriptor {
-            media_type: m.config.media_type.clone(),
-            digest: m.config.digest.clone(),
-            size: m.config.size,
-            ..OciDescriptor::default()
-        };
-        let mut bytes = Vec::new();
-        client
-            .pull_blob(&reference, &descriptor, &mut bytes)
-            .await
-            .map_err(|e| format!("fetching the config: {e}"))?;
-        if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
-            return Err("the config's bytes do not match its digest".into());
-        }
-        serde_json::from_slice(&bytes).ok()
-    } else {
-        None
-    };
+    let config = config_of(&client, &reference, &m).await?;
     Ok(Inspection {
         manifest_media_type: m.media_type.unwrap_or_else(|| "(none given)".into()),
         config_media_type: m.config.media_type,
@@ -188,50 +227,91 @@ pub async fn inspect(source: &OciSource, insecure: &[String]) -> Result<Inspecti
 }
 
 impl Fetcher {
-    /// The path of the module `source` pins, in the store: from the store, or pulled and
-    /// checked first. Err says what failed, for the module's load error.
-    pub async fn fetch(&self, source: &OciSource) -> Result<PathBuf, String> {
-        if let Some(manifest) = self.store.get(&source.digest, MAX_MANIFEST)
-            && let Ok((layer, _)) = layer_of(&manifest)
-            && self.store.get(&layer, crate::files::MAX_MODULE).is_some()
-        {
-            return Ok(self.store.path(&layer));
-        }
-        tokio::time::timeout(PULL_DEADLINE, self.pull(source))
-            .await
-            .map_err(|_| format!("the pull took longer than {PULL_DEADLINE:?}"))?
+    /// The path of the module `source` pins, when the store holds its manifest and its module,
+    /// both still matching their names. Reads and hashes them: call it off the async workers.
+    pub fn stored(&self, source: &OciSource) -> Option<PathBuf> {
+        let manifest = self.store.get(&source.digest, MAX_MANIFEST)?;
+        let (layer, _) = layer_of(&manifest).ok()?;
+        self.store.get(&layer, crate::files::MAX_MODULE)?;
+        Some(self.store.path(&layer))
     }
 
-    async fn pull(&self, source: &OciSource) -> Result<PathBuf, String> {
+    /// The store's copy, or else a pull ([`pull`](Self::pull)), for the commands that load one
+    /// module and wait for it (`validate`, `try`). Err says what failed.
+    pub async fn fetch(&self, source: &OciSource, spec: &ModuleSpec) -> Result<PathBuf, String> {
+        let (fetcher, pinned) = (self.clone(), source.clone());
+        if let Ok(Some(path)) = tokio::task::spawn_blocking(move || fetcher.stored(&pinned)).await {
+            return Ok(path);
+        }
+        self.pull(source, spec).await.map_err(|e| e.to_string())
+    }
+
+    /// Pulls what `source` pins into the store, within [`PULL_DEADLINE`], every byte checked;
+    /// the module's path. The config's import list is checked against `spec`'s grants before
+    /// the module is fetched, so a module that could never link costs neither the download nor
+    /// a compile.
+    pub async fn pull(&self, source: &OciSource, spec: &ModuleSpec) -> Result<PathBuf, PullError> {
+        tokio::time::timeout(PULL_DEADLINE, self.pull_checked(source, spec))
+            .await
+            .map_err(|_| {
+                PullError::Failed(format!("the pull took longer than {PULL_DEADLINE:?}"))
+            })?
+    }
+
+    async fn pull_checked(
+        &self,
+        source: &OciSource,
+        spec: &ModuleSpec,
+    ) -> Result<PathBuf, PullError> {
         let client = client(&self.insecure);
-        let (reference, manifest) = manifest_of(&client, source).await?;
-        let (layer, size) = layer_of(&manifest)?;
+        let (reference, manifest) = manifest_of(&client, source)
+            .await
+            .map_err(PullError::Failed)?;
+        let (layer, size) = layer_of(&manifest).map_err(PullError::Refused)?;
+        let m: Manifest = serde_json::from_slice(&manifest)
+            .map_err(|e| PullError::Refused(format!("the manifest: {e}")))?;
+        let config = config_of(&client, &reference, &m)
+            .await
+            .map_err(PullError::Failed)?;
+        if let Some((exports, imports)) = config.as_ref().and_then(listed_interface) {
+            let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
+            let imports: Vec<&str> = imports.iter().map(String::as_str).collect();
+            crate::sandbox::loader::check_names(spec, &exports, &imports).map_err(|e| {
+                PullError::Refused(format!(
+                    "its artifact's config says: {e}; refused before fetching the module"
+                ))
+            })?;
+        }
         let descriptor = OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.into(),
             digest: format!("sha256:{layer}"),
             size: size as i64,
             ..OciDescriptor::default()
         };
+        let failed = |e: oci_client::errors::OciDistributionError| {
+            PullError::Failed(format!("fetching the module: {e}"))
+        };
         let mut stream = client
             .pull_blob_stream(&reference, &descriptor)
             .await
-            .map_err(|e| format!("fetching the module: {e}"))?;
+            .map_err(failed)?;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| format!("fetching the module: {e}"))?;
+            let chunk =
+                chunk.map_err(|e| PullError::Failed(format!("fetching the module: {e}")))?;
             if (bytes.len() + chunk.len()) as u64 > size {
-                return Err(format!(
+                return Err(PullError::Failed(format!(
                     "the registry sent more than the {size} bytes the manifest says"
-                ));
+                )));
             }
             bytes.extend_from_slice(&chunk);
         }
         let got = sha256_hex(&bytes);
         if got != layer {
-            return Err(format!(
+            return Err(PullError::Failed(format!(
                 "the module's bytes have digest sha256:{got}, not the manifest's sha256:{layer}: \
                  refused"
-            ));
+            )));
         }
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || {
@@ -240,7 +320,9 @@ impl Fetcher {
             Ok(store.path(&layer))
         })
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
+        .and_then(|r| r)
+        .map_err(PullError::Failed)
     }
 }
 

@@ -120,7 +120,6 @@ pub fn load(
     })
 }
 
-/// Names the first import the module is not allowed, before wasmtime's less specific link error.
 /// What a module is, as its component says: the WIT version it was built against and what it
 /// imports. Shown by `devicelet validate`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -130,8 +129,6 @@ pub struct ModuleInterface {
     pub imports: Vec<String>,
 }
 
-/// Checks the module's WIT version (from its export names) and names the first import it is not
-/// allowed, before wasmtime's less specific link error.
 /// A component's imports and exports by name, for the config `devicelet module push` writes.
 /// Compiles it: only what compiles is pushed.
 pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
@@ -144,6 +141,8 @@ pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
     Ok((imports, exports))
 }
 
+/// Checks the module's WIT version (from its export names) and names the first import it is not
+/// allowed, before wasmtime's less specific link error.
 fn check_imports(
     engine: &Engine,
     component: &Component,
@@ -151,6 +150,17 @@ fn check_imports(
 ) -> Result<ModuleInterface, LoadError> {
     let ty = component.component_type();
     let exports: Vec<&str> = ty.exports(engine).map(|(name, _)| name).collect();
+    let imports: Vec<&str> = ty.imports(engine).map(|(name, _)| name).collect();
+    check_names(spec, &exports, &imports)
+}
+
+/// The import and version rules on a component's import and export names: from the compiled
+/// component at load, and from an OCI artifact's config before its module is even fetched.
+pub fn check_names(
+    spec: &ModuleSpec,
+    exports: &[&str],
+    imports: &[&str],
+) -> Result<ModuleInterface, LoadError> {
     let Some(export) = exports
         .iter()
         .find(|e| e.starts_with("devicelet:plugin/plugin@"))
@@ -178,7 +188,7 @@ fn check_imports(
         return Err(unsupported(&v));
     }
     let mut seen = Vec::new();
-    for (name, _) in ty.imports(engine) {
+    for &name in imports {
         let granted = match imports::ours(name) {
             Some(Ok(
                 imports::Interface::Log | imports::Interface::Types | imports::Interface::Schedule,
