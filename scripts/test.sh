@@ -7,9 +7,14 @@ cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 # A real OCI registry for the module-source scenarios (Debian's CNCF distribution registry; the
-# tests start their own instances on 127.0.0.1).
-if ! command -v docker-registry >/dev/null; then
-  apt-get install -y -q docker-registry >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry >/dev/null; }
+# tests start their own instances on 127.0.0.1), with what they secure it with: a CA and keys
+# made by openssl, an htpasswd (bcrypt) file made by apache2-utils.
+need=()
+command -v docker-registry >/dev/null || need+=(docker-registry)
+command -v openssl >/dev/null || need+=(openssl)
+command -v htpasswd >/dev/null || need+=(apache2-utils)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get install -y -q "${need[@]}" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
 fi
 cargo fmt --all -- --check
 guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0)

@@ -1,6 +1,8 @@
 //! A real OCI registry for the module-source scenarios: Debian's `docker-registry` (the CNCF
-//! distribution registry, installed by `scripts/test.sh`), serving plain HTTP on 127.0.0.1 at a
-//! free port from a scratch directory, stopped when dropped.
+//! distribution registry, installed by `scripts/test.sh`) on 127.0.0.1 at a free port, from a
+//! scratch directory, stopped when dropped. Plain HTTP (listed as insecure), or secured: TLS
+//! with a certificate from a CA made here by `openssl`, and basic auth from an htpasswd file
+//! (bcrypt, by apache2-utils' `htpasswd`).
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -12,6 +14,45 @@ pub struct TestRegistry {
     pub addr: String,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// For a secured one: the CA's certificate and the Docker config with good credentials.
+    pub secured: Option<Secured>,
+}
+
+pub struct Secured {
+    pub ca: std::path::PathBuf,
+    pub auth: std::path::PathBuf,
+}
+
+/// The user the secured registry knows, and its password.
+pub const USER: (&str, &str) = ("vendor", "s3cret-pass");
+
+fn run(command: &mut Command) {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A Docker config.json with `user`'s credentials for `registry`, in `dir`.
+pub fn docker_config(
+    dir: &Path,
+    registry: &str,
+    (user, password): (&str, &str),
+) -> std::path::PathBuf {
+    use base64::Engine as _;
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let file = dir.join(format!("config-{user}-{}.json", password.len()));
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&serde_json::json!({"auths": {registry: {"auth": auth}}}))
+            .expect("json"),
+    )
+    .expect("writing the docker config");
+    file
 }
 
 impl TestRegistry {
@@ -25,20 +66,133 @@ impl TestRegistry {
             addr: format!("127.0.0.1:{port}"),
             dir,
             child: None,
+            secured: None,
         };
         registry.up();
         registry
     }
 
+    /// Serves over TLS (its certificate from a CA made here, for IP 127.0.0.1) and only to
+    /// [`USER`].
+    pub fn start_secured() -> TestRegistry {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let d = dir.path();
+        let ca = d.join("ca.crt");
+        run(Command::new("openssl")
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+            ])
+            .args([
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=devicelet test CA",
+                "-keyout",
+            ])
+            .arg(d.join("ca.key"))
+            .arg("-out")
+            .arg(&ca));
+        run(Command::new("openssl")
+            .args([
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+            ])
+            .args(["-subj", "/CN=127.0.0.1", "-keyout"])
+            .arg(d.join("tls.key"))
+            .arg("-out")
+            .arg(d.join("tls.csr")));
+        let ext = d.join("ext.cnf");
+        std::fs::write(
+            &ext,
+            "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n\
+             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+        )
+        .expect("extensions");
+        run(Command::new("openssl")
+            .args(["x509", "-req", "-days", "2", "-in"])
+            .arg(d.join("tls.csr"))
+            .arg("-CA")
+            .arg(&ca)
+            .arg("-CAkey")
+            .arg(d.join("ca.key"))
+            .args(["-CAcreateserial", "-extfile"])
+            .arg(&ext)
+            .arg("-out")
+            .arg(d.join("tls.crt")));
+        let htpasswd = Command::new("htpasswd")
+            .args(["-nbB", USER.0, USER.1])
+            .output()
+            .expect("htpasswd (scripts/test.sh installs apache2-utils)");
+        assert!(htpasswd.status.success());
+        std::fs::write(d.join("htpasswd"), &htpasswd.stdout).expect("htpasswd file");
+        let addr = format!("127.0.0.1:{port}");
+        let auth = docker_config(d, &addr, USER);
+        let mut registry = TestRegistry {
+            addr,
+            dir,
+            child: None,
+            secured: Some(Secured { ca, auth }),
+        };
+        registry.up();
+        registry
+    }
+
+    /// The flags that reach it: `--insecure-registry`, or its CA and credentials.
+    pub fn args(&self) -> Vec<String> {
+        match &self.secured {
+            None => vec!["--insecure-registry".into(), self.addr.clone()],
+            Some(s) => vec![
+                "--registry-ca".into(),
+                s.ca.display().to_string(),
+                "--registry-auth".into(),
+                s.auth.display().to_string(),
+            ],
+        }
+    }
+
+    /// What an agent reaching it is given (with `auth`, when secured: a Docker config).
+    pub fn access(&self, auth: Option<&Path>) -> devicelet::oci::access::Access {
+        match &self.secured {
+            None => devicelet::oci::access::Access::load(vec![self.addr.clone()], None, None)
+                .expect("the test registry's access"),
+            Some(s) => devicelet::oci::access::Access::load(Vec::new(), Some(&s.ca), auth)
+                .expect("the test registry's access"),
+        }
+    }
+
     /// Serves (again, on the same address and storage).
     pub fn up(&mut self) {
         let config = self.dir.path().join("config.yml");
+        let d = self.dir.path();
+        let secured = match &self.secured {
+            None => String::new(),
+            Some(_) => format!(
+                "  tls:\n    certificate: {}\n    key: {}\nauth:\n  htpasswd:\n    realm: devicelet-test\n    path: {}\n",
+                d.join("tls.crt").display(),
+                d.join("tls.key").display(),
+                d.join("htpasswd").display()
+            ),
+        };
         std::fs::write(
             &config,
             format!(
                 "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
-                 http:\n  addr: {}\n",
-                self.dir.path().join("data").display(),
+                 http:\n  addr: {}\n{secured}",
+                d.join("data").display(),
                 self.addr
             ),
         )
@@ -66,11 +220,14 @@ impl TestRegistry {
         }
     }
 
-    /// `GET /v2/` answers 200.
+    /// `GET /v2/` answers 200; for a secured one, its port takes connections.
     fn answers(&self) -> bool {
         let Ok(mut stream) = std::net::TcpStream::connect(&self.addr) else {
             return false;
         };
+        if self.secured.is_some() {
+            return true;
+        }
         let request = format!("GET /v2/ HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr);
         let mut answer = String::new();
         stream.write_all(request.as_bytes()).is_ok()
@@ -85,7 +242,8 @@ impl TestRegistry {
             .args(["module", "push"])
             .arg(file)
             .arg(format!("oci://{}/{repository}:{tag}", self.addr))
-            .args(["--insecure-registry", &self.addr, "--log", "warn"])
+            .args(self.args())
+            .args(["--log", "warn"])
             .output()
             .expect("running devicelet module push");
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -175,11 +333,18 @@ impl TestRegistry {
 impl TestRegistry {
     /// `devicelet module inspect REFERENCE`: (success, stdout and stderr).
     pub fn inspect(&self, reference: &str) -> (bool, String) {
+        self.module(&["inspect", reference])
+    }
+
+    /// `devicelet module ARGS…` against this registry: (success, stdout and stderr).
+    pub fn module(&self, args: &[&str]) -> (bool, String) {
         let out = Command::new(crate::devicelet_bin())
-            .args(["module", "inspect", reference])
-            .args(["--insecure-registry", &self.addr, "--log", "warn"])
+            .arg("module")
+            .args(args)
+            .args(self.args())
+            .args(["--log", "warn"])
             .output()
-            .expect("running devicelet module inspect");
+            .expect("running devicelet module");
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),

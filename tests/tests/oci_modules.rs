@@ -15,11 +15,21 @@ fn fuse_from(source_line: &str) -> String {
     )
 }
 
+/// generic-dev pushed with `devicelet module push`: the registry line it printed.
+fn pushed(registry: &TestRegistry, repository: &str, tag: &str) -> String {
+    registry.push(&module_dir().join("generic_dev.wasm"), repository, tag)
+}
+
+/// The `oci://…` reference in a registry line.
+fn reference_of(line: &str) -> &str {
+    line.trim_start_matches("source = \"").trim_end_matches('"')
+}
+
 async fn agent(node: &Node, modules: &str, registry: &TestRegistry) -> devicelet::agent::Agent {
-    let (state, insecure) = (node.state_dir(), registry.addr.clone());
+    let (state, access) = (node.state_dir(), registry.access(None));
     node.start_agent_with(modules, move |o| {
         o.state_dir = Some(state);
-        o.insecure_registries = vec![insecure];
+        o.registry_access = access;
     })
     .await
 }
@@ -27,17 +37,13 @@ async fn agent(node: &Node, modules: &str, registry: &TestRegistry) -> devicelet
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registry_down() {
     let mut registry = TestRegistry::start();
-    let line = registry.push(
-        &module_dir().join("generic_dev.wasm"),
-        "devicelet/generic-dev",
-        "0.2.0",
-    );
+    let line = pushed(&registry, "devicelet/generic-dev", "0.2.0");
     let digest = line
         .rsplit_once("@sha256:")
         .map(|(_, d)| d.trim_end_matches('"').to_owned())
         .expect("a digest in the registry line");
     // What a vendor or operator sees of it before any node pulls it.
-    let reference = line.trim_start_matches("source = \"").trim_end_matches('"');
+    let reference = reference_of(&line);
     let (ok, shown) = registry.inspect(reference);
     assert!(ok, "{shown}");
     for needle in [
@@ -144,7 +150,7 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         "source = \"oci://{}/vendor/not-wasm:1.0@sha256:{image}\"",
         registry.addr
     );
-    let (_, shown) = registry.inspect(line.trim_start_matches("source = \"").trim_end_matches('"'));
+    let (_, shown) = registry.inspect(reference_of(&line));
     assert!(
         shown.contains("a node would refuse it") && shown.contains("not a wasm component artifact"),
         "{shown}"
@@ -163,23 +169,19 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
 
     // A module whose config lists an import its grants do not allow (devnodes, with no /dev
     // grant) is refused from the config: its module is never fetched, nor compiled.
-    let pushed = registry.push(
-        &module_dir().join("generic_dev.wasm"),
-        "devicelet/generic-dev",
-        "0.2.0",
-    );
+    let devnodes = pushed(&registry, "devicelet/generic-dev", "0.2.0");
     let ungranted = format!(
-        "[[module]]\nname = \"generic-dev\"\n{pushed}\n[module.grants]\nsysfs = [\"/sys/class\"]\n"
+        "[[module]]\nname = \"generic-dev\"\n{devnodes}\n[module.grants]\nsysfs = [\"/sys/class\"]\n"
     );
     let state = node.state_dir();
     let cache = node.dir.path().join("cache");
     let refused = node
         .start_agent_with(&ungranted, {
-            let (state, cache, insecure) = (state.clone(), cache.clone(), registry.addr.clone());
+            let (state, cache, access) = (state.clone(), cache.clone(), registry.access(None));
             move |o| {
                 o.state_dir = Some(state);
                 o.cache_dir = Some(cache);
-                o.insecure_registries = vec![insecure];
+                o.registry_access = access;
             }
         })
         .await;
@@ -235,11 +237,17 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
 {
     let registry = TestRegistry::start();
     let wasm = std::fs::read(module_dir().join("generic_dev.wasm")).expect("the module");
-    // Two artifacts of the same module, told apart by their config (another build's date).
+    // Two artifacts of the same module, told apart by their config (another build's date),
+    // pushed by hand through the distribution API exactly as `wkg oci push` lays them out
+    // (bytecodealliance/rust-oci-wasm's WasmConfig): another tool's artifacts pull and load,
+    // their import list checked against the grants first.
+    let (imports, exports) = devicelet::sandbox::loader::interface(&wasm).expect("a component");
     let push = |created: &str| {
         let config = serde_json::to_vec(&serde_json::json!({
-            "created": created, "architecture": "wasm", "os": "wasip2",
+            "created": format!("{created}T12:00:00.000000001Z"), "author": null,
+            "architecture": "wasm", "os": "wasip2",
             "layerDigests": [format!("sha256:{}", devicelet::digest::sha256_hex(&wasm))],
+            "component": {"exports": exports, "imports": imports, "target": null},
         }))
         .expect("config");
         registry.push_raw(
@@ -313,11 +321,7 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_down_at_first_start_leaves_its_module_pending_and_the_others_serving() {
     let mut registry = TestRegistry::start();
-    let line = registry.push(
-        &module_dir().join("generic_dev.wasm"),
-        "devicelet/generic-dev",
-        "0.2.0",
-    );
+    let line = pushed(&registry, "devicelet/generic-dev", "0.2.0");
     registry.down();
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
@@ -332,11 +336,11 @@ async fn a_registry_down_at_first_start_leaves_its_module_pending_and_the_others
             .replace("name = \"fuse\"", "name = \"tun\""),
         module_dir().join("generic_dev.wasm").display()
     );
-    let (state, insecure) = (node.state_dir(), registry.addr.clone());
+    let (state, access) = (node.state_dir(), registry.access(None));
     let agent = node
         .start_agent_with(&modules, move |o| {
             o.state_dir = Some(state);
-            o.insecure_registries = vec![insecure];
+            o.registry_access = access;
             o.metrics_addr = Some(([127, 0, 0, 1], 0).into());
         })
         .await;
@@ -397,5 +401,227 @@ async fn a_registry_down_at_first_start_leaves_its_module_pending_and_the_others
     );
     assert!(!metrics.contains("devicelet_module_pending{"), "{metrics}");
     assert_eq!(node.kubelet.registrations("devicelet.io/fuse"), 1);
+    agent.shutdown().await;
+}
+
+/// An ECDSA P-256 key pair made by `openssl`, as a vendor makes one: (private PKCS#8 PEM,
+/// public PEM).
+fn key_pair(dir: &std::path::Path, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (key, public) = (
+        dir.join(format!("{name}.key")),
+        dir.join(format!("{name}.pub")),
+    );
+    for args in [
+        vec![
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-out",
+            key.to_str().expect("utf-8"),
+        ],
+        vec![
+            "pkey",
+            "-in",
+            key.to_str().expect("utf-8"),
+            "-pubout",
+            "-out",
+            public.to_str().expect("utf-8"),
+        ],
+    ] {
+        let out = std::process::Command::new("openssl")
+            .args(&args)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (key, public)
+}
+
+/// generic-dev from `line`, to be signed with the key at `verify_key`.
+fn signed_fuse_from(line: &str, verify_key: &std::path::Path) -> String {
+    fuse_from(&format!(
+        "{line}\nverify-key = \"{}\"",
+        verify_key.display()
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_with_a_verify_key_is_served_only_once_signed_with_that_key() {
+    let mut registry = TestRegistry::start();
+    let line = pushed(&registry, "vendor/generic-dev", "1.0");
+    let reference = reference_of(&line).to_owned();
+    let keys = tempfile::tempdir().expect("tempdir");
+    let (vendor_key, vendor_pub) = key_pair(keys.path(), "vendor");
+    let (other_key, _) = key_pair(keys.path(), "other");
+    let (_, third_pub) = key_pair(keys.path(), "third");
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let agent = agent(&node, &signed_fuse_from(&line, &vendor_pub), &registry).await;
+
+    // Unsigned: it waits, saying so; nothing is served.
+    let failed_with = |needle: &'static str| {
+        let agent = &agent;
+        move || {
+            agent
+                .pending()
+                .into_iter()
+                .find(|p| p.last_error.as_deref().is_some_and(|e| e.contains(needle)))
+        }
+    };
+    let unsigned =
+        devicelet_tests::eventually_some("unsigned, refused", failed_with("not signed:")).await;
+    assert!(
+        unsigned
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(".sig")),
+        "{unsigned:?}"
+    );
+    assert!(agent.resource("devicelet.io/fuse").is_none());
+
+    // What `module inspect --verify-key` says, as a node with that key would decide.
+    let inspect_checked = || {
+        let key = vendor_pub.to_str().expect("utf-8");
+        registry
+            .module(&["inspect", &reference, "--verify-key", key])
+            .1
+    };
+
+    // Signed with another key: still refused, naming the key it wants.
+    let (ok, said) = registry.module(&["sign", &reference, "--key", other_key.to_str().unwrap()]);
+    assert!(ok, "{said}");
+    let by_other = devicelet_tests::eventually_some(
+        "signed by another key, refused",
+        failed_with("none of its 1 signature(s) verifies"),
+    )
+    .await;
+    assert!(
+        by_other
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(&format!("not signed by {}", vendor_pub.display()))),
+        "{by_other:?}"
+    );
+    let shown = inspect_checked();
+    assert!(
+        shown.contains("a node with that verify-key would refuse it"),
+        "{shown}"
+    );
+
+    // Signed with the vendor's key (beside the other signature): pulled and served.
+    let (ok, said) = registry.module(&["sign", &reference, "--key", vendor_key.to_str().unwrap()]);
+    assert!(ok, "{said}");
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served once signed");
+    let shown = inspect_checked();
+    assert!(
+        shown.contains(&format!("signed by {}", vendor_pub.display()))
+            && shown.contains("a node would pull and load it"),
+        "{shown}"
+    );
+    agent.shutdown().await;
+
+    // With the registry down, the signature kept in the store is checked again: it verifies
+    // with the vendor's key, not with a key nobody signed with.
+    registry.down();
+    let offline = agent_with_key(&node, &line, &vendor_pub, &registry).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.registrations >= 2)
+        .await
+        .expect("served from the store, signature and all");
+    assert!(offline.pending().is_empty(), "{:?}", offline.pending());
+    offline.shutdown().await;
+    let rekeyed = agent_with_key(&node, &line, &third_pub, &registry).await;
+    let pending = devicelet_tests::eventually_some("a new key wants a fresh check", || {
+        rekeyed.pending().into_iter().find(|p| p.attempts >= 1)
+    })
+    .await;
+    assert!(!pending.running, "{pending:?}");
+    rekeyed.shutdown().await;
+}
+
+async fn agent_with_key(
+    node: &Node,
+    line: &str,
+    key: &std::path::Path,
+    registry: &TestRegistry,
+) -> devicelet::agent::Agent {
+    agent(node, &signed_fuse_from(line, key), registry).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_registry_over_tls_with_basic_auth_serves_with_the_right_credentials_only() {
+    let registry = TestRegistry::start_secured();
+    let secured = registry.secured.as_ref().expect("secured");
+    // The vendor pushes with the registry's CA and credentials.
+    let line = pushed(&registry, "vendor/generic-dev", "1.0");
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = fuse_from(&line);
+    let start = |access: devicelet::oci::access::Access| {
+        let state = node.state_dir();
+        node.start_agent_with(&modules, move |o| {
+            o.state_dir = Some(state);
+            o.registry_access = access;
+        })
+    };
+    let failed_with =
+        |agent: &devicelet::agent::Agent| agent.pending().into_iter().find_map(|p| p.last_error);
+
+    // Without credentials, and with a wrong password: refused, saying which.
+    let anonymous = start(registry.access(None)).await;
+    let error =
+        devicelet_tests::eventually_some("refused without credentials", || failed_with(&anonymous))
+            .await;
+    assert!(
+        error.contains("Not authorized") && error.contains("wants credentials"),
+        "{error}"
+    );
+    anonymous.shutdown().await;
+    let wrong = devicelet_tests::oci::docker_config(
+        node.dir.path(),
+        &registry.addr,
+        (devicelet_tests::oci::USER.0, "wrong"),
+    );
+    let refused = start(registry.access(Some(&wrong))).await;
+    let error =
+        devicelet_tests::eventually_some("refused with a wrong password", || failed_with(&refused))
+            .await;
+    assert!(
+        error.contains(&format!(
+            "the credentials --registry-auth gives for {} were refused",
+            registry.addr
+        )),
+        "{error}"
+    );
+    refused.shutdown().await;
+
+    // Without the CA the registry's certificate is not trusted, and the error says so.
+    let untrusted = start(
+        devicelet::oci::access::Access::load(Vec::new(), None, Some(&secured.auth))
+            .expect("access"),
+    )
+    .await;
+    let error =
+        devicelet_tests::eventually_some("refused without the CA", || failed_with(&untrusted))
+            .await;
+    assert!(error.to_lowercase().contains("certificate"), "{error}");
+    untrusted.shutdown().await;
+
+    // With both: pulled over TLS, authenticated, served.
+    let agent = start(registry.access(Some(&secured.auth))).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served from the private registry");
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
     agent.shutdown().await;
 }

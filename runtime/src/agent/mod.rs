@@ -63,8 +63,9 @@ pub struct AgentOptions {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The DRA front end's settings; None serves no module with `front-end = "dra"`.
     pub dra: Option<crate::dra::driver::DraOptions>,
-    /// Registries (`host[:port]`) reached over plain HTTP for modules with a `source`.
-    pub insecure_registries: Vec<String>,
+    /// How registries are reached for modules with a `source`: TLS roots, insecure ones,
+    /// credentials.
+    pub registry_access: crate::oci::access::Access,
 }
 
 impl AgentOptions {
@@ -83,7 +84,7 @@ impl AgentOptions {
             registration: Route::default(),
             metrics_addr: None,
             dra: None,
-            insecure_registries: Vec::new(),
+            registry_access: Default::default(),
         }
     }
 }
@@ -264,8 +265,8 @@ impl Shared {
                 spec.name
             ));
         };
-        let pinned = source.clone();
-        let stored = tokio::task::spawn_blocking(move || fetcher.stored(&pinned))
+        let (pinned, wanted) = (source.clone(), spec.clone());
+        let stored = tokio::task::spawn_blocking(move || fetcher.stored(&pinned, &wanted))
             .await
             .ok()
             .flatten();
@@ -531,7 +532,7 @@ impl Agent {
             nvml_waiters: Default::default(),
             fetcher: options.state_dir.as_ref().map(|dir| crate::oci::Fetcher {
                 store: crate::oci::store::Store::under(dir),
-                insecure: options.insecure_registries.clone(),
+                access: options.registry_access.clone(),
             }),
             pending: Mutex::new(BTreeMap::new()),
             dra: options.dra.clone().map(|mut dra| {

@@ -121,6 +121,26 @@ pub struct RegistryArgs {
     /// the system's roots.
     #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
     pub insecure: Vec<String>,
+    /// PEM certificates to trust besides the system's roots for registries (a private
+    /// registry's CA).
+    #[arg(long = "registry-ca", value_name = "FILE")]
+    pub ca: Option<std::path::PathBuf>,
+    /// Registry credentials: a Docker `config.json` (`auths`, as `docker login` writes it and a
+    /// `kubernetes.io/dockerconfigjson` Secret mounts it). Basic credentials, or exchanged for a
+    /// bearer token where the registry asks for one.
+    #[arg(long = "registry-auth", value_name = "FILE")]
+    pub auth: Option<std::path::PathBuf>,
+}
+
+impl RegistryArgs {
+    pub fn access(&self) -> anyhow::Result<crate::oci::access::Access> {
+        crate::oci::access::Access::load(
+            self.insecure.clone(),
+            self.ca.as_deref(),
+            self.auth.as_deref(),
+        )
+        .map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -14,12 +14,32 @@ pub enum ModuleCommand {
     /// component's imports and exports and the devicelet:plugin version it implements (from its
     /// config), and whether a node would load it.
     Inspect(InspectArgs),
+    /// Sign an artifact with an ECDSA P-256 key as `cosign sign --key` does (a simple-signing
+    /// payload at the `sha256-<digest>.sig` tag), for nodes whose registry entry has a
+    /// `verify-key`.
+    Sign(SignArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SignArgs {
+    /// `oci://<registry>/<repository>[:tag]@sha256:<digest>`: what to sign.
+    pub reference: String,
+    /// The private key: PKCS#8 PEM (`-----BEGIN PRIVATE KEY-----`), e.g. from `openssl genpkey
+    /// -algorithm EC -pkeyopt ec_paramgen_curve:P-256`. Its public half (`openssl pkey -pubout`)
+    /// is the nodes' `verify-key`.
+    #[arg(long)]
+    pub key: PathBuf,
+    #[command(flatten)]
+    pub registries: super::RegistryArgs,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct InspectArgs {
     /// `oci://<registry>/<repository>[:tag]@sha256:<digest>`.
     pub reference: String,
+    /// Check its signatures against this public key, as a node with `verify-key` would.
+    #[arg(long, value_name = "FILE")]
+    pub verify_key: Option<PathBuf>,
     #[command(flatten)]
     pub registries: super::RegistryArgs,
 }
@@ -38,12 +58,19 @@ pub async fn run(command: ModuleCommand) -> anyhow::Result<()> {
     match command {
         ModuleCommand::Push(args) => push(args).await,
         ModuleCommand::Inspect(args) => inspect(args).await,
+        ModuleCommand::Sign(args) => sign(args).await,
     }
 }
 
 async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let source = crate::oci::reference::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
-    let found = crate::oci::pull::inspect(&source, &args.registries.insecure)
+    let key = match &args.verify_key {
+        Some(file) => {
+            Some(crate::oci::signature::VerifyKey::read(file).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
+    let found = crate::oci::pull::inspect(&source, &args.registries.access()?)
         .await
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
     println!("{source}");
@@ -77,10 +104,55 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         println!("  imports: {}", imports.join(", "));
         println!("  exports: {}", exports.join(", "));
     }
+    let tag = crate::oci::signature::signature_tag(&source.digest);
+    let signed = match (&found.signatures, &key) {
+        (Err(e), _) => {
+            println!("  signatures: cannot be read: {e}");
+            key.is_none()
+        }
+        (Ok(signed), None) => {
+            println!(
+                "  signatures: {} at {tag} (give --verify-key to check them)",
+                signed.len()
+            );
+            true
+        }
+        (Ok(signed), Some(key)) => {
+            match crate::oci::signature::check(key, &source.digest, signed) {
+                Ok(()) => {
+                    println!("  signatures: signed by {}", key.path.display());
+                    true
+                }
+                Err(e) => {
+                    println!("  signatures: {e}");
+                    false
+                }
+            }
+        }
+    };
     match &found.refused {
-        None => println!("  a node would pull and load it (signatures: not checked yet)"),
+        None if signed => println!("  a node would pull and load it"),
+        None => println!("  a node with that verify-key would refuse it"),
         Some(why) => println!("  a node would refuse it: {why}"),
     }
+    Ok(())
+}
+
+async fn sign(args: SignArgs) -> anyhow::Result<()> {
+    let source = crate::oci::reference::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
+    let access = args.registries.access()?;
+    let client = access
+        .client(&source.registry)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    crate::oci::signature::sign(&source, &args.key, &client)
+        .await
+        .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    println!(
+        "signed {source} with {}; stored at {}",
+        args.key.display(),
+        crate::oci::signature::signature_tag(&source.digest)
+    );
     Ok(())
 }
 
@@ -95,7 +167,7 @@ async fn push(args: PushArgs) -> anyhow::Result<()> {
         &args.file,
         &args.target,
         interface,
-        &args.registries.insecure,
+        &args.registries.access()?,
     )
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -96,7 +96,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     options.hot_reload = !args.no_hot_reload;
     options.cdi_dir = args.cdi_dir;
     options.libraries = args.libraries.libraries();
-    options.insecure_registries = args.registries.insecure;
+    options.registry_access = args.registries.access()?;
     options.registration = match args.registration {
         RegistrationRoute::KubeletSocket => Route::KubeletSocket,
         RegistrationRoute::PluginWatcher => Route::PluginWatcher(args.plugins_registry_dir.clone()),

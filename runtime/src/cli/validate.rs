@@ -43,7 +43,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     let store_dir = std::env::temp_dir().join(format!("devicelet-validate-{}", std::process::id()));
     let fetcher = crate::oci::Fetcher {
         store: crate::oci::store::Store::under(&store_dir),
-        insecure: args.registries.insecure.clone(),
+        access: args.registries.access()?,
     };
     let _remove = RemoveOnDrop(store_dir);
     for spec in &registry.modules {

@@ -30,6 +30,9 @@ pub struct ModuleSpec {
     pub path: PathBuf,
     /// Where the module comes from when not a file: an OCI registry, pinned by digest.
     pub source: Option<crate::oci::OciSource>,
+    /// The vendor key a `source` must be signed with (cosign keyed signing), read when the
+    /// registry is: a changed key file takes effect at the next registry read.
+    pub verify_key: Option<crate::oci::signature::VerifyKey>,
     /// Domain for the module's bare resource names: its own `resource-domain`, else the
     /// registry's.
     pub resource_domain: String,
@@ -89,6 +92,7 @@ const KEYS: &[&str] = &[
     "name",
     "path",
     "source",
+    "verify-key",
     "resource-domain",
     "health-interval",
     "call-deadline",
@@ -144,6 +148,7 @@ pub(super) fn parse(
     let mut name = None;
     let mut path = None;
     let mut source = None;
+    let mut verify_key = None;
     let mut resource_domain = None;
     let mut health_interval = DEFAULT_HEALTH_INTERVAL;
     let mut call_deadline = DEFAULT_CALL_DEADLINE;
@@ -184,6 +189,15 @@ pub(super) fn parse(
             "source" => {
                 let text = node.str()?;
                 source = Some(crate::oci::reference::parse(text).map_err(|e| node.error(e))?);
+            }
+            "verify-key" => {
+                let text = node.str()?;
+                let key = crate::oci::signature::VerifyKey::read(&base.join(text))
+                    .map_err(|e| node.error(format!("`verify-key`: {e}")))?;
+                verify_key = Some((key, node.error(
+                    "`verify-key` checks the signature of a module from a registry (`source`); a \
+                     `path` is pinned by `sha256`",
+                )));
             }
             "resource-domain" => resource_domain = Some(resource_domain_of(node)?),
             "health-interval" => {
@@ -274,11 +288,16 @@ pub(super) fn parse(
             ));
         }
     };
+    let verify_key = match (verify_key, &source) {
+        (Some((_, not_source)), None) => return Err(not_source),
+        (key, _) => key.map(|(key, _)| key),
+    };
     Ok(Parsed {
         spec: ModuleSpec {
             name,
             path,
             source,
+            verify_key,
             resource_domain: resource_domain.unwrap_or_else(|| default_domain.to_string()),
             health_interval,
             call_deadline,

@@ -982,3 +982,53 @@ fn a_module_comes_from_a_path_or_a_pinned_source_never_both() {
         "or `source` (oci://",
     );
 }
+
+#[test]
+fn a_verify_key_is_a_p256_public_key_and_checks_a_source_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("vendor.pub");
+    std::fs::write(
+        &key,
+        "-----BEGIN PUBLIC KEY-----\n\
+         MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEAY7Z3YkmbCO0hfXf436ONc0QU5G7\n\
+         1tHsfhqjhMmo3yf6+dnHGpQ+9m9ryP7EHwKV96MXWfCu4kniGyJjvlC3ig==\n\
+         -----END PUBLIC KEY-----\n",
+    )
+    .unwrap();
+    let source = format!(
+        "source = \"oci://registry.example.com/vendor/a@sha256:{}\"\n",
+        "4".repeat(64)
+    );
+    let good = format!(
+        "[[module]]\nname = \"a\"\n{source}verify-key = \"{}\"\n",
+        key.display()
+    );
+    let registry = parse(&good).expect("a signed source");
+    let verify = registry.modules[0].verify_key.as_ref().expect("the key");
+    assert_eq!(verify.path, key);
+
+    assert_invalid(
+        &format!("[[module]]\nname = \"a\"\n{source}verify-key = \"/nonexistent.pub\"\n"),
+        4,
+        Some("module[0].verify-key"),
+        "reading /nonexistent.pub",
+    );
+    assert_invalid(
+        &format!(
+            "[[module]]\nname = \"a\"\n{source}verify-key = \"{}\"\n",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")
+        ),
+        4,
+        Some("module[0].verify-key"),
+        "not a PEM public key",
+    );
+    assert_invalid(
+        &format!(
+            "[[module]]\nname = \"a\"\npath = \"a.wasm\"\nverify-key = \"{}\"\n",
+            key.display()
+        ),
+        4,
+        Some("module[0].verify-key"),
+        "a `path` is pinned by `sha256`",
+    );
+}

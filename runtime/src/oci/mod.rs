@@ -1,11 +1,15 @@
-//! Modules from OCI registries: the `source` reference (`reference.rs`), the content-addressed
-//! store under the state directory (`store.rs`), pulling by digest with every byte checked
-//! (`pull.rs`) and pushing a module as a wasm component artifact (`push.rs`). The README's
-//! "Modules from OCI registries" says what works today; `docs/design/oci.md` the plan.
+//! Modules from OCI registries: the `source` reference (`reference.rs`), how registries are
+//! reached (`access.rs`: TLS, insecure ones, credentials), the content-addressed store under
+//! the state directory (`store.rs`), pulling by digest with every byte checked (`pull.rs`),
+//! vendor signatures (`signature.rs`) and pushing a module as a wasm component artifact
+//! (`push.rs`). The README's "Modules from OCI registries" says what works; `docs/design/oci.md`
+//! the facts behind it.
 
+pub mod access;
 pub mod pull;
 pub mod push;
 pub mod reference;
+pub mod signature;
 pub mod store;
 
 pub use pull::Fetcher;

@@ -6,14 +6,15 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use serde::Deserialize;
 use tokio_stream::StreamExt;
 
+use super::access::Access;
 use super::reference::OciSource;
+use super::signature;
 use super::store::Store;
 use crate::config::ModuleSpec;
 use crate::digest::sha256_hex;
@@ -31,9 +32,7 @@ pub const PULL_DEADLINE: Duration = Duration::from_secs(120);
 #[derive(Debug, Clone)]
 pub struct Fetcher {
     pub store: Store,
-    /// Registries (`host[:port]`) spoken to over plain HTTP; every other one over HTTPS with
-    /// the system's roots.
-    pub insecure: Vec<String>,
+    pub access: Access,
 }
 
 #[derive(Deserialize)]
@@ -98,26 +97,23 @@ fn layer_of(manifest: &[u8]) -> Result<(String, u64), String> {
     Ok((hex.to_ascii_lowercase(), size))
 }
 
-/// A client for `insecure` (plain HTTP) and every other registry over HTTPS.
-pub fn client(insecure: &[String]) -> Client {
-    // kube and this client share rustls; ring is the agent's provider (see dra/api.rs).
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    Client::new(ClientConfig {
-        protocol: ClientProtocol::HttpsExcept(insecure.to_vec()),
-        connect_timeout: Some(Duration::from_secs(10)),
-        read_timeout: Some(Duration::from_secs(30)),
-        ..ClientConfig::default()
-    })
-}
-
 /// The manifest `source` pins, fetched by digest and checked against it, with the reference
 /// its blobs are fetched through.
-async fn manifest_of(client: &Client, source: &OciSource) -> Result<(Reference, Vec<u8>), String> {
+async fn manifest_of(
+    client: &Client,
+    access: &Access,
+    source: &OciSource,
+) -> Result<(Reference, Vec<u8>), String> {
     let reference: Reference = source.by_digest().parse().map_err(|e| format!("{e}"))?;
     let (manifest, _) = client
         .pull_manifest_raw(&reference, &RegistryAuth::Anonymous, &[MANIFEST_MEDIA_TYPE])
         .await
-        .map_err(|e| format!("fetching the manifest: {e}"))?;
+        .map_err(|e| {
+            format!(
+                "fetching the manifest: {}",
+                access.explain(&source.registry, &e)
+            )
+        })?;
     if manifest.len() as u64 > MAX_MANIFEST {
         return Err(format!("the manifest is larger than {MAX_MANIFEST} bytes"));
     }
@@ -155,7 +151,7 @@ async fn config_of(
     client
         .pull_blob(reference, &descriptor, &mut bytes)
         .await
-        .map_err(|e| format!("fetching the config: {e}"))?;
+        .map_err(|e| format!("fetching the config: {}", super::access::with_causes(&e)))?;
     if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
         return Err("the config's bytes do not match its digest".into());
     }
@@ -199,12 +195,14 @@ pub struct Inspection {
     pub layer: Option<(String, String, u64)>,
     /// The config, as JSON, when it is the wasm layout's.
     pub config: Option<serde_json::Value>,
+    /// The signatures at its `.sig` tag, or why they could not be read.
+    pub signatures: Result<Vec<signature::Signed>, String>,
 }
 
 /// Reads the artifact `source` pins: its manifest (checked against the pin) and its config.
-pub async fn inspect(source: &OciSource, insecure: &[String]) -> Result<Inspection, String> {
-    let client = client(insecure);
-    let (reference, manifest) = manifest_of(&client, source).await?;
+pub async fn inspect(source: &OciSource, access: &Access) -> Result<Inspection, String> {
+    let client = access.client(&source.registry).await?;
+    let (reference, manifest) = manifest_of(&client, access, source).await?;
     let m: Manifest = serde_json::from_slice(&manifest)
         .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))?;
     let refused = layer_of(&manifest).err();
@@ -217,30 +215,38 @@ pub async fn inspect(source: &OciSource, insecure: &[String]) -> Result<Inspecti
         _ => None,
     };
     let config = config_of(&client, &reference, &m).await?;
+    let signatures = signature::fetch(&client, source).await;
     Ok(Inspection {
         manifest_media_type: m.media_type.unwrap_or_else(|| "(none given)".into()),
         config_media_type: m.config.media_type,
         refused,
         layer,
         config,
+        signatures,
     })
 }
 
 impl Fetcher {
     /// The path of the module `source` pins, when the store holds its manifest and its module,
-    /// both still matching their names. Reads and hashes them: call it off the async workers.
-    pub fn stored(&self, source: &OciSource) -> Option<PathBuf> {
+    /// both still matching their names, and, for a `spec` with a `verify-key`, a kept signature
+    /// that key verifies. Reads and hashes them: call it off the async workers.
+    pub fn stored(&self, source: &OciSource, spec: &ModuleSpec) -> Option<PathBuf> {
         let manifest = self.store.get(&source.digest, MAX_MANIFEST)?;
         let (layer, _) = layer_of(&manifest).ok()?;
         self.store.get(&layer, crate::files::MAX_MODULE)?;
+        if let Some(key) = &spec.verify_key {
+            let signed = self.store.signatures(&source.digest);
+            signature::check(key, &source.digest, &signed).ok()?;
+        }
         Some(self.store.path(&layer))
     }
 
     /// The store's copy, or else a pull ([`pull`](Self::pull)), for the commands that load one
     /// module and wait for it (`validate`, `try`). Err says what failed.
     pub async fn fetch(&self, source: &OciSource, spec: &ModuleSpec) -> Result<PathBuf, String> {
-        let (fetcher, pinned) = (self.clone(), source.clone());
-        if let Ok(Some(path)) = tokio::task::spawn_blocking(move || fetcher.stored(&pinned)).await {
+        let (fetcher, pinned, wanted) = (self.clone(), source.clone(), spec.clone());
+        let stored = tokio::task::spawn_blocking(move || fetcher.stored(&pinned, &wanted)).await;
+        if let Ok(Some(path)) = stored {
             return Ok(path);
         }
         self.pull(source, spec).await.map_err(|e| e.to_string())
@@ -263,10 +269,26 @@ impl Fetcher {
         source: &OciSource,
         spec: &ModuleSpec,
     ) -> Result<PathBuf, PullError> {
-        let client = client(&self.insecure);
-        let (reference, manifest) = manifest_of(&client, source)
+        let client = self
+            .access
+            .client(&source.registry)
             .await
             .map_err(PullError::Failed)?;
+        let (reference, manifest) = manifest_of(&client, &self.access, source)
+            .await
+            .map_err(PullError::Failed)?;
+        // Who made it comes before anything it says. Tried again: a signature may be added.
+        let signed = match &spec.verify_key {
+            Some(key) => {
+                let signed = signature::fetch(&client, source)
+                    .await
+                    .map_err(PullError::Failed)?;
+                signature::check(key, &source.digest, &signed)
+                    .map_err(|e| PullError::Failed(format!("refused: {e}")))?;
+                Some(signed)
+            }
+            None => None,
+        };
         let (layer, size) = layer_of(&manifest).map_err(PullError::Refused)?;
         let m: Manifest = serde_json::from_slice(&manifest)
             .map_err(|e| PullError::Refused(format!("the manifest: {e}")))?;
@@ -289,7 +311,10 @@ impl Fetcher {
             ..OciDescriptor::default()
         };
         let failed = |e: oci_client::errors::OciDistributionError| {
-            PullError::Failed(format!("fetching the module: {e}"))
+            PullError::Failed(format!(
+                "fetching the module: {}",
+                self.access.explain(&source.registry, &e)
+            ))
         };
         let mut stream = client
             .pull_blob_stream(&reference, &descriptor)
@@ -297,8 +322,12 @@ impl Fetcher {
             .map_err(failed)?;
         let mut bytes = Vec::with_capacity(size as usize);
         while let Some(chunk) = stream.next().await {
-            let chunk =
-                chunk.map_err(|e| PullError::Failed(format!("fetching the module: {e}")))?;
+            let chunk = chunk.map_err(|e| {
+                PullError::Failed(format!(
+                    "fetching the module: {}",
+                    super::access::with_causes(&e)
+                ))
+            })?;
             if (bytes.len() + chunk.len()) as u64 > size {
                 return Err(PullError::Failed(format!(
                     "the registry sent more than the {size} bytes the manifest says"
@@ -313,9 +342,13 @@ impl Fetcher {
                  refused"
             )));
         }
-        let store = self.store.clone();
+        let (store, digest) = (self.store.clone(), source.digest.clone());
         tokio::task::spawn_blocking(move || {
             store.put(&bytes)?;
+            if let Some(signed) = signed {
+                store.put_signatures(&digest, &signed)?;
+            }
+            // Last: a manifest in the store means all it needs is there.
             store.put(&manifest)?;
             Ok(store.path(&layer))
         })

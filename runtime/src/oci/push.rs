@@ -6,9 +6,8 @@
 use std::path::Path;
 
 use oci_client::Reference;
-use oci_client::secrets::RegistryAuth;
 
-use super::pull::{CONFIG_MEDIA_TYPE, LAYER_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, client};
+use super::pull::{CONFIG_MEDIA_TYPE, LAYER_MEDIA_TYPE, MANIFEST_MEDIA_TYPE};
 use super::reference::OciSource;
 use crate::digest::sha256_hex;
 
@@ -69,7 +68,7 @@ pub async fn push(
     file: &Path,
     to: &str,
     interface: (Vec<String>, Vec<String>),
-    insecure: &[String],
+    access: &super::access::Access,
 ) -> Result<OciSource, String> {
     let (registry, repository, tag) = target(to)?;
     let bytes = crate::files::read_regular(file, crate::files::MAX_MODULE)
@@ -96,18 +95,18 @@ pub async fn push(
     let reference: Reference = format!("{registry}/{repository}:{tag}")
         .parse()
         .map_err(|e| format!("{e}"))?;
-    let client = client(insecure);
-    client
-        .store_auth_if_needed(&registry, &RegistryAuth::Anonymous)
-        .await;
+    let client = access.client(&registry).await?;
+    let explain = |what: &str, e: oci_client::errors::OciDistributionError| {
+        format!("pushing the {what}: {}", access.explain(&registry, &e))
+    };
     client
         .push_blob(&reference, config, &config_digest)
         .await
-        .map_err(|e| format!("pushing the config: {e}"))?;
+        .map_err(|e| explain("config", e))?;
     client
         .push_blob(&reference, bytes, &layer)
         .await
-        .map_err(|e| format!("pushing the module: {e}"))?;
+        .map_err(|e| explain("module", e))?;
     let digest = sha256_hex(&manifest);
     client
         .push_manifest_raw(
@@ -116,7 +115,7 @@ pub async fn push(
             http::HeaderValue::from_static(MANIFEST_MEDIA_TYPE),
         )
         .await
-        .map_err(|e| format!("pushing the manifest: {e}"))?;
+        .map_err(|e| explain("manifest", e))?;
     Ok(OciSource {
         registry,
         repository,

@@ -6,7 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
+use super::signature::Signed;
 use crate::digest::sha256_hex;
+
+/// Signatures kept per manifest: a few payloads.
+const MAX_SIGNATURES_FILE: u64 = 1 << 20;
 
 /// A store directory (`.../modules`).
 #[derive(Debug, Clone)]
@@ -41,6 +45,29 @@ impl Store {
         );
         let _ = std::fs::remove_file(&path);
         None
+    }
+
+    /// The signatures kept for the manifest `hex` (checked again against the registry's key at
+    /// every start, so a changed key is never satisfied by an old check); none if absent.
+    pub fn signatures(&self, hex: &str) -> Vec<Signed> {
+        crate::files::read_regular(&self.signatures_path(hex), MAX_SIGNATURES_FILE)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default()
+    }
+
+    /// Keeps the signatures a pull verified for the manifest `hex`, for starts without the
+    /// registry.
+    pub fn put_signatures(&self, hex: &str, signed: &[Signed]) -> Result<(), String> {
+        let dir = self.dir.join("signatures");
+        crate::trust::private_dir(&dir).map_err(|e| format!("the module store: {e}"))?;
+        let bytes = serde_json::to_vec(signed).map_err(|e| e.to_string())?;
+        crate::files::write_file_atomically(&self.signatures_path(hex), &bytes, 0o600)
+            .map_err(|e| format!("writing the signatures of {hex}: {e}"))
+    }
+
+    fn signatures_path(&self, hex: &str) -> PathBuf {
+        self.dir.join("signatures").join(format!("{hex}.json"))
     }
 
     /// Stores `bytes` under their digest; the digest.

@@ -1,0 +1,230 @@
+//! How the agent reaches registries: over HTTPS with the system's roots plus an optional CA
+//! bundle (`--registry-ca`), plain HTTP only for registries the operator lists as insecure, and
+//! credentials from a Docker `config.json` (`--registry-auth`, the file a
+//! `kubernetes.io/dockerconfigjson` Secret mounts). oci-client answers the registry's challenge:
+//! basic credentials as they are, or exchanged for a bearer token by the token flow.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use oci_client::Client;
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use serde::Deserialize;
+
+/// A CA bundle or a Docker config is small.
+const MAX_FILE: u64 = 4 << 20;
+
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// Registries (`host[:port]`) spoken to over plain HTTP.
+    pub insecure: Vec<String>,
+    /// Certificates (DER) trusted besides the system's roots.
+    ca: Vec<Vec<u8>>,
+    /// (user, password) by registry host, from the Docker config.
+    credentials: BTreeMap<String, (String, String)>,
+}
+
+#[derive(Deserialize)]
+struct DockerConfig {
+    #[serde(default)]
+    auths: BTreeMap<String, DockerAuth>,
+}
+
+#[derive(Deserialize)]
+struct DockerAuth {
+    auth: Option<String>,
+    username: Option<String>,
+    password: Option<String>,
+}
+
+/// The registry host a Docker config key names: `https://index.docker.io/v1/` and
+/// `registry.example.com:5000` alike.
+fn host_of(key: &str) -> String {
+    let key = key
+        .strip_prefix("https://")
+        .or_else(|| key.strip_prefix("http://"))
+        .unwrap_or(key);
+    key.split('/').next().unwrap_or(key).to_ascii_lowercase()
+}
+
+impl Access {
+    /// Reads the CA bundle and the Docker config, if given. Err names the file and what is
+    /// wrong with it.
+    pub fn load(
+        insecure: Vec<String>,
+        ca_file: Option<&Path>,
+        auth_file: Option<&Path>,
+    ) -> Result<Access, String> {
+        let mut access = Access {
+            insecure,
+            ..Access::default()
+        };
+        if let Some(file) = ca_file {
+            let pem = crate::files::read_regular(file, MAX_FILE)
+                .map_err(|e| format!("reading the registry CA bundle {}: {e}", file.display()))?;
+            for cert in CertificateDer::pem_slice_iter(&pem) {
+                let cert =
+                    cert.map_err(|e| format!("the registry CA bundle {}: {e}", file.display()))?;
+                access.ca.push(cert.to_vec());
+            }
+            if access.ca.is_empty() {
+                return Err(format!(
+                    "the registry CA bundle {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                    file.display()
+                ));
+            }
+        }
+        if let Some(file) = auth_file {
+            access.credentials = docker_config(file)?;
+        }
+        Ok(access)
+    }
+
+    /// A client for one registry, with its credentials (if the Docker config has any) in place
+    /// for every request it makes. Err: the TLS settings cannot be used.
+    pub async fn client(&self, registry: &str) -> Result<Client, String> {
+        // kube and this client share rustls; ring is the agent's provider (see dra/api.rs).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = Client::try_from(ClientConfig {
+            protocol: ClientProtocol::HttpsExcept(self.insecure.clone()),
+            connect_timeout: Some(Duration::from_secs(10)),
+            read_timeout: Some(Duration::from_secs(30)),
+            extra_root_certificates: self
+                .ca
+                .iter()
+                .map(|der| Certificate {
+                    encoding: CertificateEncoding::Der,
+                    data: der.clone(),
+                })
+                .collect(),
+            ..ClientConfig::default()
+        })
+        .map_err(|e| format!("the registry client: {e}"))?;
+        client
+            .store_auth_if_needed(registry, &self.auth(registry))
+            .await;
+        Ok(client)
+    }
+
+    /// The credentials for `registry` (`host[:port]`): basic from the Docker config, else none.
+    fn auth(&self, registry: &str) -> RegistryAuth {
+        match self.credentials.get(&registry.to_ascii_lowercase()) {
+            Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
+            None => RegistryAuth::Anonymous,
+        }
+    }
+
+    /// A registry error as the operator needs it: with its causes (a TLS or connection
+    /// failure hides behind "error sending request"), and a refusal of credentials says whose.
+    pub fn explain(&self, registry: &str, e: &oci_client::errors::OciDistributionError) -> String {
+        use oci_client::errors::OciDistributionError::{AuthenticationFailure, UnauthorizedError};
+        let text = with_causes(e);
+        if !matches!(e, UnauthorizedError { .. } | AuthenticationFailure(_)) {
+            return text;
+        }
+        if self
+            .credentials
+            .contains_key(&registry.to_ascii_lowercase())
+        {
+            format!("{text}: the credentials --registry-auth gives for {registry} were refused")
+        } else {
+            format!(
+                "{text}: {registry} wants credentials, and --registry-auth gives none for it (a \
+                 Docker config.json with an `auths` entry for {registry})"
+            )
+        }
+    }
+}
+
+/// `e` and each of its causes not already in its message.
+pub fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out = format!("{out}: {text}");
+        }
+        next = cause.source();
+    }
+    out
+}
+
+/// A Docker `config.json`'s `auths`: (user, password) by registry host.
+fn docker_config(file: &Path) -> Result<BTreeMap<String, (String, String)>, String> {
+    let bytes = crate::files::read_regular(file, MAX_FILE)
+        .map_err(|e| format!("reading the registry credentials {}: {e}", file.display()))?;
+    let config: DockerConfig = serde_json::from_slice(&bytes).map_err(|e| {
+        format!(
+            "the registry credentials {} are not a Docker config.json: {e}",
+            file.display()
+        )
+    })?;
+    let mut out = BTreeMap::new();
+    for (key, entry) in config.auths {
+        let pair = match (&entry.auth, &entry.username, &entry.password) {
+            (Some(auth), _, _) => BASE64
+                .decode(auth.trim())
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok())
+                .and_then(|s| s.split_once(':').map(|(u, p)| (u.to_owned(), p.to_owned())))
+                .ok_or_else(|| {
+                    format!(
+                        "{}: auths.{key:?}.auth is not base64 of user:password",
+                        file.display()
+                    )
+                })?,
+            (None, Some(user), Some(password)) => (user.clone(), password.clone()),
+            _ => {
+                return Err(format!(
+                    "{}: auths.{key:?} has neither `auth` nor `username` and `password`",
+                    file.display()
+                ));
+            }
+        };
+        out.insert(host_of(&key), pair);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn docker_config_entries_are_keyed_by_host_and_bad_ones_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("config.json");
+        let auth = BASE64.encode("alice:s3cret:with-colon");
+        std::fs::write(
+            &file,
+            format!(
+                r#"{{"auths": {{"https://Registry.Example.com:5000/v1/": {{"auth": "{auth}"}},
+                    "ghcr.io": {{"username": "bob", "password": "pw"}}}}, "credsStore": "desktop"}}"#
+            ),
+        )
+        .unwrap();
+        let access = Access::load(Vec::new(), None, Some(&file)).unwrap();
+        assert!(matches!(
+            access.auth("registry.example.com:5000"),
+            RegistryAuth::Basic(u, p) if u == "alice" && p == "s3cret:with-colon"
+        ));
+        assert!(matches!(access.auth("ghcr.io"), RegistryAuth::Basic(u, _) if u == "bob"));
+        assert!(matches!(access.auth("quay.io"), RegistryAuth::Anonymous));
+
+        std::fs::write(&file, r#"{"auths": {"r.io": {"auth": "!!"}}}"#).unwrap();
+        let e = Access::load(Vec::new(), None, Some(&file)).unwrap_err();
+        assert!(e.contains("auths.\"r.io\".auth is not base64"), "{e}");
+        std::fs::write(&file, "{\"auths\": []}").unwrap();
+        let e = Access::load(Vec::new(), None, Some(&file)).unwrap_err();
+        assert!(e.contains("not a Docker config.json"), "{e}");
+        let e = Access::load(Vec::new(), Some(&file), None).unwrap_err();
+        assert!(e.contains("holds no PEM certificate"), "{e}");
+    }
+}

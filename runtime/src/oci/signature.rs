@@ -1,0 +1,484 @@
+//! Vendor signatures on modules: cosign's keyed "simple signing", as `cosign sign --key` stores
+//! it in the registry and `cosign verify --key` checks it (`docs/design/oci.md`). The signature
+//! artifact sits at the tag `sha256-<hex>.sig` beside the module; each of its layers is a JSON
+//! payload naming the signed manifest's digest, with an ECDSA P-256 (SHA-256) signature over the
+//! payload's bytes in the layer's `dev.cosignproject.cosign/signature` annotation.
+//!
+//! Written on ring (already the agent's TLS provider) rather than the `sigstore` crate: keyed
+//! verification of this one format is a prefix check, a base64 decode and one ECDSA call, while
+//! `sigstore` would bring its own TLS, crypto and TUF stacks to the agent. The transparency log
+//! is not consulted (as `cosign verify --insecure-ignore-tlog`): the operator's key is the trust.
+
+use std::path::{Path, PathBuf};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use ring::signature::{ECDSA_P256_SHA256_ASN1, ECDSA_P256_SHA256_FIXED, UnparsedPublicKey};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{PrivatePkcs8KeyDer, SubjectPublicKeyInfoDer};
+use serde::{Deserialize, Serialize};
+
+use super::reference::OciSource;
+use crate::digest::sha256_hex;
+
+pub const SIGNATURE_MEDIA_TYPE: &str = "application/vnd.dev.cosign.simplesigning.v1+json";
+pub const SIGNATURE_ANNOTATION: &str = "dev.cosignproject.cosign/signature";
+const PAYLOAD_TYPE: &str = "cosign container image signature";
+/// The manifest types a signature artifact may have: OCI, or Docker's when cosign was told to.
+const SIGNATURE_MANIFEST_TYPES: [&str; 2] = [
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+];
+/// A payload is a few hundred bytes; a signature artifact a few layers.
+const MAX_PAYLOAD: i64 = 64 << 10;
+const MAX_SIGNATURES: usize = 16;
+/// A key file is a few hundred bytes.
+const MAX_KEY_FILE: u64 = 64 << 10;
+/// The DER of a P-256 SubjectPublicKeyInfo up to its 65-byte uncompressed point.
+const P256_SPKI_PREFIX: [u8; 26] = [
+    0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a,
+    0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00,
+];
+
+/// A vendor's public key (`verify-key`): PEM `PUBLIC KEY`, ECDSA P-256, as `cosign
+/// generate-key-pair` writes `cosign.pub` and `openssl pkey -pubout` does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyKey {
+    pub path: PathBuf,
+    point: Vec<u8>,
+}
+
+impl VerifyKey {
+    /// Reads and checks the key file. Err says what is wrong with it.
+    pub fn read(path: &Path) -> Result<VerifyKey, String> {
+        let text = crate::files::read_regular(path, MAX_KEY_FILE)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let der = SubjectPublicKeyInfoDer::from_pem_slice(&text).map_err(|e| {
+            format!(
+                "{}: not a PEM public key (-----BEGIN PUBLIC KEY-----, as cosign.pub or \
+                 `openssl pkey -pubout` writes): {e}",
+                path.display()
+            )
+        })?;
+        let point = der
+            .as_ref()
+            .strip_prefix(&P256_SPKI_PREFIX[..])
+            .filter(|p| p.len() == 65 && p[0] == 4)
+            .ok_or_else(|| {
+                format!(
+                    "{}: not an ECDSA P-256 public key (cosign's keyed signatures use P-256)",
+                    path.display()
+                )
+            })?;
+        Ok(VerifyKey {
+            path: path.to_owned(),
+            point: point.to_vec(),
+        })
+    }
+
+    /// Whether `signature` (DER, or r‖s as cosign also takes) signs `payload` with this key.
+    fn verifies(&self, payload: &[u8], signature: &[u8]) -> bool {
+        let alg = if signature.len() == 64 {
+            &ECDSA_P256_SHA256_FIXED
+        } else {
+            &ECDSA_P256_SHA256_ASN1
+        };
+        UnparsedPublicKey::new(alg, &self.point)
+            .verify(payload, signature)
+            .is_ok()
+    }
+}
+
+/// One signature as the registry holds it and the module store keeps it: the payload's bytes
+/// and the signature over them, base64.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Signed {
+    pub payload: String,
+    pub signature: String,
+}
+
+/// Where a module's signatures are: the tag cosign names after the manifest's digest.
+pub fn signature_tag(digest_hex: &str) -> String {
+    format!("sha256-{digest_hex}.sig")
+}
+
+#[derive(Deserialize)]
+struct Payload {
+    critical: Critical,
+}
+
+#[derive(Deserialize)]
+struct Critical {
+    image: Image,
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+#[derive(Deserialize)]
+struct Image {
+    #[serde(rename = "docker-manifest-digest")]
+    digest: String,
+}
+
+/// Checks that one of `signed` is by `key` and names `digest_hex`. Err says what failed.
+pub fn check(key: &VerifyKey, digest_hex: &str, signed: &[Signed]) -> Result<(), String> {
+    if signed.is_empty() {
+        return Err(format!(
+            "not signed: there is no signature at {}",
+            signature_tag(digest_hex)
+        ));
+    }
+    let mut by_key = Vec::new();
+    for s in signed {
+        let (Ok(payload), Ok(signature)) = (BASE64.decode(&s.payload), BASE64.decode(&s.signature))
+        else {
+            continue;
+        };
+        if key.verifies(&payload, &signature) {
+            by_key.push(payload);
+        }
+    }
+    if by_key.is_empty() {
+        return Err(format!(
+            "not signed by {}: none of its {} signature(s) verifies with that key",
+            key.path.display(),
+            signed.len()
+        ));
+    }
+    let pinned = format!("sha256:{digest_hex}");
+    let mut named = Vec::new();
+    for payload in &by_key {
+        match serde_json::from_slice::<Payload>(payload) {
+            Ok(p) if p.critical.kind == PAYLOAD_TYPE && p.critical.image.digest == pinned => {
+                return Ok(());
+            }
+            Ok(p) => named.push(p.critical.image.digest),
+            Err(_) => named.push("(an unreadable payload)".into()),
+        }
+    }
+    Err(format!(
+        "a signature by {} signs {}, not the pinned {pinned}",
+        key.path.display(),
+        named.join(", ")
+    ))
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SignatureManifest {
+    schema_version: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    media_type: Option<String>,
+    config: Layer,
+    layers: Vec<Layer>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Layer {
+    media_type: String,
+    digest: String,
+    size: i64,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    annotations: std::collections::BTreeMap<String, String>,
+}
+
+/// The signature artifact's manifest, if the registry has one (None when it answers that
+/// there is none).
+async fn signature_manifest(
+    client: &Client,
+    source: &OciSource,
+) -> Result<Option<(Reference, SignatureManifest)>, String> {
+    let tag = signature_tag(&source.digest);
+    let reference: Reference = format!("{}/{}:{tag}", source.registry, source.repository)
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    let fetched = client
+        .pull_manifest_raw(
+            &reference,
+            &RegistryAuth::Anonymous,
+            &SIGNATURE_MANIFEST_TYPES,
+        )
+        .await;
+    let bytes = match fetched {
+        Ok((bytes, _)) => bytes,
+        Err(e) if is_unknown(&e) => return Ok(None),
+        Err(e) => {
+            return Err(format!(
+                "fetching its signatures ({tag}): {}",
+                super::access::with_causes(&e)
+            ));
+        }
+    };
+    if bytes.len() > MAX_PAYLOAD as usize {
+        return Err(format!("the signature manifest at {tag} is too large"));
+    }
+    let manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("the signature manifest at {tag}: {e}"))?;
+    Ok(Some((reference, manifest)))
+}
+
+/// Whether the registry said the tag is not there.
+fn is_unknown(e: &oci_client::errors::OciDistributionError) -> bool {
+    use oci_client::errors::{OciDistributionError, OciErrorCode};
+    match e {
+        OciDistributionError::RegistryError { envelope, .. } => envelope.errors.iter().any(|e| {
+            matches!(
+                e.code,
+                OciErrorCode::ManifestUnknown | OciErrorCode::NameUnknown
+            )
+        }),
+        OciDistributionError::ImageManifestNotFoundError(_)
+        | OciDistributionError::ServerError { code: 404, .. } => true,
+        _ => false,
+    }
+}
+
+/// The signatures the registry holds for what `source` pins (at most [`MAX_SIGNATURES`]), each
+/// payload checked against its digest.
+pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, String> {
+    let Some((reference, manifest)) = signature_manifest(client, source).await? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for layer in manifest
+        .layers
+        .iter()
+        .filter(|l| l.media_type == SIGNATURE_MEDIA_TYPE && (0..=MAX_PAYLOAD).contains(&l.size))
+        .take(MAX_SIGNATURES)
+    {
+        let Some(signature) = layer.annotations.get(SIGNATURE_ANNOTATION) else {
+            continue;
+        };
+        let descriptor = oci_client::manifest::OciDescriptor {
+            media_type: layer.media_type.clone(),
+            digest: layer.digest.clone(),
+            size: layer.size,
+            ..Default::default()
+        };
+        let mut payload = Vec::new();
+        client
+            .pull_blob(&reference, &descriptor, &mut payload)
+            .await
+            .map_err(|e| {
+                format!(
+                    "fetching a signature's payload: {}",
+                    super::access::with_causes(&e)
+                )
+            })?;
+        if format!("sha256:{}", sha256_hex(&payload)) != layer.digest {
+            continue;
+        }
+        out.push(Signed {
+            payload: BASE64.encode(&payload),
+            signature: signature.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// `devicelet module sign`: signs what `source` pins with the PKCS#8 P-256 key at `key_file`
+/// and adds the signature to the artifact at its `.sig` tag, as `cosign sign --key` does (a
+/// signature already there stays). The signature's base64.
+pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Result<String, String> {
+    let text = crate::files::read_regular(key_file, MAX_KEY_FILE)
+        .map_err(|e| format!("reading {}: {e}", key_file.display()))?;
+    if String::from_utf8_lossy(&text).contains("ENCRYPTED SIGSTORE PRIVATE KEY") {
+        return Err(format!(
+            "{} is a cosign-encrypted key: sign with `cosign sign --key` (its signatures verify \
+             the same), or give a PKCS#8 key (`openssl genpkey -algorithm EC -pkeyopt \
+             ec_paramgen_curve:P-256`)",
+            key_file.display()
+        ));
+    }
+    let der = PrivatePkcs8KeyDer::from_pem_slice(&text).map_err(|e| {
+        format!(
+            "{}: not a PKCS#8 PEM private key (-----BEGIN PRIVATE KEY-----; convert an EC \
+             PRIVATE KEY with `openssl pkcs8 -topk8 -nocrypt`): {e}",
+            key_file.display()
+        )
+    })?;
+    let rng = ring::rand::SystemRandom::new();
+    let pair = ring::signature::EcdsaKeyPair::from_pkcs8(
+        &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+        der.secret_pkcs8_der(),
+        &rng,
+    )
+    .map_err(|e| format!("{}: not an ECDSA P-256 key: {e}", key_file.display()))?;
+    let payload = serde_json::to_vec(&serde_json::json!({
+        "critical": {
+            "identity": {"docker-reference": format!("{}/{}", source.registry, source.repository)},
+            "image": {"docker-manifest-digest": format!("sha256:{}", source.digest)},
+            "type": PAYLOAD_TYPE,
+        },
+        "optional": null,
+    }))
+    .map_err(|e| e.to_string())?;
+    let signature = pair
+        .sign(&rng, &payload)
+        .map_err(|e| format!("signing: {e}"))?;
+    let signature = BASE64.encode(signature.as_ref());
+
+    let existing = signature_manifest(client, source).await?;
+    let (reference, mut layers) = match existing {
+        Some((reference, manifest)) => (reference, manifest.layers),
+        None => {
+            let tag = signature_tag(&source.digest);
+            let reference: Reference = format!("{}/{}:{tag}", source.registry, source.repository)
+                .parse()
+                .map_err(|e| format!("{e}"))?;
+            (reference, Vec::new())
+        }
+    };
+    let payload_digest = format!("sha256:{}", sha256_hex(&payload));
+    layers.retain(|l| l.digest != payload_digest);
+    layers.push(Layer {
+        media_type: SIGNATURE_MEDIA_TYPE.into(),
+        digest: payload_digest.clone(),
+        size: payload.len() as i64,
+        annotations: [(SIGNATURE_ANNOTATION.to_owned(), signature.clone())].into(),
+    });
+    // The config go-containerregistry writes for cosign: nothing reads it but its digest.
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "", "created": "0001-01-01T00:00:00Z",
+        "history": [{"created": "0001-01-01T00:00:00Z"}], "os": "",
+        "rootfs": {"type": "layers", "diff_ids": layers.iter().map(|l| &l.digest).collect::<Vec<_>>()},
+        "config": {},
+    }))
+    .map_err(|e| e.to_string())?;
+    let config_digest = format!("sha256:{}", sha256_hex(&config));
+    let manifest = SignatureManifest {
+        schema_version: 2,
+        media_type: Some(SIGNATURE_MANIFEST_TYPES[0].into()),
+        config: Layer {
+            media_type: "application/vnd.oci.image.config.v1+json".into(),
+            digest: config_digest.clone(),
+            size: config.len() as i64,
+            annotations: Default::default(),
+        },
+        layers,
+    };
+    let manifest = serde_json::to_vec(&manifest).map_err(|e| e.to_string())?;
+    client
+        .push_blob(&reference, config, &config_digest)
+        .await
+        .map_err(|e| format!("pushing the signature's config: {e}"))?;
+    client
+        .push_blob(&reference, payload, &payload_digest)
+        .await
+        .map_err(|e| format!("pushing the signature's payload: {e}"))?;
+    client
+        .push_manifest_raw(
+            &reference,
+            manifest,
+            http::HeaderValue::from_static(SIGNATURE_MANIFEST_TYPES[0]),
+        )
+        .await
+        .map_err(|e| format!("pushing the signature: {e}"))?;
+    Ok(signature)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A P-256 key pair made by ring: (the public key as PEM, the PKCS#8 PEM private key).
+    fn key_pair(dir: &Path, name: &str) -> (VerifyKey, ring::signature::EcdsaKeyPair) {
+        use ring::signature::KeyPair;
+        let rng = ring::rand::SystemRandom::new();
+        let alg = &ring::signature::ECDSA_P256_SHA256_ASN1_SIGNING;
+        let pkcs8 = ring::signature::EcdsaKeyPair::generate_pkcs8(alg, &rng).unwrap();
+        let pair = ring::signature::EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).unwrap();
+        let mut spki = P256_SPKI_PREFIX.to_vec();
+        spki.extend_from_slice(pair.public_key().as_ref());
+        let pem = format!(
+            "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n",
+            BASE64.encode(&spki)
+        );
+        let path = dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        (VerifyKey::read(&path).unwrap(), pair)
+    }
+
+    fn signed(pair: &ring::signature::EcdsaKeyPair, digest: &str) -> Signed {
+        let payload = format!(
+            r#"{{"critical":{{"identity":{{"docker-reference":"r.io/v/m"}},"image":{{"docker-manifest-digest":"sha256:{digest}"}},"type":"{PAYLOAD_TYPE}"}},"optional":null}}"#
+        );
+        let rng = ring::rand::SystemRandom::new();
+        let signature = pair.sign(&rng, payload.as_bytes()).unwrap();
+        Signed {
+            payload: BASE64.encode(payload.as_bytes()),
+            signature: BASE64.encode(signature.as_ref()),
+        }
+    }
+
+    #[test]
+    fn a_signature_counts_only_by_the_key_and_for_the_pinned_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (vendor, vendor_pair) = key_pair(dir.path(), "vendor.pub");
+        let (_, other_pair) = key_pair(dir.path(), "other.pub");
+        let (pinned, other_digest) = ("a".repeat(64), "b".repeat(64));
+
+        assert_eq!(
+            check(&vendor, &pinned, &[signed(&vendor_pair, &pinned)]),
+            Ok(())
+        );
+        let other_too = [signed(&other_pair, &pinned), signed(&vendor_pair, &pinned)];
+        assert_eq!(check(&vendor, &pinned, &other_too), Ok(()));
+
+        let unsigned = check(&vendor, &pinned, &[]).unwrap_err();
+        assert!(unsigned.contains("not signed"), "{unsigned}");
+        let by_other = check(&vendor, &pinned, &[signed(&other_pair, &pinned)]).unwrap_err();
+        assert!(
+            by_other.contains("not signed by") && by_other.contains("vendor.pub"),
+            "{by_other}"
+        );
+        let elsewhere = check(&vendor, &pinned, &[signed(&vendor_pair, &other_digest)]);
+        assert!(
+            elsewhere
+                .unwrap_err()
+                .contains(&format!("signs sha256:{other_digest}")),
+            "a signature of another artifact does not carry over"
+        );
+        // A payload altered after signing.
+        let mut altered = signed(&vendor_pair, &pinned);
+        altered.payload = BASE64.encode(
+            String::from_utf8(BASE64.decode(&altered.payload).unwrap())
+                .unwrap()
+                .replace("r.io", "x.io"),
+        );
+        assert!(check(&vendor, &pinned, &[altered]).is_err());
+    }
+
+    #[test]
+    fn only_a_p256_public_key_in_pem_is_a_verify_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.pub");
+        std::fs::write(&path, "not a key").unwrap();
+        assert!(
+            VerifyKey::read(&path)
+                .unwrap_err()
+                .contains("not a PEM public key")
+        );
+        // An Ed25519 SubjectPublicKeyInfo.
+        let mut ed = vec![
+            0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
+        ];
+        ed.extend_from_slice(&[7; 32]);
+        std::fs::write(
+            &path,
+            format!(
+                "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n",
+                BASE64.encode(&ed)
+            ),
+        )
+        .unwrap();
+        assert!(
+            VerifyKey::read(&path)
+                .unwrap_err()
+                .contains("not an ECDSA P-256")
+        );
+    }
+}
