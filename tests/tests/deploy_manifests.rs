@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 /// The kustomizations an operator applies: the base and each overlay.
-const BUILDS: &[&str] = &["deploy", "deploy/nvidia", "deploy/dra"];
+const BUILDS: &[&str] = &["deploy", "deploy/nvidia", "deploy/dra", "deploy/oci"];
 /// What the registries in `deploy/` serve on a node with one device of each kind.
 const REFERENCE_RESOURCES: &[&str] = &[
     "devicelet.io/fuse",
@@ -784,6 +784,17 @@ fn validated(build: &str) -> (String, String) {
     let agent = Agent::of(build, &objects);
     let args = run_args!(agent.cli());
     let (text, registry) = agent.registry(&args.config);
+    validated_registry(&args.cdi_dir, (&text, &registry), &[])
+}
+
+/// `devicelet validate` of a registry (`text`, parsed as `registry`) on a node with one device
+/// of each kind, its image module paths pointing at the built modules; `flags` go to validate
+/// (registry access for modules with a `source`): (stdout, everything it printed).
+fn validated_registry(
+    cdi_dir: &Path,
+    (text, registry): (&str, &Registry),
+    flags: &[String],
+) -> (String, String) {
     assert_eq!(
         registry.host_root,
         Path::new("/"),
@@ -832,6 +843,10 @@ fn validated(build: &str) -> (String, String) {
     assert_ne!(local, text, "the registry spells out host-root = \"/\"");
     let mut names = BTreeMap::new();
     for module in &registry.modules {
+        if let Some(source) = &module.source {
+            names.insert(module.name.clone(), source.to_string());
+            continue;
+        }
         let image_path = module.path.to_str().expect("a UTF-8 module path");
         let file = image_path
             .strip_prefix(IMAGE_MODULES)
@@ -848,7 +863,7 @@ fn validated(build: &str) -> (String, String) {
             &format!("{image_path:?}"),
             &format!("{:?}", built.display().to_string()),
         );
-        names.insert(module.name.clone(), built);
+        names.insert(module.name.clone(), built.display().to_string());
     }
     // Comments may name image paths (an entry to uncomment); the entries may not.
     assert!(
@@ -864,9 +879,10 @@ fn validated(build: &str) -> (String, String) {
         .args(["validate", "--config"])
         .arg(&file)
         .arg("--cdi-dir")
-        .arg(&args.cdi_dir)
+        .arg(cdi_dir)
         .arg("--nvml-library")
         .arg(&gpus.library)
+        .args(flags)
         .output()
         .expect("running devicelet validate");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -876,9 +892,9 @@ fn validated(build: &str) -> (String, String) {
         "validate refused the registry:\n{report}"
     );
 
-    for (name, path) in &names {
+    for (name, from) in &names {
         assert!(
-            stdout.contains(&format!("module `{name}` ({}): loaded", path.display())),
+            stdout.contains(&format!("module `{name}` ({from}): loaded")),
             "{name} loads:\n{report}"
         );
     }
@@ -997,4 +1013,100 @@ fn the_dra_build_serves_every_module_through_dra_with_a_device_class_per_driver(
     );
     let role = only(agent.objects, "ClusterRole");
     assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+}
+
+#[test]
+fn the_oci_build_serves_the_reference_modules_by_digest_as_the_script_writes_them() {
+    // The script, against a real registry, as an operator runs it against theirs.
+    let registry = devicelet_tests::oci::TestRegistry::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let patch = dir.path().join("registry-patch.yaml");
+    let out = Command::new(workspace_root().join("scripts/oci-modules.sh"))
+        .arg(&registry.addr)
+        .arg(&patch)
+        .arg("--")
+        .args(registry.args())
+        .env("DEVICELET", devicelet_bin())
+        .env("MODULE_DIR", module_dir())
+        .output()
+        .expect("running scripts/oci-modules.sh");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The committed patch is what the script writes, but for the registry and the digests:
+    // in step with deploy/base's registry.
+    let normal = |text: &str| -> String {
+        text.lines()
+            .map(|l| match (l.find("oci://"), l.find("@sha256:")) {
+                (Some(start), Some(at)) => {
+                    let path = &l[start + "oci://".len()..at];
+                    let repository = path.split_once('/').map_or(path, |(_, r)| r);
+                    format!("{}oci://REGISTRY/{repository}@sha256:DIGEST\"", &l[..start])
+                }
+                _ => l.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let committed = read(&workspace_root().join("deploy/oci/registry-patch.yaml"));
+    let written = read(&patch);
+    assert_eq!(
+        normal(&committed),
+        normal(&written),
+        "deploy/oci/registry-patch.yaml is not what scripts/oci-modules.sh writes: run it again"
+    );
+
+    // The build with the written patch: every module comes from the registry by digest, and
+    // validates (pulled, checked, loaded) against it.
+    let objects = built("deploy/oci");
+    let agent = Agent::of("deploy/oci", &objects);
+    let args = run_args!(agent.cli());
+    let ops = json_patch(&patch);
+    let text = str_of(&ops[0]["value"], "the patch's registry").to_owned();
+    let parsed = Registry::parse(&text, &args.config).expect("the written registry parses");
+    let (served, _) = agent.registry(&args.config);
+    assert_eq!(
+        normal(&served),
+        normal(&text),
+        "the build mounts the patched registry"
+    );
+    for module in &parsed.modules {
+        let source = module.source.as_ref().expect("every module by digest");
+        assert_eq!(source.registry, registry.addr);
+    }
+    let (stdout, report) = validated_registry(&args.cdi_dir, (&text, &parsed), &registry.args());
+    for resource in REFERENCE_RESOURCES {
+        let block = resource_block(&stdout, resource, &report);
+        assert!(!block.contains("error"), "{resource}:\n{report}");
+    }
+
+    // The registry's credentials come from the Secret, as the kubelet mounts it.
+    let auth = args.registries.auth.as_deref().expect("--registry-auth");
+    let (mount, volume) = agent.mount_of(auth).expect("the credentials are mounted");
+    assert_eq!(mount["readOnly"], true);
+    let secret = str_of(&volume["secret"]["secretName"], "a Secret volume");
+    let secret = objects
+        .iter()
+        .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == secret)
+        .expect("the Secret is in the build");
+    assert_eq!(secret["type"], "kubernetes.io/dockerconfigjson");
+    assert_eq!(
+        auth.file_name().and_then(|n| n.to_str()),
+        Some(".dockerconfigjson")
+    );
+    use base64::Engine as _;
+    let config = base64::engine::general_purpose::STANDARD
+        .decode(str_of(
+            &secret["data"][".dockerconfigjson"],
+            "the Secret's config",
+        ))
+        .expect("base64");
+    let file = dir.path().join("config.json");
+    std::fs::write(&file, config).expect("writing the config");
+    devicelet::oci::access::Access::load(Vec::new(), None, Some(&file))
+        .expect("the Secret's config is one --registry-auth reads");
 }
