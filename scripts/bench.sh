@@ -7,6 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2
+# Benchmark 12 pulls from a real registry (Debian's CNCF distribution registry).
+if ! command -v docker-registry >/dev/null; then
+  apt-get install -y -q docker-registry >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry >/dev/null; }
+fi
 cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu -p amd-gpu
 cargo build --release -p devicelet -p devicelet-bench -p fake-nvml
 target="${CARGO_TARGET_DIR:-target}"

@@ -16,6 +16,7 @@ mod isolation;
 mod memory;
 mod node;
 mod nvidia;
+mod oci;
 mod operations;
 mod preferred;
 mod process;
@@ -59,7 +60,7 @@ impl Settings {
 }
 
 /// The benchmarks, by the names `--only` takes, in table order.
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 12] = [
     "allocate",
     "preferred",
     "startup",
@@ -71,6 +72,7 @@ pub const NAMES: [&str; 11] = [
     "nvidia",
     "operations",
     "dra",
+    "oci",
 ];
 
 /// Runs the benchmark called `name` (one of [`NAMES`]).
@@ -87,6 +89,7 @@ pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
         "isolation" => isolation::run(s).await,
         "nvidia" => nvidia::run(s).await,
         "operations" => operations::run(s).await,
+        "oci" => oci::run(s).await,
         other => anyhow::bail!("no benchmark called {other:?}; there are {NAMES:?}"),
     }
 }
@@ -202,6 +205,15 @@ pub fn method() -> Vec<String> {
          client of our own on dra.sock; /dev/dri/renderD129 is removed and the clocks stop when \
          the stream reports a device Unhealthy and when the slices list one device; the node is \
          made again and both are back before the next sample.",
+        "12: in the bench process: `devicelet module push`'s code pushes nvidia_gpu.wasm to \
+         Debian's `docker-registry` started on 127.0.0.1 (plain HTTP, filesystem storage on \
+         this machine's disk), then each cold sample starts the module as the agent does \
+         (`agent::start_module`: the pull into a new, empty module store with every check, the \
+         compile into a new, empty compile cache, instantiation and `init`; the pull alone is \
+         its own row). Warm: the store and the cache filled once, the registry stopped, then \
+         starts from the store (`source`) and from the module's file (`path`) alternate, the \
+         same compile cache answering both. No NVML library on this machine: the module starts \
+         without it, as on a node without the driver.",
     ]
     .into_iter()
     .map(str::to_owned)

@@ -48,7 +48,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
 }
 
 /// `median 25.1 ms (21.0 ms – 30.2 ms)`.
-fn spread(s: &Samples) -> String {
+pub(super) fn spread(s: &Samples) -> String {
     format!(
         "median {} ({} – {})",
         duration(s.p50()),

@@ -270,13 +270,15 @@ impl Shared {
             .await
             .ok()
             .flatten();
-        let Some(path) = stored else {
+        let Some((path, sha256)) = stored else {
             self.pend(spec, host_root);
             return Ok(None);
         };
+        // The loader refuses the bytes unless they hash to the entry's name.
         Ok(Some(ModuleSpec {
             path,
             source: None,
+            sha256: Some(sha256),
             ..spec.clone()
         }))
     }
@@ -306,6 +308,20 @@ impl Shared {
             Ok(handle) => {
                 handle.observe_calls(self.metrics.observer(&spec.name));
                 handle
+            }
+            Err(crate::sandbox::LoadError::Digest { path, .. }) if spec.source.is_some() => {
+                // A module store entry whose bytes no longer match its name: deleted, and
+                // pulled again.
+                tracing::warn!(
+                    module = spec.name,
+                    entry = %path.display(),
+                    "a module store entry no longer matches its digest: deleted, to be pulled again"
+                );
+                let _ = tokio::fs::remove_file(&path).await;
+                // A fresh pull, even when this start is a pull's own (it has nothing left to do).
+                self.drop_pending_unless(|pending| pending != spec);
+                self.pend(spec, host_root);
+                return Vec::new();
             }
             Err(e) => {
                 return vec![if self.lock_modules().contains_key(&spec.name) {

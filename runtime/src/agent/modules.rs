@@ -87,10 +87,12 @@ pub async fn start_module(
                  store (--state-dir)"
             ))
         })?;
-        spec_owned.path = fetcher
+        let (path, sha256) = fetcher
             .fetch(source, spec)
             .await
             .map_err(|e| invalid(format!("pulling {source}: {e}")))?;
+        spec_owned.path = path;
+        spec_owned.sha256 = Some(sha256);
     }
     let (engine, root) = (engine.clone(), host_root.to_owned());
     let libraries = libraries.clone();

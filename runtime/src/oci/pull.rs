@@ -227,36 +227,50 @@ pub async fn inspect(source: &OciSource, access: &Access) -> Result<Inspection, 
 }
 
 impl Fetcher {
-    /// The path of the module `source` pins, when the store holds its manifest and its module,
-    /// both still matching their names, and, for a `spec` with a `verify-key`, a kept signature
-    /// that key verifies. Reads and hashes them: call it off the async workers.
-    pub fn stored(&self, source: &OciSource, spec: &ModuleSpec) -> Option<PathBuf> {
+    /// The module `source` pins, when the store holds its manifest (still matching its name)
+    /// and its module file, and, for a `spec` with a `verify-key`, a kept signature that key
+    /// verifies: the module's path and the sha256 its bytes must have. The module's bytes are
+    /// not hashed here: the loader hashes them anyway, and refuses them unless they match
+    /// (`ModuleSpec::sha256`), so a warm start from the store costs what one from a file does.
+    /// Reads files: call it off the async workers.
+    pub fn stored(&self, source: &OciSource, spec: &ModuleSpec) -> Option<(PathBuf, String)> {
         let manifest = self.store.get(&source.digest, MAX_MANIFEST)?;
         let (layer, _) = layer_of(&manifest).ok()?;
-        self.store.get(&layer, crate::files::MAX_MODULE)?;
+        let path = self.store.path(&layer);
+        if !path.is_file() {
+            return None;
+        }
         if let Some(key) = &spec.verify_key {
             let signed = self.store.signatures(&source.digest);
             signature::check(key, &source.digest, &signed).ok()?;
         }
-        Some(self.store.path(&layer))
+        Some((path, layer))
     }
 
     /// The store's copy, or else a pull ([`pull`](Self::pull)), for the commands that load one
-    /// module and wait for it (`validate`, `try`). Err says what failed.
-    pub async fn fetch(&self, source: &OciSource, spec: &ModuleSpec) -> Result<PathBuf, String> {
+    /// module and wait for it (`validate`, `try`): its path and sha256. Err says what failed.
+    pub async fn fetch(
+        &self,
+        source: &OciSource,
+        spec: &ModuleSpec,
+    ) -> Result<(PathBuf, String), String> {
         let (fetcher, pinned, wanted) = (self.clone(), source.clone(), spec.clone());
         let stored = tokio::task::spawn_blocking(move || fetcher.stored(&pinned, &wanted)).await;
-        if let Ok(Some(path)) = stored {
-            return Ok(path);
+        if let Ok(Some(found)) = stored {
+            return Ok(found);
         }
         self.pull(source, spec).await.map_err(|e| e.to_string())
     }
 
     /// Pulls what `source` pins into the store, within [`PULL_DEADLINE`], every byte checked;
-    /// the module's path. The config's import list is checked against `spec`'s grants before
+    /// the module's path and sha256. The config's import list is checked against `spec`'s grants before
     /// the module is fetched, so a module that could never link costs neither the download nor
     /// a compile.
-    pub async fn pull(&self, source: &OciSource, spec: &ModuleSpec) -> Result<PathBuf, PullError> {
+    pub async fn pull(
+        &self,
+        source: &OciSource,
+        spec: &ModuleSpec,
+    ) -> Result<(PathBuf, String), PullError> {
         tokio::time::timeout(PULL_DEADLINE, self.pull_checked(source, spec))
             .await
             .map_err(|_| {
@@ -268,7 +282,7 @@ impl Fetcher {
         &self,
         source: &OciSource,
         spec: &ModuleSpec,
-    ) -> Result<PathBuf, PullError> {
+    ) -> Result<(PathBuf, String), PullError> {
         let client = self
             .access
             .client(&source.registry)
@@ -350,7 +364,7 @@ impl Fetcher {
             }
             // Last: a manifest in the store means all it needs is there.
             store.put(&manifest)?;
-            Ok(store.path(&layer))
+            Ok((store.path(&layer), layer))
         })
         .await
         .map_err(|e| e.to_string())
