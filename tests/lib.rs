@@ -5,6 +5,7 @@
 pub mod cdi;
 pub mod dra;
 pub mod oci;
+pub mod token;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,8 +1,8 @@
 //! A real OCI registry for the module-source scenarios: Debian's `docker-registry` (the CNCF
 //! distribution registry, installed by `scripts/test.sh`) on 127.0.0.1 at a free port, from a
-//! scratch directory, stopped when dropped. Plain HTTP (listed as insecure), or secured: TLS
+//! scratch directory, stopped when dropped. Plain HTTP (listed as insecure); or secured: TLS
 //! with a certificate from a CA made here by `openssl`, and basic auth from an htpasswd file
-//! (bcrypt, by apache2-utils' `htpasswd`).
+//! (bcrypt, by apache2-utils' `htpasswd`); or plain HTTP behind the token flow (`token.rs`).
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -14,12 +14,15 @@ pub struct TestRegistry {
     pub addr: String,
     dir: tempfile::TempDir,
     child: Option<Child>,
-    /// For a secured one: the CA's certificate and the Docker config with good credentials.
+    /// For a secured one: the CA's certificate (TLS) and the Docker config with good
+    /// credentials.
     pub secured: Option<Secured>,
+    /// For one behind the token flow: its token server.
+    pub token: Option<crate::token::TokenServer>,
 }
 
 pub struct Secured {
-    pub ca: std::path::PathBuf,
+    pub ca: Option<std::path::PathBuf>,
     pub auth: std::path::PathBuf,
 }
 
@@ -67,6 +70,7 @@ impl TestRegistry {
             dir,
             child: None,
             secured: None,
+            token: None,
         };
         registry.up();
         registry
@@ -145,7 +149,30 @@ impl TestRegistry {
             addr,
             dir,
             child: None,
-            secured: Some(Secured { ca, auth }),
+            secured: Some(Secured { ca: Some(ca), auth }),
+            token: None,
+        };
+        registry.up();
+        registry
+    }
+
+    /// Serves plain HTTP, only with a bearer token from its token server, which hands tokens
+    /// to [`USER`].
+    pub fn start_with_token() -> TestRegistry {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let token = crate::token::TokenServer::start(dir.path(), USER);
+        let auth = docker_config(dir.path(), &addr, USER);
+        let mut registry = TestRegistry {
+            addr,
+            dir,
+            child: None,
+            secured: Some(Secured { ca: None, auth }),
+            token: Some(token),
         };
         registry.up();
         registry
@@ -153,34 +180,42 @@ impl TestRegistry {
 
     /// The flags that reach it: `--insecure-registry`, or its CA and credentials.
     pub fn args(&self) -> Vec<String> {
-        match &self.secured {
+        let Some(s) = &self.secured else {
+            return vec!["--insecure-registry".into(), self.addr.clone()];
+        };
+        let mut args = match &s.ca {
+            Some(ca) => vec!["--registry-ca".into(), ca.display().to_string()],
             None => vec!["--insecure-registry".into(), self.addr.clone()],
-            Some(s) => vec![
-                "--registry-ca".into(),
-                s.ca.display().to_string(),
-                "--registry-auth".into(),
-                s.auth.display().to_string(),
-            ],
-        }
+        };
+        args.extend(["--registry-auth".into(), s.auth.display().to_string()]);
+        args
     }
 
     /// What an agent reaching it is given (with `auth`, when secured: a Docker config).
     pub fn access(&self, auth: Option<&Path>) -> devicelet::oci::access::Access {
-        match &self.secured {
-            None => devicelet::oci::access::Access::load(vec![self.addr.clone()], None, None)
-                .expect("the test registry's access"),
-            Some(s) => devicelet::oci::access::Access::load(Vec::new(), Some(&s.ca), auth)
-                .expect("the test registry's access"),
-        }
+        let ca = self.secured.as_ref().and_then(|s| s.ca.as_deref());
+        let insecure = match ca {
+            Some(_) => Vec::new(),
+            None => vec![self.addr.clone()],
+        };
+        devicelet::oci::access::Access::load(insecure, ca, auth)
+            .expect("the test registry's access")
     }
 
     /// Serves (again, on the same address and storage).
     pub fn up(&mut self) {
         let config = self.dir.path().join("config.yml");
         let d = self.dir.path();
-        let secured = match &self.secured {
-            None => String::new(),
-            Some(_) => format!(
+        let secured = match (&self.secured, &self.token) {
+            (_, Some(token)) => format!(
+                "auth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+                token.realm,
+                crate::token::SERVICE,
+                crate::token::ISSUER,
+                token.certificate.display()
+            ),
+            (None, None) => String::new(),
+            (Some(_), None) => format!(
                 "  tls:\n    certificate: {}\n    key: {}\nauth:\n  htpasswd:\n    realm: devicelet-test\n    path: {}\n",
                 d.join("tls.crt").display(),
                 d.join("tls.key").display(),
@@ -220,19 +255,24 @@ impl TestRegistry {
         }
     }
 
-    /// `GET /v2/` answers 200; for a secured one, its port takes connections.
+    /// `GET /v2/` answers (200, or 401 behind the token flow); over TLS, its port takes
+    /// connections.
     fn answers(&self) -> bool {
         let Ok(mut stream) = std::net::TcpStream::connect(&self.addr) else {
             return false;
         };
-        if self.secured.is_some() {
+        if self.secured.as_ref().is_some_and(|s| s.ca.is_some()) {
             return true;
         }
         let request = format!("GET /v2/ HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr);
         let mut answer = String::new();
         stream.write_all(request.as_bytes()).is_ok()
             && stream.read_to_string(&mut answer).is_ok()
-            && answer.lines().next().is_some_and(|l| l.contains(" 200 "))
+            // 401: it answers, and wants a token.
+            && answer
+                .lines()
+                .next()
+                .is_some_and(|l| l.contains(" 200 ") || l.contains(" 401 "))
     }
 
     /// `devicelet module push FILE oci://<this>/<repository>:<tag>`, as a vendor runs it: the

@@ -625,3 +625,54 @@ async fn a_private_registry_over_tls_with_basic_auth_serves_with_the_right_crede
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_behind_the_token_flow_serves_with_a_bearer_token_for_good_credentials() {
+    let registry = TestRegistry::start_with_token();
+    let secured = registry.secured.as_ref().expect("credentials");
+    let token = registry.token.as_ref().expect("a token server");
+    let line = pushed(&registry, "vendor/generic-dev", "1.0");
+    let pushing = token.issued.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(pushing > 0, "the push went through the token flow");
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = fuse_from(&line);
+    let start = |access: devicelet::oci::access::Access| {
+        let state = node.state_dir();
+        node.start_agent_with(&modules, move |o| {
+            o.state_dir = Some(state);
+            o.registry_access = access;
+        })
+    };
+
+    // The token server refuses a wrong password; the registry then refuses the pull.
+    let wrong = devicelet_tests::oci::docker_config(
+        node.dir.path(),
+        &registry.addr,
+        (devicelet_tests::oci::USER.0, "wrong"),
+    );
+    let refused = start(registry.access(Some(&wrong))).await;
+    let error = devicelet_tests::eventually_some("refused with a wrong password", || {
+        refused.pending().into_iter().find_map(|p| p.last_error)
+    })
+    .await;
+    assert!(
+        error.contains("Not authorized") && error.contains("were refused"),
+        "{error}"
+    );
+    refused.shutdown().await;
+    assert_eq!(
+        token.issued.load(std::sync::atomic::Ordering::Relaxed),
+        pushing,
+        "no token for a wrong password"
+    );
+
+    // Good credentials: exchanged for a token, pulled with it, served.
+    let agent = start(registry.access(Some(&secured.auth))).await;
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served from the registry behind the token flow");
+    assert!(token.issued.load(std::sync::atomic::Ordering::Relaxed) > pushing);
+    agent.shutdown().await;
+}
