@@ -29,6 +29,15 @@ pub struct Secured {
 /// The user the secured registry knows, and its password.
 pub const USER: (&str, &str) = ("vendor", "s3cret-pass");
 
+/// `127.0.0.1:<a port free now>`.
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
 fn run(command: &mut Command) {
     let out = command
         .output()
@@ -60,13 +69,9 @@ pub fn docker_config(
 
 impl TestRegistry {
     pub fn start() -> TestRegistry {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let (dir, addr) = (tempfile::tempdir().expect("tempdir"), free_addr());
         let mut registry = TestRegistry {
-            addr: format!("127.0.0.1:{port}"),
+            addr,
             dir,
             child: None,
             secured: None,
@@ -79,11 +84,7 @@ impl TestRegistry {
     /// Serves over TLS (its certificate from a CA made here, for IP 127.0.0.1) and only to
     /// [`USER`].
     pub fn start_secured() -> TestRegistry {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let (dir, addr) = (tempfile::tempdir().expect("tempdir"), free_addr());
         let d = dir.path();
         let ca = d.join("ca.crt");
         run(Command::new("openssl")
@@ -143,7 +144,6 @@ impl TestRegistry {
             .expect("htpasswd (scripts/test.sh installs apache2-utils)");
         assert!(htpasswd.status.success());
         std::fs::write(d.join("htpasswd"), &htpasswd.stdout).expect("htpasswd file");
-        let addr = format!("127.0.0.1:{port}");
         let auth = docker_config(d, &addr, USER);
         let mut registry = TestRegistry {
             addr,
@@ -159,12 +159,7 @@ impl TestRegistry {
     /// Serves plain HTTP, only with a bearer token from its token server, which hands tokens
     /// to [`USER`].
     pub fn start_with_token() -> TestRegistry {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let addr = format!("127.0.0.1:{port}");
+        let (dir, addr) = (tempfile::tempdir().expect("tempdir"), free_addr());
         let token = crate::token::TokenServer::start(dir.path(), USER);
         let auth = docker_config(dir.path(), &addr, USER);
         let mut registry = TestRegistry {

@@ -26,7 +26,16 @@ fn reference_of(line: &str) -> &str {
 }
 
 async fn agent(node: &Node, modules: &str, registry: &TestRegistry) -> devicelet::agent::Agent {
-    let (state, access) = (node.state_dir(), registry.access(None));
+    agent_reaching(node, modules, registry.access(None)).await
+}
+
+/// An agent with a state directory, reaching registries as `access` says.
+async fn agent_reaching(
+    node: &Node,
+    modules: &str,
+    access: devicelet::oci::access::Access,
+) -> devicelet::agent::Agent {
+    let state = node.state_dir();
     node.start_agent_with(modules, move |o| {
         o.state_dir = Some(state);
         o.registry_access = access;
@@ -566,13 +575,7 @@ async fn a_private_registry_over_tls_with_basic_auth_serves_with_the_right_crede
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let modules = fuse_from(&line);
-    let start = |access: devicelet::oci::access::Access| {
-        let state = node.state_dir();
-        node.start_agent_with(&modules, move |o| {
-            o.state_dir = Some(state);
-            o.registry_access = access;
-        })
-    };
+    let start = |access| agent_reaching(&node, &modules, access);
     let failed_with =
         |agent: &devicelet::agent::Agent| agent.pending().into_iter().find_map(|p| p.last_error);
 
@@ -637,13 +640,7 @@ async fn a_registry_behind_the_token_flow_serves_with_a_bearer_token_for_good_cr
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let modules = fuse_from(&line);
-    let start = |access: devicelet::oci::access::Access| {
-        let state = node.state_dir();
-        node.start_agent_with(&modules, move |o| {
-            o.state_dir = Some(state);
-            o.registry_access = access;
-        })
-    };
+    let start = |access| agent_reaching(&node, &modules, access);
 
     // The token server refuses a wrong password; the registry then refuses the pull.
     let wrong = devicelet_tests::oci::docker_config(
