@@ -371,6 +371,22 @@ impl TestRegistry {
         self.module(&["inspect", reference])
     }
 
+    /// Changes the bytes the registry stores for blob `hex` (same length), as a corrupted or
+    /// subverted storage would: the registry serves them as they are.
+    pub fn tamper_blob(&self, hex: &str) {
+        let file = self
+            .dir
+            .path()
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data");
+        let mut bytes = std::fs::read(&file).expect("the stored blob");
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        std::fs::write(&file, bytes).expect("tampering");
+    }
+
     /// `devicelet module ARGS…` against this registry: (success, stdout and stderr).
     pub fn module(&self, args: &[&str]) -> (bool, String) {
         let out = Command::new(crate::devicelet_bin())

@@ -239,6 +239,30 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         missing.load_errors()
     );
     missing.shutdown().await;
+
+    // The registry serves other bytes than the manifest names (its storage changed under it):
+    // refused, nothing stored, tried again.
+    registry.tamper_blob(&layer);
+    let tampered = agent(&node, &fuse_from(&devnodes), &registry).await;
+    let pending = devicelet_tests::eventually_some("the tampered layer refused", || {
+        tampered.pending().into_iter().find(|p| p.attempts >= 1)
+    })
+    .await;
+    assert!(
+        pending
+            .last_error
+            .as_deref()
+            // oci-client's stream check or ours, whichever sees it first, names the digest.
+            .is_some_and(|e| e.contains("fetching the module") || e.contains("not the manifest's"))
+            && pending
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains(&layer)),
+        "{pending:?}"
+    );
+    assert!(!state.join("modules/sha256").join(&layer).exists());
+    assert!(tampered.resource("devicelet.io/fuse").is_none());
+    tampered.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
