@@ -131,8 +131,12 @@ pub async fn run(
         let file = current.file.clone();
         let loaded = tokio::task::spawn_blocking(move || {
             let next = Registry::load(&file)?;
-            let digests: Vec<Option<String>> =
-                next.modules.iter().map(|m| file_digest(&m.path)).collect();
+            // A module from a registry has no file: its entry's digest says it all.
+            let digests: Vec<Option<String>> = next
+                .modules
+                .iter()
+                .map(|m| m.source.is_none().then(|| file_digest(&m.path)).flatten())
+                .collect();
             Ok::<_, crate::config::RegistryError>((next, digests))
         })
         .await;
