@@ -238,6 +238,15 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         "{:?}",
         missing.load_errors()
     );
+    // Taken out of the registry, it stops waiting.
+    node.registry(
+        &fuse_from("path = \"generic_dev.wasm\"")
+            .replace("name = \"generic-dev\"", "name = \"local\""),
+    );
+    devicelet_tests::eventually("the pull dropped with its entry", || {
+        missing.pending().iter().all(|p| p.module != "generic-dev")
+    })
+    .await;
     missing.shutdown().await;
 
     // The registry serves other bytes than the manifest names (its storage changed under it):
@@ -263,6 +272,33 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
     assert!(!state.join("modules/sha256").join(&layer).exists());
     assert!(tampered.resource("devicelet.io/fuse").is_none());
     tampered.shutdown().await;
+
+    // A config that lists no imports lets the module be fetched; the loader then refuses its
+    // ungranted import (it has no grants at all), and the wait ends as that load error.
+    // (amd-gpu: generic-dev's layer is the one tampered with above.)
+    let wasm = std::fs::read(module_dir().join("amd_gpu.wasm")).expect("the module");
+    let unlisted = registry.push_raw(
+        "vendor/unlisted",
+        "1.0",
+        (
+            "application/vnd.wasm.config.v0+json",
+            b"{\"architecture\":\"wasm\"}",
+        ),
+        ("application/wasm", &wasm),
+    );
+    let entry = format!(
+        "[[module]]\nname = \"generic-dev\"\nsource = \"oci://{}/vendor/unlisted@sha256:{unlisted}\"\n",
+        registry.addr
+    );
+    let loaded = agent(&node, &entry, &registry).await;
+    devicelet_tests::eventually("refused by the loader after the pull", || {
+        loaded.pending().is_empty()
+            && loaded.load_errors().iter().any(|e| {
+                e.contains("registry grants do not allow") && !e.contains("before fetching")
+            })
+    })
+    .await;
+    loaded.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -554,6 +590,11 @@ async fn a_module_with_a_verify_key_is_served_only_once_signed_with_that_key() {
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
         .expect("served once signed");
+    let (_, listed) = registry.inspect(&reference);
+    assert!(
+        listed.contains("signatures: 2 at"),
+        "the other key's signature stays:\n{listed}"
+    );
     let shown = inspect_checked();
     assert!(
         shown.contains(&format!("signed by {}", vendor_pub.display()))

@@ -123,6 +123,9 @@ pub(crate) struct Shared {
     fetcher: Option<crate::oci::Fetcher>,
     /// Modules whose registry entry waits for a pull, by name.
     pending: Mutex<BTreeMap<String, pending::Pending>>,
+    /// What a background pull, or the start after it, reported, by module: kept apart from
+    /// `load_errors`, which each registry read replaces.
+    pull_errors: Mutex<BTreeMap<String, Vec<String>>>,
 }
 
 /// Which start [`Shared::start_module_if`] goes on with, once the module is loaded.
@@ -160,15 +163,21 @@ impl Shared {
         *self.load_errors.lock().unwrap_or_else(|p| p.into_inner()) = errors;
     }
 
-    /// Adds what a start outside a registry read (after a background pull) reported.
-    fn add_load_errors(&self, errors: Vec<String>) {
-        let mut all = self.load_errors.lock().unwrap_or_else(|p| p.into_inner());
-        for e in errors {
-            if !all.contains(&e) {
-                all.push(e);
+    /// The registry read's load errors and what background pulls reported since.
+    fn all_load_errors(&self) -> Vec<String> {
+        let mut all = self
+            .load_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let pulls = self.pull_errors.lock().unwrap_or_else(|p| p.into_inner());
+        for e in pulls.values().flatten() {
+            if !all.contains(e) {
+                all.push(e.clone());
             }
         }
         all.sort();
+        all
     }
 
     fn resources(&self) -> Vec<ServedResource> {
@@ -349,7 +358,7 @@ impl Shared {
                         .get(&spec.name)
                         .is_some_and(|m| m.spec == *expected)
             }
-            Over::Pending(expected) => !stopping && self.take_pending(expected),
+            Over::Pending(expected) => !stopping && self.take_own_pending(expected),
         };
         if !go {
             return Vec::new();
@@ -381,6 +390,7 @@ impl Shared {
             .filter(|_| running.handle().started_without_nvml())
             .cloned();
         self.lock_modules().insert(spec.name.clone(), running);
+        self.clear_pull_error(&spec.name);
         if let Some(nvml) = without_nvml {
             self.start_again_when_nvml_answers(&nvml, &spec.name, host_root);
         }
@@ -551,6 +561,7 @@ impl Agent {
                 access: options.registry_access.clone(),
             }),
             pending: Mutex::new(BTreeMap::new()),
+            pull_errors: Mutex::new(BTreeMap::new()),
             dra: options.dra.clone().map(|mut dra| {
                 dra.events = metrics.dra_events();
                 dra
@@ -649,11 +660,7 @@ impl Agent {
     /// Why modules (or their resources) of the current registry are not served; each names the
     /// module.
     pub fn load_errors(&self) -> Vec<String> {
-        self.shared
-            .load_errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.shared.all_load_errors()
     }
 
     /// How many times a change in the registry's or the modules' files made the agent read the
@@ -716,6 +723,9 @@ impl Agent {
         let _ = self.stop.send(true);
         self.shared.drop_pending_unless(|_| false);
         while self.tasks.join_next().await.is_some() {}
+        // Under the claim: a background pull's start in progress finishes first (and is
+        // stopped here), and any later one sees `stopping`.
+        let _claim = self.shared.claiming.lock().await;
         let names: Vec<String> = self.shared.lock_modules().keys().cloned().collect();
         for name in names {
             self.shared.stop_module(&name, false).await;

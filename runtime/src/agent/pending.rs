@@ -29,6 +29,13 @@ pub(super) struct Pending {
     task: tokio::task::AbortHandle,
 }
 
+impl Pending {
+    /// Whether the task running now is this entry's pull.
+    fn is_current(&self) -> bool {
+        tokio::task::try_id() == Some(self.task.id())
+    }
+}
+
 /// A pending module, as `devicelet status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PendingStatus {
@@ -55,9 +62,18 @@ impl Shared {
     /// of the same registry entry under way goes on; one of another entry is dropped for it.
     pub(super) fn pend(self: &Arc<Self>, spec: &ModuleSpec, host_root: &Path) {
         let mut pending = self.lock_pending();
-        if pending.get(&spec.name).is_some_and(|p| p.spec == *spec) {
+        // Checked under the lock shutdown drops every pull under: nothing starts after it.
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
+        if pending
+            .get(&spec.name)
+            .is_some_and(|p| p.spec == *spec && !p.task.is_finished())
+        {
+            return;
+        }
+        // A new try: what the last one said is no longer the module's error.
+        self.clear_pull_error(&spec.name);
         let source = spec.source.as_ref().map(|s| s.to_string());
         tracing::info!(
             module = spec.name,
@@ -99,16 +115,56 @@ impl Shared {
     }
 
     /// Takes `spec`'s entry out of the pending set, if it is that registry entry's: whoever
-    /// takes it starts the module. False when there was none (a newer entry replaced it, or a
-    /// start from the store got there first).
+    /// takes it starts the module (a start from the store, with the artifact there already),
+    /// and its pull, with nothing left to do, ends. False when there was none.
     pub(super) fn take_pending(&self, spec: &ModuleSpec) -> bool {
         let mut pending = self.lock_pending();
-        if pending.get(&spec.name).is_some_and(|p| p.spec == *spec) {
+        if !pending.get(&spec.name).is_some_and(|p| p.spec == *spec) {
+            return false;
+        }
+        if let Some(p) = pending.remove(&spec.name)
+            && !p.is_current()
+        {
+            p.task.abort();
+        }
+        true
+    }
+
+    /// Takes `spec`'s entry if the task calling is its pull: false when the entry was replaced
+    /// (another registry entry, or a fresh pull of this one) or taken by a start from the store.
+    pub(super) fn take_own_pending(&self, spec: &ModuleSpec) -> bool {
+        let mut pending = self.lock_pending();
+        if pending
+            .get(&spec.name)
+            .is_some_and(|p| p.spec == *spec && p.is_current())
+        {
             pending.remove(&spec.name);
             true
         } else {
             false
         }
+    }
+
+    /// Whether `spec`'s entry still waits for the pull calling.
+    fn own_pending(&self, spec: &ModuleSpec) -> bool {
+        self.lock_pending()
+            .get(&spec.name)
+            .is_some_and(|p| p.spec == *spec && p.is_current())
+    }
+
+    /// Records what a background pull or start reported for `module`: shown with the load
+    /// errors until the module is tried again, started, or leaves the registry.
+    fn set_pull_error(&self, module: &str, errors: Vec<String>) {
+        let mut all = self.pull_errors.lock().unwrap_or_else(|p| p.into_inner());
+        if errors.is_empty() {
+            all.remove(module);
+        } else {
+            all.insert(module.to_owned(), errors);
+        }
+    }
+
+    pub(super) fn clear_pull_error(&self, module: &str) {
+        self.set_pull_error(module, Vec::new());
     }
 
     /// The modules waiting for their first pull (no version of them serves meanwhile), with
@@ -172,11 +228,15 @@ async fn pull_then_start(shared: Arc<Shared>, spec: ModuleSpec, host_root: std::
     };
     let mut backoff = Backoff::new(FIRST_RETRY, MAX_RETRY);
     loop {
+        // An entry replaced, removed or started from elsewhere has no more use for this pull.
+        if !shared.own_pending(&spec) {
+            return;
+        }
         match fetcher.pull(&source, &spec).await {
-            Ok(_) => break,
+            Ok(_) => {}
             Err(PullError::Refused(why)) => {
                 shared.metrics.pulled(&spec.name, "refused");
-                if !shared.take_pending(&spec) {
+                if !shared.take_own_pending(&spec) {
                     return;
                 }
                 let serving = shared.lock_modules().contains_key(&spec.name);
@@ -190,7 +250,7 @@ async fn pull_then_start(shared: Arc<Shared>, spec: ModuleSpec, host_root: std::
                     }
                 );
                 tracing::error!("{error}");
-                shared.add_load_errors(vec![error]);
+                shared.set_pull_error(&spec.name, vec![error]);
                 return;
             }
             Err(PullError::Failed(why)) => {
@@ -204,15 +264,32 @@ async fn pull_then_start(shared: Arc<Shared>, spec: ModuleSpec, host_root: std::
                 );
                 shared.pull_failed(&spec, &why, wait);
                 tokio::time::sleep(wait).await;
+                continue;
             }
         }
+        shared.metrics.pulled(&spec.name, "ok");
+        tracing::info!(module = spec.name, %source, "pulled; starting it");
+        let errors = {
+            // Counted as a start under way: readiness waits for it, as for any start.
+            let _starting = super::Starting::new(&shared.starting);
+            Box::pin(shared.start_module_if(&spec, &host_root, super::Over::Pending(&spec))).await
+        };
+        for e in &errors {
+            tracing::error!("{e}");
+        }
+        if !errors.is_empty() {
+            // A start that failed ends the wait too: its errors are the module's load errors.
+            shared.take_own_pending(&spec);
+            shared.set_pull_error(&spec.name, errors);
+            return;
+        }
+        // Still ours: the start found no artifact in the store after all (it was removed
+        // meanwhile), so pull again; otherwise the module started, or another pull took over.
+        if !shared.own_pending(&spec) {
+            return;
+        }
+        let wait = backoff.failed();
+        shared.pull_failed(&spec, "the pulled artifact left the module store", wait);
+        tokio::time::sleep(wait).await;
     }
-    shared.metrics.pulled(&spec.name, "ok");
-    tracing::info!(module = spec.name, %source, "pulled; starting it");
-    let errors =
-        Box::pin(shared.start_module_if(&spec, &host_root, super::Over::Pending(&spec))).await;
-    for e in &errors {
-        tracing::error!("{e}");
-    }
-    shared.add_load_errors(errors);
 }

@@ -193,8 +193,16 @@ fn needs_restart(
 /// resource listings must not wait on file reads.
 async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[Option<String>]) {
     let root_changed = old.host_root != new.host_root;
+    // Under the claim, so that a background pull's start either finished (and its module is
+    // seen here) or will see its entry gone.
+    let claim = shared.claiming.lock().await;
     // A pull for an entry that changed or left goes; the new entry's starts below.
     shared.drop_pending_unless(|spec| !root_changed && new.modules.contains(spec));
+    for module in &old.modules {
+        if !new.modules.iter().any(|m| m.name == module.name) {
+            shared.clear_pull_error(&module.name);
+        }
+    }
     let (removed, to_start): (Vec<String>, Vec<String>) = {
         let running = shared.lock_modules();
         let removed = running
@@ -219,6 +227,7 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
         tracing::info!(module = name, "removed from the registry; stopping");
         shared.stop_module(name, true).await;
     }
+    drop(claim);
     let errors = shared.start_modules(new, &to_start).await;
     tracing::info!(
         removed = removed.len(),

@@ -307,11 +307,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
         resources,
         dra_drivers: dra_drivers(shared),
         pending: shared.pending_status(),
-        load_errors: shared
-            .load_errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone(),
+        load_errors: shared.all_load_errors(),
         reload_error: shared
             .reload_error
             .lock()

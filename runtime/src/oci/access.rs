@@ -43,14 +43,19 @@ struct DockerAuth {
     password: Option<String>,
 }
 
-/// The registry host a Docker config key names: `https://index.docker.io/v1/` and
-/// `registry.example.com:5000` alike.
+/// The registry host a Docker config key or a source names: `https://index.docker.io/v1/` and
+/// `registry.example.com:5000` alike. Docker Hub's names are one host, the one oci-client
+/// sends requests to (`Reference::resolve_registry`).
 fn host_of(key: &str) -> String {
     let key = key
         .strip_prefix("https://")
         .or_else(|| key.strip_prefix("http://"))
         .unwrap_or(key);
-    key.split('/').next().unwrap_or(key).to_ascii_lowercase()
+    let host = key.split('/').next().unwrap_or(key).to_ascii_lowercase();
+    match host.as_str() {
+        "docker.io" | "registry-1.docker.io" | "index.docker.io" => "index.docker.io".to_owned(),
+        _ => host,
+    }
 }
 
 impl Access {
@@ -107,14 +112,14 @@ impl Access {
         })
         .map_err(|e| format!("the registry client: {e}"))?;
         client
-            .store_auth_if_needed(registry, &self.auth(registry))
+            .store_auth_if_needed(&host_of(registry), &self.auth(registry))
             .await;
         Ok(client)
     }
 
     /// The credentials for `registry` (`host[:port]`): basic from the Docker config, else none.
     fn auth(&self, registry: &str) -> RegistryAuth {
-        match self.credentials.get(&registry.to_ascii_lowercase()) {
+        match self.credentials.get(&host_of(registry)) {
             Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
             None => RegistryAuth::Anonymous,
         }
@@ -128,10 +133,7 @@ impl Access {
         if !matches!(e, UnauthorizedError { .. } | AuthenticationFailure(_)) {
             return text;
         }
-        if self
-            .credentials
-            .contains_key(&registry.to_ascii_lowercase())
-        {
+        if self.credentials.contains_key(&host_of(registry)) {
             format!("{text}: the credentials --registry-auth gives for {registry} were refused")
         } else {
             format!(
@@ -169,7 +171,7 @@ fn docker_config(file: &Path) -> Result<BTreeMap<String, (String, String)>, Stri
     let mut out = BTreeMap::new();
     for (key, entry) in config.auths {
         let pair = match (&entry.auth, &entry.username, &entry.password) {
-            (Some(auth), _, _) => BASE64
+            (Some(auth), _, _) if !auth.trim().is_empty() => BASE64
                 .decode(auth.trim())
                 .ok()
                 .and_then(|b| String::from_utf8(b).ok())
@@ -181,11 +183,15 @@ fn docker_config(file: &Path) -> Result<BTreeMap<String, (String, String)>, Stri
                     )
                 })?,
             (None, Some(user), Some(password)) => (user.clone(), password.clone()),
+            // An entry a credential helper or an identity token serves: nothing to send here.
             _ => {
-                return Err(format!(
-                    "{}: auths.{key:?} has neither `auth` nor `username` and `password`",
-                    file.display()
-                ));
+                tracing::warn!(
+                    file = %file.display(),
+                    registry = key,
+                    "a registry credentials entry without `auth` or `username` and `password`: \
+                     skipped (credential helpers and identity tokens are not read)"
+                );
+                continue;
             }
         };
         out.insert(host_of(&key), pair);
@@ -217,6 +223,19 @@ mod tests {
         ));
         assert!(matches!(access.auth("ghcr.io"), RegistryAuth::Basic(u, _) if u == "bob"));
         assert!(matches!(access.auth("quay.io"), RegistryAuth::Anonymous));
+
+        // Docker Hub under any of its names; entries a helper serves are skipped.
+        std::fs::write(
+            &file,
+            format!(
+                r#"{{"auths": {{"https://index.docker.io/v1/": {{"auth": "{auth}"}},
+                    "ghcr.io": {{}}, "quay.io": {{"auth": "", "identitytoken": "x"}}}}}}"#
+            ),
+        )
+        .unwrap();
+        let access = Access::load(Vec::new(), None, Some(&file)).unwrap();
+        assert!(matches!(access.auth("docker.io"), RegistryAuth::Basic(u, _) if u == "alice"));
+        assert!(matches!(access.auth("ghcr.io"), RegistryAuth::Anonymous));
 
         std::fs::write(&file, r#"{"auths": {"r.io": {"auth": "!!"}}}"#).unwrap();
         let e = Access::load(Vec::new(), None, Some(&file)).unwrap_err();

@@ -147,15 +147,37 @@ async fn config_of(
         size: m.config.size,
         ..OciDescriptor::default()
     };
-    let mut bytes = Vec::new();
-    client
-        .pull_blob(reference, &descriptor, &mut bytes)
+    let bytes = blob(client, reference, &descriptor, MAX_CONFIG as u64)
         .await
-        .map_err(|e| format!("fetching the config: {}", super::access::with_causes(&e)))?;
+        .map_err(|e| format!("fetching the config: {e}"))?;
     if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
         return Err("the config's bytes do not match its digest".into());
     }
     Ok(serde_json::from_slice(&bytes).ok())
+}
+
+/// A small blob, read as it streams and never past `max` bytes (nor its descriptor's size): a
+/// registry that sends more is refused before it costs the agent memory.
+pub(super) async fn blob(
+    client: &Client,
+    reference: &Reference,
+    descriptor: &OciDescriptor,
+    max: u64,
+) -> Result<Vec<u8>, String> {
+    let cap = u64::try_from(descriptor.size).unwrap_or(0).min(max);
+    let mut stream = client
+        .pull_blob_stream(reference, descriptor)
+        .await
+        .map_err(|e| super::access::with_causes(&e))?;
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| super::access::with_causes(&e))?;
+        if (bytes.len() + chunk.len()) as u64 > cap {
+            return Err(format!("the registry sent more than {cap} bytes"));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(bytes)
 }
 
 /// The component's (exports, imports) as a wasm config lists them (`component.exports`,

@@ -258,16 +258,9 @@ pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, S
             size: layer.size,
             ..Default::default()
         };
-        let mut payload = Vec::new();
-        client
-            .pull_blob(&reference, &descriptor, &mut payload)
+        let payload = super::pull::blob(client, &reference, &descriptor, MAX_PAYLOAD as u64)
             .await
-            .map_err(|e| {
-                format!(
-                    "fetching a signature's payload: {}",
-                    super::access::with_causes(&e)
-                )
-            })?;
+            .map_err(|e| format!("fetching a signature's payload: {e}"))?;
         if format!("sha256:{}", sha256_hex(&payload)) != layer.digest {
             continue;
         }
@@ -332,8 +325,9 @@ pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Resul
             (reference, Vec::new())
         }
     };
+    // Appended: the signatures there stay (the same payload signed by another key is another
+    // layer with the same digest, as cosign writes it).
     let payload_digest = format!("sha256:{}", sha256_hex(&payload));
-    layers.retain(|l| l.digest != payload_digest);
     layers.push(Layer {
         media_type: SIGNATURE_MEDIA_TYPE.into(),
         digest: payload_digest.clone(),
