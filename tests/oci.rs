@@ -38,7 +38,8 @@ fn free_addr() -> String {
     format!("127.0.0.1:{port}")
 }
 
-fn run(command: &mut Command) {
+/// Runs a tool the scenarios set up with (`openssl`): its stdout; it must succeed.
+pub fn run(command: &mut Command) -> Vec<u8> {
     let out = command
         .output()
         .unwrap_or_else(|e| panic!("{command:?}: {e}"));
@@ -47,6 +48,7 @@ fn run(command: &mut Command) {
         "{command:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out.stdout
 }
 
 /// A Docker config.json with `user`'s credentials for `registry`, in `dir`.

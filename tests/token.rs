@@ -48,32 +48,19 @@ impl TokenServer {
         )
         .expect("writing the token key");
         let certificate = dir.join("token.crt");
-        let out = Command::new("openssl")
-            .args([
-                "req",
-                "-x509",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=devicelet test token issuer",
-            ])
-            .arg("-key")
-            .arg(&key_file)
-            .arg("-out")
-            .arg(&certificate)
-            .output()
-            .expect("openssl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        crate::oci::run(
+            Command::new("openssl")
+                .args(["req", "-x509", "-days", "2"])
+                .args(["-subj", "/CN=devicelet test token issuer", "-key"])
+                .arg(&key_file)
+                .arg("-out")
+                .arg(&certificate),
         );
-        let der = Command::new("openssl")
-            .args(["x509", "-outform", "DER", "-in"])
-            .arg(&certificate)
-            .output()
-            .expect("openssl");
-        assert!(der.status.success());
+        let der = crate::oci::run(
+            Command::new("openssl")
+                .args(["x509", "-outform", "DER", "-in"])
+                .arg(&certificate),
+        );
 
         let listener = TcpListener::bind("127.0.0.1:0").expect("a port for the token server");
         let addr = listener.local_addr().expect("its address");
@@ -87,7 +74,7 @@ impl TokenServer {
         );
         let signer = Signer {
             key,
-            x5c: STANDARD.encode(&der.stdout),
+            x5c: STANDARD.encode(&der),
             subject: user.0.to_owned(),
         };
         let (counter, stopped) = (issued.clone(), stop.clone());

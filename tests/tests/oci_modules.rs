@@ -15,6 +15,17 @@ fn fuse_from(source_line: &str) -> String {
     )
 }
 
+/// The pending entry of `agent` once a pull failed at least once.
+async fn failed_try(
+    agent: &devicelet::agent::Agent,
+    what: &str,
+) -> devicelet::agent::PendingStatus {
+    devicelet_tests::eventually_some(what, || {
+        agent.pending().into_iter().find(|p| p.attempts >= 1)
+    })
+    .await
+}
+
 /// generic-dev pushed with `devicelet module push`: the registry line it printed.
 fn pushed(registry: &TestRegistry, repository: &str, tag: &str) -> String {
     registry.push(&module_dir().join("generic_dev.wasm"), repository, tag)
@@ -221,10 +232,7 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
     );
     // Not (yet) there is no refusal: the module waits for its pull, tried again with backoff.
     let missing = agent(&node, &fuse_from(&wrong), &registry).await;
-    let pending = devicelet_tests::eventually_some("the failed pull reported", || {
-        missing.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let pending = failed_try(&missing, "the failed pull reported").await;
     assert!(
         pending
             .last_error
@@ -253,10 +261,7 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
     // refused, nothing stored, tried again.
     registry.tamper_blob(&layer);
     let tampered = agent(&node, &fuse_from(&devnodes), &registry).await;
-    let pending = devicelet_tests::eventually_some("the tampered layer refused", || {
-        tampered.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let pending = failed_try(&tampered, "the tampered layer refused").await;
     assert!(
         pending
             .last_error
@@ -344,10 +349,7 @@ async fn a_digest_change_pulls_and_upgrades_in_place_and_a_failed_pull_leaves_th
 
     // A digest that is not there: the running version keeps serving while it is tried.
     node.registry(&fuse_from(&line(&"0".repeat(64))));
-    let pending = devicelet_tests::eventually_some("the failed pull reported", || {
-        agent.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let pending = failed_try(&agent, "the failed pull reported").await;
     assert!(pending.running, "{pending:?}");
     assert!(
         pending
@@ -424,10 +426,7 @@ async fn a_registry_down_at_first_start_leaves_its_module_pending_and_the_others
         .allocate("devicelet.io/fuse", 1)
         .await
         .expect("allocated meanwhile");
-    let pending = devicelet_tests::eventually_some("a failed pull reported", || {
-        agent.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let pending = failed_try(&agent, "a failed pull reported").await;
     assert_eq!(pending.module, "generic-dev");
     assert!(!pending.running && pending.next_attempt_in_ms.is_some());
     assert!(agent.resource("devicelet.io/tun").is_none());
@@ -499,15 +498,7 @@ fn key_pair(dir: &std::path::Path, name: &str) -> (std::path::PathBuf, std::path
             public.to_str().expect("utf-8"),
         ],
     ] {
-        let out = std::process::Command::new("openssl")
-            .args(&args)
-            .output()
-            .expect("openssl");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        devicelet_tests::oci::run(std::process::Command::new("openssl").args(&args));
     }
     (key, public)
 }
@@ -614,10 +605,7 @@ async fn a_module_with_a_verify_key_is_served_only_once_signed_with_that_key() {
     assert!(offline.pending().is_empty(), "{:?}", offline.pending());
     offline.shutdown().await;
     let rekeyed = agent_with_key(&node, &line, &third_pub, &registry).await;
-    let pending = devicelet_tests::eventually_some("a new key wants a fresh check", || {
-        rekeyed.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let pending = failed_try(&rekeyed, "a new key wants a fresh check").await;
     assert!(!pending.running, "{pending:?}");
     rekeyed.shutdown().await;
 }

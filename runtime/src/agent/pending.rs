@@ -167,23 +167,6 @@ impl Shared {
         self.set_pull_error(module, Vec::new());
     }
 
-    /// The modules waiting for their first pull (no version of them serves meanwhile), with
-    /// why the last try failed.
-    pub(super) fn pending_first(&self) -> Vec<(String, String)> {
-        let running = self.lock_modules().keys().cloned().collect::<Vec<_>>();
-        self.lock_pending()
-            .values()
-            .filter(|p| !running.contains(&p.spec.name))
-            .map(|p| {
-                let why = p
-                    .last_error
-                    .as_deref()
-                    .unwrap_or("the first try is under way");
-                (p.spec.name.clone(), why.to_owned())
-            })
-            .collect()
-    }
-
     pub(super) fn pending_status(&self) -> Vec<PendingStatus> {
         let running = self.lock_modules().keys().cloned().collect::<Vec<_>>();
         let now = Instant::now();

@@ -72,10 +72,18 @@ pub(super) fn ready(shared: &Shared) -> Result<(), String> {
     if shared.starting.load(Ordering::Relaxed) > 0 {
         return Err("modules are still loading".into());
     }
+    // Modules waiting for their first pull; one whose earlier version serves is not missing.
     let mut missing: Vec<String> = shared
-        .pending_first()
+        .pending_status()
         .into_iter()
-        .map(|(module, why)| format!("module `{module}` waits for its pull: {why}"))
+        .filter(|p| !p.running)
+        .map(|p| {
+            let why = p
+                .last_error
+                .as_deref()
+                .unwrap_or("the first try is under way");
+            format!("module `{}` waits for its pull: {why}", p.module)
+        })
         .collect();
     for module in shared.lock_modules().values() {
         if let Some(why) = module.handle().failure() {

@@ -80,17 +80,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         println!("  layer: {media_type}, {size} bytes, {digest}");
     }
     if let Some(config) = &found.config {
-        let list = |key: &str| -> Vec<String> {
-            config["component"][key]
-                .as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|v| v.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        let (imports, exports) = (list("imports"), list("exports"));
+        let (exports, imports) = crate::oci::pull::listed_interface(config).unwrap_or_default();
         if let Some(created) = config["created"].as_str() {
             println!("  created: {created}");
         }

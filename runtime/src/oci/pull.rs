@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use oci_client::errors::OciDistributionError;
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
@@ -51,11 +52,18 @@ struct Descriptor {
     size: i64,
 }
 
+fn parse_manifest(manifest: &[u8]) -> Result<Manifest, String> {
+    serde_json::from_slice(manifest)
+        .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))
+}
+
 /// The module layer a wasm manifest names: (its sha256 hex, its size). Err names what is not
 /// the wasm OCI layout.
 fn layer_of(manifest: &[u8]) -> Result<(String, u64), String> {
-    let m: Manifest = serde_json::from_slice(manifest)
-        .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))?;
+    wasm_layer(&parse_manifest(manifest)?)
+}
+
+fn wasm_layer(m: &Manifest) -> Result<(String, u64), String> {
     if let Some(t) = &m.media_type
         && t != MANIFEST_MEDIA_TYPE
     {
@@ -147,28 +155,34 @@ async fn config_of(
         size: m.config.size,
         ..OciDescriptor::default()
     };
-    let bytes = blob(client, reference, &descriptor, MAX_CONFIG as u64)
-        .await
-        .map_err(|e| format!("fetching the config: {e}"))?;
+    let bytes = blob(
+        client,
+        reference,
+        &descriptor,
+        (MAX_CONFIG as u64, &|e| super::access::with_causes(e)),
+    )
+    .await
+    .map_err(|e| format!("fetching the config: {e}"))?;
     if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
         return Err("the config's bytes do not match its digest".into());
     }
     Ok(serde_json::from_slice(&bytes).ok())
 }
 
-/// A small blob, read as it streams and never past `max` bytes (nor its descriptor's size): a
-/// registry that sends more is refused before it costs the agent memory.
+/// A blob, read as it streams and never past `max` bytes (nor its descriptor's size): a
+/// registry that sends more is refused before it costs the agent memory. `explain` words a
+/// refused request (see `Access::explain`).
 pub(super) async fn blob(
     client: &Client,
     reference: &Reference,
     descriptor: &OciDescriptor,
-    max: u64,
+    (max, explain): (u64, &(dyn Fn(&OciDistributionError) -> String + Sync)),
 ) -> Result<Vec<u8>, String> {
     let cap = u64::try_from(descriptor.size).unwrap_or(0).min(max);
     let mut stream = client
         .pull_blob_stream(reference, descriptor)
         .await
-        .map_err(|e| super::access::with_causes(&e))?;
+        .map_err(|e| explain(&e))?;
     let mut bytes = Vec::new();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| super::access::with_causes(&e))?;
@@ -225,9 +239,8 @@ pub struct Inspection {
 pub async fn inspect(source: &OciSource, access: &Access) -> Result<Inspection, String> {
     let client = access.client(&source.registry).await?;
     let (reference, manifest) = manifest_of(&client, access, source).await?;
-    let m: Manifest = serde_json::from_slice(&manifest)
-        .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))?;
-    let refused = layer_of(&manifest).err();
+    let m = parse_manifest(&manifest)?;
+    let refused = wasm_layer(&m).err();
     let layer = match m.layers.as_slice() {
         [l] => Some((
             l.media_type.clone(),
@@ -325,9 +338,8 @@ impl Fetcher {
             }
             None => None,
         };
-        let (layer, size) = layer_of(&manifest).map_err(PullError::Refused)?;
-        let m: Manifest = serde_json::from_slice(&manifest)
-            .map_err(|e| PullError::Refused(format!("the manifest: {e}")))?;
+        let m = parse_manifest(&manifest).map_err(PullError::Refused)?;
+        let (layer, size) = wasm_layer(&m).map_err(PullError::Refused)?;
         let config = config_of(&client, &reference, &m)
             .await
             .map_err(PullError::Failed)?;
@@ -346,31 +358,11 @@ impl Fetcher {
             size: size as i64,
             ..OciDescriptor::default()
         };
-        let failed = |e: oci_client::errors::OciDistributionError| {
-            PullError::Failed(format!(
-                "fetching the module: {}",
-                self.access.explain(&source.registry, &e)
-            ))
-        };
-        let mut stream = client
-            .pull_blob_stream(&reference, &descriptor)
+        // Never past the size the manifest says (itself at most MAX_MODULE).
+        let explain = |e: &OciDistributionError| self.access.explain(&source.registry, e);
+        let bytes = blob(&client, &reference, &descriptor, (size, &explain))
             .await
-            .map_err(failed)?;
-        let mut bytes = Vec::with_capacity(size as usize);
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| {
-                PullError::Failed(format!(
-                    "fetching the module: {}",
-                    super::access::with_causes(&e)
-                ))
-            })?;
-            if (bytes.len() + chunk.len()) as u64 > size {
-                return Err(PullError::Failed(format!(
-                    "the registry sent more than the {size} bytes the manifest says"
-                )));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
+            .map_err(|e| PullError::Failed(format!("fetching the module: {e}")))?;
         let got = sha256_hex(&bytes);
         if got != layer {
             return Err(PullError::Failed(format!(

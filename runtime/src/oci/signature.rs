@@ -185,6 +185,14 @@ struct Layer {
     annotations: std::collections::BTreeMap<String, String>,
 }
 
+/// The signature artifact's place: the `.sig` tag in the module's repository.
+fn signature_reference(source: &OciSource) -> Result<Reference, String> {
+    let tag = signature_tag(&source.digest);
+    format!("{}/{}:{tag}", source.registry, source.repository)
+        .parse()
+        .map_err(|e| format!("{e}"))
+}
+
 /// The signature artifact's manifest, if the registry has one (None when it answers that
 /// there is none).
 async fn signature_manifest(
@@ -192,9 +200,7 @@ async fn signature_manifest(
     source: &OciSource,
 ) -> Result<Option<(Reference, SignatureManifest)>, String> {
     let tag = signature_tag(&source.digest);
-    let reference: Reference = format!("{}/{}:{tag}", source.registry, source.repository)
-        .parse()
-        .map_err(|e| format!("{e}"))?;
+    let reference = signature_reference(source)?;
     let fetched = client
         .pull_manifest_raw(
             &reference,
@@ -258,9 +264,15 @@ pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, S
             size: layer.size,
             ..Default::default()
         };
-        let payload = super::pull::blob(client, &reference, &descriptor, MAX_PAYLOAD as u64)
-            .await
-            .map_err(|e| format!("fetching a signature's payload: {e}"))?;
+        let explain = |e: &oci_client::errors::OciDistributionError| super::access::with_causes(e);
+        let payload = super::pull::blob(
+            client,
+            &reference,
+            &descriptor,
+            (MAX_PAYLOAD as u64, &explain),
+        )
+        .await
+        .map_err(|e| format!("fetching a signature's payload: {e}"))?;
         if format!("sha256:{}", sha256_hex(&payload)) != layer.digest {
             continue;
         }
@@ -317,13 +329,7 @@ pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Resul
     let existing = signature_manifest(client, source).await?;
     let (reference, mut layers) = match existing {
         Some((reference, manifest)) => (reference, manifest.layers),
-        None => {
-            let tag = signature_tag(&source.digest);
-            let reference: Reference = format!("{}/{}:{tag}", source.registry, source.repository)
-                .parse()
-                .map_err(|e| format!("{e}"))?;
-            (reference, Vec::new())
-        }
+        None => (signature_reference(source)?, Vec::new()),
     };
     // Appended: the signatures there stay (the same payload signed by another key is another
     // layer with the same digest, as cosign writes it).
