@@ -93,6 +93,9 @@ pub(crate) struct Store {
     uids: u64,
     /// Requests answered, by verb and kind, for tests that count what a client did.
     requests: Vec<(String, Kind)>,
+    /// Claim reads held back until this many have arrived, then answered together
+    /// ([`ApiServer::release_claim_reads_together`]).
+    claim_reads: Option<(usize, Arc<tokio::sync::Barrier>)>,
 }
 
 /// An API error as `metav1.Status`.
@@ -444,6 +447,13 @@ impl ApiServer {
         removed
     }
 
+    /// Holds the next `n` reads of a ResourceClaim until all `n` have arrived, then answers them
+    /// at once: what a loaded API server does to claims that kubelets asked for one after the
+    /// other, and the way to make a driver's prepares of them overlap.
+    pub fn release_claim_reads_together(&self, n: usize) {
+        lock(&self.store).claim_reads = Some((n, Arc::new(tokio::sync::Barrier::new(n))));
+    }
+
     /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,
     /// `delete`, `deletecollection`.
     pub fn requests(&self) -> Vec<(String, Kind)> {
@@ -490,6 +500,23 @@ const MAX_BODY: usize = 3 << 20;
 
 async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<Full<Bytes>> {
     let (parts, body) = request.into_parts();
+    if parts.method == Method::GET && parts.uri.path().contains("/resourceclaims/") {
+        let barrier = {
+            let mut store = lock(store);
+            match store.claim_reads.take() {
+                Some((n, barrier)) => {
+                    if n > 1 {
+                        store.claim_reads = Some((n - 1, barrier.clone()));
+                    }
+                    Some(barrier)
+                }
+                None => None,
+            }
+        };
+        if let Some(barrier) = barrier {
+            barrier.wait().await;
+        }
+    }
     let body = match http_body_util::Limited::new(body, MAX_BODY).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) => return reply(Err(ApiError::bad_request(format!("reading the body: {e}")))),

@@ -1066,3 +1066,113 @@ async fn a_driver_that_leaves_the_registry_answers_for_its_claims_until_they_are
     assert_eq!(unprepared.claims[&again].error, "");
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_naming_one_device_prepared_at_once_leave_it_held_by_exactly_one() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(&fuse_dra()).await;
+    registered(&dra.kubelet, 1).await;
+    let slice = published(&dra.api).await;
+    let device = slice["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    for round in 0..100 {
+        // Four claims a buggy scheduler (or a hostile API server) allocated the same device, whose
+        // reads are answered together, so that the four prepares overlap.
+        let uids: Vec<String> = (0..4)
+            .map(|i| dra.claim(DRIVER, &format!("r{round}-c{i}"), &[&device], json!([])))
+            .collect();
+        dra.api.release_claim_reads_together(4);
+        let call = |i: usize| {
+            dra.kubelet.node_prepare_resources(
+                DRIVER,
+                vec![wire_claim(&format!("r{round}-c{i}"), &uids[i])],
+            )
+        };
+        let (a, b, c, d) = tokio::join!(call(0), call(1), call(2), call(3));
+        let answers: Vec<_> = [a, b, c, d]
+            .into_iter()
+            .zip(&uids)
+            .map(|(answer, uid)| answer.expect("answered").claims[uid].clone())
+            .collect();
+        let prepared: Vec<usize> = (0..4).filter(|&i| answers[i].error.is_empty()).collect();
+        assert_eq!(prepared.len(), 1, "round {round}: {answers:?}");
+        for (i, answer) in answers.iter().enumerate() {
+            if i != prepared[0] {
+                assert!(
+                    answer.error.contains(&format!(
+                        "is already prepared for ResourceClaim team-a/r{round}-c{}",
+                        prepared[0]
+                    )),
+                    "round {round}: {answer:?}"
+                );
+            }
+        }
+        assert_eq!(agent.status().dra_drivers[0].prepared_claims, 1);
+        let winner = prepared[0];
+        let gone = dra
+            .kubelet
+            .node_unprepare_resources(
+                DRIVER,
+                vec![wire_claim(&format!("r{round}-c{winner}"), &uids[winner])],
+            )
+            .await
+            .expect("answered");
+        assert_eq!(gone.claims[&uids[winner]].error, "");
+        for (i, uid) in uids.iter().enumerate() {
+            assert!(
+                dra.api
+                    .delete(Kind::ResourceClaim, "team-a", &format!("r{round}-c{i}")),
+                "{uid}"
+            );
+        }
+    }
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 0);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_moved_from_dra_to_the_device_plugin_advertises_a_claimed_device_only_once_unprepared()
+ {
+    let dra = DraNode::new().await;
+    dra.node.add_char("/dev/fuse1", 10, 230);
+    let modules = |front_end: &str| fuse_via(front_end, r#""/dev/fuse", "/dev/fuse1""#);
+    let plugin_dir = dra.kubelet.plugin_dir().to_owned();
+    let agent = dra
+        .agent_with(&modules("dra"), move |o| o.plugin_dir = plugin_dir)
+        .await;
+    registered(&dra.kubelet, 1).await;
+    let devices = devicelet_tests::eventually_some("both devices published", || {
+        slice_devices(&dra.api).filter(|d| d.len() == 2)
+    })
+    .await;
+    let uid = dra.claim(DRIVER, "kept", &[&devices[0]], json!([]));
+    let answer = dra.prepare(DRIVER, "kept", &uid).await;
+    assert_eq!(answer.error, "", "{answer:?}");
+
+    // The operator moves the resource back to the device plugin while the claim's pod runs.
+    dra.node.registry(&modules("device-plugin"));
+    let seen = dra
+        .kubelet
+        .wait_until("devicelet.io/fuse", devicelet_tests::WAIT, |r| {
+            r.capacity == 1
+        })
+        .await
+        .expect("the device plugin serves the unclaimed device only");
+    assert_eq!(seen.allocatable, 1);
+    // The retired driver still answers for its claim; once unprepared, the device is advertised.
+    let gone = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, vec![wire_claim("kept", &uid)])
+        .await
+        .expect("answered");
+    assert_eq!(gone.claims[&uid].error, "");
+    dra.kubelet
+        .wait_until("devicelet.io/fuse", devicelet_tests::WAIT, |r| {
+            r.capacity == 2 && r.allocatable == 2
+        })
+        .await
+        .expect("the device is advertised once its claim is unprepared");
+    agent.shutdown().await;
+}

@@ -301,6 +301,7 @@ async fn start_drivers(
                 health_interval: spec.health_interval,
                 host_root: host_root.to_owned(),
                 held,
+                ledger: ledger.clone(),
             },
             options,
         );

@@ -1,6 +1,6 @@
 //! One resource served as a DRA driver: the resource core's device watcher (the same one the
 //! device-plugin front end uses), the driver's sockets for the kubelet (`server.rs`), its claims
-//! (`prepare.rs`, checkpointed in the state directory) and its ResourceSlices (`slices.rs`).
+//! (`prepare.rs`, held in the agent's allocation ledger) and its ResourceSlices (`slices.rs`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,9 +11,8 @@ use tokio::task::JoinHandle;
 
 use super::HeldElsewhere;
 use super::api::ApiClient;
-use super::checkpoint::Checkpoint;
 use super::events::DraEvents;
-use super::prepare::Claims;
+use super::prepare::{Claims, ClaimsSpec};
 use super::retire::Retirees;
 use super::server::{self, Registered};
 use super::slices::{self, Pool, Published};
@@ -36,7 +35,8 @@ pub struct DraOptions {
     pub node: String,
     /// The API server; None serves the kubelet but publishes nothing and prepares nothing.
     pub api: Option<ApiClient>,
-    /// Where each driver's checkpoint goes (`dra-<driver>.json`); None keeps it in memory.
+    /// Where agents before the one ledger kept each driver's claims (`dra-<driver>.json`,
+    /// taken into the ledger once); None: nowhere.
     pub state_dir: Option<PathBuf>,
     /// Where claims' CDI specs go.
     pub cdi_dir: PathBuf,
@@ -58,6 +58,8 @@ pub struct DriverSpec<'a> {
     pub health_interval: Duration,
     pub host_root: PathBuf,
     pub held: HeldElsewhere,
+    /// The agent's allocation ledger, which holds the driver's claims.
+    pub ledger: crate::ledger::Ledger,
 }
 
 /// A driver's claims as the rest of the agent sees them: counted for status and metrics, and
@@ -70,7 +72,7 @@ pub trait ClaimCounts: Send + Sync {
 
 impl<B: DeviceBackend> ClaimCounts for Claims<B> {
     fn prepared(&self) -> usize {
-        self.checkpoint.uids().len()
+        Claims::prepared(self)
     }
 
     fn retire(&self) {
@@ -113,11 +115,9 @@ pub fn start<B: DeviceBackend>(
 ) -> Result<RunningDriver, String> {
     let kind = crate::cdi::spec::dra_kind(spec.driver, spec.local)
         .map_err(|e| format!("DRA driver {}: {e}", spec.driver))?;
-    let file = options
-        .state_dir
-        .as_ref()
-        .map(|d| d.join(format!("dra-{}.json", spec.driver)));
-    let checkpoint = Checkpoint::open(file)?;
+    if let Some(dir) = &options.state_dir {
+        super::old_checkpoint::adopt(dir, spec.driver, spec.name, &spec.ledger)?;
+    }
     let (stop, stopped) = watch::channel(false);
     let core = core::start(
         backend,
@@ -134,17 +134,20 @@ pub fn start<B: DeviceBackend>(
         &stopped,
     );
     let claims = Arc::new(Claims::new(
-        spec.driver.to_owned(),
-        options.node.clone(),
-        spec.local.to_owned(),
-        kind,
+        ClaimsSpec {
+            driver: spec.driver.to_owned(),
+            pool: options.node.clone(),
+            resource: spec.local.to_owned(),
+            served: spec.name.to_owned(),
+            kind,
+            api: options.api.clone(),
+            cdi_dir: options.cdi_dir.clone(),
+            ledger: spec.ledger.clone(),
+            held: spec.held.clone(),
+            events: options.events.clone(),
+        },
         backend.clone(),
         core.devices.clone(),
-        options.api.clone(),
-        options.cdi_dir.clone(),
-        checkpoint,
-        spec.held.clone(),
-        options.events.clone(),
     ));
     {
         let claims = claims.clone();
@@ -217,7 +220,7 @@ impl RunningDriver {
 
     /// Stops serving; `retire` (the module or resource left the registry): its ResourceSlices
     /// go too, and while claims it prepared remain it keeps answering for them (see
-    /// `retire.rs`) before it stops. Prepared claims stay checkpointed either way, so a later
+    /// `retire.rs`) before it stops. Prepared claims stay in the ledger either way, so a later
     /// agent can still unprepare them.
     pub async fn stop(mut self, retire: bool) {
         if !retire {
@@ -241,7 +244,7 @@ impl RunningDriver {
         }
     }
 
-    /// Stops serving and removes its sockets; the slices and the checkpoint stay.
+    /// Stops serving and removes its sockets; the slices and the claims in the ledger stay.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         for task in self.tasks.into_iter().chain(self.publisher) {

@@ -4,12 +4,12 @@
 //! end. The README's DRA section says what works today and what does not yet.
 
 pub mod api;
-pub mod checkpoint;
 pub mod claim;
 pub mod driver;
 pub mod events;
 pub mod health;
 pub mod names;
+pub mod old_checkpoint;
 pub mod prepare;
 pub mod retire;
 pub mod server;

@@ -1,23 +1,28 @@
 //! `NodePrepareResources` and `NodeUnprepareResources` for one driver (one served resource),
 //! whatever version of the kubelet's API carried them (`server.rs` converts).
 //!
-//! Prepare, per claim and serialized per claim UID: a claim already in the checkpoint is answered
-//! as before (the kubelet calls again after its own restart); otherwise the claim is fetched
-//! from the API server and checked (`claim.rs`), each request's device names are mapped back to
-//! the module's IDs in the current snapshot (each must be there and healthy), the module's
-//! `allocate` is asked with the request's opaque config and key `<claim UID>/<request>`, the
-//! answers go into one CDI spec file for the claim (a CDI device `<claim UID>-<request>` per
-//! request), the claim is checkpointed, and only then answered. One claim's failure is its own
-//! entry's error; requests already allocated for it are released.
+//! The claims of one call are prepared concurrently, each in a task of its own and serialized
+//! per claim UID (the kubelet may call again for one claim while the first call runs). A claim
+//! the ledger has as prepared is answered as before (the kubelet calls again after its own
+//! restart). Otherwise the claim is fetched from the API server and checked (`claim.rs`), each
+//! request's device names are mapped back to the module's IDs in the current snapshot (each must
+//! be there and healthy), and the devices are *reserved* in the agent's one allocation ledger:
+//! the check that no other claim, and no container of the device-plugin front end, holds them and
+//! the record that this claim does are one step, so of several claims naming one device exactly
+//! one is prepared (a request with admin access holds nothing and is never refused). Then the
+//! module's `allocate` is asked with the request's opaque config and key `<claim UID>/<request>`,
+//! the answers go into one CDI spec file for the claim (a CDI device `<claim UID>-<request>` per
+//! request), the claim is marked prepared and written to the ledger's checkpoint, and only then
+//! answered. One claim's failure is its own entry's error; what was reserved and allocated for
+//! it is given back.
 //!
-//! A claim already checkpointed whose spec file is gone (CDI specs live on tmpfs, so after a
-//! reboot) is prepared again from the checkpoint. A device another prepared claim holds is
-//! refused unless the claim has admin access.
+//! A prepared claim whose spec file is gone (CDI specs live on tmpfs, so after a reboot) is
+//! prepared again from what the ledger kept.
 //!
-//! Unprepare needs only the UID: the checkpoint says what to release and which spec to remove.
-//! An unknown UID succeeds (it was never prepared here, or is already unprepared). A module
-//! that fails its `release` is logged, never allowed to pin a claim forever; a module's
-//! `release` must be idempotent (an unprepare that fails after it is retried).
+//! Unprepare needs only the UID: the ledger says what to release and which spec to remove. An
+//! unknown UID succeeds (it was never prepared here, or is already unprepared). A module that
+//! fails its `release` is logged, never allowed to pin a claim forever; a module's `release` must
+//! be idempotent (an unprepare that fails after it is retried).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -27,15 +32,15 @@ use tokio::sync::watch;
 
 use super::HeldElsewhere;
 use super::api::ApiClient;
-use super::checkpoint::{Checkpoint, PreparedClaim, PreparedRequest};
 use super::claim;
 use super::events::{DraEvent, DraEvents};
 use super::units::units;
 use crate::device::{ContainerEdits, Request};
-use crate::resource::backend::DeviceBackend;
+use crate::ledger::{ClaimRecord, Conflict, Ledger, LedgerError, PreparedRequest};
+use crate::resource::backend::{BackendError, DeviceBackend};
 use crate::resource::snapshot::Snapshot;
 
-/// Most claims answered in one call: a pod has far fewer; past it each gets an error.
+/// Most claims answered in one call: a pod has at most 32 claims; past it each gets an error.
 pub const MAX_CLAIMS_PER_CALL: usize = 256;
 
 /// A claim as the kubelet names it.
@@ -55,6 +60,41 @@ pub struct PreparedDevice {
     pub cdi_ids: Vec<String>,
 }
 
+/// Why one claim was not prepared or unprepared: the text of its entry's `error`.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    #[error(
+        "more than {MAX_CLAIMS_PER_CALL} claims in one NodePrepareResources call; this one was not prepared"
+    )]
+    TooMany,
+    #[error(
+        "DRA driver {0} left this node's registry: it only answers for the claims it prepared \
+         before, until they are unprepared"
+    )]
+    Retiring(String),
+    #[error("the agent has no API server to read claims from")]
+    NoApi,
+    #[error("{0}")]
+    Api(String),
+    /// The claim itself cannot be prepared here (`claim.rs`, names, devices).
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Held(#[from] Conflict),
+    #[error("request {request:?}{again}: {source}", again = if *.again { ", prepared again" } else { "" })]
+    Module {
+        request: String,
+        again: bool,
+        source: BackendError,
+    },
+    #[error("writing the claim's CDI spec {path}: {message}")]
+    Spec { path: PathBuf, message: String },
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error("the claim's task failed: {0}")]
+    Task(String),
+}
+
 /// Everything one driver's claims need.
 pub struct Claims<B> {
     pub driver: String,
@@ -62,13 +102,17 @@ pub struct Claims<B> {
     pub pool: String,
     /// The backend's own name of the resource.
     pub resource: String,
+    /// The resource's served name: the ledger's key for its devices, shared with the
+    /// device-plugin front end.
+    pub served: String,
     /// The CDI kind of the claims' specs.
     pub kind: String,
     pub backend: B,
     pub devices: watch::Receiver<Snapshot>,
     pub api: Option<ApiClient>,
     pub cdi_dir: PathBuf,
-    pub checkpoint: Arc<Checkpoint>,
+    /// The agent's allocation ledger: who holds which device, through either front end.
+    pub ledger: Ledger,
     /// Devices containers hold through the device-plugin front end.
     pub held: HeldElsewhere,
     events: DraEvents,
@@ -77,31 +121,45 @@ pub struct Claims<B> {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
+/// What building a driver's [`Claims`] takes besides the backend.
+pub struct ClaimsSpec {
+    pub driver: String,
+    pub pool: String,
+    pub resource: String,
+    pub served: String,
+    pub kind: String,
+    pub api: Option<ApiClient>,
+    pub cdi_dir: PathBuf,
+    pub ledger: Ledger,
+    pub held: HeldElsewhere,
+    pub events: DraEvents,
+}
+
 impl<B: DeviceBackend> Claims<B> {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        driver: String,
-        pool: String,
-        resource: String,
-        kind: String,
-        backend: B,
-        devices: watch::Receiver<Snapshot>,
-        api: Option<ApiClient>,
-        cdi_dir: PathBuf,
-        checkpoint: Checkpoint,
-        held: HeldElsewhere,
-        events: DraEvents,
-    ) -> Claims<B> {
+    pub fn new(spec: ClaimsSpec, backend: B, devices: watch::Receiver<Snapshot>) -> Claims<B> {
+        let ClaimsSpec {
+            driver,
+            pool,
+            resource,
+            served,
+            kind,
+            api,
+            cdi_dir,
+            ledger,
+            held,
+            events,
+        } = spec;
         Claims {
             driver,
             pool,
             resource,
+            served,
             kind,
             backend,
             devices,
             api,
             cdi_dir,
-            checkpoint: Arc::new(checkpoint),
+            ledger,
             held,
             events,
             retiring: Default::default(),
@@ -109,84 +167,94 @@ impl<B: DeviceBackend> Claims<B> {
         }
     }
 
-    /// Prepares each claim; the answer has an entry for every UID asked. Each claim runs in
-    /// its own task, so a kubelet that gives up on the call (its deadline, a dropped
-    /// connection) cannot leave a claim half prepared: allocated but not checkpointed.
+    /// How many claims this driver has prepared.
+    pub fn prepared(&self) -> usize {
+        self.ledger.claim_count(&self.driver)
+    }
+
+    /// Prepares each claim, concurrently; the answer has an entry for every UID asked. Each
+    /// claim runs in its own task, so a kubelet that gives up on the call (its deadline, a
+    /// dropped connection) cannot leave a claim half prepared: allocated but not recorded.
     pub async fn prepare(
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
-    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, String>> {
+    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>> {
+        let mut jobs = Vec::with_capacity(claims.len().min(MAX_CLAIMS_PER_CALL));
         let mut answers = BTreeMap::new();
         for (i, claim) in claims.into_iter().enumerate() {
-            let started = std::time::Instant::now();
-            let answer = if i >= MAX_CLAIMS_PER_CALL {
-                Err(format!(
-                    "more than {MAX_CLAIMS_PER_CALL} claims in one NodePrepareResources call; \
-                     this one was not prepared"
-                ))
-            } else {
-                let me = self.clone();
-                let job = claim.clone();
-                tokio::spawn(async move {
-                    let lock = me.lock_for(&job.uid);
-                    let answer = {
-                        let _held = lock.lock().await;
-                        me.prepare_one(&job).await
-                    };
-                    me.forget_lock(&job.uid, &lock);
-                    answer
-                })
-                .await
-                .unwrap_or_else(|e| Err(format!("preparing the claim failed: {e}")))
-            };
-            if let Err(e) = &answer {
-                tracing::warn!(driver = self.driver, claim = claim.uid, "prepare: {e}");
+            if i >= MAX_CLAIMS_PER_CALL {
+                answers.insert(claim.uid, Err(ClaimError::TooMany));
+                continue;
             }
-            let (ok, took) = (answer.is_ok(), started.elapsed());
-            self.events
-                .emit(&self.driver, DraEvent::Prepared { ok, took });
-            answers.insert(claim.uid, answer);
+            let me = self.clone();
+            jobs.push(tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let answer = me.serialized(&claim.uid, me.prepare_one(&claim)).await;
+                if let Err(e) = &answer {
+                    tracing::warn!(driver = me.driver, claim = claim.uid, "prepare: {e}");
+                }
+                let (ok, took) = (answer.is_ok(), started.elapsed());
+                me.events.emit(&me.driver, DraEvent::Prepared { ok, took });
+                (claim.uid, answer)
+            }));
+        }
+        for job in jobs {
+            match job.await {
+                Ok((uid, answer)) => {
+                    answers.insert(uid, answer);
+                }
+                Err(e) => tracing::error!(driver = self.driver, "a prepare task failed: {e}"),
+            }
         }
         answers
     }
 
-    /// Unprepares each claim by UID, each in its own task like [`prepare`](Self::prepare); the
-    /// answer has an entry for every UID asked.
+    /// Unprepares each claim by UID, concurrently and each in its own task like
+    /// [`prepare`](Self::prepare); the answer has an entry for every UID asked.
     pub async fn unprepare(
         self: &Arc<Self>,
         uids: Vec<String>,
-    ) -> BTreeMap<String, Result<(), String>> {
-        let mut answers = BTreeMap::new();
-        for uid in uids {
-            let started = std::time::Instant::now();
-            let (me, job) = (self.clone(), uid.clone());
-            let answer = tokio::spawn(async move {
-                let lock = me.lock_for(&job);
-                let answer = {
-                    let _held = lock.lock().await;
-                    me.unprepare_one(&job).await
-                };
-                me.forget_lock(&job, &lock);
-                answer
+    ) -> BTreeMap<String, Result<(), ClaimError>> {
+        let jobs: Vec<_> = uids
+            .into_iter()
+            .map(|uid| {
+                let me = self.clone();
+                (
+                    uid.clone(),
+                    tokio::spawn(async move {
+                        let started = std::time::Instant::now();
+                        let answer = me.serialized(&uid, me.unprepare_one(&uid)).await;
+                        let (ok, took) = (answer.is_ok(), started.elapsed());
+                        me.events
+                            .emit(&me.driver, DraEvent::Unprepared { ok, took });
+                        answer
+                    }),
+                )
             })
-            .await
-            .unwrap_or_else(|e| Err(format!("unpreparing the claim failed: {e}")));
-            let (ok, took) = (answer.is_ok(), started.elapsed());
-            self.events
-                .emit(&self.driver, DraEvent::Unprepared { ok, took });
+            .collect();
+        let mut answers = BTreeMap::new();
+        for (uid, job) in jobs {
+            let answer = job
+                .await
+                .unwrap_or_else(|e| Err(ClaimError::Task(e.to_string())));
             answers.insert(uid, answer);
         }
         answers
     }
 
-    /// Removes claim specs of this driver that no checkpointed claim names: left by an agent
-    /// stopped between writing a spec and checkpointing its claim.
+    /// Removes claim specs of this driver that no prepared claim names: left by an agent
+    /// stopped between writing a spec and recording its claim.
     pub fn remove_stale_specs(&self) {
         let prefix = format!("devicelet-dra_{}_", self.driver);
         let Ok(entries) = std::fs::read_dir(&self.cdi_dir) else {
             return;
         };
-        let known = self.checkpoint.uids();
+        let known: BTreeSet<String> = self
+            .ledger
+            .claims_of(&self.driver)
+            .into_iter()
+            .map(|(uid, _)| uid)
+            .collect();
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(uid) = name
@@ -195,195 +263,196 @@ impl<B: DeviceBackend> Claims<B> {
             else {
                 continue;
             };
-            if !known.iter().any(|k| k == uid) {
+            if !known.contains(uid) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
     }
 
-    fn lock_for(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.locks
+    /// Runs `work` while no other call for claim `uid` runs.
+    async fn serialized<T>(&self, uid: &str, work: impl Future<Output = T>) -> T {
+        let lock = self
+            .locks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(uid.to_owned())
             .or_default()
-            .clone()
-    }
-
-    fn forget_lock(&self, uid: &str, lock: &Arc<tokio::sync::Mutex<()>>) {
+            .clone();
+        let answer = {
+            let _held = lock.lock().await;
+            work.await
+        };
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
         // Only when no one else waits on it.
-        if Arc::strong_count(lock) <= 2 {
+        if Arc::strong_count(&lock) <= 2 {
             locks.remove(uid);
         }
+        answer
     }
 
-    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
-        if let Some(done) = self.checkpoint.get(&claim.uid) {
+    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        if let Some(done) = self.ledger.claim(&claim.uid) {
             let spec_gone = done.spec_file.as_ref().is_some_and(|f| !f.exists());
             if !spec_gone {
                 return Ok(self.devices_of(&done));
             }
             // The node rebooted (CDI specs live on tmpfs) or someone removed it: the module is
-            // asked again, as for a new claim, with what the checkpoint kept.
+            // asked again, as for a new claim, with what the ledger kept.
             return self.restore(&claim.uid, done).await;
         }
         if self.retiring.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(format!(
-                "DRA driver {} left this node's registry: it only answers for the claims it \
-                 prepared before, until they are unprepared",
-                self.driver
-            ));
+            return Err(ClaimError::Retiring(self.driver.clone()));
         }
-        let api = self
-            .api
-            .as_ref()
-            .ok_or("the agent has no API server to read claims from")?;
+        let api = self.api.as_ref().ok_or(ClaimError::NoApi)?;
         let object = api
             .claim(&claim.namespace, &claim.name)
             .await
             .map_err(|e| {
                 self.events.emit(&self.driver, DraEvent::ApiError);
-                e.to_string()
+                ClaimError::Api(e.to_string())
             })?;
-        let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)?;
+        let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)
+            .map_err(ClaimError::Refused)?;
+        for want in &wanted {
+            check_names(&claim.uid, &want.request)?;
+        }
         let mut requests = Vec::with_capacity(wanted.len());
-        let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
         for want in wanted {
-            let devices = match self
-                .ids_of(&want.devices)
-                .and_then(|d| self.not_held(&claim.uid, &d, want.admin).map(|()| d))
-            {
-                Ok(devices) => devices,
-                Err(e) => {
-                    self.release_all(&claim.uid, &requests).await;
-                    return Err(e);
-                }
-            };
-            let request = Request {
-                resource: self.resource.clone(),
-                ids: devices.iter().map(|(_, id)| id.clone()).collect(),
-                config: want.config.clone(),
-                key: format!("{}/{}", claim.uid, want.request),
-            };
-            let edits = match self.backend.allocate_request(request).await {
-                Ok(edits) => edits,
-                Err(e) => {
-                    self.release_all(&claim.uid, &requests).await;
-                    return Err(format!("request {:?}: {e}", want.request));
-                }
-            };
-            let cdi_ids = edits.cdi_devices.clone();
-            answers.insert(format!("{}-{}", claim.uid, want.request), Arc::new(edits));
             requests.push(PreparedRequest {
+                devices: self.ids_of(&want.devices)?,
                 request: want.request,
-                devices,
                 config: want.config,
-                cdi_ids,
+                cdi_ids: Vec::new(),
+                admin: want.admin,
             });
         }
-        self.finish(claim, requests, answers).await
+        let mut record = ClaimRecord {
+            driver: self.driver.clone(),
+            resource: self.served.clone(),
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            requests,
+            spec_file: None,
+        };
+        self.ledger.reserve_claim(&claim.uid, record.clone())?;
+        let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
+        for (done, request) in record.requests.iter_mut().enumerate() {
+            match self
+                .backend
+                .allocate_request(self.request(&claim.uid, request))
+                .await
+            {
+                Ok(edits) => {
+                    request.cdi_ids = edits.cdi_devices.clone();
+                    answers.insert(
+                        format!("{}-{}", claim.uid, request.request),
+                        Arc::new(edits),
+                    );
+                }
+                Err(source) => {
+                    let request = request.request.clone();
+                    self.give_back(&claim.uid, &record.requests[..done]).await;
+                    return Err(ClaimError::Module {
+                        request,
+                        again: false,
+                        source,
+                    });
+                }
+            }
+        }
+        self.finish(&claim.uid, record, answers).await
     }
 
-    /// Writes the claim's spec and checkpoints it; on failure releases what was allocated.
+    /// What the module is asked for `request` of claim `uid`.
+    fn request(&self, uid: &str, request: &PreparedRequest) -> Request {
+        Request {
+            resource: self.resource.clone(),
+            ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
+            config: request.config.clone(),
+            key: format!("{uid}/{}", request.request),
+        }
+    }
+
+    /// Writes the claim's spec and records it prepared, durably; on failure gives back what was
+    /// reserved and allocated.
     async fn finish(
         &self,
-        claim: &ClaimRef,
-        mut requests: Vec<PreparedRequest>,
+        uid: &str,
+        mut record: ClaimRecord,
         answers: BTreeMap<String, Arc<ContainerEdits>>,
-    ) -> Result<Vec<PreparedDevice>, String> {
-        let (spec_file, in_spec) = match self.write_spec(&claim.uid, &answers).await {
-            Ok(written) => written,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let in_spec = match self.write_spec(uid, &answers).await {
+            Ok((file, names)) => {
+                record.spec_file = file;
+                names
+            }
             Err(e) => {
-                self.release_all(&claim.uid, &requests).await;
+                self.give_back(uid, &record.requests).await;
                 return Err(e);
             }
         };
         // A request whose answer holds something a spec carries gets its CDI device first.
-        for request in &mut requests {
-            let name = format!("{}-{}", claim.uid, request.request);
+        for request in &mut record.requests {
+            let name = format!("{uid}-{}", request.request);
             let id = format!("{}={name}", self.kind);
             if in_spec.contains(&name) && !request.cdi_ids.contains(&id) {
                 request.cdi_ids.insert(0, id);
             }
         }
-        let prepared = PreparedClaim {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            requests,
-            spec_file,
-        };
-        let (checkpoint, uid, record) =
-            (self.checkpoint.clone(), claim.uid.clone(), prepared.clone());
-        let recorded = tokio::task::spawn_blocking(move || checkpoint.insert(&uid, record))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
-        if let Err(e) = recorded {
-            self.remove_spec(&prepared).await;
-            self.release_all(&claim.uid, &prepared.requests).await;
-            return Err(e);
+        let answer = self.devices_of(&record);
+        self.ledger.prepare_claim(uid, record.clone());
+        if let Err(e) = self.ledger.persist().await {
+            self.remove_spec(&record).await;
+            self.give_back(uid, &record.requests).await;
+            // Its absence reaches the file with the next write.
+            return Err(e.into());
         }
-        Ok(self.devices_of(&prepared))
+        Ok(answer)
     }
 
-    /// A checkpointed claim whose spec is gone, prepared again from what the checkpoint kept.
-    async fn restore(&self, uid: &str, done: PreparedClaim) -> Result<Vec<PreparedDevice>, String> {
+    /// A prepared claim whose spec is gone, prepared again from what the ledger kept.
+    async fn restore(
+        &self,
+        uid: &str,
+        done: ClaimRecord,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let mut answers = BTreeMap::new();
         for request in &done.requests {
-            let ask = Request {
-                resource: self.resource.clone(),
-                ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
-                config: request.config.clone(),
-                key: format!("{uid}/{}", request.request),
-            };
             let edits = self
                 .backend
-                .allocate_request(ask)
+                .allocate_request(self.request(uid, request))
                 .await
-                .map_err(|e| format!("request {:?}, prepared again: {e}", request.request))?;
+                .map_err(|source| ClaimError::Module {
+                    request: request.request.clone(),
+                    again: true,
+                    source,
+                })?;
             answers.insert(format!("{uid}-{}", request.request), Arc::new(edits));
         }
-        let claim = ClaimRef {
-            namespace: done.namespace.clone(),
-            name: done.name.clone(),
-            uid: uid.to_owned(),
-        };
-        self.finish(&claim, done.requests, answers).await
+        let in_spec = self.write_spec(uid, &answers).await?;
+        let mut record = done;
+        record.spec_file = in_spec.0;
+        let answer = self.devices_of(&record);
+        self.ledger.prepare_claim(uid, record);
+        self.ledger.persist().await?;
+        Ok(answer)
     }
 
-    /// Refuses devices another prepared claim holds, unless this one has admin access.
-    fn not_held(&self, uid: &str, devices: &[(String, String)], admin: bool) -> Result<(), String> {
-        if admin {
-            return Ok(());
-        }
-        for (name, id) in devices {
-            if let Some((other, held)) = self.checkpoint.holder_of(id, uid) {
-                return Err(format!(
-                    "device {name:?} is already prepared for ResourceClaim {}/{} (UID {other})",
-                    held.namespace, held.name
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    async fn unprepare_one(&self, uid: &str) -> Result<(), String> {
-        let Some(prepared) = self.checkpoint.get(uid) else {
+    async fn unprepare_one(&self, uid: &str) -> Result<(), ClaimError> {
+        let Some(prepared) = self.ledger.claim(uid) else {
             return Ok(());
         };
         self.release_all(uid, &prepared.requests).await;
         self.remove_spec(&prepared).await;
-        let (checkpoint, uid) = (self.checkpoint.clone(), uid.to_owned());
-        tokio::task::spawn_blocking(move || checkpoint.remove(&uid))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()))?;
+        self.ledger.drop_claim(uid);
+        self.ledger.persist().await?;
         Ok(())
     }
 
     /// What the kubelet is told for a prepared claim: each device (a group's members once,
     /// under its name), the request's CDI IDs on the first device of the request (the answer
     /// covers the request as a whole).
-    fn devices_of(&self, claim: &PreparedClaim) -> Vec<PreparedDevice> {
+    fn devices_of(&self, claim: &ClaimRecord) -> Vec<PreparedDevice> {
         let mut out = Vec::new();
         for request in &claim.requests {
             let mut names: Vec<&String> = request.devices.iter().map(|(name, _)| name).collect();
@@ -406,40 +475,59 @@ impl<B: DeviceBackend> Claims<B> {
 
     /// (name, module ID) of each device name's members (a group's every device), from the
     /// current snapshot; each must be published: healthy, and held by no device-plugin
-    /// container.
-    fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, String> {
+    /// container. Work in the size of the claim, not of the pool, for devices published under
+    /// their own ID; a group, or an ID that is no DNS label, is found among the units.
+    fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, ClaimError> {
         let snapshot = self.devices.borrow().clone();
-        let held = (self.held)();
-        let units = units(&snapshot);
-        let mut out = Vec::new();
+        let refused = |m: String| Err(ClaimError::Refused(m));
+        let mut out: Vec<(String, String)> = Vec::new();
+        let mut held = None;
         for name in names {
-            let unit = units
-                .iter()
-                .find(|u| u.name == *name)
-                .ok_or_else(|| format!("device {name:?} is not one this driver publishes"))?;
-            if let Some(why) = unit.reason() {
-                return Err(format!("device {name:?} is unhealthy: {why}"));
+            if out.iter().any(|(n, _)| n == name) {
+                return refused(format!("device {name:?} is allocated twice"));
             }
-            if unit.members.iter().any(|d| held.contains(&d.id)) {
-                return Err(format!(
+            // A device whose ID is a DNS label is published under its ID: found by it.
+            let members = match crate::resource::snapshot::find(&snapshot, name) {
+                Some(d) if d.group.is_none() => vec![d],
+                _ => match units(&snapshot).into_iter().find(|u| u.name == *name) {
+                    Some(unit) => unit.members,
+                    None => {
+                        return refused(format!("device {name:?} is not one this driver publishes"));
+                    }
+                },
+            };
+            if let Some(sick) = members
+                .iter()
+                .find(|d| d.health != crate::device::Health::Healthy)
+            {
+                let why = sick.health_reason.as_deref().unwrap_or("unhealthy");
+                return refused(if members.len() > 1 && sick.id != members[0].id {
+                    format!("device {name:?} is unhealthy: {}: {why}", sick.id)
+                } else {
+                    format!("device {name:?} is unhealthy: {why}")
+                });
+            }
+            let held = held.get_or_insert_with(|| (self.held)());
+            if members.iter().any(|d| held.contains(&d.id)) {
+                return refused(format!(
                     "device {name:?} is still held by a container the device-plugin front end \
                      allocated it to; it joins the pool when that container ends"
                 ));
             }
-            out.extend(unit.members.iter().map(|d| (name.clone(), d.id.clone())));
+            out.extend(members.iter().map(|d| (name.clone(), d.id.clone())));
         }
         Ok(out)
     }
 
+    /// Releases what the module allocated for `requests` and frees the claim's reservation.
+    async fn give_back(&self, uid: &str, requests: &[PreparedRequest]) {
+        self.release_all(uid, requests).await;
+        self.ledger.drop_claim(uid);
+    }
+
     async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) {
         for request in requests {
-            let release = Request {
-                resource: self.resource.clone(),
-                ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
-                config: request.config.clone(),
-                key: format!("{uid}/{}", request.request),
-            };
-            if let Err(e) = self.backend.release(release).await {
+            if let Err(e) = self.backend.release(self.request(uid, request)).await {
                 tracing::warn!(
                     driver = self.driver,
                     claim = uid,
@@ -456,15 +544,19 @@ impl<B: DeviceBackend> Claims<B> {
         &self,
         uid: &str,
         answers: &BTreeMap<String, Arc<ContainerEdits>>,
-    ) -> Result<(Option<PathBuf>, BTreeSet<String>), String> {
+    ) -> Result<(Option<PathBuf>, BTreeSet<String>), ClaimError> {
         let Some((spec, _)) = crate::cdi::build(&self.kind, answers) else {
             return Ok((None, BTreeSet::new()));
         };
         let names = spec.devices.iter().map(|d| d.name.clone()).collect();
-        let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| e.to_string())?;
         let path = self
             .cdi_dir
             .join(format!("devicelet-dra_{}_{uid}.json", self.driver));
+        let failed = |message: String| ClaimError::Spec {
+            path: path.clone(),
+            message,
+        };
+        let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| failed(e.to_string()))?;
         let (dir, name) = (self.cdi_dir.clone(), path.clone());
         tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir)?;
@@ -479,12 +571,12 @@ impl<B: DeviceBackend> Claims<B> {
             crate::files::write_file_atomically(&name, &bytes, 0o644)
         })
         .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("writing the claim's CDI spec {}: {e}", path.display()))?;
+        .map_err(|e| failed(e.to_string()))?
+        .map_err(|e| failed(e.to_string()))?;
         Ok((Some(path), names))
     }
 
-    async fn remove_spec(&self, claim: &PreparedClaim) {
+    async fn remove_spec(&self, claim: &ClaimRecord) {
         if let Some(path) = claim.spec_file.clone() {
             let _ = tokio::task::spawn_blocking(move || match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -493,6 +585,47 @@ impl<B: DeviceBackend> Claims<B> {
                 _ => {}
             })
             .await;
+        }
+    }
+}
+
+/// A claim's UID and request names become a CDI device name (`<uid>-<request>`) and a file name
+/// (`devicelet-dra_<driver>_<uid>.json`): one that cannot is refused by name, never prepared
+/// with no device. The API server makes UIDs (UUIDs) and checks request names (DNS labels), so
+/// only a broken or hostile server sends such a claim.
+fn check_names(uid: &str, request: &str) -> Result<(), ClaimError> {
+    if uid.is_empty() || uid.len() > 128 || !crate::cdi::spec::is_device_name(uid) {
+        return Err(ClaimError::Refused(format!(
+            "claim UID {:?} cannot name a CDI device or a file",
+            uid.chars().take(80).collect::<String>()
+        )));
+    }
+    if request.is_empty() || !crate::cdi::spec::is_device_name(&format!("{uid}-{request}")) {
+        return Err(ClaimError::Refused(format!(
+            "request name {:?} cannot name a CDI device",
+            request.chars().take(80).collect::<String>()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uids_and_requests_that_make_no_cdi_name_are_refused_by_name() {
+        check_names("0b5e6a2c-9d1f-4e2a-8c3b-7f6e5d4c3b2a", "gpu").expect("a real claim");
+        for (uid, request, says) in [
+            ("", "gpu", "claim UID \"\""),
+            ("a/b", "gpu", "claim UID \"a/b\""),
+            ("/../../tmp/x", "gpu", "claim UID \"/../../tmp/x\""),
+            ("u\n1", "gpu", "claim UID \"u\\n1\""),
+            ("u1", "../../../x", "request name \"../../../x\""),
+            ("u1", "", "request name \"\""),
+        ] {
+            let e = check_names(uid, request).unwrap_err().to_string();
+            assert!(e.contains(says), "{uid:?} {request:?}: {e}");
         }
     }
 }

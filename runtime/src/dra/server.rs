@@ -122,7 +122,7 @@ impl<B: DeviceBackend> Plugin<B> {
                     },
                     Err(error) => v1::NodePrepareResourceResponse {
                         devices: Vec::new(),
-                        error,
+                        error: error.to_string(),
                     },
                 };
                 (uid, entry)
@@ -139,7 +139,7 @@ impl<B: DeviceBackend> Plugin<B> {
         let claims = answers
             .into_iter()
             .map(|(uid, answer)| {
-                let error = answer.err().unwrap_or_default();
+                let error = answer.err().map(|e| e.to_string()).unwrap_or_default();
                 (uid, v1::NodeUnprepareResourceResponse { error })
             })
             .collect();

@@ -395,6 +395,9 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         for c in &requests {
             self.known(&c.devices_ids)?;
             self.whole_groups(&c.devices_ids)?;
+            if let Some(conflict) = self.ledger.claimed_of(&self.resource, &c.devices_ids) {
+                return Err(Status::failed_precondition(conflict.to_string()));
+            }
         }
         let mut container_responses = Vec::with_capacity(requests.len());
         for c in &requests {
@@ -412,10 +415,12 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
             }));
         }
         // Only what the kubelet is told succeeded goes into the ledger: a request that fails
-        // part-way leaves no entry for its first containers.
-        for c in &requests {
-            self.ledger.record(&self.resource, &c.devices_ids);
-        }
+        // part-way leaves no entry for its first containers. A DRA claim that took one of the
+        // devices meanwhile wins: checked again in the step that records.
+        let containers: Vec<Vec<String>> = requests.iter().map(|c| c.devices_ids.clone()).collect();
+        self.ledger
+            .record_all(&self.resource, &containers)
+            .map_err(|conflict| Status::failed_precondition(conflict.to_string()))?;
         Ok(Response::new(api::AllocateResponse {
             container_responses,
         }))

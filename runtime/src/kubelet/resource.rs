@@ -295,6 +295,15 @@ pub fn serve<B: DeviceBackend>(
         &stop,
     );
 
+    // Devices DRA claims still hold (the resource was served through DRA before) are not
+    // advertised until their claims are unprepared.
+    let (advertised, filter) = crate::resource::advertised::without_claimed(
+        devices.clone(),
+        at.ledger.clone(),
+        &name,
+        stop.clone(),
+    );
+    tasks.push(filter);
     let plugin = ResourcePlugin::new(
         &name,
         &info.name,
@@ -303,7 +312,7 @@ pub fn serve<B: DeviceBackend>(
         Watches {
             options: options.clone(),
             streams,
-            devices: devices.clone(),
+            devices: advertised,
             stop: stop.clone(),
             prepared: prepared.clone(),
             preferred,

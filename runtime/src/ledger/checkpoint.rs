@@ -7,15 +7,16 @@
 //! another version, or whose ids are inconsistent is renamed aside to
 //! `ledger.json.corrupt-<unix millis>` and the ledger starts empty.
 
-use std::fs::{self, DirBuilder};
+use std::collections::BTreeMap;
+use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
+use super::claims::{ClaimRecord, Claims};
 use super::entry::{Entry, to_millis};
 use super::error::LedgerError;
 use super::state::State;
@@ -25,7 +26,6 @@ pub const FILE_NAME: &str = "ledger.json";
 /// The only checkpoint version this build reads and writes.
 pub const VERSION: u64 = 1;
 
-const DIR_MODE: u32 = 0o700;
 /// Largest checkpoint read: [`super::MAX_ENTRIES`] entries of many devices each fit well within.
 const MAX_FILE: u64 = 64 << 20;
 const FILE_MODE: u32 = 0o600;
@@ -44,12 +44,17 @@ struct Out<'a> {
     version: u64,
     next_id: u64,
     entries: &'a [Entry],
+    /// Prepared DRA claims by UID; absent when there are none, as in agents before claims.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    claims: BTreeMap<&'a String, &'a ClaimRecord>,
 }
 
 #[derive(Deserialize)]
 struct In {
     next_id: u64,
     entries: Vec<Entry>,
+    #[serde(default)]
+    claims: BTreeMap<String, ClaimRecord>,
 }
 
 /// The checkpoint's bytes for `state`.
@@ -58,6 +63,7 @@ pub(crate) fn encode(state: &State) -> Result<Vec<u8>, serde_json::Error> {
         version: VERSION,
         next_id: state.next_id,
         entries: &state.entries,
+        claims: state.claims.prepared(),
     };
     let mut bytes = serde_json::to_vec(&out)?;
     bytes.push(b'\n');
@@ -76,8 +82,16 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<State, String> {
         }
         None => return Err("no `version` field".to_owned()),
     }
-    let In { next_id, entries } = serde_json::from_value(value).map_err(|e| e.to_string())?;
-    let state = State { next_id, entries };
+    let In {
+        next_id,
+        entries,
+        claims,
+    } = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    let state = State {
+        next_id,
+        entries,
+        claims: Claims::restore(claims)?,
+    };
     state.check()?;
     Ok(state)
 }
@@ -93,12 +107,12 @@ impl Store {
     /// Creates `dir` (0700) if missing, removes temp files crashed writers left there, and
     /// restores the checkpoint, setting a corrupt one aside.
     pub fn open(dir: &Path) -> Result<(Store, State), LedgerError> {
-        ensure_dir(dir)?;
-        remove_stale_temps(dir);
         let store = Store {
             dir: dir.to_owned(),
             file: dir.join(FILE_NAME),
         };
+        ensure_trusted(dir, &store.file)?;
+        remove_stale_temps(dir);
         let state = store.load()?;
         Ok((store, state))
     }
@@ -169,21 +183,57 @@ fn open_dir(dir: &Path) -> io::Result<cap_std::fs::Dir> {
     cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())
 }
 
-fn ensure_dir(dir: &Path) -> Result<(), LedgerError> {
-    match fs::metadata(dir) {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            DirBuilder::new()
-                .recursive(true)
-                .mode(DIR_MODE)
-                .create(dir)
-                .map_err(|e| LedgerError::io("create directory", dir, e))?;
-            // The umask may have taken bits away; state it exactly.
-            fs::set_permissions(dir, fs::Permissions::from_mode(DIR_MODE))
-                .map_err(|e| LedgerError::io("chmod", dir, e))
-        }
-        Err(e) => Err(LedgerError::io("stat", dir, e)),
+/// Creates `dir` 0700 if missing and requires it, and the checkpoint in it if there is one, to be
+/// what only root and this agent could have put there: the ledger says which devices are held,
+/// and a planted one could hand a device out twice or keep one from every pod.
+fn ensure_trusted(dir: &Path, file: &Path) -> Result<(), LedgerError> {
+    crate::trust::private_dir(dir).map_err(|reason| LedgerError::Untrusted {
+        path: dir.to_owned(),
+        fix: reason.fix(),
+        reason: reason.to_string(),
+    })?;
+    let meta = match fs::symlink_metadata(file) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(LedgerError::io("stat", file, e)),
+    };
+    check_file(file, &meta)
+}
+
+/// The checkpoint file must not be a link, and must be ours and writable by us alone. (Something
+/// else of ours in its place, a FIFO or a directory, is set aside like a corrupt file.)
+pub fn check_file(file: &Path, meta: &fs::Metadata) -> Result<(), LedgerError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let untrusted = |reason: String, fix: String| LedgerError::Untrusted {
+        path: file.to_owned(),
+        reason,
+        fix,
+    };
+    let shown = file.display();
+    if meta.file_type().is_symlink() {
+        return Err(untrusted(
+            "it is a symbolic link, which could point anywhere".into(),
+            format!("check where it leads, then remove it (`rm {shown}`)"),
+        ));
     }
+    let uid = crate::trust::euid();
+    if meta.uid() != uid {
+        return Err(untrusted(
+            format!(
+                "it is owned by uid {}, not by this agent (uid {uid})",
+                meta.uid()
+            ),
+            format!("check who wrote it, then remove it (`rm {shown}`) or `chown {uid} {shown}`"),
+        ));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(untrusted(
+            format!("it has mode {mode:04o}: users other than its owner may write to it"),
+            format!("check what is in it, then `chmod 0600 {shown}`"),
+        ));
+    }
+    Ok(())
 }
 
 fn sync_dir(dir: &Path) -> Result<(), LedgerError> {
@@ -229,6 +279,7 @@ pub(crate) fn temp_files(dir: &Path) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
 
     fn state_with(n: usize) -> State {
         let mut s = State::default();
@@ -311,14 +362,48 @@ mod tests {
     }
 
     #[test]
-    fn existing_directory_keeps_its_mode() {
+    fn a_directory_others_may_write_is_refused_and_a_readable_one_narrowed() {
         let tmp = tempfile::tempdir().unwrap();
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o750)).unwrap();
         Store::open(tmp.path()).unwrap();
         assert_eq!(
             fs::metadata(tmp.path()).unwrap().permissions().mode() & 0o777,
-            0o750
+            0o700
         );
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o777)).unwrap();
+        let e = Store::open(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("mode 0777") && e.contains("chmod 0755"), "{e}");
+    }
+
+    #[test]
+    fn a_planted_or_loose_checkpoint_is_refused_with_its_path_and_the_fix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join(FILE_NAME);
+        fs::write(&file, encode(&state_with(1)).unwrap()).unwrap();
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o666)).unwrap();
+        let e = Store::open(tmp.path()).unwrap_err().to_string();
+        assert!(
+            e.contains(&file.display().to_string())
+                && e.contains("mode 0666")
+                && e.contains("chmod 0600"),
+            "{e}"
+        );
+        fs::set_permissions(&file, fs::Permissions::from_mode(0o600)).unwrap();
+        Store::open(tmp.path()).unwrap();
+
+        let elsewhere = tmp.path().join("elsewhere.json");
+        fs::rename(&file, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &file).unwrap();
+        let e = Store::open(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        fs::remove_file(&file).unwrap();
+
+        if crate::trust::euid() == 0 {
+            fs::write(&file, encode(&state_with(1)).unwrap()).unwrap();
+            std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
+            let e = Store::open(tmp.path()).unwrap_err().to_string();
+            assert!(e.contains("owned by uid 65534") && e.contains("rm "), "{e}");
+        }
     }
 
     #[test]

@@ -19,6 +19,13 @@ pub enum LedgerError {
         path: PathBuf,
         source: io::Error,
     },
+    /// The state directory or the checkpoint could have been put there by someone else.
+    #[error("ledger: refusing {path}: {reason}; {fix}")]
+    Untrusted {
+        path: PathBuf,
+        reason: String,
+        fix: String,
+    },
     /// The checkpoint could not be serialized (not expected to happen for our own types).
     #[error("ledger: cannot encode the checkpoint for {path}: {source}")]
     Encode {

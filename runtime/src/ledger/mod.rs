@@ -18,6 +18,7 @@
 //! no kubelet wire type: the device-plugin front end converts at its edge.
 
 mod checkpoint;
+mod claims;
 mod entry;
 mod error;
 mod reconcile;
@@ -33,7 +34,8 @@ use std::time::{Duration, SystemTime};
 use checkpoint::Store;
 use state::State;
 
-pub use checkpoint::{FILE_NAME, VERSION};
+pub use checkpoint::{FILE_NAME, VERSION, check_file as check_trusted_file};
+pub use claims::{ClaimRecord, Conflict, PreparedRequest};
 pub use entry::{Entry, Holder};
 pub use error::LedgerError;
 pub use reconcile::{Held, ReconcileReport};
@@ -69,6 +71,9 @@ struct Inner {
     written: std::sync::atomic::AtomicU64,
     /// Wakes the writer after a change.
     changed: tokio::sync::Notify,
+    /// Bumped whenever a claim takes or gives back devices: the device-plugin front end leaves
+    /// claimed devices out of what it advertises.
+    claims_changed: tokio::sync::watch::Sender<u64>,
     /// Set by the first change after a write, cleared by the writer as it starts the next one:
     /// a burst of Allocates wakes the writer's thread once, not once per call (each wake is a
     /// system call on Allocate's path).
@@ -111,6 +116,7 @@ impl Ledger {
                 writing: Mutex::new(()),
                 written: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
+                claims_changed: tokio::sync::watch::Sender::new(0),
                 wake_pending: std::sync::atomic::AtomicBool::new(false),
             }),
         }
@@ -127,13 +133,39 @@ impl Ledger {
     /// ledger stays as small as the devices it names. At [`MAX_ENTRIES`] the oldest entry no container was seen holding
     /// (else the oldest) is dropped and counted in [`dropped`](Self::dropped). An entry the
     /// kubelet never reports is freed by [`reconcile`](Self::reconcile) after its grace.
-    pub fn record(&self, resource: &str, device_ids: &[String]) -> u64 {
+    ///
+    /// A device a DRA claim holds (`resource` served through DRA before, or still answering for
+    /// its claims) is refused, in the same step that records: one device is never held through
+    /// both front ends.
+    pub fn record(&self, resource: &str, device_ids: &[String]) -> Result<u64, Conflict> {
+        let ids = self.record_all(resource, std::slice::from_ref(&device_ids.to_vec()))?;
+        Ok(ids.first().copied().unwrap_or_default())
+    }
+
+    /// [`record`](Self::record) for each container of one `Allocate`: all of them, or (when a
+    /// claim holds one of the devices) none.
+    pub fn record_all(
+        &self,
+        resource: &str,
+        containers: &[Vec<String>],
+    ) -> Result<Vec<u64>, Conflict> {
         let mut locked = self.lock();
-        locked.state.supersede(resource, device_ids);
-        let dropped = locked.state.make_room(MAX_ENTRIES - 1);
-        let id = locked
-            .state
-            .push(resource, device_ids.to_vec(), None, SystemTime::now());
+        if let Some(conflict) = containers
+            .iter()
+            .find_map(|ids| locked.state.claims.container_conflict(resource, ids))
+        {
+            return Err(conflict);
+        }
+        let mut entry_ids = Vec::with_capacity(containers.len());
+        let mut dropped = 0;
+        for device_ids in containers {
+            locked.state.supersede(resource, device_ids);
+            dropped += locked.state.make_room(MAX_ENTRIES - 1);
+            let id = locked
+                .state
+                .push(resource, device_ids.clone(), None, SystemTime::now());
+            entry_ids.push(id);
+        }
         locked.version += 1;
         if dropped > 0 {
             locked.dropped += dropped;
@@ -150,7 +182,152 @@ impl Ledger {
             drop(locked);
         }
         self.wake_writer();
-        id
+        Ok(entry_ids)
+    }
+
+    /// The first of `device_ids` of `resource` (as the device-plugin front end serves it) a DRA
+    /// claim holds: Allocate refuses it before asking the module.
+    pub fn claimed_of(&self, resource: &str, device_ids: &[String]) -> Option<Conflict> {
+        self.lock()
+            .state
+            .claims
+            .container_conflict(resource, device_ids)
+    }
+
+    /// Takes the devices `record` asks for to claim `uid`, if no other claim and no container
+    /// holds one (admin requests take none): the check and the record are one step under the
+    /// ledger's lock, so of several claims racing for a device exactly one gets it. The claim is
+    /// reserved, not yet written: [`prepare_claim`](Self::prepare_claim) makes it durable,
+    /// [`drop_claim`](Self::drop_claim) gives the devices back.
+    pub fn reserve_claim(&self, uid: &str, record: ClaimRecord) -> Result<(), Conflict> {
+        let mut locked = self.lock();
+        let state = &mut locked.state;
+        if state.claims.by_uid.contains_key(uid) {
+            return Err(Conflict::Busy {
+                uid: uid.to_owned(),
+            });
+        }
+        if let Some(conflict) = state
+            .claims
+            .conflict(uid, &record)
+            .or_else(|| claims::container_conflict(&state.entries, &record))
+        {
+            return Err(conflict);
+        }
+        state.claims.insert(uid.to_owned(), record, false);
+        drop(locked);
+        self.claims_moved();
+        Ok(())
+    }
+
+    /// Tells watchers of [`claims_changed`](Self::claims_changed).
+    fn claims_moved(&self) {
+        self.inner.claims_changed.send_modify(|n| *n += 1);
+    }
+
+    /// Changes whenever claims take or give back devices.
+    pub fn claims_changed(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.claims_changed.subscribe()
+    }
+
+    /// Marks reserved claim `uid` prepared with `record` (its devices unchanged, its answer
+    /// filled in); [`persist`](Self::persist) then writes it.
+    pub fn prepare_claim(&self, uid: &str, record: ClaimRecord) {
+        let mut locked = self.lock();
+        locked.state.claims.insert(uid.to_owned(), record, true);
+        locked.version += 1;
+        drop(locked);
+        self.claims_moved();
+    }
+
+    /// Forgets claim `uid`, reserved or prepared, freeing its devices; Some if it was prepared
+    /// (then [`persist`](Self::persist) writes its absence).
+    pub fn drop_claim(&self, uid: &str) -> Option<ClaimRecord> {
+        let mut locked = self.lock();
+        let gone = locked.state.claims.remove(uid)?;
+        if gone.prepared {
+            locked.version += 1;
+        }
+        drop(locked);
+        self.claims_moved();
+        gone.prepared.then_some(gone.record)
+    }
+
+    /// Claim `uid` if it is prepared.
+    pub fn claim(&self, uid: &str) -> Option<ClaimRecord> {
+        let locked = self.lock();
+        let claim = locked.state.claims.by_uid.get(uid)?;
+        claim.prepared.then(|| claim.record.clone())
+    }
+
+    /// The prepared claims of `driver`, by UID.
+    pub fn claims_of(&self, driver: &str) -> Vec<(String, ClaimRecord)> {
+        self.lock()
+            .state
+            .claims
+            .by_uid
+            .iter()
+            .filter(|(_, c)| c.prepared && c.record.driver == driver)
+            .map(|(uid, c)| (uid.clone(), c.record.clone()))
+            .collect()
+    }
+
+    /// How many claims `driver` has prepared.
+    pub fn claim_count(&self, driver: &str) -> usize {
+        self.lock()
+            .state
+            .claims
+            .by_uid
+            .values()
+            .filter(|c| c.prepared && c.record.driver == driver)
+            .count()
+    }
+
+    /// The module IDs of `resource` that DRA claims hold: the device-plugin front end leaves
+    /// them out of what it advertises.
+    pub fn claimed(&self, resource: &str) -> std::collections::BTreeSet<String> {
+        self.lock().state.claims.held_ids(resource)
+    }
+
+    /// Takes in claims a driver's checkpoint of an older agent kept (`dra-<driver>.json`), as
+    /// prepared, and writes them; refuses them all if one holds a device something else holds.
+    pub fn adopt_claims(&self, claims: Vec<(String, ClaimRecord)>) -> Result<(), Conflict> {
+        {
+            let mut locked = self.lock();
+            let state = &mut locked.state;
+            let mut next = state.claims.clone();
+            for (uid, record) in claims {
+                if let Some(conflict) = next
+                    .conflict(&uid, &record)
+                    .or_else(|| claims::container_conflict(&state.entries, &record))
+                {
+                    return Err(conflict);
+                }
+                next.insert(uid, record, true);
+            }
+            state.claims = next;
+            locked.version += 1;
+        }
+        self.claims_moved();
+        Ok(())
+    }
+
+    /// Writes the checkpoint now if a change is not in it yet, and returns once it is: what a
+    /// DRA prepare waits for before answering. Prepares finishing together share one write.
+    pub async fn persist(&self) -> Result<(), LedgerError> {
+        if self.is_written() {
+            return Ok(());
+        }
+        let ledger = self.clone();
+        tokio::task::spawn_blocking(move || ledger.write(false))
+            .await
+            .map_err(|e| {
+                LedgerError::io(
+                    "write",
+                    self.file().unwrap_or(Path::new("")),
+                    std::io::Error::other(e),
+                )
+            })?
     }
 
     /// Tells the writer there is something to write, unless it was told already.

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
+use super::claims::Claims;
 use super::entry::{Entry, Holder, truncate_to_millis};
 
 /// Everything the checkpoint holds besides its version.
@@ -10,8 +11,10 @@ use super::entry::{Entry, Holder, truncate_to_millis};
 pub(crate) struct State {
     /// The id the next entry gets; always greater than every id in `entries`.
     pub next_id: u64,
-    /// In increasing id order.
+    /// In increasing id order: the device-plugin front end's containers.
     pub entries: Vec<Entry>,
+    /// DRA claims, by UID.
+    pub claims: Claims,
 }
 
 impl Default for State {
@@ -19,6 +22,7 @@ impl Default for State {
         State {
             next_id: 1,
             entries: Vec::new(),
+            claims: Claims::default(),
         }
     }
 }

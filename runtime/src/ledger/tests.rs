@@ -68,8 +68,8 @@ fn record_then_reopen_restores_entries_and_next_id() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
     assert_eq!(ledger.file(), Some(dir.path().join(FILE_NAME).as_path()));
-    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])), 1);
-    assert_eq!(ledger.record(GPU, &ids(&["gpu-0"])), 2);
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap(), 1);
+    assert_eq!(ledger.record(GPU, &ids(&["gpu-0"])).unwrap(), 2);
     let before = ledger.entries();
     assert_eq!(before.len(), 2);
     assert_eq!(before[0].device_ids, ids(&["fuse-0", "fuse-1"]));
@@ -80,7 +80,7 @@ fn record_then_reopen_restores_entries_and_next_id() {
     let reopened = Ledger::open(dir.path()).unwrap();
     assert_eq!(reopened.entries(), before);
     assert_eq!(
-        reopened.record(FUSE, &ids(&["fuse-2"])),
+        reopened.record(FUSE, &ids(&["fuse-2"])).unwrap(),
         3,
         "ids are never reused"
     );
@@ -90,14 +90,14 @@ fn record_then_reopen_restores_entries_and_next_id() {
 fn ids_are_not_reused_after_entries_are_freed() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     let report = ledger.reconcile(&list(vec![]), Duration::ZERO, &only_fuse);
     assert_eq!(report.freed.len(), 1);
     ledger.write(false).unwrap();
     drop(ledger);
     let reopened = Ledger::open(dir.path()).unwrap();
     assert!(reopened.entries().is_empty());
-    assert_eq!(reopened.record(FUSE, &ids(&["fuse-0"])), 2);
+    assert_eq!(reopened.record(FUSE, &ids(&["fuse-0"])).unwrap(), 2);
 }
 
 /// Captures what `tracing` logs while `f` runs.
@@ -159,7 +159,7 @@ fn corrupt_checkpoint_is_set_aside_and_logged() {
         assert!(log.contains(reason), "{log}");
 
         // The ledger works and its next checkpoint is a fresh, valid one.
-        assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])), 1);
+        assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
         ledger.write(false).unwrap();
         assert_eq!(
             Ledger::open(dir.path()).unwrap().entries(),
@@ -173,7 +173,7 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join(FILE_NAME);
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["seed"]));
+    ledger.record(FUSE, &ids(&["seed"])).unwrap();
     ledger.write(false).unwrap();
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -214,7 +214,7 @@ fn checkpoint_is_always_whole_and_leaves_no_temp_files() {
             let ledger = ledger.clone();
             std::thread::spawn(move || {
                 for i in 0..25 {
-                    ledger.record(FUSE, &[format!("dev-{w}-{i}")]);
+                    ledger.record(FUSE, &[format!("dev-{w}-{i}")]).unwrap();
                 }
             })
         })
@@ -248,7 +248,7 @@ fn recording_never_waits_for_a_checkpoint_being_written() {
     let recorder = {
         let ledger = ledger.clone();
         std::thread::spawn(move || {
-            let id = ledger.record(FUSE, &ids(&["fuse-0"]));
+            let id = ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
             let report = ledger.reconcile(&list(vec![]), HOUR, &only_fuse);
             done.send((id, report.pending)).unwrap();
         })
@@ -265,11 +265,11 @@ fn recording_never_waits_for_a_checkpoint_being_written() {
 #[test]
 fn at_the_cap_the_oldest_unattributed_entries_are_dropped_and_counted() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["held"]));
+    ledger.record(FUSE, &ids(&["held"])).unwrap();
     let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["held"])])])]);
     assert_eq!(ledger.reconcile(&pods, HOUR, &only_fuse).attributed, 1);
     for i in 0..MAX_ENTRIES + 9 {
-        ledger.record(FUSE, &[format!("dev-{i}")]);
+        ledger.record(FUSE, &[format!("dev-{i}")]).unwrap();
     }
     let entries = ledger.entries();
     assert_eq!(entries.len(), MAX_ENTRIES);
@@ -290,7 +290,7 @@ fn at_the_cap_the_oldest_unattributed_entries_are_dropped_and_counted() {
 fn the_checkpoint_is_compact_json() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     ledger.write(false).unwrap();
     let text = fs::read_to_string(dir.path().join(FILE_NAME)).unwrap();
     assert_eq!(text.lines().count(), 1, "{text}");
@@ -304,7 +304,7 @@ fn a_failed_checkpoint_keeps_the_entry_and_a_later_write_catches_up() {
     let ledger = Ledger::open(&dir).unwrap();
     fs::remove_dir_all(&dir).unwrap();
 
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     let err = ledger.write(false).unwrap_err();
     assert!(matches!(err, LedgerError::Io { .. }), "{err:?}");
     assert!(
@@ -329,7 +329,7 @@ async fn the_writer_retries_a_failed_checkpoint_on_its_own() {
     fs::remove_dir_all(&dir).unwrap();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let writer = tokio::spawn(ledger.clone().run_writer(stopped));
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     fs::create_dir(&dir).unwrap();
     // No further change: only the writer's retry can write it.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -346,7 +346,7 @@ async fn the_writer_retries_a_failed_checkpoint_on_its_own() {
 fn in_memory_ledger_never_writes() {
     let ledger = Ledger::in_memory();
     assert_eq!(ledger.file(), None);
-    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])), 1);
+    assert_eq!(ledger.record(FUSE, &ids(&["fuse-0"])).unwrap(), 1);
     ledger.flush().unwrap();
     let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
     assert_eq!(ledger.reconcile(&pods, HOUR, &only_fuse).attributed, 1);
@@ -370,8 +370,8 @@ fn flush_writes_the_checkpoint() {
 fn reconcile_attributes_holders_and_checkpoints_them() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(dir.path()).unwrap();
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
-    ledger.record(FUSE, &ids(&["fuse-2"]));
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-2"])).unwrap();
     let pods = list(vec![
         pod(
             "default",
@@ -418,8 +418,8 @@ fn reconcile_attributes_holders_and_checkpoints_them() {
 #[test]
 fn reconcile_frees_entries_whose_pod_vanished() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"]));
-    ledger.record(FUSE, &ids(&["fuse-1"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-1"])).unwrap();
     let both = list(vec![
         pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]),
         pod("ns", "b", &[("c", &[(FUSE, &["fuse-1"])])]),
@@ -441,7 +441,7 @@ fn reconcile_frees_entries_whose_pod_vanished() {
 #[test]
 fn an_entry_is_held_only_by_a_container_with_all_its_devices() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
     // Same ids under another resource, and only part of them under ours: no match.
     let pods = list(vec![
         pod("ns", "other", &[("c", &[(GPU, &["fuse-0", "fuse-1"])])]),
@@ -485,7 +485,7 @@ fn a_fresh_entry_that_shows_up_is_attributed_within_grace() {
 #[test]
 fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     let pods = list(vec![
         // fuse-0 is known; fuse-1 in the same container is not.
         pod("ns", "known", &[("c", &[(FUSE, &["fuse-0", "fuse-1"])])]),
@@ -524,8 +524,8 @@ fn reconcile_adopts_unknown_allocations_of_our_resources_only() {
 fn a_newer_allocation_of_a_device_supersedes_the_older_entry_at_once() {
     let ledger = Ledger::in_memory();
     // Init container got fuse-0; the app container reused it and got fuse-1 too.
-    ledger.record(FUSE, &ids(&["fuse-0"]));
-    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-0", "fuse-1"])).unwrap();
     assert_eq!(
         ledger.entries().iter().map(|e| e.id).collect::<Vec<_>>(),
         vec![2],
@@ -542,7 +542,7 @@ fn a_newer_allocation_of_a_device_supersedes_the_older_entry_at_once() {
 
     // However many pods come and go unreported, one entry per device.
     for _ in 0..100 {
-        ledger.record(FUSE, &ids(&["fuse-2"]));
+        ledger.record(FUSE, &ids(&["fuse-2"])).unwrap();
     }
     assert_eq!(ledger.entries().len(), 2);
 }
@@ -550,7 +550,7 @@ fn a_newer_allocation_of_a_device_supersedes_the_older_entry_at_once() {
 #[test]
 fn the_current_holder_is_kept_when_several_containers_qualify() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &ids(&["fuse-0"]));
+    ledger.record(FUSE, &ids(&["fuse-0"])).unwrap();
     let b = pod("ns", "b", &[("c", &[(FUSE, &["fuse-0"])])]);
     let a = pod("ns", "a", &[("c", &[(FUSE, &["fuse-0"])])]);
     ledger.reconcile(&list(vec![b.clone()]), HOUR, &only_fuse);
@@ -562,7 +562,7 @@ fn the_current_holder_is_kept_when_several_containers_qualify() {
 #[test]
 fn an_entry_without_devices_is_never_held() {
     let ledger = Ledger::in_memory();
-    ledger.record(FUSE, &[]);
+    ledger.record(FUSE, &[]).unwrap();
     let pods = list(vec![pod("ns", "p", &[("c", &[(FUSE, &["fuse-0"])])])]);
     let report = ledger.reconcile(&pods, HOUR, &|_| false);
     assert_eq!((report.attributed, report.pending), (0, 1));
@@ -574,7 +574,7 @@ fn ledger_is_send_sync_and_clones_share_state() {
     assert_send_sync::<Ledger>();
     let a = Ledger::in_memory();
     let b = a.clone();
-    a.record(FUSE, &ids(&["fuse-0"]));
+    a.record(FUSE, &ids(&["fuse-0"])).unwrap();
     assert_eq!(b.entries().len(), 1);
 }
 
@@ -585,7 +585,7 @@ async fn records_reach_the_checkpoint_through_the_writer() {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let flusher = tokio::spawn(ledger.clone().run_writer(stopped));
     for i in 0..50 {
-        ledger.record(FUSE, &[format!("fuse-{i}")]);
+        ledger.record(FUSE, &[format!("fuse-{i}")]).unwrap();
     }
     // The burst is written without stopping the writer.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -599,7 +599,7 @@ async fn records_reach_the_checkpoint_through_the_writer() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    ledger.record(FUSE, &ids(&["last"]));
+    ledger.record(FUSE, &ids(&["last"])).unwrap();
     stop.send(true).unwrap();
     flusher.await.unwrap();
     assert_eq!(
@@ -607,4 +607,136 @@ async fn records_reach_the_checkpoint_through_the_writer() {
         51,
         "stopping flushes"
     );
+}
+
+fn claim_of(resource: &str, name: &str, devices: &[&str], admin: bool) -> ClaimRecord {
+    ClaimRecord {
+        driver: "fuse.devicelet.io".into(),
+        resource: resource.into(),
+        namespace: "team".into(),
+        name: name.into(),
+        requests: vec![PreparedRequest {
+            request: "fuse".into(),
+            devices: devices
+                .iter()
+                .map(|d| (d.to_string(), d.to_string()))
+                .collect(),
+            config: String::new(),
+            cdi_ids: Vec::new(),
+            admin,
+        }],
+        spec_file: None,
+    }
+}
+
+#[test]
+fn of_claims_racing_for_one_device_exactly_one_holds_it_every_round() {
+    let ledger = Ledger::in_memory();
+    for round in 0..100 {
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(6));
+        let won: Vec<bool> = (0..6)
+            .map(|i| {
+                let (ledger, barrier) = (ledger.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let uid = format!("r{round}-c{i}");
+                    barrier.wait();
+                    ledger
+                        .reserve_claim(&uid, claim_of(FUSE, &uid, &["fuse-0"], false))
+                        .is_ok()
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect();
+        assert_eq!(
+            won.iter().filter(|w| **w).count(),
+            1,
+            "round {round}: {won:?}"
+        );
+        let winner = won.iter().position(|w| *w).unwrap();
+        ledger.drop_claim(&format!("r{round}-c{winner}"));
+    }
+    // Admin access holds nothing: it is never refused and never refuses another.
+    ledger
+        .reserve_claim("plain", claim_of(FUSE, "plain", &["fuse-0"], false))
+        .unwrap();
+    ledger
+        .reserve_claim("monitor", claim_of(FUSE, "monitor", &["fuse-0"], true))
+        .unwrap();
+    let e = ledger
+        .reserve_claim("late", claim_of(FUSE, "late", &["fuse-0"], false))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "device \"fuse-0\" of devicelet.io/fuse is already prepared for ResourceClaim team/plain (UID plain)"
+    );
+}
+
+#[test]
+fn a_container_and_a_claim_racing_for_one_device_one_wins_the_other_is_told_who() {
+    for round in 0..100 {
+        let ledger = Ledger::in_memory();
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let container = {
+            let (ledger, barrier) = (ledger.clone(), barrier.clone());
+            // The device plugin serves it shared and renamed: replicas of the module's device.
+            std::thread::spawn(move || {
+                barrier.wait();
+                ledger.record(&format!("{FUSE}.shared"), &ids(&["fuse-0::3"]))
+            })
+        };
+        let claim = {
+            let ledger = ledger.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                ledger.reserve_claim("u", claim_of(FUSE, "c", &["fuse-0"], false))
+            })
+        };
+        let (container, claim) = (container.join().unwrap(), claim.join().unwrap());
+        match (container, claim) {
+            (Ok(_), Err(e)) => assert!(
+                e.to_string()
+                    .contains("held by a container the kubelet has not reported yet"),
+                "{e}"
+            ),
+            (Err(e), Ok(())) => assert!(
+                e.to_string()
+                    .contains("already prepared for ResourceClaim team/c"),
+                "{e}"
+            ),
+            other => panic!("round {round}: both or neither won: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn prepared_claims_reach_the_checkpoint_and_reservations_do_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(tmp.path()).unwrap();
+    ledger
+        .reserve_claim("done", claim_of(FUSE, "done", &["fuse-0"], false))
+        .unwrap();
+    ledger.prepare_claim("done", claim_of(FUSE, "done", &["fuse-0"], false));
+    ledger
+        .reserve_claim("half", claim_of(FUSE, "half", &["fuse-1"], false))
+        .unwrap();
+    ledger.flush().unwrap();
+    // As after a SIGKILL between reserving and preparing: only what was prepared is held.
+    let again = Ledger::open(tmp.path()).unwrap();
+    assert!(again.claim("done").is_some());
+    assert!(again.claim("half").is_none());
+    assert_eq!(
+        again.claimed(FUSE).into_iter().collect::<Vec<_>>(),
+        ["fuse-0"]
+    );
+    let e = again.record(FUSE, &ids(&["fuse-0"])).unwrap_err();
+    assert!(e.to_string().contains("team/done"), "{e}");
+    again.record(FUSE, &ids(&["fuse-1"])).unwrap();
+    assert_eq!(
+        again.drop_claim("done").map(|c| c.name),
+        Some("done".into())
+    );
+    again.flush().unwrap();
+    assert!(Ledger::open(tmp.path()).unwrap().claimed(FUSE).is_empty());
 }

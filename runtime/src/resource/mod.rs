@@ -5,6 +5,7 @@
 //! names a kubelet wire type or wasmtime: the device-plugin front end (`kubelet/`) and a second
 //! front end would both be built on these.
 
+pub mod advertised;
 pub mod backend;
 pub mod core;
 pub mod health;
