@@ -19,6 +19,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod nvml;
 pub mod oci;
+pub mod plugin_socket;
 pub mod policy;
 pub mod resource;
 pub mod sandbox;

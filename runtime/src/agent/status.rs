@@ -319,13 +319,9 @@ pub(super) fn collect(shared: &Shared) -> Status {
 /// Binds the status socket (0600: it tells who runs what on the node).
 pub(super) fn bind(state_dir: &Path) -> anyhow::Result<UnixListener> {
     use anyhow::Context;
-    use std::os::unix::fs::PermissionsExt;
     let path = state_dir.join(STATUS_SOCKET);
-    let listener = crate::kubelet::uds::bind(&path)
-        .with_context(|| format!("binding the status socket {}", path.display()))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("restricting {}", path.display()))?;
-    Ok(listener)
+    devicelet_api::uds::bind_private(&path)
+        .with_context(|| format!("binding the status socket {}", path.display()))
 }
 
 pub(super) async fn serve(

@@ -11,12 +11,12 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::units::units;
-use crate::kubelet::api::dra::health::dra_resource_health_server::DraResourceHealth;
-use crate::kubelet::api::dra::health::{
+use crate::resource::snapshot::Snapshot;
+use devicelet_api::dra::health::dra_resource_health_server::DraResourceHealth;
+use devicelet_api::dra::health::{
     DeviceHealth, DeviceIdentifier, HealthStatus, NodeWatchResourcesRequest,
     NodeWatchResourcesResponse,
 };
-use crate::resource::snapshot::Snapshot;
 
 /// The service name the driver lists in `GetInfo` beside its DRAPlugin versions, as the
 /// kubelet-plugin helper does for a driver that implements it.

@@ -492,7 +492,9 @@ impl<B: DeviceBackend> Claims<B> {
                 _ => match units(&snapshot).into_iter().find(|u| u.name == *name) {
                     Some(unit) => unit.members,
                     None => {
-                        return refused(format!("device {name:?} is not one this driver publishes"));
+                        return refused(format!(
+                            "device {name:?} is not one this driver publishes"
+                        ));
                     }
                 },
             };

@@ -11,20 +11,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use devicelet_api::dra::{self, v1, v1beta1};
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use super::prepare::{ClaimRef, Claims, PreparedDevice};
-use crate::kubelet::api::dra::{self, v1, v1beta1};
-use crate::kubelet::api::pluginregistration::registration_server::{
-    Registration, RegistrationServer,
-};
-use crate::kubelet::api::pluginregistration::{
-    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-};
-use crate::kubelet::api::{serve, uds};
+use crate::plugin_socket::{self, WatcherInfo};
 use crate::resource::backend::DeviceBackend;
 
 /// The registration socket of `driver` in the plugin watcher's directory.
@@ -44,51 +37,6 @@ pub struct Registered(AtomicBool);
 impl Registered {
     pub fn get(&self) -> bool {
         self.0.load(Ordering::Relaxed)
-    }
-}
-
-struct Registrar {
-    driver: String,
-    endpoint: PathBuf,
-    registered: Arc<Registered>,
-}
-
-#[tonic::async_trait]
-impl Registration for Registrar {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        Ok(Response::new(PluginInfo {
-            r#type: dra::DRA_PLUGIN.into(),
-            name: self.driver.clone(),
-            endpoint: self.endpoint.display().to_string(),
-            supported_versions: dra::SUPPORTED_VERSIONS
-                .into_iter()
-                .chain([super::health::SERVICE])
-                .map(String::from)
-                .collect(),
-        }))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        let status = request.into_inner();
-        self.registered
-            .0
-            .store(status.plugin_registered, Ordering::Relaxed);
-        if status.plugin_registered {
-            tracing::info!(
-                driver = self.driver,
-                "registered with the kubelet as a DRA driver"
-            );
-        } else {
-            tracing::warn!(
-                driver = self.driver,
-                "the kubelet refused the DRA driver: {}",
-                status.error
-            );
-        }
-        Ok(Response::new(RegistrationStatusResponse {}))
     }
 }
 
@@ -228,38 +176,58 @@ pub fn serve<B: DeviceBackend>(
     let routes = Routes::new(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin))
         .add_service(dra::health::dra_resource_health_server::DraResourceHealthServer::new(health));
-    let mut tasks = vec![spawn_server(&service, routes, stop.clone())?];
+    let shutdown = |mut stop: watch::Receiver<bool>| async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let mut tasks = vec![plugin_socket::serve(
+        &service,
+        routes,
+        None,
+        shutdown(stop.clone()),
+        true,
+    )?];
     let registered = Arc::new(Registered::default());
-    let registrar = RegistrationServer::new(Registrar {
-        driver,
-        endpoint: service.clone(),
-        registered: registered.clone(),
-    });
-    tasks.push(spawn_server(&registration, Routes::new(registrar), stop)?);
+    let notice = {
+        let (driver, registered) = (driver.clone(), registered.clone());
+        move |status: devicelet_api::pluginregistration::RegistrationStatus| {
+            registered
+                .0
+                .store(status.plugin_registered, Ordering::Relaxed);
+            if status.plugin_registered {
+                tracing::info!(driver, "registered with the kubelet as a DRA driver");
+            } else {
+                tracing::warn!(
+                    driver,
+                    "the kubelet refused the DRA driver: {}",
+                    status.error
+                );
+            }
+        }
+    };
+    let registrar = plugin_socket::watcher_registration(
+        WatcherInfo {
+            kind: dra::DRA_PLUGIN,
+            name: driver,
+            endpoint: service.clone(),
+            versions: dra::SUPPORTED_VERSIONS
+                .into_iter()
+                .chain([super::health::SERVICE])
+                .map(String::from)
+                .collect(),
+        },
+        notice,
+    );
+    tasks.push(plugin_socket::serve(
+        &registration,
+        Routes::new(registrar),
+        None,
+        shutdown(stop),
+        true,
+    )?);
     Ok(Served {
         registration,
         service,
         registered,
         tasks,
     })
-}
-
-/// Binds `socket` (only the kubelet, root, may connect) and serves `routes` on it until `stop`;
-/// then the file goes.
-fn spawn_server(
-    socket: &Path,
-    routes: Routes,
-    mut stop: watch::Receiver<bool>,
-) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    let listener = uds::bind(socket)?;
-    crate::kubelet::lifecycle::restrict_to_owner(socket);
-    let path = socket.to_owned();
-    Ok(tokio::spawn(async move {
-        let incoming = UnixListenerStream::new(listener);
-        let shutdown = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        serve::serve(incoming, routes, serve::MAX_PLUGIN_CONNECTIONS, shutdown).await;
-        let _ = std::fs::remove_file(&path);
-    }))
 }

@@ -7,22 +7,22 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::service::Routes;
 
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
+use super::api::deviceplugin::VERSION;
 use super::api::deviceplugin::{
     DevicePluginOptions, KUBELET_SOCKET, device_plugin_server::DevicePluginServer,
 };
-use super::api::pluginregistration::{RegistrationStatus, registration_server::RegistrationServer};
-use super::api::serve;
+use super::api::pluginregistration::{DEVICE_PLUGIN, RegistrationStatus};
 use super::plugin_server::ResourcePlugin;
-use super::route::{RegistrationState, Route, WatcherRegistration};
-use super::{connections, registration, uds};
+use super::registration;
+use super::route::{RegistrationState, Route};
 use crate::backoff::Backoff;
+use crate::plugin_socket::{self, WatcherInfo};
 use crate::resource::backend::DeviceBackend;
 
 /// What the lifecycle needs to serve and register one resource.
@@ -339,34 +339,36 @@ impl<B: DeviceBackend> Lifecycle<B> {
         open: watch::Sender<usize>,
         notices: mpsc::Sender<RegistrationStatus>,
     ) -> std::io::Result<()> {
-        std::fs::create_dir_all(self.route.socket_dir(&self.plugin_dir))?;
-        let listener = uds::bind(&self.socket())?;
-        restrict_to_owner(&self.socket());
         let plugin = self.plugin.clone();
         let (mut stop, mut server_stopped) = (self.stop.clone(), server_stopped);
-        let resource = self.resource.clone();
-        let watcher = match &self.route {
-            Route::KubeletSocket => None,
-            Route::PluginWatcher(_) => Some(RegistrationServer::new(WatcherRegistration {
-                resource: self.resource.clone(),
-                endpoint: self.socket(),
-                notices,
-            })),
+        let routes = Routes::new(DevicePluginServer::new(plugin));
+        let routes = match &self.route {
+            Route::KubeletSocket => routes,
+            Route::PluginWatcher(_) => routes.add_service(plugin_socket::watcher_registration(
+                WatcherInfo {
+                    kind: DEVICE_PLUGIN,
+                    name: self.resource.clone(),
+                    // This very socket serves the device-plugin API.
+                    endpoint: self.socket(),
+                    versions: vec![VERSION.into()],
+                },
+                // A lifecycle that is not listening any more (its server is being replaced) has
+                // no use for the notice; the kubelet must not wait on it.
+                move |notice| {
+                    let _ = notices.try_send(notice);
+                },
+            )),
         };
+        let shutdown = async move {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => {}
+                _ = server_stopped.wait_for(|s| *s) => {}
+            }
+        };
+        let resource = self.resource.clone();
+        let served = plugin_socket::serve(&self.socket(), routes, Some(open), shutdown, false)?;
         tokio::spawn(async move {
-            let routes = Routes::new(DevicePluginServer::new(plugin));
-            let routes = match watcher {
-                Some(watcher) => routes.add_service(watcher),
-                None => routes,
-            };
-            let incoming = connections::counted(UnixListenerStream::new(listener), open);
-            let shutdown = async move {
-                tokio::select! {
-                    _ = stop.wait_for(|s| *s) => {}
-                    _ = server_stopped.wait_for(|s| *s) => {}
-                }
-            };
-            serve::serve(incoming, routes, serve::MAX_PLUGIN_CONNECTIONS, shutdown).await;
+            let _ = served.await;
             tracing::debug!(resource, "device-plugin server stopped");
         });
         Ok(())
@@ -506,13 +508,5 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-/// Only the kubelet (root) may talk to a plugin socket.
-pub(crate) fn restrict_to_owner(path: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
-        tracing::warn!("cannot restrict {} to its owner: {e}", path.display());
     }
 }

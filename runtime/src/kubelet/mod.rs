@@ -15,7 +15,6 @@
 
 pub use devicelet_api as api;
 pub use devicelet_api::{names, uds};
-mod connections;
 pub mod lifecycle;
 pub mod plugin_server;
 pub mod podresources;

@@ -5,19 +5,11 @@
 //! - The plugin watcher: our socket sits in `plugins_registry/` and answers the watcher's
 //!   `GetInfo`; the kubelet finds it by itself, after its own restarts too (that directory is
 //!   not wiped). The same socket serves the device-plugin API (the endpoint we give is its own
-//!   path), so nothing of ours lives in the directory the kubelet wipes.
+//!   path), so nothing of ours lives in the directory the kubelet wipes. Its `Registration`
+//!   service is the plugin-socket layer's (`crate::plugin_socket`), as a DRA driver's is.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
-use tokio::sync::mpsc;
-use tonic::{Request, Response, Status};
-
-use super::api::deviceplugin::VERSION;
-use super::api::pluginregistration::{
-    DEVICE_PLUGIN, InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
-    registration_server::Registration,
-};
 
 /// How resources register with the kubelet.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -74,36 +66,5 @@ impl RegistrationState {
 
     pub(super) fn failed(&self) {
         self.failures.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// The plugin watcher's `Registration` service for one resource: tells the kubelet who we are
-/// and passes on what it reports.
-pub struct WatcherRegistration {
-    pub resource: String,
-    /// The socket serving the device-plugin API: this very socket.
-    pub endpoint: PathBuf,
-    pub notices: mpsc::Sender<RegistrationStatus>,
-}
-
-#[tonic::async_trait]
-impl Registration for WatcherRegistration {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        Ok(Response::new(PluginInfo {
-            r#type: DEVICE_PLUGIN.into(),
-            name: self.resource.clone(),
-            endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![VERSION.into()],
-        }))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        // A lifecycle that is not listening any more (its server is being replaced) has no use
-        // for the notice; the kubelet must not wait on it.
-        let _ = self.notices.try_send(request.into_inner());
-        Ok(Response::new(RegistrationStatusResponse {}))
     }
 }

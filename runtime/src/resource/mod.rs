@@ -64,12 +64,29 @@ mod tests {
             "api::pluginregistration",
             "api::dra",
         ];
-        let front_ends = ["kubelet", "dra", "cli"];
+        let front_ends = ["kubelet", "dra", "cli", "plugin_socket"];
         let found = lines_naming(|top| !front_ends.contains(&top), &wire);
         assert!(
             found.is_empty(),
-            "wire types outside kubelet/ and cli/:\n{}",
+            "wire types outside the front ends, the socket layer and cli/:\n{}",
             found.join("\n")
+        );
+    }
+
+    /// The two front ends stand side by side on the core and the socket layer: neither reaches
+    /// into the other, so either can change, or a third join them, without touching the other.
+    #[test]
+    fn the_front_ends_import_neither_each_other() {
+        let dra_into_kubelet = lines_naming(
+            |top| top == "dra",
+            &["crate::kubelet", "super::super::kubelet"],
+        );
+        let kubelet_into_dra =
+            lines_naming(|top| top == "kubelet", &["crate::dra", "super::super::dra"]);
+        assert!(
+            dra_into_kubelet.is_empty() && kubelet_into_dra.is_empty(),
+            "front ends reaching into each other:\n{}",
+            [dra_into_kubelet, kubelet_into_dra].concat().join("\n")
         );
     }
 
