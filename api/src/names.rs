@@ -125,6 +125,12 @@ pub fn is_dns1123_subdomain(s: &str) -> bool {
     s.len() <= SUBDOMAIN_MAX && s.split('.').all(|label| label_error(label).is_none())
 }
 
+/// A DRA driver name: a DNS-1123 subdomain the API keeps to 63 characters
+/// (`DriverNameMaxLength`), so a longer one would be refused in every ResourceSlice.
+pub fn is_dra_driver_name(s: &str) -> bool {
+    s.len() <= 63 && is_dns1123_subdomain(s)
+}
+
 /// One RFC 1123 label of at most 63 characters, as `IsDNS1123Label`.
 pub fn is_dns1123_label(s: &str) -> bool {
     s.len() <= 63 && label_error(s).is_none()

@@ -63,7 +63,8 @@ pub async fn run(command: ModuleCommand) -> anyhow::Result<()> {
 }
 
 async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let source = crate::oci::reference::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
+    let source =
+        crate::config::oci_source::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
     let key = match &args.verify_key {
         Some(file) => {
             Some(crate::oci::signature::VerifyKey::read(file).map_err(anyhow::Error::msg)?)
@@ -129,7 +130,8 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
 }
 
 async fn sign(args: SignArgs) -> anyhow::Result<()> {
-    let source = crate::oci::reference::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
+    let source =
+        crate::config::oci_source::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
     let access = args.registries.access()?;
     let client = access
         .client(&source.registry)

@@ -35,6 +35,7 @@
 //! `sha256`, and whether the module's imports fit its grants are the loader's business, because
 //! only the loader can name the module *and* the failing file in one message.
 
+mod choices;
 mod error;
 mod grants;
 mod json;
@@ -42,10 +43,12 @@ mod keypath;
 mod limits;
 mod module;
 mod names;
+pub mod oci_source;
 mod registry;
 mod sharing;
 mod source;
 mod units;
+pub(crate) mod verify_key;
 
 pub use units::parse_duration;
 mod value;
@@ -53,6 +56,7 @@ mod value;
 #[cfg(test)]
 mod tests;
 
+pub use choices::{AllocationPolicy, DeviceListStrategy};
 pub use error::RegistryError;
 pub use grants::{FORBIDDEN_MOUNTS, Grants, NVML, forbidden_by_path, forbidden_by_path_in};
 pub use limits::{
@@ -62,5 +66,7 @@ pub use limits::{
     MEMORY_LIMIT_MIN,
 };
 pub use module::{FrontEnd, ModuleSpec};
+pub use oci_source::OciSource;
 pub use registry::Registry;
 pub use sharing::{MAX_REPLICAS, ShareRule, Sharing};
+pub use verify_key::VerifyKey;

@@ -29,10 +29,10 @@ pub struct ModuleSpec {
     /// entry in the module store.
     pub path: PathBuf,
     /// Where the module comes from when not a file: an OCI registry, pinned by digest.
-    pub source: Option<crate::oci::OciSource>,
+    pub source: Option<super::OciSource>,
     /// The vendor key a `source` must be signed with (cosign keyed signing), read when the
     /// registry is: a changed key file takes effect at the next registry read.
-    pub verify_key: Option<crate::oci::signature::VerifyKey>,
+    pub verify_key: Option<super::VerifyKey>,
     /// Domain for the module's bare resource names: its own `resource-domain`, else the
     /// registry's.
     pub resource_domain: String,
@@ -57,12 +57,12 @@ pub struct ModuleSpec {
     /// unchanged (`resource::prepared`). Off: every Allocate calls the module.
     pub allocate_ahead: bool,
     /// Who answers GetPreferredAllocation for the module's resources.
-    pub allocation_policy: crate::policy::AllocationPolicy,
+    pub allocation_policy: super::AllocationPolicy,
     /// How many containers may share each device of its resources (`[module.sharing]`).
     pub sharing: super::Sharing,
     /// How Allocate names devices to the runtime; a CDI strategy also has the host write a CDI
     /// spec per resource (`crate::cdi`).
-    pub device_list_strategy: crate::cdi::DeviceListStrategy,
+    pub device_list_strategy: super::DeviceListStrategy,
     /// What the module may read from the host.
     pub grants: Grants,
     /// The vendor's own settings, verbatim: a JSON object, `{}` when absent.
@@ -157,9 +157,9 @@ pub(super) fn parse(
     let mut host_memory = DEFAULT_HOST_MEMORY;
     let mut sha256 = None;
     let mut allocate_ahead = true;
-    let mut allocation_policy = crate::policy::AllocationPolicy::default();
+    let mut allocation_policy = super::AllocationPolicy::default();
     let mut sharing = super::Sharing::default();
-    let mut device_list_strategy = crate::cdi::DeviceListStrategy::default();
+    let mut device_list_strategy = super::DeviceListStrategy::default();
     // CDI specs are built from the answers prepared ahead: reported at the strategy's line.
     let mut needs_allocate_ahead = None;
     let mut grants = Grants::default();
@@ -188,11 +188,11 @@ pub(super) fn parse(
             "path" => path = Some(module_path(node, base)?),
             "source" => {
                 let text = node.str()?;
-                source = Some(crate::oci::reference::parse(text).map_err(|e| node.error(e))?);
+                source = Some(super::oci_source::parse(text).map_err(|e| node.error(e))?);
             }
             "verify-key" => {
                 let text = node.str()?;
-                let key = crate::oci::signature::VerifyKey::read(&base.join(text))
+                let key = super::VerifyKey::read(&base.join(text))
                     .map_err(|e| node.error(format!("`verify-key`: {e}")))?;
                 verify_key = Some((key, node.error(
                     "`verify-key` checks the signature of a module from a registry (`source`); a \
@@ -241,8 +241,13 @@ pub(super) fn parse(
             "front-end" => front_end = Some(front_end_of(node)?),
             "dra-driver" => {
                 let text = node.str()?;
-                crate::dra::names::check_driver(text)
-                    .map_err(|e| node.error(format!("`dra-driver` {text:?}: {e}")))?;
+                if !devicelet_api::names::is_dra_driver_name(text) {
+                    return Err(node.error(format!(
+                        "`dra-driver` {text:?} is not a DNS subdomain of at most 63 characters \
+                         (lowercase letters, digits, `-` and `.`, each part starting and ending \
+                         with a letter or digit), e.g. \"gpu.example.com\""
+                    )));
+                }
                 dra_driver = Some((text.to_string(), node.error(
                     "`dra-driver` names the module's DRA driver, and this module has no `front-end = \"dra\"`",
                 )));
@@ -354,8 +359,8 @@ fn front_end_of(node: &Node<'_>) -> Result<bool, RegistryError> {
     }
 }
 
-fn policy(node: &Node<'_>) -> Result<crate::policy::AllocationPolicy, RegistryError> {
-    use crate::policy::AllocationPolicy;
+fn policy(node: &Node<'_>) -> Result<super::AllocationPolicy, RegistryError> {
+    use super::AllocationPolicy;
     let text = node.str()?;
     Ok(match text {
         "module" => AllocationPolicy::Module,
@@ -371,7 +376,7 @@ fn policy(node: &Node<'_>) -> Result<crate::policy::AllocationPolicy, RegistryEr
 }
 
 /// `device-list-strategy`: one name, or a list of them.
-fn strategy(node: &Node<'_>) -> Result<crate::cdi::DeviceListStrategy, RegistryError> {
+fn strategy(node: &Node<'_>) -> Result<super::DeviceListStrategy, RegistryError> {
     let names = match node.get().as_str() {
         Some(name) => vec![name],
         None => node
@@ -380,7 +385,7 @@ fn strategy(node: &Node<'_>) -> Result<crate::cdi::DeviceListStrategy, RegistryE
             .map(|n| n.str())
             .collect::<Result<Vec<_>, _>>()?,
     };
-    crate::cdi::DeviceListStrategy::parse(names).map_err(|message| node.error(message))
+    super::DeviceListStrategy::parse(names).map_err(|message| node.error(message))
 }
 
 fn duration(node: &Node<'_>, min: Duration, max: Duration) -> Result<Duration, RegistryError> {

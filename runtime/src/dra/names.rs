@@ -28,21 +28,14 @@ pub enum NameError {
     Collision(String, String, String),
 }
 
-/// Whether `name` is a DNS label: lowercase letters, digits and `-`, starting and ending with a
-/// letter or digit, at most 63 characters.
+/// Whether `name` is a DNS label (the one copy of the rule is `devicelet_api::names`).
 pub fn is_label(name: &str) -> bool {
-    let edge = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    let bytes = name.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= MAX_LABEL
-        && bytes.first().is_some_and(|&b| edge(b))
-        && bytes.last().is_some_and(|&b| edge(b))
-        && bytes.iter().all(|&b| edge(b) || b == b'-')
+    devicelet_api::names::is_dns1123_label(name)
 }
 
-/// Checks a driver name: a DNS subdomain.
+/// Checks a driver name: a DNS subdomain of at most [`MAX_DRIVER`] characters.
 pub fn check_driver(name: &str) -> Result<(), NameError> {
-    if name.len() <= MAX_DRIVER && name.split('.').all(is_label) {
+    if devicelet_api::names::is_dra_driver_name(name) {
         Ok(())
     } else {
         Err(NameError::NotASubdomain(name.to_owned()))

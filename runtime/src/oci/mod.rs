@@ -1,4 +1,5 @@
-//! Modules from OCI registries: the `source` reference (`reference.rs`), how registries are
+//! Modules from OCI registries: the `source` reference (parsed with the registry,
+//! `config/oci_source.rs`), how registries are
 //! reached (`access.rs`: TLS, insecure ones, credentials), the content-addressed store under
 //! the state directory (`store.rs`), pulling by digest with every byte checked (`pull.rs`),
 //! vendor signatures (`signature.rs`) and pushing a module as a wasm component artifact
@@ -8,9 +9,8 @@
 pub mod access;
 pub mod pull;
 pub mod push;
-pub mod reference;
 pub mod signature;
 pub mod store;
 
+pub use crate::config::OciSource;
 pub use pull::Fetcher;
-pub use reference::OciSource;

@@ -14,10 +14,10 @@ use serde::Deserialize;
 use tokio_stream::StreamExt;
 
 use super::access::Access;
-use super::reference::OciSource;
 use super::signature;
 use super::store::Store;
 use crate::config::ModuleSpec;
+use crate::config::OciSource;
 use crate::digest::sha256_hex;
 
 /// The media types of the wasm OCI layout (`docs/design/oci.md`).

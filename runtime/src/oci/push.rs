@@ -8,7 +8,7 @@ use std::path::Path;
 use oci_client::Reference;
 
 use super::pull::{CONFIG_MEDIA_TYPE, LAYER_MEDIA_TYPE, MANIFEST_MEDIA_TYPE};
-use super::reference::OciSource;
+use crate::config::OciSource;
 use crate::digest::sha256_hex;
 
 /// Where to push: `oci://<registry>/<repository>:<tag>` (no digest: pushing makes it).
@@ -33,7 +33,7 @@ pub fn target(text: &str) -> Result<(String, String, String), String> {
         "oci://{registry}/{repository}:{tag}@sha256:{}",
         "0".repeat(64)
     );
-    super::reference::parse(&check)?;
+    crate::config::oci_source::parse(&check)?;
     Ok((registry.to_owned(), repository.to_owned(), tag.to_owned()))
 }
 

@@ -9,18 +9,20 @@
 //! `sigstore` would bring its own TLS, crypto and TUF stacks to the agent. The transparency log
 //! is not consulted (as `cosign verify --insecure-ignore-tlog`): the operator's key is the trust.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use ring::signature::{ECDSA_P256_SHA256_ASN1, ECDSA_P256_SHA256_FIXED, UnparsedPublicKey};
+use rustls::pki_types::PrivatePkcs8KeyDer;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{PrivatePkcs8KeyDer, SubjectPublicKeyInfoDer};
 use serde::{Deserialize, Serialize};
 
-use super::reference::OciSource;
+use crate::config::OciSource;
+pub use crate::config::VerifyKey;
+use crate::config::verify_key::MAX_KEY_FILE;
 use crate::digest::sha256_hex;
 
 pub const SIGNATURE_MEDIA_TYPE: &str = "application/vnd.dev.cosign.simplesigning.v1+json";
@@ -34,50 +36,12 @@ const SIGNATURE_MANIFEST_TYPES: [&str; 2] = [
 /// A payload is a few hundred bytes; a signature artifact a few layers.
 const MAX_PAYLOAD: i64 = 64 << 10;
 const MAX_SIGNATURES: usize = 16;
-/// A key file is a few hundred bytes.
-const MAX_KEY_FILE: u64 = 64 << 10;
-/// The DER of a P-256 SubjectPublicKeyInfo up to its 65-byte uncompressed point.
-const P256_SPKI_PREFIX: [u8; 26] = [
-    0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a,
-    0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00,
-];
-
-/// A vendor's public key (`verify-key`): PEM `PUBLIC KEY`, ECDSA P-256, as `cosign
-/// generate-key-pair` writes `cosign.pub` and `openssl pkey -pubout` does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VerifyKey {
-    pub path: PathBuf,
-    point: Vec<u8>,
+/// Checking signatures with a vendor's key (the key itself is read with the registry).
+pub trait Verifies {
+    fn verifies(&self, payload: &[u8], signature: &[u8]) -> bool;
 }
 
-impl VerifyKey {
-    /// Reads and checks the key file. Err says what is wrong with it.
-    pub fn read(path: &Path) -> Result<VerifyKey, String> {
-        let text = crate::files::read_regular(path, MAX_KEY_FILE)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
-        let der = SubjectPublicKeyInfoDer::from_pem_slice(&text).map_err(|e| {
-            format!(
-                "{}: not a PEM public key (-----BEGIN PUBLIC KEY-----, as cosign.pub or \
-                 `openssl pkey -pubout` writes): {e}",
-                path.display()
-            )
-        })?;
-        let point = der
-            .as_ref()
-            .strip_prefix(&P256_SPKI_PREFIX[..])
-            .filter(|p| p.len() == 65 && p[0] == 4)
-            .ok_or_else(|| {
-                format!(
-                    "{}: not an ECDSA P-256 public key (cosign's keyed signatures use P-256)",
-                    path.display()
-                )
-            })?;
-        Ok(VerifyKey {
-            path: path.to_owned(),
-            point: point.to_vec(),
-        })
-    }
-
+impl Verifies for VerifyKey {
     /// Whether `signature` (DER, or r‖s as cosign also takes) signs `payload` with this key.
     fn verifies(&self, payload: &[u8], signature: &[u8]) -> bool {
         let alg = if signature.len() == 64 {
@@ -85,7 +49,7 @@ impl VerifyKey {
         } else {
             &ECDSA_P256_SHA256_ASN1
         };
-        UnparsedPublicKey::new(alg, &self.point)
+        UnparsedPublicKey::new(alg, self.point())
             .verify(payload, signature)
             .is_ok()
     }
@@ -383,6 +347,7 @@ pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::verify_key::P256_SPKI_PREFIX;
 
     /// A P-256 key pair made by ring: (the public key as PEM, the PKCS#8 PEM private key).
     fn key_pair(dir: &Path, name: &str) -> (VerifyKey, ring::signature::EcdsaKeyPair) {

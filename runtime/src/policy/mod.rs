@@ -6,19 +6,7 @@ pub mod preferred;
 pub mod sharing;
 pub mod topology;
 
-/// Who answers a resource's GetPreferredAllocation, as the registry's `allocation-policy` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum AllocationPolicy {
-    /// The module's own `preferred` when it asks for the call, the host's `packed` otherwise.
-    #[default]
-    Module,
-    /// The host, filling NUMA nodes (and devices) with the fewest free first.
-    Packed,
-    /// The host, spreading over the NUMA nodes it chose.
-    Distributed,
-    /// Nobody: the kubelet picks devices itself.
-    None,
-}
+pub use crate::config::AllocationPolicy;
 
 /// Who answers GetPreferredAllocation for one resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -90,6 +90,29 @@ mod tests {
         );
     }
 
+    /// The registry parses into plain values: `config/` knows no subsystem that acts on them, so
+    /// a subsystem can change without the registry's parser changing with it.
+    #[test]
+    fn config_imports_no_subsystem() {
+        let subsystems = [
+            "crate::oci",
+            "crate::cdi",
+            "crate::policy",
+            "crate::dra",
+            "crate::kubelet",
+            "crate::sandbox",
+            "crate::agent",
+            "crate::resource",
+            "crate::ledger",
+        ];
+        let found = lines_naming(|top| top == "config", &subsystems);
+        assert!(
+            found.is_empty(),
+            "config/ importing a subsystem:\n{}",
+            found.join("\n")
+        );
+    }
+
     /// WebAssembly stays in the sandbox (and the agent that starts it): the core and the front
     /// ends serve whatever implements the backend trait.
     #[test]
