@@ -459,6 +459,8 @@ mod tests {
     }
 
     impl DeviceBackend for Fake {
+        crate::resource::backend::plain_calls!();
+
         fn name(&self) -> &str {
             "fake"
         }

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::config::{ShareRule, Sharing};
-use crate::device::{ContainerEdits, Device, MAX_DEVICES, MAX_ID};
+use crate::device::{ContainerEdits, Device, MAX_DEVICES, MAX_ID, Request};
 use crate::resource::backend::{BackendError, DeviceBackend};
 
 /// Separates a physical device ID from its replica number.
@@ -56,6 +56,21 @@ impl<B: DeviceBackend> Replicated<B> {
 
     fn rule(&self, resource: &str) -> Option<&ShareRule> {
         Some(self.sharing.rule(resource)).filter(|r| r.shares())
+    }
+
+    /// The physical devices the module is asked for when a container asks for `ids`.
+    fn physical_for(&self, resource: &str, ids: Vec<String>) -> Result<Vec<String>, BackendError> {
+        let Some(rule) = self.rule(resource) else {
+            return Ok(ids);
+        };
+        if rule.fail_requests_greater_than_one && ids.len() > 1 {
+            return Err(BackendError::Invalid(format!(
+                "{resource} is shared: a container may ask for one device only, not {} \
+                 (fail-requests-greater-than-one)",
+                ids.len()
+            )));
+        }
+        Ok(physical(&ids))
     }
 }
 
@@ -146,17 +161,23 @@ impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
         resource: &str,
         ids: Vec<String>,
     ) -> Result<ContainerEdits, BackendError> {
-        let Some(rule) = self.rule(resource) else {
-            return self.inner.allocate(resource, ids).await;
+        let ids = self.physical_for(resource, ids)?;
+        self.inner.allocate(resource, ids).await
+    }
+
+    async fn allocate_request(&self, request: Request) -> Result<ContainerEdits, BackendError> {
+        let ids = self.physical_for(&request.resource, request.ids)?;
+        self.inner
+            .allocate_request(Request { ids, ..request })
+            .await
+    }
+
+    async fn release(&self, request: Request) -> Result<(), BackendError> {
+        let ids = match self.rule(&request.resource) {
+            Some(_) => physical(&request.ids),
+            None => request.ids,
         };
-        if rule.fail_requests_greater_than_one && ids.len() > 1 {
-            return Err(BackendError::Invalid(format!(
-                "{resource} is shared: a container may ask for one device only, not {} \
-                 (fail-requests-greater-than-one)",
-                ids.len()
-            )));
-        }
-        self.inner.allocate(resource, physical(&ids)).await
+        self.inner.release(Request { ids, ..request }).await
     }
 
     async fn preferred(
@@ -231,6 +252,36 @@ mod tests {
             self.seen.lock().unwrap().push(ids);
             Ok(())
         }
+
+        async fn preferred(
+            &self,
+            _: &str,
+            _: Vec<String>,
+            _: Vec<String>,
+            _: u32,
+        ) -> Result<Vec<String>, BackendError> {
+            crate::resource::backend::no_preferred(self.name())
+        }
+
+        async fn allocate_request(&self, r: Request) -> Result<ContainerEdits, BackendError> {
+            self.seen
+                .lock()
+                .unwrap()
+                .push([r.ids, vec![r.config, r.key]].concat());
+            Ok(ContainerEdits::default())
+        }
+
+        async fn release(&self, r: Request) -> Result<(), BackendError> {
+            self.seen
+                .lock()
+                .unwrap()
+                .push([vec!["release".into()], r.ids, vec![r.key]].concat());
+            Ok(())
+        }
+
+        fn recheck_after(&self, _: &str) -> Option<std::time::Duration> {
+            Some(std::time::Duration::from_secs(7))
+        }
     }
 
     fn rule(replicas: u32) -> ShareRule {
@@ -271,6 +322,40 @@ mod tests {
         assert_eq!(
             *module.seen.lock().unwrap(),
             [strings(&["gpu-0", "gpu-1"]), strings(&["gpu-0"])]
+        );
+    }
+
+    #[tokio::test]
+    async fn requests_with_config_releases_and_rechecks_reach_the_module_with_physical_ids() {
+        let module = Module::default();
+        let shared = Replicated::new(
+            module.clone(),
+            Sharing {
+                default: rule(3),
+                ..Sharing::default()
+            },
+        );
+        let request = |ids: &[&str]| Request {
+            resource: "gpu".into(),
+            ids: strings(ids),
+            config: r#"{"mode":"x"}"#.into(),
+            key: "uid/gpu".into(),
+        };
+        shared
+            .allocate_request(request(&["gpu-0::2", "gpu-0::1"]))
+            .await
+            .unwrap();
+        shared.release(request(&["gpu-0::2"])).await.unwrap();
+        assert_eq!(
+            *module.seen.lock().unwrap(),
+            [
+                strings(&["gpu-0", r#"{"mode":"x"}"#, "uid/gpu"]),
+                strings(&["release", "gpu-0", "uid/gpu"])
+            ]
+        );
+        assert_eq!(
+            shared.recheck_after("gpu"),
+            Some(std::time::Duration::from_secs(7))
         );
     }
 

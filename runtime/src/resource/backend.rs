@@ -54,45 +54,24 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<ContainerEdits, BackendError>> + Send;
 
     /// `size` of `available`, including all of `must_include`; only called when the resource's
-    /// options offer preferred allocation.
+    /// options offer preferred allocation. A backend without one answers [`no_preferred`].
     fn preferred(
         &self,
         resource: &str,
         available: Vec<String>,
         must_include: Vec<String>,
         size: u32,
-    ) -> impl Future<Output = Result<Vec<String>, BackendError>> + Send {
-        let _ = (resource, available, must_include, size);
-        std::future::ready(Err(BackendError::Failed(format!(
-            "{} offers no preferred allocation",
-            self.name()
-        ))))
-    }
+    ) -> impl Future<Output = Result<Vec<String>, BackendError>> + Send;
 
     /// What a container needs for `request`, which may carry the request's own config and key
-    /// (a DRA claim's). A backend that knows no config answers a request without one as
-    /// [`allocate`](Self::allocate) does, and refuses one with config.
+    /// (a DRA claim's). A backend that knows no config answers [`allocate_without_config`].
     fn allocate_request(
         &self,
         request: Request,
-    ) -> impl Future<Output = Result<ContainerEdits, BackendError>> + Send {
-        async move {
-            if !request.config.is_empty() {
-                return Err(BackendError::Invalid(format!(
-                    "{} takes no per-request config",
-                    self.name()
-                )));
-            }
-            self.allocate(&request.resource, request.ids).await
-        }
-    }
+    ) -> impl Future<Output = Result<ContainerEdits, BackendError>> + Send;
 
-    /// The end of `request` (a DRA claim unprepared): what was set up for it may go. Nothing by
-    /// default.
-    fn release(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send {
-        let _ = request;
-        std::future::ready(Ok(()))
-    }
+    /// The end of `request` (a DRA claim unprepared): what was set up for it may go.
+    fn release(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send;
 
     /// Runs before a container using `ids` starts; only called when the resource's options ask
     /// for it.
@@ -100,18 +79,84 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
         &self,
         resource: &str,
         ids: Vec<String>,
-    ) -> impl Future<Output = Result<(), BackendError>> + Send {
-        let _ = (resource, ids);
-        std::future::ready(Ok(()))
-    }
+    ) -> impl Future<Output = Result<(), BackendError>> + Send;
 
     /// How soon the resource's last enumeration asked to be enumerated again (something the
     /// backend knows changes by then, such as a quiet period ending); None: at the interval.
-    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
-        let _ = resource;
-        None
-    }
+    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration>;
 }
+
+// Every call of the trait is required, none has a default: a decorator (sharing, the module
+// slot) must name each one, so none can be dropped on the way to the backend it wraps, as
+// `allocate_request` and `release` once were. A backend with nothing to do for a call says so
+// with one of these.
+
+/// The answer of a backend that offers no preferred allocation.
+pub fn no_preferred(name: &str) -> Result<Vec<String>, BackendError> {
+    Err(BackendError::Failed(format!(
+        "{name} offers no preferred allocation"
+    )))
+}
+
+/// [`DeviceBackend::allocate_request`] for a backend that knows no per-request config: a request
+/// without one is an `allocate`, one with config is refused.
+pub async fn allocate_without_config<B: DeviceBackend>(
+    backend: &B,
+    request: Request,
+) -> Result<ContainerEdits, BackendError> {
+    if !request.config.is_empty() {
+        return Err(BackendError::Invalid(format!(
+            "{} takes no per-request config",
+            backend.name()
+        )));
+    }
+    backend.allocate(&request.resource, request.ids).await
+}
+
+/// The calls a test double has nothing to do for, spelled out once: no preferred allocation,
+/// no per-request config, nothing to release or run before a container, the usual interval.
+#[cfg(test)]
+macro_rules! plain_calls {
+    () => {
+        async fn preferred(
+            &self,
+            _: &str,
+            _: Vec<String>,
+            _: Vec<String>,
+            _: u32,
+        ) -> Result<Vec<String>, $crate::resource::backend::BackendError> {
+            $crate::resource::backend::no_preferred(self.name())
+        }
+
+        async fn allocate_request(
+            &self,
+            request: $crate::device::Request,
+        ) -> Result<$crate::device::ContainerEdits, $crate::resource::backend::BackendError> {
+            $crate::resource::backend::allocate_without_config(self, request).await
+        }
+
+        async fn release(
+            &self,
+            _: $crate::device::Request,
+        ) -> Result<(), $crate::resource::backend::BackendError> {
+            Ok(())
+        }
+
+        async fn prestart(
+            &self,
+            _: &str,
+            _: Vec<String>,
+        ) -> Result<(), $crate::resource::backend::BackendError> {
+            Ok(())
+        }
+
+        fn recheck_after(&self, _: &str) -> Option<std::time::Duration> {
+            None
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use plain_calls;
 
 /// Where a backend lives, as the resource core sees it. Every method has a default for a backend
 /// that lives nowhere special ([`Unkept`]).

@@ -208,6 +208,8 @@ mod tests {
     }
 
     impl DeviceBackend for Scripted {
+        crate::resource::backend::plain_calls!();
+
         fn name(&self) -> &str {
             "scripted"
         }

@@ -352,6 +352,8 @@ mod tests {
     }
 
     impl DeviceBackend for Fake {
+        crate::resource::backend::plain_calls!();
+
         fn name(&self) -> &str {
             "fake"
         }

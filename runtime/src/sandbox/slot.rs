@@ -174,4 +174,8 @@ impl DeviceBackend for ModuleHandle {
         }
         Ok(())
     }
+
+    fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
+        ModuleHandle::recheck_after(self, resource)
+    }
 }
