@@ -5,6 +5,8 @@
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
+use super::prepare::ClaimError;
+
 /// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
 /// config that applies to them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +24,15 @@ pub struct RequestWanted {
 /// This driver's part of `claim`, which the kubelet asked for as `uid`; `pool` is this node's.
 /// Err says why the claim cannot be prepared here, naming it.
 pub fn wanted(
+    claim: &ResourceClaim,
+    uid: &str,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<RequestWanted>, ClaimError> {
+    wanted_by(claim, uid, driver, pool).map_err(ClaimError::Refused)
+}
+
+fn wanted_by(
     claim: &ResourceClaim,
     uid: &str,
     driver: &str,
@@ -163,21 +174,29 @@ mod tests {
             serde_json::json!([result("gpu", "gpu.example.com", "node-b", "gpu-0")]),
             serde_json::json!([]),
         );
-        let e = wanted(&c, "u-2", "gpu.example.com", "node-a").unwrap_err();
+        let e = wanted(&c, "u-2", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("team/gpus got replaced"), "{e}");
-        let e = wanted(&c, "u-1", "gpu.example.com", "node-a").unwrap_err();
+        let e = wanted(&c, "u-1", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("is in pool \"node-b\", not this node's pool \"node-a\""),
             "{e}"
         );
-        let e = wanted(&c, "u-1", "other.example.com", "node-a").unwrap_err();
+        let e = wanted(&c, "u-1", "other.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("has no devices of driver other.example.com"),
             "{e}"
         );
         let mut unallocated = c.clone();
         unallocated.status = None;
-        let e = wanted(&unallocated, "u-1", "gpu.example.com", "node-a").unwrap_err();
+        let e = wanted(&unallocated, "u-1", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
         assert!(e.ends_with("team/gpus is not allocated"), "{e}");
     }
 }

@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 
 use super::HeldElsewhere;
 use super::api::ApiClient;
+use super::error::DriverError;
 use super::events::DraEvents;
 use super::prepare::{Claims, ClaimsSpec};
 use super::retire::Retirees;
@@ -112,9 +113,13 @@ pub fn start<B: DeviceBackend>(
     upkeep: &Arc<dyn Upkeep>,
     spec: DriverSpec<'_>,
     options: &DraOptions,
-) -> Result<RunningDriver, String> {
-    let kind = crate::cdi::spec::dra_kind(spec.driver, spec.local)
-        .map_err(|e| format!("DRA driver {}: {e}", spec.driver))?;
+) -> Result<RunningDriver, DriverError> {
+    let kind = crate::cdi::spec::dra_kind(spec.driver, spec.local).map_err(|message| {
+        DriverError::Kind {
+            driver: spec.driver.to_owned(),
+            message,
+        }
+    })?;
     if let Some(dir) = &options.state_dir {
         super::old_checkpoint::adopt(dir, spec.driver, spec.name, &spec.ledger)?;
     }
@@ -159,7 +164,10 @@ pub fn start<B: DeviceBackend>(
         &options.plugins_dir,
         stopped.clone(),
     )
-    .map_err(|e| format!("DRA driver {}: serving its sockets: {e}", spec.driver))?;
+    .map_err(|source| DriverError::Serve {
+        driver: spec.driver.to_owned(),
+        source,
+    })?;
     let pool = Pool {
         driver: spec.driver.to_owned(),
         node: options.node.clone(),

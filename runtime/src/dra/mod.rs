@@ -6,6 +6,7 @@
 pub mod api;
 pub mod claim;
 pub mod driver;
+pub mod error;
 pub mod events;
 pub mod health;
 pub mod names;

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::error::DriverError;
 use crate::ledger::{ClaimRecord, Ledger, PreparedRequest};
 
 /// The only version those agents wrote.
@@ -48,29 +49,27 @@ pub fn adopt(
     driver: &str,
     resource: &str,
     ledger: &Ledger,
-) -> Result<(), String> {
+) -> Result<(), DriverError> {
     let file = path(state_dir, driver);
+    let failed = |message: String| DriverError::OldCheckpoint {
+        file: file.clone(),
+        message,
+    };
     let meta = match std::fs::symlink_metadata(&file) {
         Ok(meta) => meta,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => {
-            return Err(format!(
-                "reading the DRA checkpoint {}: {e}",
-                file.display()
-            ));
-        }
+        Err(e) => return Err(failed(format!("reading it: {e}"))),
     };
-    crate::ledger::check_trusted_file(&file, &meta).map_err(|e| e.to_string())?;
+    crate::ledger::check_trusted_file(&file, &meta).map_err(|e| failed(e.to_string()))?;
     let bytes = crate::files::read_regular(&file, MAX_FILE)
-        .map_err(|e| format!("reading the DRA checkpoint {}: {e}", file.display()))?;
-    let old: File = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("the DRA checkpoint {} is not valid: {e}", file.display()))?;
+        .map_err(|e| failed(format!("reading it: {e}")))?;
+    let old: File =
+        serde_json::from_slice(&bytes).map_err(|e| failed(format!("not valid: {e}")))?;
     if old.version != VERSION {
-        return Err(format!(
-            "the DRA checkpoint {} has version {}, this agent reads version {VERSION}",
-            file.display(),
+        return Err(failed(format!(
+            "has version {}, this agent reads version {VERSION}",
             old.version
-        ));
+        )));
     }
     let claims: Vec<(String, ClaimRecord)> = old
         .claims
@@ -98,15 +97,11 @@ pub fn adopt(
         })
         .collect();
     let count = claims.len();
-    ledger.adopt_claims(claims).map_err(|e| {
-        format!(
-            "the DRA checkpoint {} names a device held otherwise: {e}",
-            file.display()
-        )
-    })?;
-    ledger.flush().map_err(|e| e.to_string())?;
-    std::fs::remove_file(&file)
-        .map_err(|e| format!("removing the DRA checkpoint {}: {e}", file.display()))?;
+    ledger
+        .adopt_claims(claims)
+        .map_err(|e| failed(format!("names a device held otherwise: {e}")))?;
+    ledger.flush().map_err(|e| failed(e.to_string()))?;
+    std::fs::remove_file(&file).map_err(|e| failed(format!("removing it: {e}")))?;
     tracing::info!(
         driver,
         claims = count,
@@ -129,7 +124,9 @@ mod tests {
         std::fs::write(&file, old).unwrap();
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let e = adopt(dir.path(), "gpu.example.com", "example.com/gpu", &ledger).unwrap_err();
+        let e = adopt(dir.path(), "gpu.example.com", "example.com/gpu", &ledger)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("mode 0666"), "{e}");
         assert_eq!(ledger.claim_count("gpu.example.com"), 0);
 

@@ -311,8 +311,7 @@ impl<B: DeviceBackend> Claims<B> {
                 self.events.emit(&self.driver, DraEvent::ApiError);
                 ClaimError::Api(e.to_string())
             })?;
-        let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)
-            .map_err(ClaimError::Refused)?;
+        let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)?;
         for want in &wanted {
             check_names(&claim.uid, &want.request)?;
         }
