@@ -757,3 +757,152 @@ async fn changing_one_resources_sharing_re_serves_that_resource_only() {
     );
     agent.shutdown().await;
 }
+
+/// A front end of the test's own, registered through the agent's front-end seam: it serves
+/// nothing, and records what the agent asks of it.
+mod recorder {
+    use std::any::Any;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use devicelet::agent::front_ends::{BoxFuture, Context, FrontEnd, FrontEndKind, Stop};
+    use devicelet::config::ModuleSpec;
+    use devicelet::sandbox::slot::ModuleSlot;
+    use tokio::sync::Notify;
+
+    #[derive(Clone, Default)]
+    pub struct Recorder {
+        pub calls: Arc<Mutex<Vec<String>>>,
+        pub registered: Arc<AtomicBool>,
+    }
+
+    struct Served {
+        recorder: Recorder,
+        names: Vec<String>,
+    }
+
+    impl Recorder {
+        fn note(&self, call: String) {
+            self.calls.lock().unwrap().push(call);
+        }
+    }
+
+    impl FrontEndKind for Recorder {
+        fn start<'a>(
+            &'a self,
+            cx: &'a Context<'a>,
+        ) -> BoxFuture<'a, (Box<dyn FrontEnd>, Vec<String>)> {
+            let names: Vec<String> = cx.planned.iter().map(|(n, _)| n.clone()).collect();
+            self.note(format!("start {} {}", cx.spec.name, names.join(",")));
+            let served = Served {
+                recorder: self.clone(),
+                names,
+            };
+            Box::pin(async move { (Box::new(served) as Box<dyn FrontEnd>, Vec::new()) })
+        }
+    }
+
+    impl FrontEnd for Served {
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn resources(&self) -> Vec<String> {
+            self.names.clone()
+        }
+        fn names(&self) -> Vec<String> {
+            self.names.clone()
+        }
+        fn pokes(&self) -> Vec<Arc<Notify>> {
+            Vec::new()
+        }
+        fn ended(&self, _: &str) -> Vec<String> {
+            Vec::new()
+        }
+        fn not_ready(&self, module: &str) -> Vec<String> {
+            match self.recorder.registered.load(Ordering::Relaxed) {
+                true => Vec::new(),
+                false => vec![format!("the recorder has not registered module `{module}`")],
+            }
+        }
+        fn keeps(&self, old: &ModuleSpec, cx: &Context<'_>) -> bool {
+            old.health_interval == cx.spec.health_interval
+        }
+        fn stop_gone<'a>(
+            &'a mut self,
+            _: &'a ModuleSpec,
+            cx: &'a Context<'a>,
+        ) -> BoxFuture<'a, ()> {
+            let version = devicelet::resource::backend::Upkeep::generation(cx.slot);
+            self.recorder.note(format!("stop_gone, version {version}"));
+            Box::pin(async {})
+        }
+        fn resume<'a>(&'a mut self, cx: &'a Context<'a>) -> BoxFuture<'a, Vec<String>> {
+            let version = devicelet::resource::backend::Upkeep::generation(cx.slot);
+            self.recorder.note(format!("resume, version {version}"));
+            Box::pin(async { Vec::new() })
+        }
+        fn stop<'a>(self: Box<Self>, how: Stop<'a>, _: &'a ModuleSlot) -> BoxFuture<'a, ()> {
+            let how = match how {
+                Stop::Shutdown => "shutdown",
+                Stop::Removed => "removed",
+                Stop::Restart(_) => "restart",
+            };
+            self.recorder.note(format!("stop {how}"));
+            Box::pin(async {})
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_end_registered_through_the_seam_is_started_upgraded_asked_and_stopped() {
+    use devicelet::agent::CustomFrontEnd;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let recorder = recorder::Recorder::default();
+    let calls = recorder.calls.clone();
+    let kind = CustomFrontEnd(std::sync::Arc::new(recorder.clone()));
+    let module = |interval: &str, deadline: &str| {
+        generic_dev(FUSE)
+            .replace("\"100ms\"", &format!("\"{interval}\""))
+            .replace(
+                "call-deadline = \"2s\"",
+                &format!("call-deadline = \"{deadline}\""),
+            )
+    };
+    let agent = node
+        .start_agent_with(&module("100ms", "2s"), move |o| o.front_end = Some(kind))
+        .await;
+    let seen = || calls.lock().unwrap().clone();
+    assert_eq!(seen(), ["start generic-dev devicelet.io/fuse.shared"]);
+    // Nothing was served through the kubelet's API: the front end was this one.
+    assert!(agent.resources().is_empty());
+    // Readiness asks the front end.
+    let not_ready = agent.ready().unwrap_err();
+    assert!(
+        not_ready.contains("the recorder has not registered module `generic-dev`"),
+        "{not_ready}"
+    );
+    recorder
+        .registered
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    agent.ready().expect("ready once the front end says so");
+
+    // An edit it keeps in place: the old version answers while it stops what went, the new
+    // one (swapped in between) once it resumes.
+    node.registry(&module("100ms", "3s"));
+    eventually("an in-place upgrade", || seen().len() == 3).await;
+    assert_eq!(seen()[1..], ["stop_gone, version 0", "resume, version 1"]);
+    // One it does not keep: stopped, and started again.
+    node.registry(&module("200ms", "3s"));
+    eventually("a restart on the new version", || seen().len() == 5).await;
+    assert_eq!(
+        seen()[3..],
+        ["stop restart", "start generic-dev devicelet.io/fuse.shared"]
+    );
+    // The module leaves the registry, then the agent stops.
+    node.registry("");
+    eventually("the module's front end stopped", || seen().len() == 6).await;
+    assert_eq!(seen()[5], "stop removed");
+    agent.shutdown().await;
+    assert_eq!(seen().len(), 6);
+}

@@ -5,6 +5,7 @@
 //! broken vendor module never takes the node's other device types down.
 
 mod dev_watch;
+pub mod front_ends;
 mod ledger_sync;
 mod modules;
 mod pending;
@@ -63,6 +64,9 @@ pub struct AgentOptions {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The DRA front end's settings; None serves no module with `front-end = "dra"`.
     pub dra: Option<crate::dra::driver::DraOptions>,
+    /// A front end of the embedder's own that serves every module instead of the one the
+    /// registry names (how a new front end is tried before it has a `front-end` value).
+    pub front_end: Option<CustomFrontEnd>,
     /// How registries are reached for modules with a `source`: TLS roots, insecure ones,
     /// credentials.
     pub registry_access: crate::oci::access::Access,
@@ -84,8 +88,19 @@ impl AgentOptions {
             registration: Route::default(),
             metrics_addr: None,
             dra: None,
+            front_end: None,
             registry_access: Default::default(),
         }
+    }
+}
+
+/// A front end given to the agent ([`AgentOptions::front_end`]).
+#[derive(Clone)]
+pub struct CustomFrontEnd(pub Arc<dyn front_ends::FrontEndKind>);
+
+impl std::fmt::Debug for CustomFrontEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CustomFrontEnd")
     }
 }
 
@@ -119,6 +134,7 @@ pub(crate) struct Shared {
     nvml_waiters: Mutex<std::collections::BTreeSet<String>>,
     /// Where and for which node modules with `front-end = "dra"` are served; None: not at all.
     dra: Option<crate::dra::driver::DraOptions>,
+    front_end: Option<Arc<dyn front_ends::FrontEndKind>>,
     /// Fetches modules with a `source` into the module store; None without a state directory.
     fetcher: Option<crate::oci::Fetcher>,
     /// Modules whose registry entry waits for a pull, by name.
@@ -180,10 +196,15 @@ impl Shared {
         all
     }
 
+    /// The resources served through the device-plugin API.
     fn resources(&self) -> Vec<ServedResource> {
         self.lock_modules()
             .values()
-            .flat_map(|m| m.resources.iter().map(|r| r.served.clone()))
+            .flat_map(|m| {
+                m.front_end::<front_ends::device_plugin::Served>()
+                    .flat_map(|f| f.resources.iter().map(|r| r.served.clone()))
+                    .collect::<Vec<_>>()
+            })
             .collect()
     }
 
@@ -191,30 +212,32 @@ impl Shared {
     fn dra_resources(&self) -> Vec<String> {
         self.lock_modules()
             .values()
-            .flat_map(|m| m.drivers.iter().map(|d| d.name.clone()))
+            .flat_map(|m| {
+                m.front_end::<front_ends::dra::Drivers>()
+                    .flat_map(|f| f.drivers.iter().map(|d| d.name.clone()))
+                    .collect::<Vec<_>>()
+            })
             .collect()
     }
 
     /// Has every DRA driver compare its pool with its devices now.
     fn republish_drivers(&self) {
         for m in self.lock_modules().values() {
-            for d in &m.drivers {
+            for d in m
+                .front_end::<front_ends::dra::Drivers>()
+                .flat_map(|f| &f.drivers)
+            {
                 d.republish.notify_one();
             }
         }
     }
 
-    /// Every served resource name, with the module serving it.
+    /// Every served name (and key of a front end's own kind), with the module serving it.
     fn served_names(&self) -> BTreeMap<String, String> {
-        let mut names: BTreeMap<String, String> = self
-            .resources()
-            .into_iter()
-            .map(|r| (r.name, r.module))
-            .collect();
+        let mut names = BTreeMap::new();
         for m in self.lock_modules().values() {
-            for d in &m.drivers {
-                names.insert(d.name.clone(), m.spec.name.clone());
-                names.insert(modules::driver_key(&d.driver), m.spec.name.clone());
+            for name in m.front_ends.iter().flat_map(|f| f.names()) {
+                names.insert(name, m.spec.name.clone());
             }
         }
         names
@@ -367,22 +390,17 @@ impl Shared {
         let taken = self.served_names();
         let (running, errors) = match old {
             Some(old) => {
-                let dra = self.dra.as_ref();
-                modules::upgrade(old, handle, spec, host_root, &self.serving(), &taken, dra).await
+                let front = (self.dra.as_ref(), self.front_end.as_ref());
+                modules::upgrade(old, handle, spec, host_root, &self.serving(), &taken, front).await
             }
             None => {
-                let dra = self.dra.as_ref();
-                modules::serve_all(handle, spec, host_root, &self.serving(), &taken, dra).await
+                let front = (self.dra.as_ref(), self.front_end.as_ref());
+                modules::serve_all(handle, spec, host_root, &self.serving(), &taken, front).await
             }
         };
         let version = running.handle().version().to_owned();
-        for r in &running.resources {
-            tracing::info!(
-                module = spec.name,
-                version,
-                resource = r.served.name,
-                "serving"
-            );
+        for resource in running.front_ends.iter().flat_map(|f| f.resources()) {
+            tracing::info!(module = spec.name, version, resource, "serving");
         }
         let without_nvml = running
             .handle()
@@ -562,6 +580,7 @@ impl Agent {
             }),
             pending: Mutex::new(BTreeMap::new()),
             pull_errors: Mutex::new(BTreeMap::new()),
+            front_end: options.front_end.clone().map(|f| f.0),
             dra: options.dra.clone().map(|mut dra| {
                 dra.events = metrics.dra_events();
                 dra

@@ -44,17 +44,8 @@ fn live(shared: &Shared) -> Result<(), String> {
         .map(|(name, _)| format!("the agent's {name} loop ended"))
         .collect();
     for module in shared.lock_modules().values() {
-        for r in module.resources.iter().filter(|r| r.task_ended()) {
-            dead.push(format!(
-                "a task serving {} (module `{}`) ended",
-                r.served.name, module.spec.name
-            ));
-        }
-        for d in module.drivers.iter().filter(|d| d.task_ended()) {
-            dead.push(format!(
-                "a task serving DRA driver {} (module `{}`) ended",
-                d.driver, module.spec.name
-            ));
+        for front_end in &module.front_ends {
+            dead.extend(front_end.ended(&module.spec.name));
         }
     }
     if dead.is_empty() {
@@ -100,21 +91,8 @@ pub(super) fn ready(shared: &Shared) -> Result<(), String> {
                 module.spec.name
             ));
         }
-        for d in &module.drivers {
-            if !d.registered.get() {
-                missing.push(format!(
-                    "DRA driver {} (module `{}`) is not registered with the kubelet",
-                    d.driver, module.spec.name
-                ));
-            }
-        }
-        for r in &module.resources {
-            if !r.served.registration.registered() {
-                missing.push(format!(
-                    "{} (module `{}`) is not registered with the kubelet",
-                    r.served.name, module.spec.name
-                ));
-            }
+        for front_end in &module.front_ends {
+            missing.extend(front_end.not_ready(&module.spec.name));
         }
     }
     if missing.is_empty() {

@@ -70,7 +70,11 @@ fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
     let mut out: Vec<DraDriverStatus> = shared
         .lock_modules()
         .values()
-        .flat_map(|m| m.drivers.iter().map(|d| driver_status(d, &m.spec.name)))
+        .flat_map(|m| {
+            m.front_end::<super::front_ends::dra::Drivers>()
+                .flat_map(|f| f.drivers.iter().map(|d| driver_status(d, &m.spec.name)))
+                .collect::<Vec<_>>()
+        })
         .collect();
     if let Some(dra) = &shared.dra {
         out.extend(dra.retirees.each(|d| DraDriverStatus {
