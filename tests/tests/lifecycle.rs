@@ -873,7 +873,7 @@ async fn a_front_end_registered_through_the_seam_is_started_upgraded_asked_and_s
         .start_agent_with(&module("100ms", "2s"), move |o| o.front_end = Some(kind))
         .await;
     let seen = || calls.lock().unwrap().clone();
-    assert_eq!(seen(), ["start generic-dev devicelet.io/fuse.shared"]);
+    assert_eq!(seen(), ["start generic-dev devicelet.io/fuse"]);
     // Nothing was served through the kubelet's API: the front end was this one.
     assert!(agent.resources().is_empty());
     // Readiness asks the front end.
@@ -897,12 +897,14 @@ async fn a_front_end_registered_through_the_seam_is_started_upgraded_asked_and_s
     eventually("a restart on the new version", || seen().len() == 5).await;
     assert_eq!(
         seen()[3..],
-        ["stop restart", "start generic-dev devicelet.io/fuse.shared"]
+        ["stop restart", "start generic-dev devicelet.io/fuse"]
     );
-    // The module leaves the registry, then the agent stops.
-    node.registry("");
-    eventually("the module's front end stopped", || seen().len() == 6).await;
-    assert_eq!(seen()[5], "stop removed");
+    // The module leaves the registry (another takes its place), then the agent stops.
+    node.registry(&module("200ms", "3s").replace("name = \"generic-dev\"", "name = \"other\""));
+    eventually("the module's front end stopped", || seen().len() == 7).await;
+    let mut last: Vec<String> = seen()[5..].to_vec();
+    last.sort();
+    assert_eq!(last, ["start other devicelet.io/fuse", "stop removed"]);
     agent.shutdown().await;
-    assert_eq!(seen().len(), 6);
+    assert_eq!(seen()[7..], ["stop shutdown"]);
 }

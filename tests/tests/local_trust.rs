@@ -284,6 +284,61 @@ async fn a_fifo_in_place_of_the_ledger_is_set_aside_at_start() {
     agent.shutdown().await;
 }
 
+/// A ledger another user wrote, or one anybody may write, could hand a device out twice (or
+/// keep one from every pod): the agent refuses to start on it, naming the file and the fix,
+/// and writes nothing over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_planted_by_another_user_or_left_writable_is_refused_at_start() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let state = node.state_dir();
+    std::fs::create_dir(&state).expect("state dir");
+    chmod(&state, 0o700);
+    let ledger = state.join(devicelet::ledger::FILE_NAME);
+    // A claim holding fuse, as a hostile writer would forge it.
+    let forged = r#"{"version":1,"next_id":1,"entries":[],"claims":{"u":{"driver":"fuse.devicelet.io","resource":"devicelet.io/fuse","namespace":"x","name":"forged","requests":[{"request":"fuse","devices":[["fuse","fuse"]],"config":"","cdi_ids":[]}],"spec_file":null}}}"#;
+    let refused = |adjust: fn(&Path)| {
+        std::fs::write(&ledger, forged).expect("ledger");
+        adjust(&ledger);
+        let registry =
+            devicelet::config::Registry::load(&node.registry(&fuse("fuse"))).expect("registry");
+        let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
+        options.cdi_dir = node.dir.path().join("cdi");
+        node.with_ledger()(&mut options);
+        options
+    };
+    for (adjust, says) in [
+        ((|p: &Path| chmod(p, 0o666)) as fn(&Path), "mode 0666"),
+        (
+            |p: &Path| std::os::unix::fs::chown(p, Some(NOBODY), Some(NOBODY)).expect("chown"),
+            "owned by uid 65534",
+        ),
+    ] {
+        let options = refused(adjust);
+        let error = match devicelet::agent::Agent::start(options).await {
+            Ok(agent) => {
+                agent.shutdown().await;
+                panic!("the agent started on a ledger it cannot trust ({says})");
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            error.contains(&ledger.display().to_string()) && error.contains(says),
+            "{error}"
+        );
+        assert!(
+            error.contains("chmod 0600") || error.contains("rm "),
+            "{error}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&ledger).expect("still there"),
+            forged,
+            "left as it was"
+        );
+        std::fs::remove_file(&ledger).expect("rm");
+    }
+}
+
 /// The other user listening on a `status.sock` where `devicelet status` would look.
 struct Forger {
     child: Child,
