@@ -19,6 +19,7 @@ use tracing::{debug, warn};
 use super::claims::{ClaimRecord, Claims};
 use super::entry::{Entry, to_millis};
 use super::error::LedgerError;
+use super::journal::{self, Journal};
 use super::state::State;
 
 /// The checkpoint's file name inside the state directory.
@@ -106,15 +107,34 @@ pub(crate) struct Store {
 impl Store {
     /// Creates `dir` (0700) if missing, removes temp files crashed writers left there, and
     /// restores the checkpoint, setting a corrupt one aside.
-    pub fn open(dir: &Path) -> Result<(Store, State), LedgerError> {
+    pub fn open(dir: &Path) -> Result<(Store, State, Journal), LedgerError> {
         let store = Store {
             dir: dir.to_owned(),
             file: dir.join(FILE_NAME),
         };
         ensure_trusted(dir, &store.file)?;
         remove_stale_temps(dir);
-        let state = store.load()?;
-        Ok((store, state))
+        let mut state = store.load()?;
+        let path = dir.join(journal::FILE_NAME);
+        match fs::symlink_metadata(&path) {
+            Ok(meta) => check_file(&path, &meta)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(LedgerError::io("stat", &path, e)),
+        }
+        let (journal, lines) =
+            Journal::open(&path).map_err(|e| LedgerError::io("read", &path, e))?;
+        if !lines.is_empty() {
+            state.claims =
+                replay(&state.claims, lines).map_err(|reason| LedgerError::Untrusted {
+                    path: path.clone(),
+                    reason,
+                    fix: format!(
+                        "check what is in it; removing it (`rm {}`) forgets the claims it holds",
+                        path.display()
+                    ),
+                })?;
+        }
+        Ok((store, state, journal))
     }
 
     /// The checkpoint file.
@@ -181,6 +201,23 @@ impl Store {
 
 fn open_dir(dir: &Path) -> io::Result<cap_std::fs::Dir> {
     cap_std::fs::Dir::open_ambient_dir(dir, cap_std::ambient_authority())
+}
+
+/// `claims` with the journal's `lines` applied in order: each line a claim's whole record or its
+/// end.
+fn replay(claims: &Claims, lines: Vec<journal::Line>) -> Result<Claims, String> {
+    let mut prepared: BTreeMap<String, ClaimRecord> = claims
+        .prepared()
+        .into_iter()
+        .map(|(uid, record)| (uid.clone(), record.clone()))
+        .collect();
+    for line in lines {
+        match line.claim {
+            Some(record) => prepared.insert(line.uid, record),
+            None => prepared.remove(&line.uid),
+        };
+    }
+    Claims::restore(prepared)
 }
 
 /// Creates `dir` 0700 if missing and requires it, and the checkpoint in it if there is one, to be
@@ -344,7 +381,7 @@ mod tests {
     fn save_sets_modes_and_leaves_no_temp_files() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("a/state");
-        let (store, state) = Store::open(&dir).unwrap();
+        let (store, state, _) = Store::open(&dir).unwrap();
         assert_eq!(state, State::default());
         assert_eq!(
             fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
@@ -435,11 +472,11 @@ mod tests {
         let c = std::ffi::CString::new(file.to_str().unwrap()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         // Opened non-blocking: this returns at once instead of waiting for a writer.
-        let (_, state) = Store::open(tmp.path()).unwrap();
+        let (_, state, _) = Store::open(tmp.path()).unwrap();
         assert_eq!(state, State::default());
         assert!(!file.exists(), "the FIFO is renamed aside");
         fs::create_dir(&file).unwrap();
-        let (_, state) = Store::open(tmp.path()).unwrap();
+        let (_, state, _) = Store::open(tmp.path()).unwrap();
         assert_eq!(state, State::default());
         assert!(!file.exists(), "the directory is renamed aside");
     }
@@ -450,7 +487,7 @@ mod tests {
         let file = tmp.path().join(FILE_NAME);
         for _ in 0..2 {
             fs::write(&file, b"garbage").unwrap();
-            let (_, state) = Store::open(tmp.path()).unwrap();
+            let (_, state, _) = Store::open(tmp.path()).unwrap();
             assert_eq!(state, State::default());
         }
         let aside: Vec<_> = fs::read_dir(tmp.path())

@@ -21,6 +21,7 @@ mod checkpoint;
 mod claims;
 mod entry;
 mod error;
+mod journal;
 mod reconcile;
 mod state;
 
@@ -65,8 +66,9 @@ struct Inner {
     /// None: in memory only.
     store: Option<Store>,
     state: Mutex<Locked>,
-    /// Held for a whole write, so writers take turns.
-    writing: Mutex<()>,
+    /// Held for a whole write, so writers take turns; it guards the claims' journal (None for
+    /// an in-memory ledger).
+    writing: Mutex<Option<journal::Journal>>,
     /// The version last written; read without waiting for a write in progress (status asks).
     written: std::sync::atomic::AtomicU64,
     /// Wakes the writer after a change.
@@ -87,6 +89,8 @@ struct Locked {
     version: u64,
     /// Entries dropped to stay within [`MAX_ENTRIES`] since the agent started.
     dropped: u64,
+    /// Claim changes in neither the journal nor the checkpoint yet, oldest first.
+    pending: Vec<journal::Line>,
 }
 
 impl Ledger {
@@ -96,16 +100,16 @@ impl Ledger {
     /// and the reason, and the ledger starts empty; the next reconciliation adopts what the
     /// kubelet still reports. Errors only when the directory or file cannot be accessed.
     pub fn open(state_dir: &Path) -> Result<Ledger, LedgerError> {
-        let (store, state) = Store::open(state_dir)?;
-        Ok(Ledger::new(Some(store), state))
+        let (store, state, journal) = Store::open(state_dir)?;
+        Ok(Ledger::new(Some(store), state, Some(journal)))
     }
 
     /// A ledger that never touches the disk (for `devicelet demo` and tests).
     pub fn in_memory() -> Ledger {
-        Ledger::new(None, State::default())
+        Ledger::new(None, State::default(), None)
     }
 
-    fn new(store: Option<Store>, state: State) -> Ledger {
+    fn new(store: Option<Store>, state: State, journal: Option<journal::Journal>) -> Ledger {
         Ledger {
             inner: Arc::new(Inner {
                 store,
@@ -113,7 +117,7 @@ impl Ledger {
                     state,
                     ..Locked::default()
                 }),
-                writing: Mutex::new(()),
+                writing: Mutex::new(journal),
                 written: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
                 claims_changed: tokio::sync::watch::Sender::new(0),
@@ -234,10 +238,23 @@ impl Ledger {
     /// filled in); [`persist`](Self::persist) then writes it.
     pub fn prepare_claim(&self, uid: &str, record: ClaimRecord) {
         let mut locked = self.lock();
-        locked.state.claims.insert(uid.to_owned(), record, true);
-        locked.version += 1;
+        locked
+            .state
+            .claims
+            .insert(uid.to_owned(), record.clone(), true);
+        self.journal(&mut locked, uid, Some(record));
         drop(locked);
         self.claims_moved();
+    }
+
+    /// Queues a claim's change for [`persist`](Self::persist), on a ledger that has a file.
+    fn journal(&self, locked: &mut Locked, uid: &str, claim: Option<ClaimRecord>) {
+        if self.inner.store.is_some() {
+            locked.pending.push(journal::Line {
+                uid: uid.to_owned(),
+                claim,
+            });
+        }
     }
 
     /// Forgets claim `uid`, reserved or prepared, freeing its devices; Some if it was prepared
@@ -246,7 +263,7 @@ impl Ledger {
         let mut locked = self.lock();
         let gone = locked.state.claims.remove(uid)?;
         if gone.prepared {
-            locked.version += 1;
+            self.journal(&mut locked, uid, None);
         }
         drop(locked);
         self.claims_moved();
@@ -296,30 +313,34 @@ impl Ledger {
             let mut locked = self.lock();
             let state = &mut locked.state;
             let mut next = state.claims.clone();
-            for (uid, record) in claims {
+            for (uid, record) in &claims {
                 if let Some(conflict) = next
-                    .conflict(&uid, &record)
-                    .or_else(|| claims::container_conflict(&state.entries, &record))
+                    .conflict(uid, record)
+                    .or_else(|| claims::container_conflict(&state.entries, record))
                 {
                     return Err(conflict);
                 }
-                next.insert(uid, record, true);
+                next.insert(uid.clone(), record.clone(), true);
             }
             state.claims = next;
-            locked.version += 1;
+            for (uid, record) in claims {
+                self.journal(&mut locked, &uid, Some(record));
+            }
         }
         self.claims_moved();
         Ok(())
     }
 
-    /// Writes the checkpoint now if a change is not in it yet, and returns once it is: what a
-    /// DRA prepare waits for before answering. Prepares finishing together share one write.
+    /// Makes every claim change so far durable, and returns once it is: what a DRA prepare or
+    /// unprepare waits for before answering. One line per change is appended to the journal
+    /// and flushed, whatever the size of the ledger; changes finishing together share one
+    /// append. Past [`journal::COMPACT_AFTER`] lines the checkpoint is rewritten instead.
     pub async fn persist(&self) -> Result<(), LedgerError> {
-        if self.is_written() {
+        if self.lock().pending.is_empty() {
             return Ok(());
         }
         let ledger = self.clone();
-        tokio::task::spawn_blocking(move || ledger.write(false))
+        tokio::task::spawn_blocking(move || ledger.write_claims())
             .await
             .map_err(|e| {
                 LedgerError::io(
@@ -328,6 +349,32 @@ impl Ledger {
                     std::io::Error::other(e),
                 )
             })?
+    }
+
+    fn write_claims(&self) -> Result<(), LedgerError> {
+        let mut writing = self
+            .inner
+            .writing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(journal) = writing.as_mut() else {
+            return Ok(());
+        };
+        let lines = std::mem::take(&mut self.lock().pending);
+        if lines.is_empty() {
+            // Written by whoever held the lock before us.
+            return Ok(());
+        }
+        if journal.len() + lines.len() > journal::COMPACT_AFTER {
+            self.lock().pending.splice(0..0, lines);
+            return self.write_locked(&mut writing, true);
+        }
+        journal.append(&lines).map_err(|e| {
+            let path = journal.path().to_owned();
+            // Still to be written: the next persist tries again.
+            self.lock().pending.splice(0..0, lines);
+            LedgerError::io("append to", path, e)
+        })
     }
 
     /// Tells the writer there is something to write, unless it was told already.
@@ -397,39 +444,60 @@ impl Ledger {
 
     /// Encodes the state under the state lock, writes and fsyncs outside it.
     fn write(&self, always: bool) -> Result<(), LedgerError> {
-        let Some(store) = &self.inner.store else {
-            return Ok(());
-        };
-        let _turn = self
+        let mut writing = self
             .inner
             .writing
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.write_locked(&mut writing, always)
+    }
+
+    /// [`write`](Self::write) with the writers' lock held; the journal starts empty after it.
+    fn write_locked(
+        &self,
+        writing: &mut Option<journal::Journal>,
+        always: bool,
+    ) -> Result<(), LedgerError> {
+        let Some(store) = &self.inner.store else {
+            return Ok(());
+        };
         let written = self
             .inner
             .written
             .load(std::sync::atomic::Ordering::Acquire);
-        let (version, bytes) = {
-            let locked = self.lock();
-            if locked.version <= written && !always {
+        let (version, bytes, lines) = {
+            let mut locked = self.lock();
+            if locked.version <= written && locked.pending.is_empty() && !always {
                 return Ok(());
             }
-            (locked.version, store.encode(&locked.state)?)
+            let bytes = store.encode(&locked.state)?;
+            // What the journal would have said is in the checkpoint now.
+            (locked.version, bytes, std::mem::take(&mut locked.pending))
         };
-        store.save(&bytes)?;
+        if let Err(e) = store.save(&bytes) {
+            self.lock().pending.splice(0..0, lines);
+            return Err(e);
+        }
         self.inner
             .written
             .store(version, std::sync::atomic::Ordering::Release);
+        if let Some(journal) = writing.as_mut() {
+            journal
+                .clear()
+                .map_err(|e| LedgerError::io("empty", journal.path().to_owned(), e))?;
+        }
         Ok(())
     }
 
-    /// Whether every change is in the file (for tests and status); never waits for a write.
+    /// Whether every change is on disk, in the checkpoint or the journal (for tests and
+    /// status); never waits for a write.
     pub fn is_written(&self) -> bool {
         let written = self
             .inner
             .written
             .load(std::sync::atomic::Ordering::Acquire);
-        self.inner.store.is_none() || self.lock().version <= written
+        let locked = self.lock();
+        self.inner.store.is_none() || (locked.version <= written && locked.pending.is_empty())
     }
 
     /// How many entries it holds, without copying them (metrics ask at every scrape).

@@ -740,3 +740,36 @@ fn prepared_claims_reach_the_checkpoint_and_reservations_do_not() {
     again.flush().unwrap();
     assert!(Ledger::open(tmp.path()).unwrap().claimed(FUSE).is_empty());
 }
+
+#[tokio::test]
+async fn a_claims_change_costs_one_journal_line_and_survives_a_restart_without_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(tmp.path()).unwrap();
+    ledger.record(FUSE, &ids(&["fuse-9"])).unwrap();
+    ledger.flush().unwrap();
+    let checkpoint = fs::read(ledger.file().unwrap()).unwrap();
+    for (uid, device) in [("a", "fuse-0"), ("b", "fuse-1")] {
+        ledger
+            .reserve_claim(uid, claim_of(FUSE, uid, &[device], false))
+            .unwrap();
+        ledger.prepare_claim(uid, claim_of(FUSE, uid, &[device], false));
+        ledger.persist().await.unwrap();
+    }
+    ledger.drop_claim("a");
+    ledger.persist().await.unwrap();
+    assert!(ledger.is_written());
+    // The checkpoint was not rewritten: three lines went to the journal.
+    assert_eq!(fs::read(ledger.file().unwrap()).unwrap(), checkpoint);
+    let journal = fs::read_to_string(tmp.path().join("ledger.journal")).unwrap();
+    assert_eq!(journal.lines().count(), 3, "{journal}");
+
+    // As after a SIGKILL: the checkpoint plus the journal.
+    let again = Ledger::open(tmp.path()).unwrap();
+    assert!(again.claim("a").is_none());
+    assert_eq!(again.claim("b").map(|c| c.name), Some("b".into()));
+    assert_eq!(again.entries().len(), 1);
+    // A checkpoint holds everything, and the journal starts again empty.
+    again.flush().unwrap();
+    assert_eq!(fs::read(tmp.path().join("ledger.journal")).unwrap(), b"");
+    assert!(Ledger::open(tmp.path()).unwrap().claim("b").is_some());
+}
