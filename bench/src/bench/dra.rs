@@ -48,6 +48,8 @@ struct DraNode {
     api: ApiServer,
     /// The kubeconfig and the plugin watcher's directory.
     _scratch: tempfile::TempDir,
+    /// Where claims' CDI specs go: tmpfs, as `/var/run/cdi` is on a node.
+    cdi: tempfile::TempDir,
     client: ApiClient,
 }
 
@@ -73,6 +75,7 @@ impl DraNode {
             node,
             api,
             _scratch: scratch,
+            cdi: tmpfs_cdi()?,
             client,
         })
     }
@@ -86,7 +89,7 @@ impl DraNode {
             .context("the plugin watcher")?
             .to_owned();
         let plugins = self.node.dir.path().join("plugins");
-        let cdi = self.node.dir.path().join("cdi");
+        let cdi = self.cdi.path().to_owned();
         let state = self.node.dir.path().join("state");
         let client = self.client.clone();
         self.node
@@ -140,6 +143,16 @@ impl DraNode {
         }
         Ok(())
     }
+}
+
+/// A scratch CDI directory on tmpfs (`/dev/shm`), as `/var/run/cdi` is on a node; on this
+/// machine's disk where there is no `/dev/shm`.
+pub fn tmpfs_cdi() -> anyhow::Result<tempfile::TempDir> {
+    let shm = std::path::Path::new("/dev/shm");
+    Ok(match shm.is_dir() {
+        true => tempfile::tempdir_in(shm)?,
+        false => tempfile::tempdir()?,
+    })
 }
 
 pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
@@ -209,7 +222,7 @@ async fn prepare_rows(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "11. DRA NodePrepareResources, one claim of {devices} device(s) of generic-dev \
                  (claim read from the API server stand-in, module's allocate, CDI spec written, \
-                 checkpoint on disk), through a DRAPlugin v1 client of our own ({} calls)",
+                 claim journaled on disk), through a DRAPlugin v1 client of our own ({} calls)",
                 prepare.len()
             ),
             prepare.summary(true),

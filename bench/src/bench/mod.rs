@@ -9,6 +9,7 @@
 
 mod allocate;
 mod dra;
+mod dra_peer;
 mod floor;
 mod guest_call;
 mod health;
@@ -41,6 +42,8 @@ pub struct Settings {
     pub quick: bool,
     /// The fake NVML library (`tests/fake-nvml`), for the NVIDIA benchmark.
     pub fake_nvml: Option<PathBuf>,
+    /// The reference Go DRA driver's kubelet plugin, for the DRA rows beside it.
+    pub dra_peer: Option<PathBuf>,
 }
 
 impl Settings {
@@ -79,7 +82,17 @@ pub const NAMES: [&str; 12] = [
 pub async fn run(name: &str, s: &Settings) -> anyhow::Result<Vec<Row>> {
     match name {
         "allocate" => allocate::run(s).await,
-        "dra" => dra::run(s).await,
+        "dra" => {
+            let mut rows = dra::run(s).await?;
+            match &s.dra_peer {
+                Some(peer) => rows.extend(dra_peer::run(s, peer).await?),
+                None => eprintln!(
+                    "bench: no --dra-peer: the DRA rows beside the reference Go driver are left \
+                     out (bench/peer/build-dra-example-driver.sh builds it)"
+                ),
+            }
+            Ok(rows)
+        }
         "preferred" => preferred::run(s).await,
         "startup" => startup::run(s).await,
         "restart" => restart::run(s).await,

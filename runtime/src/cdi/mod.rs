@@ -12,6 +12,7 @@
 //! gets the module's answer as device specs, env and mounts, so nothing is lost.
 
 mod build;
+pub mod claim;
 pub mod installed;
 pub mod spec;
 mod strategy;

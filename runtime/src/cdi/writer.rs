@@ -366,7 +366,7 @@ impl SpecWriter {
 
 /// Makes the spec's directory if it is missing (as runtimes expect it: 0755), and says why
 /// nothing may be written there if it cannot be trusted.
-fn dir_trusted(path: &Path) -> Result<(), String> {
+pub(super) fn dir_trusted(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::DirBuilderExt;
     let dir = path.parent().unwrap_or(Path::new("/"));
     let made = std::fs::DirBuilder::new()
@@ -566,7 +566,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<FileId> {
     Ok(id)
 }
 
-fn remove(path: &Path) {
+pub(super) fn remove(path: &Path) {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -87,7 +87,7 @@ pub enum ClaimError {
         again: bool,
         source: BackendError,
     },
-    #[error("writing the claim's CDI spec {path}: {message}")]
+    #[error("writing the claim's CDI spec {}: {message}", path.display())]
     Spec { path: PathBuf, message: String },
     #[error(transparent)]
     Ledger(#[from] LedgerError),
@@ -243,30 +243,15 @@ impl<B: DeviceBackend> Claims<B> {
     }
 
     /// Removes claim specs of this driver that no prepared claim names: left by an agent
-    /// stopped between writing a spec and recording its claim.
+    /// stopped between writing a spec and recording its claim. Blocking.
     pub fn remove_stale_specs(&self) {
-        let prefix = format!("devicelet-dra_{}_", self.driver);
-        let Ok(entries) = std::fs::read_dir(&self.cdi_dir) else {
-            return;
-        };
         let known: BTreeSet<String> = self
             .ledger
             .claims_of(&self.driver)
             .into_iter()
             .map(|(uid, _)| uid)
             .collect();
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(uid) = name
-                .strip_prefix(&prefix)
-                .and_then(|rest| rest.strip_suffix(".json"))
-            else {
-                continue;
-            };
-            if !known.contains(uid) {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
+        crate::cdi::claim::remove_stale(&self.cdi_dir, &self.driver, &known);
     }
 
     /// Runs `work` while no other call for claim `uid` runs.
@@ -372,39 +357,21 @@ impl<B: DeviceBackend> Claims<B> {
         }
     }
 
-    /// Writes the claim's spec and records it prepared, durably; on failure gives back what was
-    /// reserved and allocated.
+    /// Writes the claim's spec and records it prepared, durably, in one trip to the blocking
+    /// pool; on failure gives back what was reserved and allocated.
     async fn finish(
         &self,
         uid: &str,
-        mut record: ClaimRecord,
+        record: ClaimRecord,
         answers: BTreeMap<String, Arc<ContainerEdits>>,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let in_spec = match self.write_spec(uid, &answers).await {
-            Ok((file, names)) => {
-                record.spec_file = file;
-                names
-            }
-            Err(e) => {
-                self.give_back(uid, &record.requests).await;
-                return Err(e);
-            }
-        };
-        // A request whose answer holds something a spec carries gets its CDI device first.
-        for request in &mut record.requests {
-            let name = format!("{uid}-{}", request.request);
-            let id = format!("{}={name}", self.kind);
-            if in_spec.contains(&name) && !request.cdi_ids.contains(&id) {
-                request.cdi_ids.insert(0, id);
-            }
-        }
+        let (record, spec) = self.with_spec(uid, record, &answers);
         let answer = self.devices_of(&record);
-        self.ledger.prepare_claim(uid, record.clone());
-        if let Err(e) = self.ledger.persist().await {
+        if let Err(e) = self.make_durable(uid, &record, spec).await {
             self.remove_spec(&record).await;
             self.give_back(uid, &record.requests).await;
-            // Its absence reaches the file with the next write.
-            return Err(e.into());
+            // Its end reaches the journal with the next write.
+            return Err(e);
         }
         Ok(answer)
     }
@@ -428,13 +395,60 @@ impl<B: DeviceBackend> Claims<B> {
                 })?;
             answers.insert(format!("{uid}-{}", request.request), Arc::new(edits));
         }
-        let in_spec = self.write_spec(uid, &answers).await?;
-        let mut record = done;
-        record.spec_file = in_spec.0;
+        let (record, spec) = self.with_spec(uid, done, &answers);
         let answer = self.devices_of(&record);
-        self.ledger.prepare_claim(uid, record);
-        self.ledger.persist().await?;
+        self.make_durable(uid, &record, spec).await?;
         Ok(answer)
+    }
+
+    /// `record` with its CDI spec file and IDs, and the spec to write (None when no request's
+    /// answer holds anything a spec carries).
+    fn with_spec(
+        &self,
+        uid: &str,
+        mut record: ClaimRecord,
+        answers: &BTreeMap<String, Arc<ContainerEdits>>,
+    ) -> (ClaimRecord, Option<(PathBuf, crate::cdi::spec::Spec)>) {
+        let Some((spec, _)) = crate::cdi::build(&self.kind, answers) else {
+            record.spec_file = None;
+            return (record, None);
+        };
+        let in_spec: BTreeSet<&str> = spec.devices.iter().map(|d| d.name.as_str()).collect();
+        // A request whose answer holds something a spec carries gets its CDI device first.
+        for request in &mut record.requests {
+            let name = format!("{uid}-{}", request.request);
+            let id = format!("{}={name}", self.kind);
+            if in_spec.contains(name.as_str()) && !request.cdi_ids.contains(&id) {
+                request.cdi_ids.insert(0, id);
+            }
+        }
+        let path = crate::cdi::claim::path(&self.cdi_dir, &self.driver, uid);
+        record.spec_file = Some(path.clone());
+        (record, Some((path, spec)))
+    }
+
+    /// Marks `record` prepared, then writes its spec and journals it, together on the blocking
+    /// pool, and returns once both are on disk. (A spec written and a journal line lost to a
+    /// crash leave a spec nobody names, removed when the driver starts; a line written and a
+    /// spec lost leave a prepared claim whose spec is gone, which its next prepare writes
+    /// again.)
+    async fn make_durable(
+        &self,
+        uid: &str,
+        record: &ClaimRecord,
+        spec: Option<(PathBuf, crate::cdi::spec::Spec)>,
+    ) -> Result<(), ClaimError> {
+        self.ledger.prepare_claim(uid, record.clone());
+        let ledger = self.ledger.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some((path, spec)) = spec {
+                crate::cdi::claim::write(&path, &spec)
+                    .map_err(|message| ClaimError::Spec { path, message })?;
+            }
+            ledger.persist_blocking().map_err(ClaimError::from)
+        })
+        .await
+        .map_err(|e| ClaimError::Task(e.to_string()))?
     }
 
     async fn unprepare_one(&self, uid: &str) -> Result<(), ClaimError> {
@@ -442,9 +456,17 @@ impl<B: DeviceBackend> Claims<B> {
             return Ok(());
         };
         self.release_all(uid, &prepared.requests).await;
-        self.remove_spec(&prepared).await;
         self.ledger.drop_claim(uid);
-        self.ledger.persist().await?;
+        let ledger = self.ledger.clone();
+        // One trip: the spec goes, and the claim's end is journaled.
+        tokio::task::spawn_blocking(move || {
+            if let Some(path) = &prepared.spec_file {
+                crate::cdi::claim::remove(path);
+            }
+            ledger.persist_blocking()
+        })
+        .await
+        .map_err(|e| ClaimError::Task(e.to_string()))??;
         Ok(())
     }
 
@@ -539,53 +561,9 @@ impl<B: DeviceBackend> Claims<B> {
         }
     }
 
-    /// The claim's spec file, `<cdi dir>/devicelet-dra_<driver>_<uid>.json`, and the CDI device
-    /// names in it; None when no request needs one.
-    async fn write_spec(
-        &self,
-        uid: &str,
-        answers: &BTreeMap<String, Arc<ContainerEdits>>,
-    ) -> Result<(Option<PathBuf>, BTreeSet<String>), ClaimError> {
-        let Some((spec, _)) = crate::cdi::build(&self.kind, answers) else {
-            return Ok((None, BTreeSet::new()));
-        };
-        let names = spec.devices.iter().map(|d| d.name.clone()).collect();
-        let path = self
-            .cdi_dir
-            .join(format!("devicelet-dra_{}_{uid}.json", self.driver));
-        let failed = |message: String| ClaimError::Spec {
-            path: path.clone(),
-            message,
-        };
-        let bytes = serde_json::to_vec_pretty(&spec).map_err(|e| failed(e.to_string()))?;
-        let (dir, name) = (self.cdi_dir.clone(), path.clone());
-        tokio::task::spawn_blocking(move || {
-            std::fs::create_dir_all(&dir)?;
-            // As for the device-plugin front end's specs: a directory others can write is one
-            // where they could change what a runtime applies.
-            crate::trust::check_dir(&dir).map_err(|e| {
-                std::io::Error::other(format!(
-                    "the directory cannot be trusted: {e} ({})",
-                    e.fix()
-                ))
-            })?;
-            crate::files::write_file_atomically(&name, &bytes, 0o644)
-        })
-        .await
-        .map_err(|e| failed(e.to_string()))?
-        .map_err(|e| failed(e.to_string()))?;
-        Ok((Some(path), names))
-    }
-
     async fn remove_spec(&self, claim: &ClaimRecord) {
         if let Some(path) = claim.spec_file.clone() {
-            let _ = tokio::task::spawn_blocking(move || match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    tracing::warn!("removing the claim's CDI spec {}: {e}", path.display())
-                }
-                _ => {}
-            })
-            .await;
+            let _ = tokio::task::spawn_blocking(move || crate::cdi::claim::remove(&path)).await;
         }
     }
 }

@@ -351,6 +351,11 @@ impl Ledger {
             })?
     }
 
+    /// [`persist`](Self::persist) from a thread that may block (the blocking pool).
+    pub fn persist_blocking(&self) -> Result<(), LedgerError> {
+        self.write_claims()
+    }
+
     fn write_claims(&self) -> Result<(), LedgerError> {
         let mut writing = self
             .inner
