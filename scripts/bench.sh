@@ -3,7 +3,8 @@
 # benchmark guests in release mode and runs the benchmarks on this machine: prints the table and
 # writes BENCHMARKS.md. Not part of the test run. Needs root (or CAP_MKNOD) for the fixture's
 # device nodes. Extra arguments go to `devicelet-bench` (e.g. --only allocate,isolation, or
-# --quick for a smoke run).
+# --quick for a smoke run, or --dra-peer PATH to run the DRA benchmark beside the reference Go
+# driver built by bench/peer/build-dra-example-driver.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-wasip2

@@ -137,29 +137,32 @@ pub async fn run(s: &Settings, peer: &Path) -> anyhow::Result<Vec<Row>> {
     })?;
     let peer_cycle = cycles(&drivers[1]);
     let ours_cycle = cycles(&drivers[0]);
-    let ratio = |p: f64| -> String {
-        format!(
-            "{:.2}×",
-            ours_cycle.percentile(p).as_secs_f64() / peer_cycle.percentile(p).as_secs_f64()
-        )
+    let ratio = |p: f64| {
+        ours_cycle.percentile(p).as_secs_f64() / peer_cycle.percentile(p).as_secs_f64()
     };
+    let (p50, p99) = (ratio(50.0), ratio(99.0));
     let n = drivers[0].prepare.len();
-    let mut rows = vec![Row::info(
-        format!(
-            "11. DRA NodePrepareResources + NodeUnprepareResources of one one-device claim, \
-             devicelet (`devicelet run`, generic-dev) against the reference Go driver \
-             (dra-example-driver on the kubeletplugin helper), each its own process, same \
-             client and API server stand-in, interleaved ({n} claims each): devicelet / Go at \
-             p50 {}, p99 {} (target ≤ 0.8× at both)",
-            ratio(50.0),
-            ratio(99.0)
+    let mut rows = vec![
+        Row::info(
+            format!(
+                "11. DRA NodePrepareResources + NodeUnprepareResources of one one-device \
+                 claim, devicelet (`devicelet run`, generic-dev) and the reference Go driver \
+                 (dra-example-driver on the kubeletplugin helper), each its own process, same \
+                 client and API server stand-in, interleaved ({n} claims each)"
+            ),
+            format!(
+                "devicelet {} · Go {}",
+                ours_cycle.summary(true),
+                peer_cycle.summary(true)
+            ),
         ),
-        format!(
-            "devicelet {} · Go {}",
-            ours_cycle.summary(true),
-            peer_cycle.summary(true)
+        Row::judged(
+            "11. devicelet ÷ Go reference driver, prepare + unprepare (p50, p99)",
+            format!("{p50:.2}× / {p99:.2}×"),
+            "≤ 0.8× at both",
+            p50 <= 0.8 && p99 <= 0.8,
         ),
-    )];
+    ];
     for d in &mut drivers {
         let (prepare, unprepare) = (
             Samples::new(std::mem::take(&mut d.prepare)),

