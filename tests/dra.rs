@@ -58,6 +58,16 @@ impl DraNode {
         }
     }
 
+    /// The plugin watcher's directory, where DRA drivers' registration sockets go.
+    pub fn registry_dir(&self) -> &std::path::Path {
+        &self.registry
+    }
+
+    /// The kubelet's plugins directory, where DRA drivers' service sockets go.
+    pub fn plugins_dir(&self) -> std::path::PathBuf {
+        self.node.dir.path().join("kubelet").join("plugins")
+    }
+
     /// The agent with `modules`, serving DRA for this node through this API server.
     pub async fn agent(&self, modules: &str) -> devicelet::agent::Agent {
         self.agent_with(modules, |_| {}).await

@@ -258,3 +258,124 @@ async fn an_idle_agent_holds_two_workers_no_compiler_threads_and_no_ticking_time
     agent.kill().expect("kill");
     let _ = agent.wait();
 }
+
+/// `devicelet run` serving DRA drivers on `dra`'s node, the state kept in `state`.
+fn spawn_dra_agent(
+    dra: &devicelet_tests::dra::DraNode,
+    registry: &std::path::Path,
+    state: &std::path::Path,
+) -> Child {
+    let kubeconfig = dra.node.dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, dra.api.kubeconfig()).expect("kubeconfig");
+    Command::new(devicelet_bin())
+        .arg("run")
+        .arg("--config")
+        .arg(registry)
+        .arg("--kubelet-dir")
+        .arg(dra.kubelet.plugin_dir())
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--cdi-dir")
+        .arg(dra.node.dir.path().join("cdi"))
+        .arg("--plugins-registry-dir")
+        .arg(dra.registry_dir())
+        .arg("--kubelet-plugins-dir")
+        .arg(dra.plugins_dir())
+        .args(["--node-name", devicelet_tests::dra::NODE])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--dra-resync", "200ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning devicelet run")
+}
+
+/// Killed after a claim's devices were checked and reserved in the ledger but before the claim
+/// was recorded prepared (its module's allocate still running), the agent comes back holding
+/// nothing for it: the device goes to the next claim that asks, and the first one, asked again,
+/// is refused, naming the holder. Never two holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_between_check_and_record_holds_nothing_twice_after_restart() {
+    use devicelet_tests::dra::{DraNode, registered, wire_claim};
+    const DRIVER: &str = "bad.devicelet.io";
+    let dra = DraNode::new().await;
+    let module = |allocate: &str| {
+        devicelet_tests::misbehaving(
+            "m",
+            &format!("resource = \"bad\"\ndevices = 1\nallocate = \"{allocate}\""),
+            "10s",
+        )
+        // The DRA front end prepares nothing ahead: the key is refused there.
+        .replace("allocate-ahead = false\n", "")
+        .replacen(
+            "[module.grants]",
+            "front-end = \"dra\"\n\n[module.grants]",
+            1,
+        )
+    };
+    let registry = dra.node.registry(&module("loop"));
+    let state = dra.node.state_dir();
+    let mut first = spawn_dra_agent(&dra, &registry, &state);
+    registered(&dra.kubelet, 1).await;
+    let device = devicelet_tests::dra::published(&dra.api).await["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let a = dra.claim(DRIVER, "a", &[&device], serde_json::json!([]));
+    let b = dra.claim(DRIVER, "b", &[&device], serde_json::json!([]));
+    // Claim a is checked and reserved, then its module's allocate spins.
+    let prepare_a = {
+        let kubelet = dra.kubelet.clone();
+        let a = a.clone();
+        tokio::spawn(async move {
+            kubelet
+                .node_prepare_resources(DRIVER, vec![wire_claim("a", &a)])
+                .await
+        })
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let calls = status::read(&state)
+            .await
+            .ok()
+            .and_then(|s| s.modules.into_iter().find(|m| m.name == "m"))
+            .map_or(0, |m| m.stats.allocate_calls);
+        if calls >= 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a's allocate never started"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    let answer = prepare_a.await.expect("joined");
+    assert!(
+        answer.is_err()
+            || answer
+                .as_ref()
+                .is_ok_and(|r| !r.claims[&a].error.is_empty()),
+        "claim a was never prepared: {answer:?}"
+    );
+
+    // Started again (its module behaving now): a's reservation is gone with the process.
+    dra.node.registry(&module("ok"));
+    let mut second = spawn_dra_agent(&dra, &registry, &state);
+    registered(&dra.kubelet, 2).await;
+    let prepared_b = dra.prepare(DRIVER, "b", &b).await;
+    assert_eq!(prepared_b.error, "", "{prepared_b:?}");
+    let again_a = dra.prepare(DRIVER, "a", &a).await;
+    assert!(
+        again_a.error.contains(&format!(
+            "is already prepared for ResourceClaim team-a/b (UID {b})"
+        )),
+        "{again_a:?}"
+    );
+    let status = status::read(&state).await.expect("status");
+    assert_eq!(status.dra_drivers[0].prepared_claims, 1);
+    second.kill().expect("SIGKILL");
+    second.wait().expect("reaped");
+}

@@ -137,9 +137,8 @@ pub async fn run(s: &Settings, peer: &Path) -> anyhow::Result<Vec<Row>> {
     })?;
     let peer_cycle = cycles(&drivers[1]);
     let ours_cycle = cycles(&drivers[0]);
-    let ratio = |p: f64| {
-        ours_cycle.percentile(p).as_secs_f64() / peer_cycle.percentile(p).as_secs_f64()
-    };
+    let ratio =
+        |p: f64| ours_cycle.percentile(p).as_secs_f64() / peer_cycle.percentile(p).as_secs_f64();
     let (p50, p99) = (ratio(50.0), ratio(99.0));
     let n = drivers[0].prepare.len();
     let mut rows = vec![
