@@ -774,6 +774,7 @@ mod recorder {
     pub struct Recorder {
         pub calls: Arc<Mutex<Vec<String>>>,
         pub registered: Arc<AtomicBool>,
+        pub asked_status: Arc<AtomicBool>,
     }
 
     struct Served {
@@ -826,6 +827,14 @@ mod recorder {
         }
         fn keeps(&self, old: &ModuleSpec, cx: &Context<'_>) -> bool {
             old.health_interval == cx.spec.health_interval
+        }
+        fn status(
+            &self,
+            _: &str,
+            _: &devicelet::ledger::Ledger,
+            _: &mut devicelet::agent::status::Status,
+        ) {
+            self.recorder.asked_status.store(true, Ordering::Relaxed);
         }
         fn stop_gone<'a>(
             &'a mut self,
@@ -886,6 +895,13 @@ async fn a_front_end_registered_through_the_seam_is_started_upgraded_asked_and_s
         .registered
         .store(true, std::sync::atomic::Ordering::Relaxed);
     agent.ready().expect("ready once the front end says so");
+    // Status asks it for its section.
+    let _ = agent.status();
+    assert!(
+        recorder
+            .asked_status
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
 
     // An edit it keeps in place: the old version answers while it stops what went, the new
     // one (swapped in between) once it resumes.

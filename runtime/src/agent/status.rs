@@ -65,27 +65,11 @@ pub struct DraDriverStatus {
     pub retiring: bool,
 }
 
-/// Every DRA driver the agent serves.
-fn dra_drivers(shared: &Shared) -> Vec<DraDriverStatus> {
-    let mut out: Vec<DraDriverStatus> = shared
-        .lock_modules()
-        .values()
-        .flat_map(|m| {
-            m.front_end::<super::front_ends::dra::Drivers>()
-                .flat_map(|f| f.drivers.iter().map(|d| driver_status(d, &m.spec.name)))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    if let Some(dra) = &shared.dra {
-        out.extend(dra.retirees.each(|d| DraDriverStatus {
-            retiring: true,
-            ..driver_status(d, "")
-        }));
-    }
-    out
-}
-
-fn driver_status(d: &crate::dra::driver::RunningDriver, module: &str) -> DraDriverStatus {
+/// One DRA driver of `module`.
+pub(super) fn driver_status(
+    d: &crate::dra::driver::RunningDriver,
+    module: &str,
+) -> DraDriverStatus {
     let devices = d.devices.borrow();
     let units = crate::dra::units::units(&devices);
     let published = d.published.borrow();
@@ -236,54 +220,6 @@ pub(super) fn collect(shared: &Shared) -> Status {
             }
         })
         .collect();
-    let resources = shared
-        .resources()
-        .into_iter()
-        .map(|r| {
-            let holders = shared.ledger.holders(&r.name);
-            let devices = r
-                .devices
-                .borrow()
-                .iter()
-                .map(|d| {
-                    let held = holders.iter().find(|(id, _)| *id == d.id);
-                    DeviceStatus {
-                        id: d.id.clone(),
-                        healthy: d.health == Health::Healthy,
-                        allocated: held.is_some(),
-                        holder: held.and_then(|(_, h)| h.clone()),
-                        prepared: r.prepared.is_ready(&d.id),
-                        reason: d.health_reason.clone(),
-                        attributes: crate::device::describe_facts(d),
-                    }
-                })
-                .collect();
-            ResourceStatus {
-                registrations: *r.registrations.borrow(),
-                registered: r.registration.registered(),
-                kubelet_restarts: r.registration.kubelet_restarts(),
-                registration_failures: r.registration.failures(),
-                name: r.name,
-                module: r.module,
-                socket: r.socket,
-                devices,
-                shared: r.shared,
-                cdi: r.cdi.map(|c| {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    let devices = c.naming.view.borrow().as_ref().map_or(0, |v| v.len());
-                    CdiStatus {
-                        strategy: c.naming.strategy.to_string(),
-                        spec: c.path,
-                        devices,
-                        named: c.naming.counts.named.load(Relaxed),
-                        unnamed: c.naming.counts.unnamed.load(Relaxed),
-                        error: c.written.error(),
-                        foreign: c.written.foreign.load(Relaxed),
-                    }
-                }),
-            }
-        })
-        .collect();
     let ledger = LedgerStatus {
         entries: shared.ledger.entry_count() as u64,
         dropped: shared.ledger.dropped(),
@@ -304,12 +240,12 @@ pub(super) fn collect(shared: &Shared) -> Status {
             ..CacheStatus::default()
         },
     });
-    Status {
+    let mut status = Status {
         ledger,
         cache,
         modules,
-        resources,
-        dra_drivers: dra_drivers(shared),
+        resources: Vec::new(),
+        dra_drivers: Vec::new(),
         pending: shared.pending_status(),
         load_errors: shared.all_load_errors(),
         reload_error: shared
@@ -317,6 +253,70 @@ pub(super) fn collect(shared: &Shared) -> Status {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone(),
+    };
+    // Each front end says what it serves.
+    for m in shared.lock_modules().values() {
+        for front_end in &m.front_ends {
+            front_end.status(&m.spec.name, &shared.ledger, &mut status);
+        }
+    }
+    if let Some(dra) = &shared.dra {
+        status
+            .dra_drivers
+            .extend(dra.retirees.each(|d| DraDriverStatus {
+                retiring: true,
+                ..driver_status(d, "")
+            }));
+    }
+    status
+}
+
+/// One resource served through the device-plugin API, with each device's holder from `ledger`.
+pub(super) fn resource_status(
+    r: crate::kubelet::resource::ServedResource,
+    ledger: &crate::ledger::Ledger,
+) -> ResourceStatus {
+    let holders = ledger.holders(&r.name);
+    let devices = r
+        .devices
+        .borrow()
+        .iter()
+        .map(|d| {
+            let held = holders.iter().find(|(id, _)| *id == d.id);
+            DeviceStatus {
+                id: d.id.clone(),
+                healthy: d.health == Health::Healthy,
+                allocated: held.is_some(),
+                holder: held.and_then(|(_, h)| h.clone()),
+                prepared: r.prepared.is_ready(&d.id),
+                reason: d.health_reason.clone(),
+                attributes: crate::device::describe_facts(d),
+            }
+        })
+        .collect();
+    ResourceStatus {
+        registrations: *r.registrations.borrow(),
+        registered: r.registration.registered(),
+        kubelet_restarts: r.registration.kubelet_restarts(),
+        registration_failures: r.registration.failures(),
+        name: r.name,
+        module: r.module,
+        socket: r.socket,
+        devices,
+        shared: r.shared,
+        cdi: r.cdi.map(|c| {
+            use std::sync::atomic::Ordering::Relaxed;
+            let devices = c.naming.view.borrow().as_ref().map_or(0, |v| v.len());
+            CdiStatus {
+                strategy: c.naming.strategy.to_string(),
+                spec: c.path,
+                devices,
+                named: c.naming.counts.named.load(Relaxed),
+                unnamed: c.naming.counts.unnamed.load(Relaxed),
+                error: c.written.error(),
+                foreign: c.written.foreign.load(Relaxed),
+            }
+        }),
     }
 }
 

@@ -74,6 +74,20 @@ impl FrontEnd for Served {
             .collect()
     }
 
+    fn status(
+        &self,
+        _: &str,
+        ledger: &crate::ledger::Ledger,
+        out: &mut crate::agent::status::Status,
+    ) {
+        for r in &self.resources {
+            out.resources.push(crate::agent::status::resource_status(
+                r.served.clone(),
+                ledger,
+            ));
+        }
+    }
+
     fn keeps(&self, _: &ModuleSpec, cx: &Context<'_>) -> bool {
         matches!(cx.spec.front_end, crate::config::FrontEnd::DevicePlugin)
     }

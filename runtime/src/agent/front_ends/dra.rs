@@ -94,6 +94,18 @@ impl FrontEnd for Drivers {
             .collect()
     }
 
+    fn status(
+        &self,
+        module: &str,
+        _: &crate::ledger::Ledger,
+        out: &mut crate::agent::status::Status,
+    ) {
+        for d in &self.drivers {
+            out.dra_drivers
+                .push(crate::agent::status::driver_status(d, module));
+        }
+    }
+
     /// In place while the module stays on DRA with drivers running and the health interval
     /// their watchers were started with.
     fn keeps(&self, old: &ModuleSpec, cx: &Context<'_>) -> bool {

@@ -87,6 +87,9 @@ pub trait FrontEnd: Send + Sync {
     /// served. Returns the problems, each naming the module.
     fn resume<'a>(&'a mut self, cx: &'a Context<'a>) -> BoxFuture<'a, Vec<String>>;
 
+    /// Adds what it serves to the agent's status (its own section), with holders from `ledger`.
+    fn status(&self, module: &str, ledger: &crate::ledger::Ledger, out: &mut super::status::Status);
+
     /// Stops serving.
     fn stop<'a>(self: Box<Self>, how: Stop<'a>, slot: &'a ModuleSlot) -> BoxFuture<'a, ()>;
 }
