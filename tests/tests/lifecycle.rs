@@ -801,6 +801,22 @@ mod recorder {
             };
             Box::pin(async move { (Box::new(served) as Box<dyn FrontEnd>, Vec::new()) })
         }
+        fn describe(
+            &self,
+            _: &ModuleSpec,
+            planned: &[(String, devicelet::device::ResourceInfo)],
+        ) -> Vec<Result<String, String>> {
+            planned
+                .iter()
+                .map(|(n, _)| Ok(format!("resource {n} recorded")))
+                .collect()
+        }
+        fn needs_api_server(&self) -> bool {
+            false
+        }
+        fn answers_ahead(&self) -> bool {
+            false
+        }
     }
 
     impl FrontEnd for Served {

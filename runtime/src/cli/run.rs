@@ -107,7 +107,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             .registry
             .modules
             .iter()
-            .any(|m| matches!(m.front_end, crate::config::FrontEnd::Dra { .. }));
+            .any(|m| crate::agent::front_ends::kind_of(m).needs_api_server());
         let api = match crate::dra::api::ApiClient::connect(args.kubeconfig.as_deref()).await {
             Ok(api) => Some(api),
             Err(e) if wanted => return Err(e).context("the DRA front end"),

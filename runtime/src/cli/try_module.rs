@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 
 use super::simulate::{Shown, format_allocation, show};
 use crate::agent::{Agent, AgentOptions};
-use crate::config::{FrontEnd, Registry};
+use crate::config::Registry;
 use crate::fixture::FixtureTree;
 use devicelet_simulator::{SimEvent, Simulator};
 
@@ -194,7 +194,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
         ))
     })?;
     if let Some(spec) = registry.modules.first()
-        && matches!(spec.front_end, FrontEnd::Dra { .. })
+        && crate::agent::front_ends::kind_of(spec).needs_api_server()
     {
         println!(
             "trying {} (as module `{}`) on the fixture {}",

@@ -104,33 +104,22 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             println!("  error: {e}");
         }
         let shared = crate::policy::sharing::Replicated::new(module.clone(), spec.sharing.clone());
-        let explicit = match &spec.front_end {
-            crate::config::FrontEnd::Dra { driver } => Some(driver.clone()),
-            crate::config::FrontEnd::DevicePlugin => None,
-        };
-        if let Some(Some(_)) = &explicit
-            && planned.len() > 1
-        {
+        // What the front end the registry chose says of each resource, then its devices.
+        let kind = crate::agent::front_ends::kind_of(spec);
+        let lines = kind.describe(spec, &planned);
+        let ahead = kind.answers_ahead();
+        for line in lines.iter().filter_map(|l| l.as_ref().err()) {
             failures += 1;
-            println!(
-                "  error: `dra-driver` names one driver, but the module serves {} resources; drop it \
-                 to serve each as its own driver",
-                planned.len()
-            );
+            println!("  error: {line}");
         }
         for (name, info) in planned {
-            if let Some(explicit) = &explicit {
-                match crate::dra::names::driver_name(explicit.as_deref(), &name) {
-                    Ok(driver) => println!(
-                        "  resource {name} served as DRA driver {driver} (front-end = \"dra\"; \
-                         `run` needs --node-name)"
-                    ),
-                    Err(e) => {
-                        failures += 1;
-                        println!(
-                            "  error: {name} makes no DRA driver name ({e}); set `dra-driver`"
-                        );
-                    }
+            let headline = lines
+                .iter()
+                .filter_map(|l| l.as_ref().ok())
+                .find(|l| l.starts_with(&format!("resource {name} ")));
+            if !ahead {
+                if let Some(line) = headline {
+                    println!("  {line}");
                 }
                 match DeviceBackend::enumerate(&module, &info.name).await {
                     Ok(devices) => print_devices(&devices),
@@ -144,17 +133,9 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
                 taken.insert(name, spec.name.clone());
                 continue;
             }
-            let rule = spec.sharing.rule(&info.name);
-            let who =
-                crate::kubelet::resource::who_answers(spec.allocation_policy, &info, rule.shares());
-            println!(
-                "  resource {name} (prestart: {}, preferred allocation: {}, Allocate answers \
-                 prepared ahead: {}, sharing: {})",
-                info.prestart,
-                describe_preferred(who),
-                if spec.allocate_ahead { "yes" } else { "no" },
-                describe_sharing(rule)
-            );
+            if let Some(line) = headline {
+                println!("  {line}");
+            }
             let kind = match describe_cdi(spec.device_list_strategy, &name, &args.cdi_dir) {
                 Ok(kind) => kind,
                 Err(e) => {
@@ -419,33 +400,6 @@ fn list_or_nothing(items: &[&str]) -> String {
     } else {
         items.join(", ")
     }
-}
-
-fn describe_preferred(who: crate::policy::Preferred) -> &'static str {
-    use crate::policy::{Preferred, preferred::Spread};
-    match who {
-        Preferred::Module => "the module's",
-        Preferred::Host(Spread::Packed) => "the host's, packed",
-        Preferred::Host(Spread::Distributed) => "the host's, distributed",
-        Preferred::Off => "off",
-    }
-}
-
-fn describe_sharing(rule: &crate::config::ShareRule) -> String {
-    if !rule.shares() {
-        return "none".into();
-    }
-    let mut text = format!("{} replicas per device", rule.replicas);
-    for (id, n) in &rule.devices {
-        text.push_str(&format!(", {id}: {n}"));
-    }
-    if rule.rename {
-        text.push_str(", served as .shared");
-    }
-    if rule.fail_requests_greater_than_one {
-        text.push_str(", one device per container");
-    }
-    text
 }
 
 /// Removes a scratch directory when dropped.

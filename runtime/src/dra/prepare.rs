@@ -95,6 +95,9 @@ pub enum ClaimError {
     Task(String),
 }
 
+/// A pool's DRA device names, each with its members' module IDs.
+type NameTable = HashMap<String, Vec<String>>;
+
 /// Everything one driver's claims need.
 pub struct Claims<B> {
     pub driver: String,
@@ -119,6 +122,8 @@ pub struct Claims<B> {
     /// Left the registry: only claims prepared already are answered (`retire.rs`).
     pub(super) retiring: std::sync::atomic::AtomicBool,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The last snapshot's units by DRA name ([`Claims::names_in`]).
+    names: Mutex<Option<(Snapshot, Arc<NameTable>)>>,
 }
 
 /// What building a driver's [`Claims`] takes besides the backend.
@@ -164,6 +169,7 @@ impl<B: DeviceBackend> Claims<B> {
             events,
             retiring: Default::default(),
             locks: Mutex::default(),
+            names: Mutex::default(),
         }
     }
 
@@ -494,12 +500,33 @@ impl<B: DeviceBackend> Claims<B> {
         out
     }
 
+    /// The units of `snapshot` by DRA name, each as its members' IDs: made once per snapshot
+    /// (the device watcher sends a new one only when something changed), so that a claim's
+    /// names are looked up, not recomputed over the pool for every claim.
+    fn names_in(&self, snapshot: &Snapshot) -> Arc<NameTable> {
+        let mut cached = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((of, names)) = cached.as_ref()
+            && Arc::ptr_eq(of, snapshot)
+        {
+            return names.clone();
+        }
+        let names: Arc<NameTable> = Arc::new(
+            units(snapshot)
+                .into_iter()
+                .map(|u| (u.name, u.members.iter().map(|d| d.id.clone()).collect()))
+                .collect(),
+        );
+        *cached = Some((snapshot.clone(), names.clone()));
+        names
+    }
+
     /// (name, module ID) of each device name's members (a group's every device), from the
     /// current snapshot; each must be published: healthy, and held by no device-plugin
-    /// container. Work in the size of the claim, not of the pool, for devices published under
-    /// their own ID; a group, or an ID that is no DNS label, is found among the units.
+    /// container. Work in the size of the claim: a name is looked up in the snapshot's table of
+    /// names, and its members by ID.
     fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, ClaimError> {
         let snapshot = self.devices.borrow().clone();
+        let table = self.names_in(&snapshot);
         let refused = |m: String| Err(ClaimError::Refused(m));
         let mut out: Vec<(String, String)> = Vec::new();
         let mut held = None;
@@ -507,17 +534,12 @@ impl<B: DeviceBackend> Claims<B> {
             if out.iter().any(|(n, _)| n == name) {
                 return refused(format!("device {name:?} is allocated twice"));
             }
-            // A device whose ID is a DNS label is published under its ID: found by it.
-            let members = match crate::resource::snapshot::find(&snapshot, name) {
-                Some(d) if d.group.is_none() => vec![d],
-                _ => match units(&snapshot).into_iter().find(|u| u.name == *name) {
-                    Some(unit) => unit.members,
-                    None => {
-                        return refused(format!(
-                            "device {name:?} is not one this driver publishes"
-                        ));
-                    }
-                },
+            let Some(members) = table.get(name).map(|ids| {
+                ids.iter()
+                    .filter_map(|id| crate::resource::snapshot::find(&snapshot, id))
+                    .collect::<Vec<_>>()
+            }) else {
+                return refused(format!("device {name:?} is not one this driver publishes"));
             };
             if let Some(sick) = members
                 .iter()

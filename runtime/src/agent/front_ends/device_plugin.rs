@@ -26,6 +26,36 @@ impl FrontEndKind for DevicePlugin {
             (Box::new(Served { resources }) as Box<dyn FrontEnd>, errors)
         })
     }
+
+    fn describe(
+        &self,
+        spec: &ModuleSpec,
+        planned: &[(String, crate::device::ResourceInfo)],
+    ) -> Vec<Result<String, String>> {
+        planned
+            .iter()
+            .map(|(name, info)| {
+                let rule = spec.sharing.rule(&info.name);
+                let who = resource::who_answers(spec.allocation_policy, info, rule.shares());
+                Ok(format!(
+                    "resource {name} (prestart: {}, preferred allocation: {}, Allocate answers \
+                     prepared ahead: {}, sharing: {})",
+                    info.prestart,
+                    describe_preferred(who),
+                    if spec.allocate_ahead { "yes" } else { "no" },
+                    describe_sharing(rule)
+                ))
+            })
+            .collect()
+    }
+
+    fn answers_ahead(&self) -> bool {
+        true
+    }
+
+    fn needs_api_server(&self) -> bool {
+        false
+    }
 }
 
 /// A module's resources served through the device-plugin API.
@@ -193,4 +223,31 @@ fn serve(
         }
     }
     resources
+}
+
+fn describe_preferred(who: crate::policy::Preferred) -> &'static str {
+    use crate::policy::{Preferred, preferred::Spread};
+    match who {
+        Preferred::Module => "the module's",
+        Preferred::Host(Spread::Packed) => "the host's, packed",
+        Preferred::Host(Spread::Distributed) => "the host's, distributed",
+        Preferred::Off => "off",
+    }
+}
+
+fn describe_sharing(rule: &crate::config::ShareRule) -> String {
+    if !rule.shares() {
+        return "none".into();
+    }
+    let mut text = format!("{} replicas per device", rule.replicas);
+    for (id, n) in &rule.devices {
+        text.push_str(&format!(", {id}: {n}"));
+    }
+    if rule.rename {
+        text.push_str(", served as .shared");
+    }
+    if rule.fail_requests_greater_than_one {
+        text.push_str(", one device per container");
+    }
+    text
 }

@@ -28,6 +28,64 @@ impl FrontEndKind for Dra {
             (Box::new(Drivers { drivers }) as Box<dyn FrontEnd>, errors)
         })
     }
+
+    fn describe(
+        &self,
+        spec: &ModuleSpec,
+        planned: &[(String, ResourceInfo)],
+    ) -> Vec<Result<String, String>> {
+        let (drivers, errors) = driver_names(spec, planned);
+        drivers
+            .into_iter()
+            .map(|(driver, name, _)| {
+                Ok(format!(
+                    "resource {name} served as DRA driver {driver} (front-end = \"dra\"; \
+                     `run` needs --node-name)"
+                ))
+            })
+            .chain(errors.into_iter().map(Err))
+            .collect()
+    }
+
+    fn answers_ahead(&self) -> bool {
+        false
+    }
+
+    fn needs_api_server(&self) -> bool {
+        true
+    }
+}
+
+/// The driver each of `planned` is served as (the registry's `dra-driver` for a module with one
+/// resource, else the resource's name turned around), and why the others have none.
+fn driver_names<'a>(
+    spec: &ModuleSpec,
+    planned: &'a [(String, ResourceInfo)],
+) -> (Vec<(String, &'a String, &'a ResourceInfo)>, Vec<String>) {
+    let explicit = explicit(spec);
+    if explicit.is_some() && planned.len() > 1 {
+        let names: Vec<&str> = planned.iter().map(|(n, _)| n.as_str()).collect();
+        let error = format!(
+            "module `{}`: `dra-driver` names one driver, but the module serves {} resources ({}); \
+             drop it to serve each as its own driver (the resource name turned around)",
+            spec.name,
+            planned.len(),
+            names.join(", ")
+        );
+        return (Vec::new(), vec![error]);
+    }
+    let mut drivers = Vec::new();
+    let mut errors = Vec::new();
+    for (name, info) in planned {
+        match crate::dra::names::driver_name(explicit, name) {
+            Ok(driver) => drivers.push((driver, name, info)),
+            Err(e) => errors.push(format!(
+                "module `{}`: {name} makes no DRA driver name ({e}); set `dra-driver`",
+                spec.name
+            )),
+        }
+    }
+    (drivers, errors)
 }
 
 /// A module's resources served as DRA drivers.
@@ -211,7 +269,6 @@ async fn start_drivers(
     errors: &mut Vec<String>,
 ) -> Vec<RunningDriver> {
     let spec = cx.spec;
-    let explicit = explicit(spec);
     let Some(options) = cx.dra else {
         errors.push(format!(
             "module `{}` has `front-end = \"dra\"`, but the agent serves no DRA drivers: give it \
@@ -221,30 +278,11 @@ async fn start_drivers(
         ));
         return Vec::new();
     };
-    if explicit.is_some() && planned.len() > 1 {
-        let names: Vec<&str> = planned.iter().map(|(n, _)| n.as_str()).collect();
-        errors.push(format!(
-            "module `{}`: `dra-driver` names one driver, but the module serves {} resources ({}); \
-             drop it to serve each as its own driver (the resource name turned around)",
-            spec.name,
-            planned.len(),
-            names.join(", ")
-        ));
-        return Vec::new();
-    }
     let ledger = cx.at.ledger;
+    let (named, refused) = driver_names(spec, planned);
+    errors.extend(refused);
     let mut drivers = Vec::new();
-    for (name, info) in planned {
-        let driver = match crate::dra::names::driver_name(explicit, name) {
-            Ok(driver) => driver,
-            Err(e) => {
-                errors.push(format!(
-                    "module `{}`: {name} makes no DRA driver name ({e}); set `dra-driver`",
-                    spec.name
-                ));
-                continue;
-            }
-        };
+    for (driver, name, info) in named {
         if let Some(owner) = taken.get(&driver_key(&driver)) {
             errors.push(format!(
                 "module `{}`: DRA driver {driver} (for {name}) is already served by module \

@@ -3,9 +3,9 @@
 //! to the agent. A running module holds its front ends in one list, and starting, upgrading in
 //! place, stopping, readiness, liveness and the names it takes all go through this trait; what a
 //! front end does with the kubelet (sockets, registration, wire types) stays in its own folder
-//! (`kubelet/`, `dra/`), reached from the adapter here. [`start`] is the one place a module's
-//! front end is chosen: a third front end is its folder, an adapter file here and one line
-//! there.
+//! (`kubelet/`, `dra/`), reached from the adapter here. [`kind_of`] is the one place a module's
+//! front end is chosen (`start`, `run` and `validate` ask it): a third front end is its folder,
+//! an adapter file here and one line there.
 
 pub mod device_plugin;
 pub mod dra;
@@ -94,10 +94,35 @@ pub trait FrontEnd: Send + Sync {
     fn stop<'a>(self: Box<Self>, how: Stop<'a>, slot: &'a ModuleSlot) -> BoxFuture<'a, ()>;
 }
 
-/// A way of serving modules; [`start`] picks the one the registry names.
+/// A way of serving modules; [`kind_of`] picks the one the registry names.
 pub trait FrontEndKind: Send + Sync {
     /// Serves `cx.planned`; the problems name the module.
     fn start<'a>(&'a self, cx: &'a Context<'a>) -> BoxFuture<'a, (Box<dyn FrontEnd>, Vec<String>)>;
+
+    /// How each of `planned` would be served, one line each, or why it would not be (what
+    /// `validate` prints before a resource's devices).
+    fn describe(
+        &self,
+        spec: &ModuleSpec,
+        planned: &[(String, ResourceInfo)],
+    ) -> Vec<Result<String, String>>;
+
+    /// Whether it needs the API server (`run` connects to one only then, and fails to start
+    /// when it cannot).
+    fn needs_api_server(&self) -> bool;
+
+    /// Whether a module's answer for a device is asked before anyone requests it (the device
+    /// plugin's answers prepared ahead, its CDI spec): `validate` then asks for each device's
+    /// answer and checks the CDI names in it. DRA asks at prepare time, with the claim's config.
+    fn answers_ahead(&self) -> bool;
+}
+
+/// The front end the registry names for `spec`: the one place a front end is chosen.
+pub fn kind_of(spec: &ModuleSpec) -> &'static dyn FrontEndKind {
+    match &spec.front_end {
+        crate::config::FrontEnd::DevicePlugin => &device_plugin::DevicePlugin,
+        crate::config::FrontEnd::Dra { .. } => &dra::Dra,
+    }
 }
 
 /// Starts the front end that serves `cx.spec`: the registry's `front-end`, unless the agent was
@@ -107,11 +132,8 @@ pub async fn start(
     cx: &Context<'_>,
     custom: Option<&Arc<dyn FrontEndKind>>,
 ) -> (Box<dyn FrontEnd>, Vec<String>) {
-    if let Some(kind) = custom {
-        return kind.start(cx).await;
-    }
-    match &cx.spec.front_end {
-        crate::config::FrontEnd::DevicePlugin => device_plugin::DevicePlugin.start(cx).await,
-        crate::config::FrontEnd::Dra { .. } => dra::Dra.start(cx).await,
+    match custom {
+        Some(kind) => kind.start(cx).await,
+        None => kind_of(cx.spec).start(cx).await,
     }
 }
