@@ -336,7 +336,9 @@ impl Ledger {
     /// and flushed, whatever the size of the ledger; changes finishing together share one
     /// append. Past [`journal::COMPACT_AFTER`] lines the checkpoint is rewritten instead.
     pub async fn persist(&self) -> Result<(), LedgerError> {
-        if self.lock().pending.is_empty() {
+        // Even with nothing pending: another caller may have taken this caller's change into
+        // an append still in progress, and only the writers' lock waits for it to be flushed.
+        if self.inner.store.is_none() {
             return Ok(());
         }
         let ledger = self.clone();
@@ -367,7 +369,7 @@ impl Ledger {
         };
         let lines = std::mem::take(&mut self.lock().pending);
         if lines.is_empty() {
-            // Written by whoever held the lock before us.
+            // Written by whoever held the lock before us, and flushed before they let it go.
             return Ok(());
         }
         if journal.len() + lines.len() > journal::COMPACT_AFTER {
