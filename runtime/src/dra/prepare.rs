@@ -451,7 +451,7 @@ impl<B: DeviceBackend> Claims<B> {
                 crate::cdi::claim::write(&path, &spec)
                     .map_err(|message| ClaimError::Spec { path, message })?;
             }
-            ledger.persist_blocking().map_err(ClaimError::from)
+            ledger.persist().map_err(ClaimError::from)
         })
         .await
         .map_err(|e| ClaimError::Task(e.to_string()))?
@@ -469,7 +469,7 @@ impl<B: DeviceBackend> Claims<B> {
             if let Some(path) = &prepared.spec_file {
                 crate::cdi::claim::remove(path);
             }
-            ledger.persist_blocking()
+            ledger.persist()
         })
         .await
         .map_err(|e| ClaimError::Task(e.to_string()))??;

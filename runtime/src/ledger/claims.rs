@@ -138,7 +138,7 @@ impl Claims {
     }
 
     /// The first of `ids` (as the device-plugin front end serves `resource`) a claim holds.
-    pub fn container_conflict(&self, resource: &str, ids: &[String]) -> Option<Conflict> {
+    pub fn claim_holding(&self, resource: &str, ids: &[String]) -> Option<Conflict> {
         ids.iter().find_map(|id| {
             let (uid, held) = self.holder_of(resource, id)?;
             Some(Conflict::Claim {
@@ -192,7 +192,7 @@ impl Claims {
 
 /// The first of `record`'s devices a container entry holds (under the resource's own name, or
 /// shared and renamed), as a conflict.
-pub(crate) fn container_conflict(entries: &[Entry], record: &ClaimRecord) -> Option<Conflict> {
+pub(crate) fn container_holding(entries: &[Entry], record: &ClaimRecord) -> Option<Conflict> {
     let shared = format!("{}{RENAMED_SUFFIX}", record.resource);
     for id in record.held() {
         let holding = entries.iter().rev().find(|e| {

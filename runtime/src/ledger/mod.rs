@@ -156,7 +156,7 @@ impl Ledger {
         let mut locked = self.lock();
         if let Some(conflict) = containers
             .iter()
-            .find_map(|ids| locked.state.claims.container_conflict(resource, ids))
+            .find_map(|ids| locked.state.claims.claim_holding(resource, ids))
         {
             return Err(conflict);
         }
@@ -192,10 +192,7 @@ impl Ledger {
     /// The first of `device_ids` of `resource` (as the device-plugin front end serves it) a DRA
     /// claim holds: Allocate refuses it before asking the module.
     pub fn claimed_of(&self, resource: &str, device_ids: &[String]) -> Option<Conflict> {
-        self.lock()
-            .state
-            .claims
-            .container_conflict(resource, device_ids)
+        self.lock().state.claims.claim_holding(resource, device_ids)
     }
 
     /// Takes the devices `record` asks for to claim `uid`, if no other claim and no container
@@ -214,7 +211,7 @@ impl Ledger {
         if let Some(conflict) = state
             .claims
             .conflict(uid, &record)
-            .or_else(|| claims::container_conflict(&state.entries, &record))
+            .or_else(|| claims::container_holding(&state.entries, &record))
         {
             return Err(conflict);
         }
@@ -316,7 +313,7 @@ impl Ledger {
             for (uid, record) in &claims {
                 if let Some(conflict) = next
                     .conflict(uid, record)
-                    .or_else(|| claims::container_conflict(&state.entries, record))
+                    .or_else(|| claims::container_holding(&state.entries, record))
                 {
                     return Err(conflict);
                 }
@@ -335,30 +332,10 @@ impl Ledger {
     /// unprepare waits for before answering. One line per change is appended to the journal
     /// and flushed, whatever the size of the ledger; changes finishing together share one
     /// append. Past [`journal::COMPACT_AFTER`] lines the checkpoint is rewritten instead.
-    pub async fn persist(&self) -> Result<(), LedgerError> {
-        // Even with nothing pending: another caller may have taken this caller's change into
-        // an append still in progress, and only the writers' lock waits for it to be flushed.
-        if self.inner.store.is_none() {
-            return Ok(());
-        }
-        let ledger = self.clone();
-        tokio::task::spawn_blocking(move || ledger.write_claims())
-            .await
-            .map_err(|e| {
-                LedgerError::io(
-                    "write",
-                    self.file().unwrap_or(Path::new("")),
-                    std::io::Error::other(e),
-                )
-            })?
-    }
-
-    /// [`persist`](Self::persist) from a thread that may block (the blocking pool).
-    pub fn persist_blocking(&self) -> Result<(), LedgerError> {
-        self.write_claims()
-    }
-
-    fn write_claims(&self) -> Result<(), LedgerError> {
+    /// Blocking: call it from the blocking pool. Even with nothing pending it takes the
+    /// writers' lock: another caller may have taken this caller's change into an append still
+    /// in progress, and only that lock waits for it to be flushed.
+    pub fn persist(&self) -> Result<(), LedgerError> {
         let mut writing = self
             .inner
             .writing

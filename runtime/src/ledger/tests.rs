@@ -741,8 +741,8 @@ fn prepared_claims_reach_the_checkpoint_and_reservations_do_not() {
     assert!(Ledger::open(tmp.path()).unwrap().claimed(FUSE).is_empty());
 }
 
-#[tokio::test]
-async fn a_claims_change_costs_one_journal_line_and_survives_a_restart_without_a_checkpoint() {
+#[test]
+fn a_claims_change_costs_one_journal_line_and_survives_a_restart_without_a_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(tmp.path()).unwrap();
     ledger.record(FUSE, &ids(&["fuse-9"])).unwrap();
@@ -753,10 +753,10 @@ async fn a_claims_change_costs_one_journal_line_and_survives_a_restart_without_a
             .reserve_claim(uid, claim_of(FUSE, uid, &[device], false))
             .unwrap();
         ledger.prepare_claim(uid, claim_of(FUSE, uid, &[device], false));
-        ledger.persist().await.unwrap();
+        ledger.persist().unwrap();
     }
     ledger.drop_claim("a");
-    ledger.persist().await.unwrap();
+    ledger.persist().unwrap();
     assert!(ledger.is_written());
     // The checkpoint was not rewritten: three lines went to the journal.
     assert_eq!(fs::read(ledger.file().unwrap()).unwrap(), checkpoint);
