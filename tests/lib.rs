@@ -4,6 +4,7 @@
 
 pub mod cdi;
 pub mod dra;
+pub mod hostile_registry;
 pub mod oci;
 pub mod token;
 

@@ -16,7 +16,9 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -96,6 +98,12 @@ pub(crate) struct Store {
     /// Claim reads held back until this many have arrived, then answered together
     /// ([`ApiServer::release_claim_reads_together`]).
     claim_reads: Option<(usize, Arc<tokio::sync::Barrier>)>,
+    /// Claim reads answered with their headers at once and their body this many bytes a
+    /// second ([`ApiServer::trickle_claim_reads`]).
+    trickle: Option<usize>,
+    /// Lists answered with every object of the kind, whatever the field selector
+    /// ([`ApiServer::ignore_field_selectors`]).
+    ignore_selectors: bool,
 }
 
 /// An API error as `metav1.Status`.
@@ -454,6 +462,19 @@ impl ApiServer {
         lock(&self.store).claim_reads = Some((n, Arc::new(tokio::sync::Barrier::new(n))));
     }
 
+    /// From now on, claim reads are answered as a hostile or overloaded server might: headers
+    /// at once, then the body `bytes_per_second` at a time, in ten steps a second; None: at once
+    /// again.
+    pub fn trickle_claim_reads(&self, bytes_per_second: Option<usize>) {
+        lock(&self.store).trickle = bytes_per_second.map(|n| n.max(1));
+    }
+
+    /// From now on, lists ignore their field selector and answer every object of the kind, as
+    /// a server that does not implement one would.
+    pub fn ignore_field_selectors(&self) {
+        lock(&self.store).ignore_selectors = true;
+    }
+
     /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,
     /// `delete`, `deletecollection`.
     pub fn requests(&self) -> Vec<(String, Kind)> {
@@ -498,9 +519,12 @@ async fn serve(listener: TcpListener, store: Arc<Mutex<Store>>) {
 /// The most a request body may be (the real server's limit is 3 MiB).
 const MAX_BODY: usize = 3 << 20;
 
-async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<Full<Bytes>> {
+type Body = BoxBody<Bytes, Infallible>;
+
+async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
-    if parts.method == Method::GET && parts.uri.path().contains("/resourceclaims/") {
+    let claim_read = parts.method == Method::GET && parts.uri.path().contains("/resourceclaims/");
+    if claim_read {
         let barrier = {
             let mut store = lock(store);
             match store.claim_reads.take() {
@@ -519,14 +543,41 @@ async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<F
     }
     let body = match http_body_util::Limited::new(body, MAX_BODY).collect().await {
         Ok(collected) => collected.to_bytes(),
-        Err(e) => return reply(Err(ApiError::bad_request(format!("reading the body: {e}")))),
+        Err(e) => {
+            return reply(Err(ApiError::bad_request(format!("reading the body: {e}"))))
+                .map(BodyExt::boxed);
+        }
     };
-    reply(handle(
+    let answer = reply(handle(
         store,
         &parts.method,
         parts.uri.path(),
         parts.uri.query().unwrap_or(""),
         &body,
+    ));
+    let trickle = lock(store).trickle.filter(|_| claim_read);
+    match trickle {
+        Some(per_second) => answer.map(|full| trickled(full, per_second)),
+        None => answer.map(BodyExt::boxed),
+    }
+}
+
+/// `full`'s bytes, a tenth of `per_second` every 100 ms.
+fn trickled(full: Full<Bytes>, per_second: usize) -> Body {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(1);
+    tokio::spawn(async move {
+        let Ok(bytes) = full.collect().await.map(|c| c.to_bytes());
+        let step = (per_second / 10).max(1);
+        for chunk in bytes.chunks(step) {
+            let frame = Frame::data(Bytes::copy_from_slice(chunk));
+            if tx.send(Ok(frame)).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    });
+    BodyExt::boxed(StreamBody::new(
+        tokio_stream::wrappers::ReceiverStream::new(rx),
     ))
 }
 
@@ -699,7 +750,10 @@ fn handle(
             .map(|o| (StatusCode::OK, o))
             .ok_or_else(|| ApiError::not_found(kind, &name)),
         ("list", None) => {
-            let selector = field_selector(query)?;
+            let mut selector = field_selector(query)?;
+            if store.ignore_selectors {
+                selector.clear();
+            }
             let items = store.list(kind, ns, &selector);
             Ok((StatusCode::OK, list_of(kind, store.resource_version, items)))
         }

@@ -1181,3 +1181,130 @@ async fn a_resource_moved_from_dra_to_the_device_plugin_advertises_a_claimed_dev
         .expect("the device is advertised once its claim is unprepared");
     agent.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_api_server_trickles_fails_at_the_deadline_and_its_retry_is_not_held() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(&fuse_dra()).await;
+    registered(&dra.kubelet, 1).await;
+    let slice = published(&dra.api).await;
+    let device = slice["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim(DRIVER, "slow", &[&device], json!([]));
+    let mut claim = dra
+        .api
+        .get(Kind::ResourceClaim, "team-a", "slow")
+        .expect("the claim");
+    claim["metadata"]["annotations"] = json!({"note": "x".repeat(1500)});
+    dra.api
+        .update(Kind::ResourceClaim, "team-a", "slow", claim)
+        .expect("annotated");
+    // Headers at once, then 40 bytes a second: the whole claim would take about a minute.
+    dra.api.trickle_claim_reads(Some(40));
+    let started = std::time::Instant::now();
+    let answer = dra.prepare(DRIVER, "slow", &uid).await;
+    assert!(
+        answer
+            .error
+            .contains("no whole answer from the API server within 15s"),
+        "{answer:?}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(40),
+        "held until the server finished: {:?}",
+        started.elapsed()
+    );
+    // The kubelet's retry finds the claim's lock free and the server answering again.
+    dra.api.trickle_claim_reads(None);
+    let answer = dra.prepare(DRIVER, "slow", &uid).await;
+    assert_eq!(answer.error, "", "{answer:?}");
+    assert_eq!(answer.devices.len(), 1);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_larger_than_any_real_one_is_refused_as_it_streams() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(&fuse_dra()).await;
+    registered(&dra.kubelet, 1).await;
+    let slice = published(&dra.api).await;
+    let device = slice["spec"]["devices"][0]["name"]
+        .as_str()
+        .expect("a device")
+        .to_string();
+    let uid = dra.claim(DRIVER, "huge", &[&device], json!([]));
+    let mut claim = dra
+        .api
+        .get(Kind::ResourceClaim, "team-a", "huge")
+        .expect("the claim");
+    claim["metadata"]["annotations"] = json!({"pad": "x".repeat(5 << 20)});
+    dra.api
+        .update(Kind::ResourceClaim, "team-a", "huge", claim)
+        .expect("padded");
+    let answer = dra.prepare(DRIVER, "huge", &uid).await;
+    assert!(
+        answer
+            .error
+            .contains("the API server's answer is larger than 4194304 bytes"),
+        "{answer:?}"
+    );
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 0);
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_ignoring_field_selectors_never_gets_another_driver_s_slices_touched() {
+    let dra = DraNode::new().await;
+    // Another driver's slice on this node, and one of ours on another node.
+    let theirs = dra
+        .api
+        .create(
+            Kind::ResourceSlice,
+            "",
+            serde_json::to_value(slice(NODE, &["gpu-0"])).expect("json"),
+        )
+        .expect("their slice");
+    let mut ours_elsewhere = slice("node-b", &["fuse-0"]);
+    ours_elsewhere.spec.driver = DRIVER.into();
+    let elsewhere = dra
+        .api
+        .create(
+            Kind::ResourceSlice,
+            "",
+            serde_json::to_value(&ours_elsewhere).expect("json"),
+        )
+        .expect("a slice of another node");
+    dra.api.ignore_field_selectors();
+    let agent = dra.agent(&fuse_dra()).await;
+    registered(&dra.kubelet, 1).await;
+    // Several resyncs (every 200 ms here), each listing every slice there is.
+    let lists = |api: &ApiServer| {
+        api.requests()
+            .iter()
+            .filter(|(verb, kind)| verb == "list" && *kind == Kind::ResourceSlice)
+            .count()
+    };
+    devicelet_tests::eventually("five resyncs", || lists(&dra.api) >= 5).await;
+    let names: Vec<String> = dra
+        .api
+        .list(Kind::ResourceSlice)
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap_or("").to_string())
+        .collect();
+    for kept in [&theirs, &elsewhere] {
+        let name = kept["metadata"]["name"].as_str().expect("a name");
+        assert!(names.iter().any(|n| n == name), "{name} gone: {names:?}");
+        let now = dra
+            .api
+            .get(Kind::ResourceSlice, "", name)
+            .expect("still there");
+        assert_eq!(
+            now["metadata"]["resourceVersion"], kept["metadata"]["resourceVersion"],
+            "{name} was written"
+        );
+    }
+    assert_eq!(names.len(), 3, "ours beside them: {names:?}");
+    agent.shutdown().await;
+}

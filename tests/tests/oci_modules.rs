@@ -1,7 +1,11 @@
 //! Modules from an OCI registry (`source = "oci://…@sha256:…"`), against a real registry
 //! (Debian's docker-registry, plain HTTP on 127.0.0.1, listed as insecure): pushed with
 //! `devicelet module push`, pulled by digest into the module store, served from the store with
-//! the registry down, and refused by name when they are not what the digest pins.
+//! the registry down, and refused by name when they are not what the digest pins. A registry
+//! that attacks instead of serving: `oci_modules/hostile_registry.rs`.
+
+#[path = "oci_modules/hostile_registry.rs"]
+mod hostile_registry;
 
 use devicelet_tests::oci::TestRegistry;
 use devicelet_tests::{Node, WAIT, module_dir};

@@ -137,7 +137,10 @@ async fn sign(args: SignArgs) -> anyhow::Result<()> {
         .client(&source.registry)
         .await
         .map_err(anyhow::Error::msg)?;
-    crate::oci::signature::sign(&source, &args.key, &client)
+    let reader = access
+        .reader(&source.registry)
+        .map_err(anyhow::Error::msg)?;
+    crate::oci::signature::sign(&source, &args.key, (&reader, &client))
         .await
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
     println!(

@@ -9,8 +9,13 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 
-/// The longest any one request to the API server may take.
+/// The longest any one request to the API server may take, from its start to the last byte of
+/// the answer.
 pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(15);
+/// The most of one answer read, refused as it streams past it: well above any real object (etcd
+/// stores at most 1.5 MiB of one; a claim holds at most 32 results and 32 configs of 10 KiB) and
+/// above a list of one driver's slices on one node.
+pub const MAX_ANSWER: usize = 4 << 20;
 
 /// Why a request to the API server gave no object.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +34,36 @@ pub enum ApiError {
     /// No answer: the server could not be reached, or the exchange broke.
     #[error("{what}: the API server did not answer: {message}")]
     Unreachable { what: String, message: String },
+    /// No whole answer within [`CALL_TIMEOUT`].
+    #[error("{what}: no whole answer from the API server within {CALL_TIMEOUT:?}")]
+    Deadline { what: String },
+    /// An answer larger than [`MAX_ANSWER`], refused before it was all read.
+    #[error("{what}: the API server's answer is larger than {MAX_ANSWER} bytes; refused")]
+    TooLarge { what: String },
+}
+
+/// Whether `e` is, or was caused by, the cap on an answer's size.
+fn too_large(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        // By type; by its text where a layer between re-wrapped it as a string.
+        if e.is::<http_body_util::LengthLimitError>() || e.to_string() == "length limit exceeded" {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// `call` within [`CALL_TIMEOUT`], from its start to the last byte read.
+async fn within<T>(
+    what: impl FnOnce() -> String,
+    call: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(answer) => answer.map_err(|e| ApiError::of(what(), e)),
+        Err(_) => Err(ApiError::Deadline { what: what() }),
+    }
 }
 
 impl ApiError {
@@ -38,9 +73,10 @@ impl ApiError {
             kube::Error::Api(status) => ApiError::Status {
                 what,
                 code: status.code,
-                reason: status.reason.clone(),
-                message: status.message.clone(),
+                reason: crate::oci::reader::short(&status.reason),
+                message: crate::oci::reader::short(&status.message),
             },
+            other if too_large(&other) => ApiError::TooLarge { what },
             other => ApiError::Unreachable {
                 what,
                 message: other.to_string(),
@@ -98,25 +134,31 @@ impl ApiClient {
         config.read_timeout = Some(CALL_TIMEOUT);
         config.write_timeout = Some(CALL_TIMEOUT);
         config.reset_reader_on_write = true;
-        let client = kube::Client::try_from(config)
-            .map_err(|e| ApiError::Config(format!("building the client: {e}")))?;
+        // Every answer's body capped as it streams: kube reads it whole before parsing.
+        let cap = tower::util::MapResponseLayer::new(|r: http::Response<_>| {
+            r.map(|body| http_body_util::Limited::new(body, MAX_ANSWER))
+        });
+        let client = kube::client::ClientBuilder::try_from(config)
+            .map_err(|e| ApiError::Config(format!("building the client: {e}")))?
+            .with_layer(&cap)
+            .build();
         Ok(ApiClient { client })
     }
 
     /// The ResourceClaim `namespace/name`.
     pub async fn claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError> {
-        Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
-            .get(name)
-            .await
-            .map_err(|e| ApiError::of(format!("getting ResourceClaim {namespace}/{name}"), e))
+        let api = Api::<ResourceClaim>::namespaced(self.client.clone(), namespace);
+        within(
+            || format!("getting ResourceClaim {namespace}/{name}"),
+            api.get(name),
+        )
+        .await
     }
 
     /// The UID of Node `name`, which our slices name as their owner.
     pub async fn node_uid(&self, name: &str) -> Result<String, ApiError> {
-        let node = Api::<Node>::all(self.client.clone())
-            .get(name)
-            .await
-            .map_err(|e| ApiError::of(format!("getting Node {name}"), e))?;
+        let api = Api::<Node>::all(self.client.clone());
+        let node = within(|| format!("getting Node {name}"), api.get(name)).await?;
         node.metadata.uid.ok_or_else(|| ApiError::Status {
             what: format!("getting Node {name}"),
             code: 200,
@@ -133,37 +175,33 @@ impl ApiClient {
     pub async fn slices(&self, driver: &str, node: &str) -> Result<Vec<ResourceSlice>, ApiError> {
         let params =
             ListParams::default().fields(&format!("spec.driver={driver},spec.nodeName={node}"));
-        self.slices_api()
-            .list(&params)
-            .await
-            .map(|list| list.items)
-            .map_err(|e| {
-                ApiError::of(
-                    format!("listing the ResourceSlices of {driver} on {node}"),
-                    e,
-                )
-            })
+        let api = self.slices_api();
+        within(
+            || format!("listing the ResourceSlices of {driver} on {node}"),
+            api.list(&params),
+        )
+        .await
+        .map(|list| list.items)
     }
 
     pub async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
-        self.slices_api()
-            .create(&PostParams::default(), slice)
-            .await
-            .map_err(|e| {
-                ApiError::of(
-                    format!("creating a ResourceSlice of {}", slice.spec.driver),
-                    e,
-                )
-            })
+        let api = self.slices_api();
+        within(
+            || format!("creating a ResourceSlice of {}", slice.spec.driver),
+            api.create(&PostParams::default(), slice),
+        )
+        .await
     }
 
     /// Replaces a slice; its resourceVersion must be current (else a conflict).
     pub async fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
         let name = slice.metadata.name.clone().unwrap_or_default();
-        self.slices_api()
-            .replace(&name, &PostParams::default(), slice)
-            .await
-            .map_err(|e| ApiError::of(format!("updating ResourceSlice {name}"), e))
+        let api = self.slices_api();
+        within(
+            || format!("updating ResourceSlice {name}"),
+            api.replace(&name, &PostParams::default(), slice),
+        )
+        .await
     }
 
     /// Deletes a slice if it is still the one we saw (UID and resourceVersion); one already gone
@@ -177,12 +215,16 @@ impl ApiClient {
             }),
             ..DeleteParams::default()
         };
-        match self.slices_api().delete(&name, &params).await {
+        let api = self.slices_api();
+        match within(
+            || format!("deleting ResourceSlice {name}"),
+            api.delete(&name, &params),
+        )
+        .await
+        {
             Ok(_) => Ok(()),
-            Err(e) => {
-                let e = ApiError::of(format!("deleting ResourceSlice {name}"), e);
-                if e.is_not_found() { Ok(()) } else { Err(e) }
-            }
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(e),
         }
     }
 }

@@ -7,6 +7,13 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::prepare::ClaimError;
 
+/// The API's own limits on a claim (`resource.k8s.io/v1` validation): a claim beyond them never
+/// came from a real API server, and is refused before it costs the agent anything.
+const MAX_REQUESTS: usize = 32;
+const MAX_RESULTS: usize = 32;
+const MAX_CONFIGS: usize = 32;
+const MAX_OPAQUE_PARAMETERS: usize = 10 << 10;
+
 /// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
 /// config that applies to them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,10 +60,48 @@ fn wanted_by(
         .and_then(|s| s.allocation.as_ref())
         .and_then(|a| a.devices.as_ref())
         .ok_or_else(|| format!("{at} is not allocated"))?;
+    let requests = claim
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.as_ref());
+    let results = devices.results.as_deref().unwrap_or(&[]);
+    let configs = devices.config.as_deref().unwrap_or(&[]);
+    for (what, count, max) in [
+        ("requests", requests.map_or(0, Vec::len), MAX_REQUESTS),
+        ("allocation results", results.len(), MAX_RESULTS),
+        ("allocation configs", configs.len(), MAX_CONFIGS),
+    ] {
+        if count > max {
+            return Err(format!(
+                "{at} has {count} {what}; the API allows at most {max}"
+            ));
+        }
+    }
+    for opaque in configs.iter().filter_map(|c| c.opaque.as_ref()) {
+        let size = opaque.parameters.0.to_string().len();
+        if opaque.driver == driver && size > MAX_OPAQUE_PARAMETERS {
+            return Err(format!(
+                "{at}: a config's parameters for {driver} are {size} bytes; the API allows at \
+                 most {MAX_OPAQUE_PARAMETERS}"
+            ));
+        }
+    }
     let mut wanted: Vec<RequestWanted> = Vec::new();
-    for result in devices.results.iter().flatten() {
+    for result in results {
         if result.driver != driver {
             continue;
+        }
+        if !result
+            .request
+            .split('/')
+            .all(devicelet_api::names::is_dns1123_label)
+            || result.request.split('/').count() > 2
+        {
+            return Err(format!(
+                "{at}: request name {:?} is not a DNS label (or `request/subrequest` of two)",
+                crate::oci::reader::short(&result.request)
+            ));
         }
         if result.pool != pool {
             return Err(format!(
@@ -198,5 +243,39 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("team/gpus is not allocated"), "{e}");
+    }
+
+    #[test]
+    fn a_claim_beyond_the_api_s_limits_or_with_a_bad_request_name_is_refused_by_name() {
+        let many: Vec<_> = (0..33)
+            .map(|i| result("gpu", "gpu.example.com", "node-a", &format!("gpu-{i}")))
+            .collect();
+        let c = claim(serde_json::json!(many), serde_json::json!([]));
+        let e = wanted(&c, "u-1", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("has 33 allocation results; the API allows at most 32"),
+            "{e}"
+        );
+        let big = "x".repeat(11 << 10);
+        let c = claim(
+            serde_json::json!([result("gpu", "gpu.example.com", "node-a", "gpu-0")]),
+            serde_json::json!([{"source": "FromClaim", "opaque": {"driver": "gpu.example.com", "parameters": {"p": big}}}]),
+        );
+        let e = wanted(&c, "u-1", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the API allows at most 10240"), "{e}");
+        for bad in ["../../../x", "GPU", "a/b/c", "", "a b"] {
+            let c = claim(
+                serde_json::json!([result(bad, "gpu.example.com", "node-a", "gpu-0")]),
+                serde_json::json!([]),
+            );
+            let e = wanted(&c, "u-1", "gpu.example.com", "node-a")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("is not a DNS label"), "{bad:?}: {e}");
+        }
     }
 }

@@ -187,6 +187,7 @@ impl<B: DeviceBackend> Claims<B> {
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>> {
         let mut jobs = Vec::with_capacity(claims.len().min(MAX_CLAIMS_PER_CALL));
         let mut answers = BTreeMap::new();
+        let asked = claims.len();
         for (i, claim) in claims.into_iter().enumerate() {
             if i >= MAX_CLAIMS_PER_CALL {
                 answers.insert(claim.uid, Err(ClaimError::TooMany));
@@ -203,6 +204,15 @@ impl<B: DeviceBackend> Claims<B> {
                 me.events.emit(&me.driver, DraEvent::Prepared { ok, took });
                 (claim.uid, answer)
             }));
+        }
+        if asked > MAX_CLAIMS_PER_CALL {
+            // One line for the call, not one per claim: the kubelet hears each in its answer.
+            tracing::warn!(
+                driver = self.driver,
+                "a NodePrepareResources call asked for {asked} claims; the {} past the first \
+                 {MAX_CLAIMS_PER_CALL} were refused",
+                asked - MAX_CLAIMS_PER_CALL
+            );
         }
         for job in jobs {
             match job.await {
@@ -590,14 +600,26 @@ impl<B: DeviceBackend> Claims<B> {
     }
 }
 
+/// A UUID in its text form, lowercase, as the API server makes `metadata.uid`.
+fn is_uid(uid: &str) -> bool {
+    let groups: Vec<&str> = uid.split('-').collect();
+    groups.len() == 5
+        && groups.iter().zip([8, 4, 4, 4, 12]).all(|(g, n)| {
+            g.len() == n
+                && g.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+}
+
 /// A claim's UID and request names become a CDI device name (`<uid>-<request>`) and a file name
 /// (`devicelet-dra_<driver>_<uid>.json`): one that cannot is refused by name, never prepared
 /// with no device. The API server makes UIDs (UUIDs) and checks request names (DNS labels), so
 /// only a broken or hostile server sends such a claim.
 fn check_names(uid: &str, request: &str) -> Result<(), ClaimError> {
-    if uid.is_empty() || uid.len() > 128 || !crate::cdi::spec::is_device_name(uid) {
+    if !is_uid(uid) || !crate::cdi::spec::is_device_name(uid) {
         return Err(ClaimError::Refused(format!(
-            "claim UID {:?} cannot name a CDI device or a file",
+            "claim UID {:?} is not a UID as the API server makes them (a UUID); it cannot name a \
+             CDI device or a file",
             uid.chars().take(80).collect::<String>()
         )));
     }
@@ -616,14 +638,17 @@ mod tests {
 
     #[test]
     fn uids_and_requests_that_make_no_cdi_name_are_refused_by_name() {
-        check_names("0b5e6a2c-9d1f-4e2a-8c3b-7f6e5d4c3b2a", "gpu").expect("a real claim");
+        const UID: &str = "0b5e6a2c-9d1f-4e2a-8c3b-7f6e5d4c3b2a";
+        check_names(UID, "gpu").expect("a real claim");
         for (uid, request, says) in [
             ("", "gpu", "claim UID \"\""),
             ("a/b", "gpu", "claim UID \"a/b\""),
             ("/../../tmp/x", "gpu", "claim UID \"/../../tmp/x\""),
             ("u\n1", "gpu", "claim UID \"u\\n1\""),
-            ("u1", "../../../x", "request name \"../../../x\""),
-            ("u1", "", "request name \"\""),
+            ("0B5E6A2C-9D1F-4E2A-8C3B-7F6E5D4C3B2A", "gpu", "not a UID"),
+            ("0b5e6a2c-9d1f-4e2a-8c3b-7f6e5d4c3b2a-0", "gpu", "not a UID"),
+            (UID, "../../../x", "request name \"../../../x\""),
+            (UID, "", "request name \"\""),
         ] {
             let e = check_names(uid, request).unwrap_err().to_string();
             assert!(e.contains(says), "{uid:?} {request:?}: {e}");

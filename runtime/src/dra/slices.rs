@@ -281,6 +281,38 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// Whether `slice` is one this pool publishes: its driver, node and pool, owned by the Node
+    /// of that name. Whatever a list answers, only these are updated or deleted: a server that
+    /// ignores the field selector must not make the agent delete another driver's slices.
+    pub fn owns(&self, slice: &ResourceSlice) -> bool {
+        slice.spec.driver == self.driver
+            && slice.spec.node_name.as_deref() == Some(self.node.as_str())
+            && slice.spec.pool.name == self.node
+            && slice
+                .metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.kind == "Node" && o.name == self.node)
+    }
+
+    /// This pool's slices, as the API server lists them.
+    async fn listed(&self, api: &ApiClient) -> Result<Vec<ResourceSlice>, ApiError> {
+        let mut listed = api.slices(&self.driver, &self.node).await?;
+        let all = listed.len();
+        listed.retain(|s| self.owns(s));
+        if listed.len() < all {
+            tracing::debug!(
+                driver = self.driver,
+                "the API server listed {} slices that are not this pool's; left alone",
+                all - listed.len()
+            );
+        }
+        Ok(listed)
+    }
+}
+
 /// Makes the API server hold the pool for `devices`; the writes it made.
 async fn sync(
     api: &ApiClient,
@@ -289,7 +321,7 @@ async fn sync(
     devices: &[ApiDevice],
     last_generation: &mut i64,
 ) -> Result<u64, ApiError> {
-    let mut existing = api.slices(&pool.driver, &pool.node).await?;
+    let mut existing = pool.listed(api).await?;
     existing.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let found_generation = existing
         .iter()
@@ -424,7 +456,7 @@ pub async fn publish(
 /// Deletes every slice of the pool (the driver goes away for good); errors are logged and
 /// counted.
 pub async fn withdraw(api: &ApiClient, pool: &Pool, events: &DraEvents) {
-    match api.slices(&pool.driver, &pool.node).await {
+    match pool.listed(api).await {
         Ok(slices) => {
             let mut deleted = 0;
             for slice in slices {

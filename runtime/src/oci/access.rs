@@ -117,6 +117,32 @@ impl Access {
         Ok(client)
     }
 
+    /// A reader of one registry, for pulls: every body capped as it streams and every request
+    /// under a deadline (`reader.rs`). Err: the TLS settings cannot be used.
+    pub fn reader(&self, registry: &str) -> Result<super::reader::Reader, String> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut certificates = Vec::with_capacity(self.ca.len());
+        for der in &self.ca {
+            certificates.push(
+                reqwest::Certificate::from_der(der)
+                    .map_err(|e| format!("a registry CA certificate: {e}"))?,
+            );
+        }
+        let http = reqwest::Client::builder()
+            .tls_certs_merge(certificates)
+            .connect_timeout(Duration::from_secs(10))
+            .read_timeout(Duration::from_secs(30))
+            .user_agent(concat!("devicelet/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("the registry client: {}", with_causes(&e)))?;
+        let insecure = self
+            .insecure
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(registry));
+        let basic = self.credentials.get(&host_of(registry)).cloned();
+        Ok(super::reader::Reader::new(http, registry, insecure, basic))
+    }
+
     /// The credentials for `registry` (`host[:port]`): basic from the Docker config, else none.
     fn auth(&self, registry: &str) -> RegistryAuth {
         match self.credentials.get(&host_of(registry)) {

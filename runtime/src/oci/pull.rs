@@ -6,14 +6,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use oci_client::errors::OciDistributionError;
-use oci_client::manifest::OciDescriptor;
-use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, Reference};
 use serde::Deserialize;
-use tokio_stream::StreamExt;
 
 use super::access::Access;
+use super::reader::Reader;
 use super::signature;
 use super::store::Store;
 use crate::config::ModuleSpec;
@@ -24,6 +20,11 @@ use crate::digest::sha256_hex;
 pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const CONFIG_MEDIA_TYPE: &str = "application/vnd.wasm.config.v0+json";
 pub const LAYER_MEDIA_TYPE: &str = "application/wasm";
+/// What an image index (a list of manifests, one per platform) is called, OCI's and Docker's.
+const INDEX_MEDIA_TYPES: [&str; 2] = [
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+];
 /// A manifest is small; anything larger is not one.
 const MAX_MANIFEST: u64 = 4 << 20;
 /// One pull, end to end.
@@ -52,7 +53,27 @@ struct Descriptor {
     size: i64,
 }
 
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Probe {
+    media_type: Option<String>,
+    manifests: Option<serde::de::IgnoredAny>,
+}
+
 fn parse_manifest(manifest: &[u8]) -> Result<Manifest, String> {
+    let probe: Probe =
+        serde_json::from_slice(manifest).map_err(|e| format!("the manifest is not JSON: {e}"))?;
+    let index = probe
+        .media_type
+        .as_deref()
+        .filter(|t| INDEX_MEDIA_TYPES.contains(t));
+    if index.is_some() || probe.manifests.is_some() {
+        return Err(format!(
+            "the digest pins an image index ({}), a list of manifests for several platforms, \
+             not a wasm component artifact: pin the digest of the artifact's own manifest",
+            index.unwrap_or("a `manifests` list")
+        ));
+    }
     serde_json::from_slice(manifest)
         .map_err(|e| format!("the manifest is not an OCI image manifest: {e}"))
 }
@@ -105,26 +126,23 @@ fn wasm_layer(m: &Manifest) -> Result<(String, u64), String> {
     Ok((hex.to_ascii_lowercase(), size))
 }
 
-/// The manifest `source` pins, fetched by digest and checked against it, with the reference
-/// its blobs are fetched through.
-async fn manifest_of(
-    client: &Client,
-    access: &Access,
-    source: &OciSource,
-) -> Result<(Reference, Vec<u8>), String> {
-    let reference: Reference = source.by_digest().parse().map_err(|e| format!("{e}"))?;
-    let (manifest, _) = client
-        .pull_manifest_raw(&reference, &RegistryAuth::Anonymous, &[MANIFEST_MEDIA_TYPE])
+/// The manifest `source` pins, fetched by digest (never past [`MAX_MANIFEST`]) and checked
+/// against it.
+async fn manifest_of(reader: &Reader, source: &OciSource) -> Result<Vec<u8>, String> {
+    let accept = [
+        MANIFEST_MEDIA_TYPE,
+        INDEX_MEDIA_TYPES[0],
+        INDEX_MEDIA_TYPES[1],
+    ];
+    let manifest = reader
+        .manifest(
+            &source.repository,
+            &format!("sha256:{}", source.digest),
+            &accept,
+            MAX_MANIFEST,
+        )
         .await
-        .map_err(|e| {
-            format!(
-                "fetching the manifest: {}",
-                access.explain(&source.registry, &e)
-            )
-        })?;
-    if manifest.len() as u64 > MAX_MANIFEST {
-        return Err(format!("the manifest is larger than {MAX_MANIFEST} bytes"));
-    }
+        .map_err(|e| format!("fetching the manifest: {e}"))?;
     let got = sha256_hex(&manifest);
     if got != source.digest {
         return Err(format!(
@@ -133,65 +151,46 @@ async fn manifest_of(
             source.digest
         ));
     }
-    Ok((reference, manifest.to_vec()))
+    Ok(manifest)
 }
 
 /// The largest artifact config read: it lists a component's imports and exports.
 const MAX_CONFIG: i64 = 1 << 20;
 
 /// The artifact's config as JSON, when it is the wasm layout's (checked against its digest);
-/// None for any other config.
+/// None for any other config. A wasm config over [`MAX_CONFIG`] or not JSON is refused by
+/// name: it is what the import pre-check reads, never skipped.
 async fn config_of(
-    client: &Client,
-    reference: &Reference,
+    reader: &Reader,
+    source: &OciSource,
     m: &Manifest,
-) -> Result<Option<serde_json::Value>, String> {
-    if m.config.media_type != CONFIG_MEDIA_TYPE || !(0..=MAX_CONFIG).contains(&m.config.size) {
+) -> Result<Option<serde_json::Value>, PullError> {
+    if m.config.media_type != CONFIG_MEDIA_TYPE {
         return Ok(None);
     }
-    let descriptor = OciDescriptor {
-        media_type: m.config.media_type.clone(),
-        digest: m.config.digest.clone(),
-        size: m.config.size,
-        ..OciDescriptor::default()
-    };
-    let bytes = blob(
-        client,
-        reference,
-        &descriptor,
-        (MAX_CONFIG as u64, &|e| super::access::with_causes(e)),
-    )
-    .await
-    .map_err(|e| format!("fetching the config: {e}"))?;
-    if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
-        return Err("the config's bytes do not match its digest".into());
+    if !(0..=MAX_CONFIG).contains(&m.config.size) {
+        return Err(PullError::Refused(format!(
+            "the artifact's config is {} bytes; a wasm config may be at most {MAX_CONFIG}",
+            m.config.size
+        )));
     }
-    Ok(serde_json::from_slice(&bytes).ok())
-}
-
-/// A blob, read as it streams and never past `max` bytes (nor its descriptor's size): a
-/// registry that sends more is refused before it costs the agent memory. `explain` words a
-/// refused request (see `Access::explain`).
-pub(super) async fn blob(
-    client: &Client,
-    reference: &Reference,
-    descriptor: &OciDescriptor,
-    (max, explain): (u64, &(dyn Fn(&OciDistributionError) -> String + Sync)),
-) -> Result<Vec<u8>, String> {
-    let cap = u64::try_from(descriptor.size).unwrap_or(0).min(max);
-    let mut stream = client
-        .pull_blob_stream(reference, descriptor)
+    let bytes = reader
+        .blob(
+            &source.repository,
+            &m.config.digest,
+            m.config.size as u64,
+            super::reader::REQUEST_DEADLINE,
+        )
         .await
-        .map_err(|e| explain(&e))?;
-    let mut bytes = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| super::access::with_causes(&e))?;
-        if (bytes.len() + chunk.len()) as u64 > cap {
-            return Err(format!("the registry sent more than {cap} bytes"));
-        }
-        bytes.extend_from_slice(&chunk);
+        .map_err(|e| PullError::Failed(format!("fetching the config: {e}")))?;
+    if format!("sha256:{}", sha256_hex(&bytes)) != m.config.digest {
+        return Err(PullError::Failed(
+            "the config's bytes do not match its digest".into(),
+        ));
     }
-    Ok(bytes)
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| PullError::Refused(format!("the artifact's config is not JSON: {e}")))
 }
 
 /// The component's (exports, imports) as a wasm config lists them (`component.exports`,
@@ -237,8 +236,8 @@ pub struct Inspection {
 
 /// Reads the artifact `source` pins: its manifest (checked against the pin) and its config.
 pub async fn inspect(source: &OciSource, access: &Access) -> Result<Inspection, String> {
-    let client = access.client(&source.registry).await?;
-    let (reference, manifest) = manifest_of(&client, access, source).await?;
+    let reader = access.reader(&source.registry)?;
+    let manifest = manifest_of(&reader, source).await?;
     let m = parse_manifest(&manifest)?;
     let refused = wasm_layer(&m).err();
     let layer = match m.layers.as_slice() {
@@ -249,8 +248,10 @@ pub async fn inspect(source: &OciSource, access: &Access) -> Result<Inspection, 
         )),
         _ => None,
     };
-    let config = config_of(&client, &reference, &m).await?;
-    let signatures = signature::fetch(&client, source).await;
+    let config = config_of(&reader, source, &m)
+        .await
+        .map_err(|e| e.to_string())?;
+    let signatures = signature::fetch(&reader, source).await;
     Ok(Inspection {
         manifest_media_type: m.media_type.unwrap_or_else(|| "(none given)".into()),
         config_media_type: m.config.media_type,
@@ -272,7 +273,7 @@ impl Fetcher {
         let manifest = self.store.get(&source.digest, MAX_MANIFEST)?;
         let (layer, _) = layer_of(&manifest).ok()?;
         let path = self.store.path(&layer);
-        if !path.is_file() {
+        if !self.store.trusted(&path) {
             return None;
         }
         if let Some(key) = &spec.verify_key {
@@ -318,18 +319,17 @@ impl Fetcher {
         source: &OciSource,
         spec: &ModuleSpec,
     ) -> Result<(PathBuf, String), PullError> {
-        let client = self
+        let reader = self
             .access
-            .client(&source.registry)
-            .await
+            .reader(&source.registry)
             .map_err(PullError::Failed)?;
-        let (reference, manifest) = manifest_of(&client, &self.access, source)
+        let manifest = manifest_of(&reader, source)
             .await
             .map_err(PullError::Failed)?;
         // Who made it comes before anything it says. Tried again: a signature may be added.
         let signed = match &spec.verify_key {
             Some(key) => {
-                let signed = signature::fetch(&client, source)
+                let signed = signature::fetch(&reader, source)
                     .await
                     .map_err(PullError::Failed)?;
                 signature::check(key, &source.digest, &signed)
@@ -340,9 +340,7 @@ impl Fetcher {
         };
         let m = parse_manifest(&manifest).map_err(PullError::Refused)?;
         let (layer, size) = wasm_layer(&m).map_err(PullError::Refused)?;
-        let config = config_of(&client, &reference, &m)
-            .await
-            .map_err(PullError::Failed)?;
+        let config = config_of(&reader, source, &m).await?;
         if let Some((exports, imports)) = config.as_ref().and_then(listed_interface) {
             let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
             let imports: Vec<&str> = imports.iter().map(String::as_str).collect();
@@ -352,15 +350,14 @@ impl Fetcher {
                 ))
             })?;
         }
-        let descriptor = OciDescriptor {
-            media_type: LAYER_MEDIA_TYPE.into(),
-            digest: format!("sha256:{layer}"),
-            size: size as i64,
-            ..OciDescriptor::default()
-        };
         // Never past the size the manifest says (itself at most MAX_MODULE).
-        let explain = |e: &OciDistributionError| self.access.explain(&source.registry, e);
-        let bytes = blob(&client, &reference, &descriptor, (size, &explain))
+        let bytes = reader
+            .blob(
+                &source.repository,
+                &format!("sha256:{layer}"),
+                size,
+                PULL_DEADLINE,
+            )
             .await
             .map_err(|e| PullError::Failed(format!("fetching the module: {e}")))?;
         let got = sha256_hex(&bytes);

@@ -13,13 +13,13 @@ use std::path::Path;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use ring::signature::{ECDSA_P256_SHA256_ASN1, ECDSA_P256_SHA256_FIXED, UnparsedPublicKey};
 use rustls::pki_types::PrivatePkcs8KeyDer;
 use rustls::pki_types::pem::PemObject;
 use serde::{Deserialize, Serialize};
 
+use super::reader::Reader;
 use crate::config::OciSource;
 pub use crate::config::VerifyKey;
 use crate::config::verify_key::MAX_KEY_FILE;
@@ -158,58 +158,38 @@ fn signature_reference(source: &OciSource) -> Result<Reference, String> {
 }
 
 /// The signature artifact's manifest, if the registry has one (None when it answers that
-/// there is none).
+/// there is none), never read past [`MAX_PAYLOAD`].
 async fn signature_manifest(
-    client: &Client,
+    reader: &Reader,
     source: &OciSource,
-) -> Result<Option<(Reference, SignatureManifest)>, String> {
+) -> Result<Option<SignatureManifest>, String> {
     let tag = signature_tag(&source.digest);
-    let reference = signature_reference(source)?;
-    let fetched = client
-        .pull_manifest_raw(
-            &reference,
-            &RegistryAuth::Anonymous,
+    let fetched = reader
+        .manifest(
+            &source.repository,
+            &tag,
             &SIGNATURE_MANIFEST_TYPES,
+            MAX_PAYLOAD as u64,
         )
         .await;
     let bytes = match fetched {
-        Ok((bytes, _)) => bytes,
-        Err(e) if is_unknown(&e) => return Ok(None),
-        Err(e) => {
-            return Err(format!(
-                "fetching its signatures ({tag}): {}",
-                super::access::with_causes(&e)
-            ));
-        }
+        Ok(bytes) => bytes,
+        Err(e) if e.is_unknown() => return Ok(None),
+        Err(e) => return Err(format!("fetching its signatures ({tag}): {e}")),
     };
-    if bytes.len() > MAX_PAYLOAD as usize {
-        return Err(format!("the signature manifest at {tag} is too large"));
-    }
-    let manifest = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("the signature manifest at {tag}: {e}"))?;
-    Ok(Some((reference, manifest)))
-}
-
-/// Whether the registry said the tag is not there.
-fn is_unknown(e: &oci_client::errors::OciDistributionError) -> bool {
-    use oci_client::errors::{OciDistributionError, OciErrorCode};
-    match e {
-        OciDistributionError::RegistryError { envelope, .. } => envelope.errors.iter().any(|e| {
-            matches!(
-                e.code,
-                OciErrorCode::ManifestUnknown | OciErrorCode::NameUnknown
-            )
-        }),
-        OciDistributionError::ImageManifestNotFoundError(_)
-        | OciDistributionError::ServerError { code: 404, .. } => true,
-        _ => false,
-    }
+    let manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        format!(
+            "the signature manifest at {tag}: {}",
+            super::reader::short(&e.to_string())
+        )
+    })?;
+    Ok(Some(manifest))
 }
 
 /// The signatures the registry holds for what `source` pins (at most [`MAX_SIGNATURES`]), each
 /// payload checked against its digest.
-pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, String> {
-    let Some((reference, manifest)) = signature_manifest(client, source).await? else {
+pub async fn fetch(reader: &Reader, source: &OciSource) -> Result<Vec<Signed>, String> {
+    let Some(manifest) = signature_manifest(reader, source).await? else {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
@@ -222,21 +202,15 @@ pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, S
         let Some(signature) = layer.annotations.get(SIGNATURE_ANNOTATION) else {
             continue;
         };
-        let descriptor = oci_client::manifest::OciDescriptor {
-            media_type: layer.media_type.clone(),
-            digest: layer.digest.clone(),
-            size: layer.size,
-            ..Default::default()
-        };
-        let explain = |e: &oci_client::errors::OciDistributionError| super::access::with_causes(e);
-        let payload = super::pull::blob(
-            client,
-            &reference,
-            &descriptor,
-            (MAX_PAYLOAD as u64, &explain),
-        )
-        .await
-        .map_err(|e| format!("fetching a signature's payload: {e}"))?;
+        let payload = reader
+            .blob(
+                &source.repository,
+                &layer.digest,
+                layer.size as u64,
+                super::reader::REQUEST_DEADLINE,
+            )
+            .await
+            .map_err(|e| format!("fetching a signature's payload: {e}"))?;
         if format!("sha256:{}", sha256_hex(&payload)) != layer.digest {
             continue;
         }
@@ -251,7 +225,11 @@ pub async fn fetch(client: &Client, source: &OciSource) -> Result<Vec<Signed>, S
 /// `devicelet module sign`: signs what `source` pins with the PKCS#8 P-256 key at `key_file`
 /// and adds the signature to the artifact at its `.sig` tag, as `cosign sign --key` does (a
 /// signature already there stays). The signature's base64.
-pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Result<String, String> {
+pub async fn sign(
+    source: &OciSource,
+    key_file: &Path,
+    (reader, client): (&Reader, &Client),
+) -> Result<String, String> {
     let text = crate::files::read_regular(key_file, MAX_KEY_FILE)
         .map_err(|e| format!("reading {}: {e}", key_file.display()))?;
     if String::from_utf8_lossy(&text).contains("ENCRYPTED SIGSTORE PRIVATE KEY") {
@@ -290,10 +268,10 @@ pub async fn sign(source: &OciSource, key_file: &Path, client: &Client) -> Resul
         .map_err(|e| format!("signing: {e}"))?;
     let signature = BASE64.encode(signature.as_ref());
 
-    let existing = signature_manifest(client, source).await?;
-    let (reference, mut layers) = match existing {
-        Some((reference, manifest)) => (reference, manifest.layers),
-        None => (signature_reference(source)?, Vec::new()),
+    let reference = signature_reference(source)?;
+    let mut layers = match signature_manifest(reader, source).await? {
+        Some(manifest) => manifest.layers,
+        None => Vec::new(),
     };
     // Appended: the signatures there stay (the same payload signed by another key is another
     // layer with the same digest, as cosign writes it).
