@@ -30,6 +30,20 @@ pub const WIPE_DELAY: std::time::Duration = std::time::Duration::from_millis(500
 
 impl DraNode {
     pub async fn new() -> DraNode {
+        DraNode::with_wipe(
+            devicelet_simulator::DraWipe::Delayed,
+            std::time::Duration::ZERO,
+        )
+        .await
+    }
+
+    /// A node whose kubelet wipes a deregistered driver's slices as `wipe` says: as 1.34 and
+    /// later do ([`WIPE_DELAY`] here), or at once, as 1.32–1.33 do; and whose plugin watcher
+    /// acts `registry_lag` after a socket event (the kubelet's reconciler: up to 1 s).
+    pub async fn with_wipe(
+        wipe: devicelet_simulator::DraWipe,
+        registry_lag: std::time::Duration,
+    ) -> DraNode {
         let node = crate::Node::new().await;
         node.add_char("/dev/fuse", 10, 229);
         let registry = node.dir.path().join("plugins_registry");
@@ -45,6 +59,8 @@ impl DraNode {
                     node: NODE.into(),
                 }),
                 dra_wipe_delay: WIPE_DELAY,
+                dra_wipe: wipe,
+                registry_lag,
                 ..devicelet_simulator::SimConfig::default()
             },
         )

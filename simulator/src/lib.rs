@@ -129,6 +129,25 @@ pub struct SimConfig {
     pub dra_api: Option<DraApi>,
     /// How long after a DRA driver's last endpoint goes its slices are wiped (kubelet: 30 s).
     pub dra_wipe_delay: Duration,
+    /// Which kubelet's wipe on de-registration this one does.
+    pub dra_wipe: DraWipe,
+    /// How long after a socket event in [`plugins_registry`](Self::plugins_registry) the plugin
+    /// watcher acts on it (with every event that arrived meanwhile, in order). The kubelet's
+    /// reconciler looks once a second, so up to 1 s; default zero: at once.
+    pub registry_lag: Duration,
+}
+
+/// What the kubelet's DRA manager does to a driver's slices when its last endpoint goes
+/// (KUBELET.md §DRA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraWipe {
+    /// 1.34 and later: wiped [`SimConfig::dra_wipe_delay`] later, unless the driver registered
+    /// again meanwhile.
+    #[default]
+    Delayed,
+    /// 1.32–1.33: wiped at once, in the background, whatever follows — a driver replacing its
+    /// registration socket loses its slices.
+    AtOnce,
 }
 
 impl Default for SimConfig {
@@ -145,6 +164,8 @@ impl Default for SimConfig {
             dra_health_retry: Duration::from_secs(5),
             dra_api: None,
             dra_wipe_delay: Duration::from_secs(30),
+            dra_wipe: DraWipe::Delayed,
+            registry_lag: Duration::ZERO,
         }
     }
 }
@@ -262,6 +283,14 @@ impl Inner {
         let Some(api) = self.config.dra_api.clone() else {
             return;
         };
+        if self.config.dra_wipe == DraWipe::AtOnce {
+            let driver = driver.to_owned();
+            tokio::spawn(async move {
+                let wiped = api.server.wipe_slices(&api.node, Some(&driver));
+                info!("DRA driver {driver} deregistered: {wiped} ResourceSlices wiped at once");
+            });
+            return;
+        }
         let Some(token) = registry.dra.queue_wipe(driver) else {
             return;
         };

@@ -31,7 +31,8 @@
 //!   ignores rename events), one renamed into the directory is registered.
 //!
 //! Unlike the kubelet, whose reconciler looks every second, the simulator registers as soon as
-//! the event arrives, and it ignores a second creation event for the same file (same inode).
+//! the event arrives (or `SimConfig::registry_lag` after it), and it ignores a second creation
+//! event for the same file (same inode).
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -229,11 +230,21 @@ async fn run(
         set: JoinSet::new(),
         running: HashMap::new(),
     };
-    while let Some(hint) = hints.recv().await {
-        match hint {
-            Hint::Created(path) => watcher.created(&path),
-            Hint::Removed(path) => watcher.removed(&path),
-            Hint::Rescan => watcher.rescan(&dir),
+    let lag = watcher.inner.config.registry_lag;
+    while let Some(first) = hints.recv().await {
+        let mut batch = vec![first];
+        if !lag.is_zero() {
+            tokio::time::sleep(lag).await;
+            while let Ok(hint) = hints.try_recv() {
+                batch.push(hint);
+            }
+        }
+        for hint in batch {
+            match hint {
+                Hint::Created(path) => watcher.created(&path),
+                Hint::Removed(path) => watcher.removed(&path),
+                Hint::Rescan => watcher.rescan(&dir),
+            }
         }
         while watcher.set.try_join_next().is_some() {}
     }

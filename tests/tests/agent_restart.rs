@@ -265,6 +265,16 @@ fn spawn_dra_agent(
     registry: &std::path::Path,
     state: &std::path::Path,
 ) -> Child {
+    spawn_dra_agent_resyncing(dra, registry, state, "200ms")
+}
+
+/// As [`spawn_dra_agent`], its pool checked against the API server every `resync`.
+fn spawn_dra_agent_resyncing(
+    dra: &devicelet_tests::dra::DraNode,
+    registry: &std::path::Path,
+    state: &std::path::Path,
+    resync: &str,
+) -> Child {
     let kubeconfig = dra.node.dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, dra.api.kubeconfig()).expect("kubeconfig");
     Command::new(devicelet_bin())
@@ -284,7 +294,7 @@ fn spawn_dra_agent(
         .args(["--node-name", devicelet_tests::dra::NODE])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
-        .args(["--dra-resync", "200ms"])
+        .args(["--dra-resync", resync])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -378,4 +388,66 @@ async fn an_agent_killed_between_check_and_record_holds_nothing_twice_after_rest
     assert_eq!(status.dra_drivers[0].prepared_claims, 1);
     second.kill().expect("SIGKILL");
     second.wait().expect("reaped");
+}
+
+/// Killed with SIGKILL and started again, the agent finds its slices current, then replaces its
+/// predecessor's registration socket: a kubelet before 1.34 wipes the driver's slices at once on
+/// that de-registration, 1.34 and later cancel the wipe when it registers again. Either way the
+/// pool is back long before the next resync (10 s, the default): republished right after the
+/// registration, not at the resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_wiped_when_a_restarted_agent_replaces_its_socket_is_back_before_the_resync() {
+    use devicelet_simulator::DraWipe;
+    use devicelet_tests::dra::{DraNode, published, registered, slice_devices};
+    for wipe in [DraWipe::AtOnce, DraWipe::Delayed] {
+        // The kubelet's reconciler acts on the replaced socket half a second later, as its
+        // once-a-second tick does on average: after the restarted agent found its slices current.
+        let dra = DraNode::with_wipe(wipe, std::time::Duration::from_millis(500)).await;
+        let registry = dra.node.registry(
+            &devicelet_tests::generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+                .replacen(
+                    "[module.grants]",
+                    "front-end = \"dra\"\n\n[module.grants]",
+                    1,
+                ),
+        );
+        let state = dra.node.state_dir();
+        let mut first = spawn_dra_agent_resyncing(&dra, &registry, &state, "10s");
+        registered(&dra.kubelet, 1).await;
+        published(&dra.api).await;
+        first.kill().expect("SIGKILL");
+        first.wait().expect("reaped");
+
+        let mut second = spawn_dra_agent_resyncing(&dra, &registry, &state, "10s");
+        registered(&dra.kubelet, 2).await;
+        // From the registration on: the longest stretch with no device published, watched for
+        // three seconds.
+        let (mut gap, mut missing_since) = (std::time::Duration::ZERO, None);
+        let watched = std::time::Instant::now();
+        while watched.elapsed() < std::time::Duration::from_secs(3) {
+            let now = std::time::Instant::now();
+            match slice_devices(&dra.api).filter(|d| !d.is_empty()) {
+                Some(_) => {
+                    if let Some(since) = missing_since.take() {
+                        gap = gap.max(now - since);
+                    }
+                }
+                None => {
+                    missing_since.get_or_insert(now);
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(
+            missing_since.is_none(),
+            "{wipe:?}: the pool is still missing {:?} after the registration",
+            missing_since.map(|s: std::time::Instant| s.elapsed())
+        );
+        assert!(
+            gap < std::time::Duration::from_secs(5),
+            "{wipe:?}: missing for {gap:?}, as long as waiting for the resync"
+        );
+        second.kill().expect("SIGKILL");
+        second.wait().expect("reaped");
+    }
 }

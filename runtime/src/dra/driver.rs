@@ -158,10 +158,11 @@ pub fn start<B: DeviceBackend>(
         let claims = claims.clone();
         tokio::task::spawn_blocking(move || claims.remove_stale_specs());
     }
+    let republish = Arc::new(Notify::new());
     let served = server::serve(
         claims.clone(),
-        &options.registry_dir,
-        &options.plugins_dir,
+        (&options.registry_dir, &options.plugins_dir),
+        republish.clone(),
         stopped.clone(),
     )
     .map_err(|source| DriverError::Serve {
@@ -173,7 +174,6 @@ pub fn start<B: DeviceBackend>(
         node: options.node.clone(),
     };
     let (published_tx, published) = watch::channel(Published::default());
-    let republish = Arc::new(Notify::new());
     let mut tasks = core.tasks;
     tasks.extend(served.tasks);
     let publisher = options.api.as_ref().map(|api| {

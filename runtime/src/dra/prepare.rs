@@ -41,7 +41,7 @@ use crate::resource::backend::{BackendError, DeviceBackend};
 use crate::resource::snapshot::Snapshot;
 
 /// Most claims answered in one call: a pod has at most 32 claims; past it each gets an error.
-pub const MAX_CLAIMS_PER_CALL: usize = 256;
+pub const MAX_CLAIMS_PER_CALL: usize = 32;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]

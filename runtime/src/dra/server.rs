@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use devicelet_api::dra::{self, v1, v1beta1};
 use tokio::sync::watch;
@@ -29,6 +30,9 @@ pub fn registration_socket(registry_dir: &Path, driver: &str) -> PathBuf {
 pub fn service_socket(plugins_dir: &Path, driver: &str) -> PathBuf {
     plugins_dir.join(driver).join("dra.sock")
 }
+
+/// When, after a registration, the pool is checked again (ms).
+const REPUBLISH_AFTER_REGISTRATION_MS: [u64; 5] = [0, 250, 500, 1000, 2000];
 
 /// Whether the kubelet said it registered the driver (its last `NotifyRegistrationStatus`).
 #[derive(Debug, Default)]
@@ -155,10 +159,14 @@ pub struct Served {
 }
 
 /// Serves `claims`' driver until `stop` flips, then removes both sockets.
+/// `republish` is woken right after each registration and a few times in the two seconds
+/// after it: a kubelet before 1.34 wipes a driver's slices at once when its registration
+/// socket is replaced (an agent restarting after a SIGKILL replaces its predecessor's), in the
+/// background, so the wipe may land just before or just after the new registration.
 pub fn serve<B: DeviceBackend>(
     claims: Arc<Claims<B>>,
-    registry_dir: &Path,
-    plugins_dir: &Path,
+    (registry_dir, plugins_dir): (&Path, &Path),
+    republish: Arc<tokio::sync::Notify>,
     stop: watch::Receiver<bool>,
 ) -> std::io::Result<Served> {
     let driver = claims.driver.clone();
@@ -195,6 +203,14 @@ pub fn serve<B: DeviceBackend>(
                 .store(status.plugin_registered, Ordering::Relaxed);
             if status.plugin_registered {
                 tracing::info!(driver, "registered with the kubelet as a DRA driver");
+                let republish = republish.clone();
+                tokio::spawn(async move {
+                    let start = tokio::time::Instant::now();
+                    for after_ms in REPUBLISH_AFTER_REGISTRATION_MS {
+                        tokio::time::sleep_until(start + Duration::from_millis(after_ms)).await;
+                        republish.notify_one();
+                    }
+                });
             } else {
                 tracing::warn!(
                     driver,
