@@ -23,4 +23,5 @@ pub mod plugin_socket;
 pub mod policy;
 pub mod resource;
 pub mod sandbox;
+pub mod text;
 pub mod trust;

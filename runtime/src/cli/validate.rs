@@ -122,7 +122,10 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
                     println!("  {line}");
                 }
                 match DeviceBackend::enumerate(&module, &info.name).await {
-                    Ok(devices) => print_devices(&devices),
+                    Ok(devices) => {
+                        print_devices(&devices);
+                        print_unpublished(&devices);
+                    }
                     Err(e) => {
                         failures += 1;
                         println!(
@@ -408,5 +411,22 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The attributes and capacities a DRA driver would leave out of its slices, and why: one line
+/// per (name, reason), with how many devices carry it.
+fn print_unpublished(devices: &[crate::device::Device]) {
+    let mut dropped: std::collections::BTreeMap<(String, String), usize> = Default::default();
+    for d in devices {
+        for key in crate::dra::slices::dropped(d) {
+            *dropped.entry(key).or_default() += 1;
+        }
+    }
+    for ((name, why), count) in dropped {
+        println!(
+            "    attribute {:?} not published ({count} device(s)): {why}",
+            crate::text::cut(&name, 64)
+        );
     }
 }

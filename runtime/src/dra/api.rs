@@ -73,8 +73,8 @@ impl ApiError {
             kube::Error::Api(status) => ApiError::Status {
                 what,
                 code: status.code,
-                reason: crate::oci::reader::short(&status.reason),
-                message: crate::oci::reader::short(&status.message),
+                reason: crate::text::cut(&status.reason, 200),
+                message: crate::text::cut(&status.message, 200),
             },
             other if too_large(&other) => ApiError::TooLarge { what },
             other => ApiError::Unreachable {

@@ -100,7 +100,7 @@ fn wanted_by(
         {
             return Err(format!(
                 "{at}: request name {:?} is not a DNS label (or `request/subrequest` of two)",
-                crate::oci::reader::short(&result.request)
+                crate::text::cut(&result.request, 64)
             ));
         }
         if result.pool != pool {

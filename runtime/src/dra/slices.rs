@@ -131,34 +131,86 @@ fn same_device(have: &ApiDevice, want: &ApiDevice) -> bool {
         && have.consumes_counters.as_ref().is_none_or(|c| c.is_empty())
 }
 
+/// The domain whose attributes the host publishes (`pciBusID`), never a module.
+const HOST_DOMAIN: &str = "resource.kubernetes.io/";
+/// The API's limit on a device's attributes and capacities together.
+const MAX_ATTRIBUTES: usize = 32;
+
+/// The name a module's attribute or capacity is published under, or why it cannot be.
+fn published_name(name: &str) -> Result<String, String> {
+    let published = attribute_name(name).ok_or_else(|| {
+        "not a name the API takes (at most 32 bytes of letters, digits and `_`, not starting \
+         with a digit, after an optional DNS-subdomain domain and `/`; `-` and `.` become `_`)"
+            .to_owned()
+    })?;
+    if published.starts_with(HOST_DOMAIN) {
+        return Err(format!(
+            "names in {HOST_DOMAIN} are the host's to publish, not a module's"
+        ));
+    }
+    Ok(published)
+}
+
+/// The attribute as the API holds it, or why it cannot be published.
+fn api_attribute(value: &AttributeValue) -> Result<DeviceAttribute, &'static str> {
+    Ok(match value {
+        AttributeValue::Int(i) => DeviceAttribute {
+            int: Some(*i),
+            ..DeviceAttribute::default()
+        },
+        AttributeValue::Bool(b) => DeviceAttribute {
+            bool: Some(*b),
+            ..DeviceAttribute::default()
+        },
+        AttributeValue::Text(t) if t.len() <= 64 => DeviceAttribute {
+            string: Some(t.clone()),
+            ..DeviceAttribute::default()
+        },
+        // The API refuses the whole slice for one version that is not semver.
+        AttributeValue::Version(v) if v.len() <= 64 && semver::Version::parse(v).is_ok() => {
+            DeviceAttribute {
+                version: Some(v.clone()),
+                ..DeviceAttribute::default()
+            }
+        }
+        AttributeValue::Version(_) => {
+            return Err("a version that is not semantic (MAJOR.MINOR.PATCH), or over 64 bytes");
+        }
+        AttributeValue::Text(_) => return Err("a string of more than 64 bytes"),
+    })
+}
+
+/// What of `d`'s attributes and capacities is left out of its slice, each (name, why): logged
+/// once per driver by the publisher and shown by `validate`, so a vendor learns why.
+pub fn dropped(d: &Device) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut kept = 0usize;
+    for (name, value) in &d.attributes {
+        match published_name(name).and_then(|_| api_attribute(value).map_err(str::to_owned)) {
+            Ok(_) => kept += 1,
+            Err(why) => out.push((name.clone(), why)),
+        }
+    }
+    for (name, _) in &d.capacities {
+        match published_name(name) {
+            Ok(_) => kept += 1,
+            Err(why) => out.push((name.clone(), why)),
+        }
+    }
+    if kept > MAX_ATTRIBUTES {
+        out.push((
+            format!("{} of them", kept - MAX_ATTRIBUTES),
+            format!("past the API's {MAX_ATTRIBUTES} attributes and capacities of a device"),
+        ));
+    }
+    out
+}
+
 fn api_device(d: &Device) -> ApiDevice {
     let mut attributes = BTreeMap::new();
     for (name, value) in &d.attributes {
-        let Some(name) = attribute_name(name) else {
+        let (Ok(name), Ok(attribute)) = (published_name(name), api_attribute(value)) else {
             continue;
-        };
-        let attribute = match value {
-            AttributeValue::Int(i) => DeviceAttribute {
-                int: Some(*i),
-                ..DeviceAttribute::default()
-            },
-            AttributeValue::Bool(b) => DeviceAttribute {
-                bool: Some(*b),
-                ..DeviceAttribute::default()
-            },
-            AttributeValue::Text(t) if t.len() <= 64 => DeviceAttribute {
-                string: Some(t.clone()),
-                ..DeviceAttribute::default()
-            },
-            // The API refuses the whole slice for one version that is not semver.
-            AttributeValue::Version(v) if v.len() <= 64 && semver::Version::parse(v).is_ok() => {
-                DeviceAttribute {
-                    version: Some(v.clone()),
-                    ..DeviceAttribute::default()
-                }
-            }
-            AttributeValue::Version(_) => continue,
-            AttributeValue::Text(_) => continue,
         };
         attributes.insert(name, attribute);
     }
@@ -180,7 +232,7 @@ fn api_device(d: &Device) -> ApiDevice {
         .iter()
         .filter_map(|(name, quantity)| {
             Some((
-                attribute_name(name)?,
+                published_name(name).ok()?,
                 DeviceCapacity {
                     value: Quantity(quantity.clone()),
                     request_policy: None,
@@ -189,7 +241,7 @@ fn api_device(d: &Device) -> ApiDevice {
         })
         .collect();
     // The API's limit on attributes and capacities together; the module's own first.
-    let mut room = 32usize;
+    let mut room = MAX_ATTRIBUTES;
     let attributes: BTreeMap<_, _> = attributes
         .into_iter()
         .take(room)
@@ -403,9 +455,14 @@ pub async fn publish(
     }
     let mut generation = 0i64;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    let mut logged = BTreeSet::new();
     loop {
         let held = held();
-        let want = api_devices(&devices.borrow_and_update(), &held);
+        let want = {
+            let snapshot = devices.borrow_and_update();
+            log_dropped(&pool.driver, &snapshot, &mut logged);
+            api_devices(&snapshot, &held)
+        };
         // The Node's UID each time: a Node deleted and made again has a new one, and slices
         // owned by the old one are garbage collected.
         let result = async {
@@ -449,6 +506,22 @@ pub async fn publish(
             () = republish.notified() => {}
             () = tokio::time::sleep(pause) => {}
             _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// Logs each attribute the module's devices carry that is left out of the slice, once per
+/// (name, reason) for the driver's life: a vendor learns why an attribute is missing without
+/// a line per device or per resync.
+fn log_dropped(driver: &str, devices: &[Device], logged: &mut BTreeSet<(String, String)>) {
+    for (name, why) in devices.iter().flat_map(dropped) {
+        if logged.len() < 256 && !logged.contains(&(name.clone(), why.clone())) {
+            tracing::warn!(
+                driver,
+                attribute = crate::text::cut(&name, 64),
+                "a device attribute or capacity is not published: {why} (logged once)"
+            );
+            logged.insert((name, why));
         }
     }
 }
@@ -523,6 +596,52 @@ mod tests {
         );
         assert!(!attributes.keys().any(|k| k.contains("bad")));
         assert_eq!(d.capacity.as_ref().unwrap()["memory"].value.0, "80Gi");
+    }
+
+    #[test]
+    fn what_is_left_out_of_a_slice_is_named_with_why_and_the_host_s_domain_is_the_host_s() {
+        let mut d = Device::new("gpu-0", Health::Healthy);
+        let text = |t: &str| AttributeValue::Text(t.into());
+        d.attributes = vec![
+            ("model".into(), text("A100")),
+            ("".into(), text("x")),
+            ("has space".into(), text("x")),
+            ("9lives".into(), text("x")),
+            ("a".repeat(33), text("x")),
+            ("long".into(), text(&"y".repeat(65))),
+            ("driver".into(), AttributeValue::Version("1.2".into())),
+            (PCI_BUS_ID.into(), text("0000:00:01.0")),
+        ];
+        d.capacities = vec![("resource.kubernetes.io/memory".into(), "1Gi".into())];
+        let dropped = dropped(&d);
+        let names: Vec<&str> = dropped.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "",
+                "has space",
+                "9lives",
+                &"a".repeat(33),
+                "long",
+                "driver",
+                PCI_BUS_ID,
+                "resource.kubernetes.io/memory"
+            ]
+        );
+        assert!(
+            dropped[0].1.contains("not a name the API takes"),
+            "{dropped:?}"
+        );
+        assert!(dropped[4].1.contains("more than 64 bytes"), "{dropped:?}");
+        assert!(dropped[5].1.contains("not semantic"), "{dropped:?}");
+        assert!(
+            dropped[6].1.contains("the host's to publish"),
+            "{dropped:?}"
+        );
+        let published = api_device(&d);
+        let attributes = published.attributes.unwrap_or_default();
+        assert_eq!(attributes.keys().collect::<Vec<_>>(), ["model"]);
+        assert!(published.capacity.is_none());
     }
 
     #[test]

@@ -401,10 +401,7 @@ fn writable_mount(m: &crate::device::Mount, grants: &Grants, path: &str) -> Resu
 
 /// Long hostile strings are cut in messages so an error cannot carry the payload.
 fn truncate(s: &str) -> String {
-    match s.char_indices().nth(64) {
-        Some((cut, _)) => format!("{}…", &s[..cut]),
-        None => s.to_owned(),
-    }
+    crate::text::cut(s, 64)
 }
 
 #[cfg(test)]
