@@ -679,18 +679,14 @@ replicas = 4"#
         .await
         .expect("a prepared answer while NVML hangs");
     assert_eq!(one.device_ids.len(), 1);
-    // Two GPUs: the module is asked, its NVML query stalls, and the call fails at its deadline
-    // with the reason, its instance kept and no cell abandoned.
+    // Two GPUs: the module is asked, and answers from the GPUs its instance has seen, with no
+    // NVML query, as NVIDIA's Allocate does: multi-GPU pods still start.
     let two = node
         .kubelet
         .allocate("nvidia.com/gpu", 2)
         .await
-        .expect_err("NVML hangs")
-        .to_string();
-    assert!(
-        two.contains("missed its 500ms deadline in allocate: NVML did not answer"),
-        "{two}"
-    );
+        .expect("two GPUs while NVML hangs");
+    assert_eq!(two.device_ids.len(), 2);
     for _ in 0..3 {
         node.kubelet
             .allocate("devicelet.io/fuse", 1)

@@ -202,32 +202,50 @@ impl NvidiaGpu {
                     None => continue,
                 },
             };
-            let mig_mode = gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None;
-            if !mig_mode {
-                units.push(Unit {
-                    id: self.config.id(&gpu, None),
-                    resource: self.config.resource.clone(),
-                    gpu,
-                    mig: None,
-                    lost,
-                });
-                continue;
-            }
-            for mig in migs {
-                let resource = match self.config.mig_strategy {
-                    MigStrategy::Mixed => format!("mig-{}", mig.profile),
-                    _ => self.config.resource.clone(),
-                };
-                units.push(Unit {
-                    id: self.config.id(&gpu, Some(&mig)),
-                    resource,
-                    gpu: gpu.clone(),
-                    mig: Some(mig),
-                    lost,
-                });
-            }
+            self.push_units(&mut units, gpu, migs, lost);
         }
         Ok(units)
+    }
+
+    /// The units one GPU is served as: itself, or its MIG devices.
+    fn push_units(&self, units: &mut Vec<Unit>, gpu: Gpu, migs: Vec<MigDevice>, lost: bool) {
+        let mig_mode = gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None;
+        if !mig_mode {
+            units.push(Unit {
+                id: self.config.id(&gpu, None),
+                resource: self.config.resource.clone(),
+                gpu,
+                mig: None,
+                lost,
+            });
+            return;
+        }
+        for mig in migs {
+            let resource = match self.config.mig_strategy {
+                MigStrategy::Mixed => format!("mig-{}", mig.profile),
+                _ => self.config.resource.clone(),
+            };
+            units.push(Unit {
+                id: self.config.id(&gpu, Some(&mig)),
+                resource,
+                gpu: gpu.clone(),
+                mig: Some(mig),
+                lost,
+            });
+        }
+    }
+
+    /// The units of `resource` as this instance last saw them, with no NVML query: what
+    /// Allocate needs (IDs, device minors, memory) does not change while the GPU is there, and
+    /// NVIDIA's own Allocate asks NVML nothing, so a stalled NVML must not hold it. Empty
+    /// before this instance has seen any GPU.
+    fn seen_units(&self, resource: &str) -> Vec<Unit> {
+        let mut units = Vec::new();
+        for (gpu, migs) in self.seen.values() {
+            self.push_units(&mut units, gpu.clone(), migs.clone(), false);
+        }
+        units.retain(|u| u.resource == resource);
+        units
     }
 
     /// Reads the events since the last read and notes the critical ones.
@@ -474,7 +492,12 @@ impl Plugin for NvidiaGpu {
                 ids.len()
             )));
         }
-        let units = self.units_of(resource)?;
+        let seen = self.seen_units(resource);
+        let units = if ids.iter().all(|id| seen.iter().any(|u| &u.id == id)) {
+            seen
+        } else {
+            self.units_of(resource)?
+        };
         let mut chosen = Vec::new();
         for id in ids {
             let unit = units
