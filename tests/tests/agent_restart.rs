@@ -451,3 +451,116 @@ async fn a_pool_wiped_when_a_restarted_agent_replaces_its_socket_is_back_before_
         second.wait().expect("reaped");
     }
 }
+
+/// A component holding one core function of `adds` additions: valid, and it keeps the compiler
+/// busy for a second or two (it is no module of ours: it fails to load once compiled).
+fn slow_component(adds: usize) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let byte = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(byte);
+                return;
+            }
+            out.push(byte | 0x80);
+        }
+    }
+    fn section(id: u8, body: &[u8], out: &mut Vec<u8>) {
+        out.push(id);
+        leb(body.len(), out);
+        out.extend_from_slice(body);
+    }
+    // (local.get 0) (i32.const 1) i32.add (local.set 0), `adds` times, with one i32 local.
+    let mut body = vec![1, 1, 0x7f];
+    for _ in 0..adds {
+        body.extend_from_slice(&[0x20, 0, 0x41, 1, 0x6a, 0x21, 0]);
+    }
+    body.push(0x0b);
+    let mut code = vec![1];
+    leb(body.len(), &mut code);
+    code.extend_from_slice(&body);
+    let mut core = b"\0asm\x01\0\0\0".to_vec();
+    section(1, &[1, 0x60, 0, 0], &mut core);
+    section(3, &[1, 0], &mut core);
+    section(10, &code, &mut core);
+    let mut component = b"\0asm\x0d\0\x01\0".to_vec();
+    section(1, &core, &mut component);
+    component
+}
+
+/// The agent `parent`'s `compile-module` child, once one runs.
+async fn compile_child_of(parent: u32) -> i32 {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+            // pid (comm) state ppid …: the comm may hold spaces; what follows its `)` does not.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            if ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains("compile-module")
+            {
+                return pid;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no compile child of {parent}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
+/// A module whose compile never ends (its compiler stopped, as one built to take minutes
+/// holds it) delays no other module's registry edit: the next edit upgrades the other module
+/// while that compile is still stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_compile_delays_no_other_module_s_registry_edit() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    node.add_char("/dev/net/tun", 10, 200);
+    let slow = node.dir.path().join("slow.wasm");
+    std::fs::write(&slow, slow_component(300_000)).expect("writing the slow component");
+    let slow_entry = format!("[[module]]\nname = \"slow\"\npath = {:?}\n", slow.display());
+    let fuse = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#;
+    let registry = node.registry(&generic_dev(fuse));
+    let mut agent = spawn_agent(&node, &registry);
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served");
+
+    // Edit 1 adds the slow module; its compile child is caught and stopped.
+    node.registry(&format!("{}\n{slow_entry}", generic_dev(fuse)));
+    let child = compile_child_of(agent.id()).await;
+    // SAFETY: kill(2) on a process of our own agent's.
+    assert_eq!(unsafe { libc::kill(child, libc::SIGSTOP) }, 0);
+
+    // Edit 2 gives the other module a second resource: served while that compile is stopped.
+    let both = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }, { name = "tun", paths = ["/dev/net/tun"] }]"#;
+    node.registry(&format!("{}\n{slow_entry}", generic_dev(both)));
+    node.kubelet
+        .wait_until("devicelet.io/tun", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("the other module upgraded while the slow compile is stopped");
+    let state = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+    let state = state
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("gone");
+    assert_eq!(state, "T", "the slow compile was still stopped");
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("allocated meanwhile");
+    // SAFETY: as above.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    agent.kill().expect("SIGKILL");
+    agent.wait().expect("reaped");
+}

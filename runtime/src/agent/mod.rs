@@ -119,7 +119,11 @@ pub(crate) struct Shared {
     modules: Mutex<BTreeMap<String, modules::RunningModule>>,
     /// Held while a module claims its resource names.
     claiming: tokio::sync::Mutex<()>,
-    load_errors: Mutex<Vec<String>>,
+    /// What the last start of each module reported, by module.
+    load_errors: Mutex<BTreeMap<String, Vec<String>>>,
+    /// Starts the registry loop has under way, by module (see [`EditStart`]).
+    edit_starts: Mutex<BTreeMap<String, EditStart>>,
+    edit_generation: std::sync::atomic::AtomicU64,
     reload_error: Mutex<Option<String>>,
     /// How many times a change made the agent read the registry again.
     reloads: std::sync::atomic::AtomicU64,
@@ -144,6 +148,19 @@ pub(crate) struct Shared {
     pull_errors: Mutex<BTreeMap<String, Vec<String>>>,
 }
 
+/// A module start a registry edit asked for, running on its own so that a slow one (a compile
+/// that takes minutes) delays neither the next edit nor any other module. It is installed only
+/// while it is still its module's latest: a later edit that changes or removes the entry wins,
+/// and one that wants exactly what is loading does not load it again.
+#[derive(Debug, Clone, PartialEq)]
+struct EditStart {
+    generation: u64,
+    spec: ModuleSpec,
+    host_root: PathBuf,
+    /// The module file's digest when the edit was read (None for a module from a registry).
+    digest: Option<String>,
+}
+
 /// Which start [`Shared::start_module_if`] goes on with, once the module is loaded.
 #[derive(Clone, Copy)]
 enum Over<'a> {
@@ -153,6 +170,8 @@ enum Over<'a> {
     Running(&'a ModuleSpec),
     /// Only while this entry still waits for its pull (the pull's own start).
     Pending(&'a ModuleSpec),
+    /// Only while this start is still its module's latest from a registry edit.
+    Edit(u64),
 }
 
 impl Shared {
@@ -175,17 +194,25 @@ impl Shared {
         self.modules.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_load_errors(&self, errors: Vec<String>) {
-        *self.load_errors.lock().unwrap_or_else(|p| p.into_inner()) = errors;
+    fn set_load_errors(&self, module: &str, errors: Vec<String>) {
+        let mut all = self.load_errors.lock().unwrap_or_else(|p| p.into_inner());
+        if errors.is_empty() {
+            all.remove(module);
+        } else {
+            all.insert(module.to_owned(), errors);
+        }
     }
 
-    /// The registry read's load errors and what background pulls reported since.
+    /// The module starts' load errors and what background pulls reported since.
     fn all_load_errors(&self) -> Vec<String> {
-        let mut all = self
+        let mut all: Vec<String> = self
             .load_errors
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone();
+            .values()
+            .flatten()
+            .cloned()
+            .collect();
         let pulls = self.pull_errors.lock().unwrap_or_else(|p| p.into_inner());
         for e in pulls.values().flatten() {
             if !all.contains(e) {
@@ -248,7 +275,7 @@ impl Shared {
     /// leaves the old module serving. Modules start in parallel and each serves (and registers)
     /// as soon as it is ready, so a slow or hung one delays nobody else. Returns the problems,
     /// each naming its module.
-    async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> Vec<String> {
+    async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> usize {
         let _starting = Starting::new(&self.starting);
         let mut starting = JoinSet::new();
         let mut tasks = BTreeMap::new();
@@ -258,21 +285,85 @@ impl Shared {
             let task = starting.spawn(async move { shared.start_module(&spec, &root).await });
             tasks.insert(task.id(), name);
         }
-        let mut errors = Vec::new();
+        let mut failed = 0;
         while let Some(done) = starting.join_next_with_id().await {
-            match done {
-                Ok((_, problems)) => errors.extend(problems),
+            let (id, errors) = match done {
+                Ok((id, problems)) => (id, problems),
                 Err(e) => {
                     let module = tasks.get(&e.id()).map_or("?", String::as_str);
-                    errors.push(format!("module `{module}`: starting it failed: {e}"));
+                    let error = format!("module `{module}`: starting it failed: {e}");
+                    (e.id(), vec![error])
                 }
+            };
+            for e in &errors {
+                tracing::error!("{e}");
+            }
+            failed += usize::from(!errors.is_empty());
+            if let Some(module) = tasks.get(&id) {
+                self.set_load_errors(module, errors);
             }
         }
-        errors.sort();
-        for e in &errors {
-            tracing::error!("{e}");
-        }
-        errors
+        failed
+    }
+
+    /// Starts (or upgrades) `spec` as a registry edit asks, in a task of its own; see
+    /// [`EditStart`]. Its errors replace the module's when it ends, unless a later edit took
+    /// over meanwhile.
+    fn start_for_edit(
+        self: &Arc<Self>,
+        spec: ModuleSpec,
+        host_root: PathBuf,
+        digest: Option<String>,
+    ) {
+        let generation = self
+            .edit_generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start = EditStart {
+            generation,
+            spec: spec.clone(),
+            host_root: host_root.clone(),
+            digest,
+        };
+        self.lock_edit_starts().insert(spec.name.clone(), start);
+        self.set_load_errors(&spec.name, Vec::new());
+        let shared = self.clone();
+        tokio::spawn(async move {
+            let errors = {
+                let _starting = Starting::new(&shared.starting);
+                shared
+                    .start_module_if(&spec, &host_root, Over::Edit(generation))
+                    .await
+            };
+            let mut starts = shared.lock_edit_starts();
+            if starts
+                .get(&spec.name)
+                .is_some_and(|s| s.generation == generation)
+            {
+                starts.remove(&spec.name);
+                drop(starts);
+                for e in &errors {
+                    tracing::error!("{e}");
+                }
+                shared.set_load_errors(&spec.name, errors);
+            }
+        });
+    }
+
+    /// Whether a start of exactly this entry and file is under way already.
+    fn starting_already(&self, spec: &ModuleSpec, host_root: &Path, digest: Option<&str>) -> bool {
+        self.lock_edit_starts().get(&spec.name).is_some_and(|s| {
+            s.spec == *spec && s.host_root == host_root && s.digest.as_deref() == digest
+        })
+    }
+
+    /// A module left the registry: a start of it under way is not installed.
+    fn forget_edit_start(&self, module: &str) {
+        self.lock_edit_starts().remove(module);
+        self.set_load_errors(module, Vec::new());
+    }
+
+    fn lock_edit_starts(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, EditStart>> {
+        self.edit_starts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn start_module(self: &Arc<Self>, spec: &ModuleSpec, host_root: &Path) -> Vec<String> {
@@ -382,6 +473,16 @@ impl Shared {
                         .is_some_and(|m| m.spec == *expected)
             }
             Over::Pending(expected) => !stopping && self.take_own_pending(expected),
+            Over::Edit(generation) => {
+                let latest = self
+                    .lock_edit_starts()
+                    .get(&spec.name)
+                    .is_some_and(|s| s.generation == generation);
+                if latest {
+                    self.take_pending(spec);
+                }
+                !stopping && latest
+            }
         };
         if !go {
             return Vec::new();
@@ -566,7 +667,9 @@ impl Agent {
             kubelet_events: kubelet_watch.events.clone(),
             modules: Mutex::new(BTreeMap::new()),
             claiming: tokio::sync::Mutex::new(()),
-            load_errors: Mutex::new(Vec::new()),
+            load_errors: Mutex::new(BTreeMap::new()),
+            edit_starts: Mutex::new(BTreeMap::new()),
+            edit_generation: Default::default(),
             reload_error: Mutex::new(None),
             reloads: Default::default(),
             metrics: metrics.clone(),
@@ -606,9 +709,8 @@ impl Agent {
             .iter()
             .map(|m| m.name.clone())
             .collect();
-        let errors = shared.start_modules(&options.registry, &names).await;
+        shared.start_modules(&options.registry, &names).await;
         drop(loading);
-        shared.set_load_errors(errors);
         shared.first_snapshots().await;
         // Specs of resources that went away, or stopped using CDI, while no agent ran: their
         // names would still resolve, with old edits. The served ones stay until their writers

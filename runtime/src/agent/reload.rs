@@ -190,7 +190,9 @@ fn needs_restart(
 }
 
 /// `digests` are the new modules' file digests, hashed before any lock is taken: status and
-/// resource listings must not wait on file reads.
+/// resource listings must not wait on file reads. Modules that left are stopped here; the ones
+/// to start or upgrade each start in a task of their own (`Shared::start_for_edit`), so this
+/// returns without waiting on any load or compile: the next edit is never held up by a slow one.
 async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[Option<String>]) {
     let root_changed = old.host_root != new.host_root;
     // Under the claim, so that a background pull's start either finished (and its module is
@@ -201,9 +203,10 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
     for module in &old.modules {
         if !new.modules.iter().any(|m| m.name == module.name) {
             shared.clear_pull_error(&module.name);
+            shared.forget_edit_start(&module.name);
         }
     }
-    let (removed, to_start): (Vec<String>, Vec<String>) = {
+    let (removed, to_start): (Vec<String>, Vec<(ModuleSpec, Option<String>)>) = {
         let running = shared.lock_modules();
         let removed = running
             .keys()
@@ -219,7 +222,8 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
                     .get(&s.name)
                     .is_none_or(|m| root_changed || needs_restart(m, s, digest.as_deref()))
             })
-            .map(|(s, _)| s.name.clone())
+            .filter(|(s, digest)| !shared.starting_already(s, &new.host_root, digest.as_deref()))
+            .map(|(s, digest)| (s.clone(), digest.clone()))
             .collect();
         (removed, start)
     };
@@ -228,12 +232,12 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
         shared.stop_module(name, true).await;
     }
     drop(claim);
-    let errors = shared.start_modules(new, &to_start).await;
+    for (spec, digest) in &to_start {
+        shared.start_for_edit(spec.clone(), new.host_root.clone(), digest.clone());
+    }
     tracing::info!(
         removed = removed.len(),
-        started = to_start.len(),
-        problems = errors.len(),
-        "registry edit applied"
+        starting = to_start.len(),
+        "registry edit applied; modules start on their own"
     );
-    shared.set_load_errors(errors);
 }
