@@ -260,6 +260,17 @@ pub fn serve_child() -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub(super) fn return_freed_memory() {
+    // SAFETY: malloc_trim only walks glibc's own arenas; it takes no pointers of ours.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub(super) fn return_freed_memory() {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,14 +362,3 @@ mod tests {
         assert_eq!(limit("Max core file size"), "0 0", "{limits}");
     }
 }
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-pub(super) fn return_freed_memory() {
-    // SAFETY: malloc_trim only walks glibc's own arenas; it takes no pointers of ours.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub(super) fn return_freed_memory() {}

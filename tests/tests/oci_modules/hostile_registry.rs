@@ -24,6 +24,8 @@ fn module_line(registry: &HostileRegistry, digest: &str) -> String {
 
 /// `devicelet validate` of one module pulled from `registry`: whether it passed, its output,
 /// and its peak RSS in MiB (from the kernel's accounting of that one child).
+// Reaped by wait4(2), which also gives its peak RSS: `Child::wait` cannot.
+#[allow(clippy::zombie_processes)]
 fn validate(registry: &HostileRegistry, digest: &str) -> (bool, String, u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("registry.toml");
