@@ -13,6 +13,8 @@ need=()
 command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v openssl >/dev/null || need+=(openssl)
 command -v htpasswd >/dev/null || need+=(apache2-utils)
+# GNU time: the hostile-registry scenarios measure `devicelet validate`'s peak RSS with it.
+[ -x /usr/bin/time ] || need+=(time)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -q "${need[@]}" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
 fi

@@ -642,7 +642,7 @@ async fn a_private_registry_over_tls_with_basic_auth_serves_with_the_right_crede
         devicelet_tests::eventually_some("refused without credentials", || failed_with(&anonymous))
             .await;
     assert!(
-        error.contains("Not authorized") && error.contains("wants credentials"),
+        error.contains("HTTP 401 Unauthorized") && error.contains("wants credentials"),
         "{error}"
     );
     anonymous.shutdown().await;
@@ -711,7 +711,7 @@ async fn a_registry_behind_the_token_flow_serves_with_a_bearer_token_for_good_cr
     })
     .await;
     assert!(
-        error.contains("Not authorized") && error.contains("were refused"),
+        error.contains("HTTP 401 Unauthorized") && error.contains("were refused"),
         "{error}"
     );
     refused.shutdown().await;

@@ -139,10 +139,12 @@ impl Reader {
                     .and_then(|v| v.to_str().ok())
                     .unwrap_or("")
                     .to_owned();
-                let auth = self.answer(&challenge, repository).await?;
+                let Some(auth) = self.answer(&challenge, repository).await? else {
+                    return Err(self.refused(status_error(&url, response).await));
+                };
                 response = self.send(&url, accept, Some(auth)).await?;
                 if response.status() == StatusCode::UNAUTHORIZED {
-                    return Err(self.refused(&url, "refused the credentials it asked for"));
+                    return Err(self.refused(status_error(&url, response).await));
                 }
             }
             if !response.status().is_success() {
@@ -185,17 +187,14 @@ impl Reader {
     }
 
     /// The `Authorization` that answers `challenge`: basic credentials as they are, or a bearer
-    /// token fetched from the challenge's realm with them.
-    async fn answer(&self, challenge: &str, repository: &str) -> Result<String, ReadError> {
+    /// token fetched from the challenge's realm with them; None when it asks for basic
+    /// credentials and there are none.
+    async fn answer(&self, challenge: &str, repository: &str) -> Result<Option<String>, ReadError> {
         let (scheme, params) = parse_challenge(challenge);
         if scheme.eq_ignore_ascii_case("basic") {
-            return match &self.basic {
-                Some((user, password)) => Ok(format!(
-                    "Basic {}",
-                    BASE64.encode(format!("{user}:{password}"))
-                )),
-                None => Err(self.refused(&self.base, "wants credentials")),
-            };
+            return Ok(self.basic.as_ref().map(|(user, password)| {
+                format!("Basic {}", BASE64.encode(format!("{user}:{password}")))
+            }));
         }
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(ReadError::failed(format!(
@@ -245,7 +244,7 @@ impl Reader {
         })?;
         match response.status() {
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
-                return Err(self.refused(url.as_str(), "refused to give a token"));
+                return Err(self.refused(status_error(url.as_str(), response).await));
             }
             s if !s.is_success() => return Err(status_error(url.as_str(), response).await),
             _ => {}
@@ -266,27 +265,26 @@ impl Reader {
                 ReadError::failed(format!("the token service {url} answered no token"))
             })?;
         *self.bearer.lock().unwrap_or_else(|p| p.into_inner()) = Some(token.clone());
-        Ok(format!("Bearer {token}"))
+        Ok(Some(format!("Bearer {token}")))
     }
 
-    /// A refusal of credentials, saying whose.
-    fn refused(&self, url: &str, what: &str) -> ReadError {
-        let message = if self.basic.is_some() {
+    /// A refusal of credentials (`answer`: the registry's or its token service's), saying whose.
+    fn refused(&self, answer: ReadError) -> ReadError {
+        let whose = if self.basic.is_some() {
             format!(
-                "{url} {what}: the credentials --registry-auth gives for {} were refused",
+                "the credentials --registry-auth gives for {} were refused",
                 self.registry
             )
         } else {
             format!(
-                "{url} {what}: {} wants credentials, and --registry-auth gives none for it (a \
-                 Docker config.json with an `auths` entry for {})",
+                "{} wants credentials, and --registry-auth gives none for it (a Docker \
+                 config.json with an `auths` entry for {})",
                 self.registry, self.registry
             )
         };
         ReadError {
-            status: Some(401),
-            code: None,
-            message,
+            message: format!("{}: {whose}", answer.message),
+            ..answer
         }
     }
 }
