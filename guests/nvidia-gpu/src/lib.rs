@@ -98,6 +98,8 @@ pub struct NvidiaGpu {
     /// The last answer NVML gave for each GPU index, and its MIG devices: a GPU that is lost
     /// later is still listed, as Unhealthy, under the same IDs.
     seen: BTreeMap<u32, (Gpu, Vec<MigDevice>)>,
+    /// The GPU indexes the last scan found lost: Allocate refuses them without asking NVML.
+    lost: BTreeSet<u32>,
     /// Where the next event read starts.
     cursor: u64,
     /// Until when each GPU (by UUID), or one MIG instance of it, counts as sick: its last
@@ -202,6 +204,11 @@ impl NvidiaGpu {
                     None => continue,
                 },
             };
+            if lost {
+                self.lost.insert(index);
+            } else {
+                self.lost.remove(&index);
+            }
             self.push_units(&mut units, gpu, migs, lost);
         }
         Ok(units)
@@ -235,14 +242,16 @@ impl NvidiaGpu {
         }
     }
 
-    /// The units of `resource` as this instance last saw them, with no NVML query: what
-    /// Allocate needs (IDs, device minors, memory) does not change while the GPU is there, and
+    /// The units of `resource` as this instance last saw them (lost ones as the last scan found
+    /// them), with no NVML query: what Allocate needs (IDs, device minors, memory) does not
+    /// change while the GPU is there, and
     /// NVIDIA's own Allocate asks NVML nothing, so a stalled NVML must not hold it. Empty
     /// before this instance has seen any GPU.
     fn seen_units(&self, resource: &str) -> Vec<Unit> {
         let mut units = Vec::new();
-        for (gpu, migs) in self.seen.values() {
-            self.push_units(&mut units, gpu.clone(), migs.clone(), false);
+        for (index, (gpu, migs)) in &self.seen {
+            let lost = self.lost.contains(index);
+            self.push_units(&mut units, gpu.clone(), migs.clone(), lost);
         }
         units.retain(|u| u.resource == resource);
         units
@@ -372,6 +381,7 @@ impl Plugin for NvidiaGpu {
             quiet,
             resources: Vec::new(),
             seen: BTreeMap::new(),
+            lost: BTreeSet::new(),
             cursor: 0,
             critical: HashMap::new(),
             links: None,
