@@ -1182,25 +1182,32 @@ async fn a_resource_moved_from_dra_to_the_device_plugin_advertises_a_claimed_dev
     agent.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_the_api_server_trickles_fails_at_the_deadline_and_its_retry_is_not_held() {
-    let dra = DraNode::new().await;
-    let agent = dra.agent(&fuse_dra()).await;
+/// A claim of the one fuse device published, padded with an annotation of `pad` bytes (its
+/// size, not its meaning, is the point): its UID.
+async fn padded_claim(dra: &DraNode, name: &str, pad: usize) -> String {
     registered(&dra.kubelet, 1).await;
     let slice = published(&dra.api).await;
     let device = slice["spec"]["devices"][0]["name"]
         .as_str()
         .expect("a device")
         .to_string();
-    let uid = dra.claim(DRIVER, "slow", &[&device], json!([]));
+    let uid = dra.claim(DRIVER, name, &[&device], json!([]));
     let mut claim = dra
         .api
-        .get(Kind::ResourceClaim, "team-a", "slow")
+        .get(Kind::ResourceClaim, "team-a", name)
         .expect("the claim");
-    claim["metadata"]["annotations"] = json!({"note": "x".repeat(1500)});
+    claim["metadata"]["annotations"] = json!({"pad": "x".repeat(pad)});
     dra.api
-        .update(Kind::ResourceClaim, "team-a", "slow", claim)
-        .expect("annotated");
+        .update(Kind::ResourceClaim, "team-a", name, claim)
+        .expect("padded");
+    uid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_api_server_trickles_fails_at_the_deadline_and_its_retry_is_not_held() {
+    let dra = DraNode::new().await;
+    let agent = dra.agent(&fuse_dra()).await;
+    let uid = padded_claim(&dra, "slow", 1500).await;
     // Headers at once, then 40 bytes a second: the whole claim would take about a minute.
     dra.api.trickle_claim_reads(Some(40));
     let started = std::time::Instant::now();
@@ -1228,21 +1235,7 @@ async fn a_claim_the_api_server_trickles_fails_at_the_deadline_and_its_retry_is_
 async fn a_claim_larger_than_any_real_one_is_refused_as_it_streams() {
     let dra = DraNode::new().await;
     let agent = dra.agent(&fuse_dra()).await;
-    registered(&dra.kubelet, 1).await;
-    let slice = published(&dra.api).await;
-    let device = slice["spec"]["devices"][0]["name"]
-        .as_str()
-        .expect("a device")
-        .to_string();
-    let uid = dra.claim(DRIVER, "huge", &[&device], json!([]));
-    let mut claim = dra
-        .api
-        .get(Kind::ResourceClaim, "team-a", "huge")
-        .expect("the claim");
-    claim["metadata"]["annotations"] = json!({"pad": "x".repeat(5 << 20)});
-    dra.api
-        .update(Kind::ResourceClaim, "team-a", "huge", claim)
-        .expect("padded");
+    let uid = padded_claim(&dra, "huge", 5 << 20).await;
     let answer = dra.prepare(DRIVER, "huge", &uid).await;
     assert!(
         answer
