@@ -502,8 +502,13 @@ impl Plugin for NvidiaGpu {
                 ids.len()
             )));
         }
+        // Asked again only for a GPU this instance never saw, or one it last saw lost (it may
+        // be back: the instance that watches health is another one).
         let seen = self.seen_units(resource);
-        let units = if ids.iter().all(|id| seen.iter().any(|u| &u.id == id)) {
+        let known = ids
+            .iter()
+            .all(|id| seen.iter().any(|u| &u.id == id && !u.lost));
+        let units = if known {
             seen
         } else {
             self.units_of(resource)?

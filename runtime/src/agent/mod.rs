@@ -326,14 +326,16 @@ impl Shared {
         };
         self.lock_edit_starts().insert(spec.name.clone(), start);
         self.set_load_errors(&spec.name, Vec::new());
+        // Counted from now, not from when the task first runs: readiness must see it at once.
+        self.starting
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let shared = self.clone();
         tokio::spawn(async move {
-            let errors = {
-                let _starting = Starting::new(&shared.starting);
-                shared
-                    .start_module_if(&spec, &host_root, Over::Edit(generation))
-                    .await
-            };
+            // Until its errors are recorded: ready means what loaded has said how it went.
+            let _starting = Starting(&shared.starting);
+            let errors = shared
+                .start_module_if(&spec, &host_root, Over::Edit(generation))
+                .await;
             let mut starts = shared.lock_edit_starts();
             if starts
                 .get(&spec.name)
@@ -356,10 +358,32 @@ impl Shared {
         })
     }
 
-    /// A module left the registry: a start of it under way is not installed.
-    fn forget_edit_start(&self, module: &str) {
-        self.lock_edit_starts().remove(module);
-        self.set_load_errors(module, Vec::new());
+    /// Keeps only the starts under way whose module's new entry (`wanted`: spec, host root,
+    /// file digest; None when the module left) is exactly what they load; the others are never
+    /// installed, and their modules' load errors go with them.
+    fn keep_edit_starts<'a>(
+        &self,
+        wanted: impl Fn(&str) -> Option<(&'a ModuleSpec, &'a Path, Option<&'a str>)>,
+    ) {
+        let dropped: Vec<String> = {
+            let mut starts = self.lock_edit_starts();
+            let stale: Vec<String> = starts
+                .iter()
+                .filter(|(name, s)| {
+                    wanted(name).is_none_or(|(spec, root, digest)| {
+                        s.spec != *spec || s.host_root != root || s.digest.as_deref() != digest
+                    })
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            for name in &stale {
+                starts.remove(name);
+            }
+            stale
+        };
+        for name in dropped {
+            self.set_load_errors(&name, Vec::new());
+        }
     }
 
     fn lock_edit_starts(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, EditStart>> {

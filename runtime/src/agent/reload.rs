@@ -203,9 +203,17 @@ async fn apply(shared: &Arc<Shared>, old: &Registry, new: &Registry, digests: &[
     for module in &old.modules {
         if !new.modules.iter().any(|m| m.name == module.name) {
             shared.clear_pull_error(&module.name);
-            shared.forget_edit_start(&module.name);
         }
     }
+    // A start under way that this edit no longer wants (its entry changed, went, or went back
+    // to what runs) is never installed, and what it would report is not kept.
+    shared.keep_edit_starts(|name| {
+        new.modules
+            .iter()
+            .zip(digests)
+            .find(|(s, _)| s.name == name)
+            .map(|(s, digest)| (s, new.host_root.as_path(), digest.as_deref()))
+    });
     let (removed, to_start): (Vec<String>, Vec<(ModuleSpec, Option<String>)>) = {
         let running = shared.lock_modules();
         let removed = running

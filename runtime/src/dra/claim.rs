@@ -11,7 +11,8 @@ use super::prepare::ClaimError;
 /// came from a real API server, and is refused before it costs the agent anything.
 const MAX_REQUESTS: usize = 32;
 const MAX_RESULTS: usize = 32;
-const MAX_CONFIGS: usize = 32;
+/// `status.allocation.devices.config`: the class's configs and the claim's, 32 each.
+const MAX_CONFIGS: usize = 64;
 const MAX_OPAQUE_PARAMETERS: usize = 10 << 10;
 
 /// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
@@ -130,6 +131,17 @@ fn wanted_by(
     }
     if wanted.is_empty() {
         return Err(format!("{at} has no devices of driver {driver}"));
+    }
+    // One device allocated twice in a claim, by one request or by two: never from a real
+    // scheduler, and the module would be asked for it twice.
+    let mut named = std::collections::BTreeSet::new();
+    for device in wanted.iter().flat_map(|w| &w.devices) {
+        if !named.insert(device) {
+            return Err(format!(
+                "{at}: device {:?} is allocated twice",
+                crate::text::cut(device, 64)
+            ));
+        }
     }
     Ok(wanted)
 }
@@ -267,6 +279,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("the API allows at most 10240"), "{e}");
+        let twice = claim(
+            serde_json::json!([
+                result("a", "gpu.example.com", "node-a", "gpu-0"),
+                result("b", "gpu.example.com", "node-a", "gpu-0"),
+            ]),
+            serde_json::json!([]),
+        );
+        let e = wanted(&twice, "u-1", "gpu.example.com", "node-a")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("device \"gpu-0\" is allocated twice"), "{e}");
         for bad in ["../../../x", "GPU", "a/b/c", "", "a b"] {
             let c = claim(
                 serde_json::json!([result(bad, "gpu.example.com", "node-a", "gpu-0")]),

@@ -32,7 +32,7 @@ pub fn service_socket(plugins_dir: &Path, driver: &str) -> PathBuf {
 }
 
 /// When, after a registration, the pool is checked again (ms).
-const REPUBLISH_AFTER_REGISTRATION_MS: [u64; 5] = [0, 250, 500, 1000, 2000];
+const REPUBLISH_AFTER_REGISTRATION_MS: [u64; 7] = [0, 250, 500, 1000, 2000, 4000, 8000];
 
 /// Whether the kubelet said it registered the driver (its last `NotifyRegistrationStatus`).
 #[derive(Debug, Default)]
@@ -159,7 +159,7 @@ pub struct Served {
 }
 
 /// Serves `claims`' driver until `stop` flips, then removes both sockets.
-/// `republish` is woken right after each registration and a few times in the two seconds
+/// `republish` is woken right after each registration and a few times in the eight seconds
 /// after it: a kubelet before 1.34 wipes a driver's slices at once when its registration
 /// socket is replaced (an agent restarting after a SIGKILL replaces its predecessor's), in the
 /// background, so the wipe may land just before or just after the new registration.

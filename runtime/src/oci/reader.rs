@@ -215,6 +215,16 @@ impl Reader {
                     short(challenge)
                 ))
             })?;
+        // The credentials go to the realm: never in clear text for a registry reached over
+        // HTTPS (only one the operator listed as insecure may name a plain-HTTP token service).
+        if realm.starts_with("http://") && self.base.starts_with("https://") {
+            return Err(ReadError::failed(format!(
+                "{}: its bearer challenge sends credentials to a plain-HTTP token service ({}); \
+                 refused",
+                self.registry,
+                short(realm)
+            )));
+        }
         let mut query: Vec<(&str, String)> = Vec::new();
         if let Some((_, service)) = params.iter().find(|(k, _)| k == "service") {
             query.push(("service", service.clone()));

@@ -43,14 +43,31 @@ const CHILD_FILES: u64 = 64;
 /// The pauses before trying a child the kernel killed again.
 const RETRY_PAUSES: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
 
+/// `capset(2)`'s header and data, version 3 (two 32-bit words per set).
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
 /// Limits `command`'s process to what compiling needs (see the module's doc): applied between
-/// fork and exec. Dropping capabilities is best effort (an agent that is not root has none to
-/// drop); `no_new_privs` and the limits must hold, or the child does not start.
+/// fork and exec. A root child whose bounding set cannot be emptied (the agent lacks
+/// CAP_SETPCAP) is not started: the compile then runs in the agent, as where no child can run.
+/// Limits are never raised past the agent's own hard limits.
 pub fn harden(command: &mut Command) {
     use std::os::unix::process::CommandExt;
     command.env_clear();
-    // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2) and
-    // setrlimit(2), which are async-signal-safe; it allocates nothing.
+    // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2),
+    // getrlimit(2), setrlimit(2), capset(2) and geteuid(2), which are async-signal-safe; it
+    // allocates nothing (an `io::Error` from errno holds no heap).
     unsafe {
         command.pre_exec(|| {
             // Empty the bounding set, so the exec that follows grants root no capability.
@@ -72,18 +89,49 @@ pub fn harden(command: &mut Command) {
                 return Err(std::io::Error::last_os_error());
             }
             let cpu = CHILD_LIMIT.as_secs() + 5;
-            for (resource, limit) in [
+            for (resource, wanted) in [
                 (libc::RLIMIT_AS, CHILD_ADDRESS_SPACE),
                 (libc::RLIMIT_CPU, cpu),
                 (libc::RLIMIT_NOFILE, CHILD_FILES),
                 (libc::RLIMIT_CORE, 0),
             ] {
+                let mut now = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                if libc::getrlimit(resource, &mut now) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let limit = wanted.min(now.rlim_max);
                 let limit = libc::rlimit {
                     rlim_cur: limit,
                     rlim_max: limit,
                 };
                 if libc::setrlimit(resource, &limit) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+            }
+            // Every set emptied, the inheritable one included: for root, exec grants what is
+            // inheritable as well as what the bounding set allows.
+            let header = CapHeader {
+                version: 0x2008_0522,
+                pid: 0,
+            };
+            let none = [CapData {
+                effective: 0,
+                permitted: 0,
+                inheritable: 0,
+            }; 2];
+            if libc::syscall(libc::SYS_capset, &header, none.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::geteuid() == 0 {
+                for cap in 0..64 {
+                    match libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) {
+                        0 => {}
+                        1 => return Err(std::io::Error::from_raw_os_error(libc::EPERM)),
+                        _ => break,
+                    }
                 }
             }
             Ok(())
