@@ -14,6 +14,11 @@ const FUSE: &str = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]
 replicas = 2"#;
 
 fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
+    spawn_agent_with(node, registry, &[])
+}
+
+/// As [`spawn_agent`], with `extra` arguments.
+fn spawn_agent_with(node: &Node, registry: &std::path::Path, extra: &[&str]) -> Child {
     Command::new(devicelet_bin())
         .arg("run")
         .arg("--config")
@@ -25,6 +30,7 @@ fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
         .arg("--pod-resources-socket")
         .arg(node.kubelet.pod_resources_socket())
         .args(["--reconcile-interval", "100ms"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -561,6 +567,83 @@ async fn a_stalled_compile_delays_no_other_module_s_registry_edit() {
         .expect("allocated meanwhile");
     // SAFETY: as above.
     unsafe { libc::kill(child, libc::SIGKILL) };
+    agent.kill().expect("SIGKILL");
+    agent.wait().expect("reaped");
+}
+
+/// A start a later edit no longer wants is never installed, nor is what it reports kept: a
+/// module's entry is changed to a file whose compile is stopped, then changed back to what
+/// runs; once that compile finishes, the running version serves on with no load error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_reverted_while_its_compile_is_stalled_leaves_the_running_version_untouched() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let slow = node.dir.path().join("slow.wasm");
+    std::fs::write(&slow, slow_component(300_000)).expect("writing the slow component");
+    let fuse = generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#);
+    let registry = node.registry(&fuse);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let metrics: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let mut agent = spawn_agent_with(&node, &registry, &["--metrics-addr", &metrics.to_string()]);
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
+        .await
+        .expect("served");
+    let applied = |n: usize| {
+        let needle = format!("devicelet_registry_reloads_total{{result=\"applied\"}} {n}");
+        async move {
+            let deadline = std::time::Instant::now() + WAIT;
+            loop {
+                let (_, text) = devicelet_tests::http_get(metrics, "/metrics").await;
+                if text.contains(&needle) {
+                    return;
+                }
+                assert!(std::time::Instant::now() < deadline, "no {needle}");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // The module's file changed to the slow one: its compile is caught and stopped.
+    let slow_path = format!("path = {:?}", slow.display().to_string());
+    node.registry(&fuse.replacen("path = \"@MODULES@/generic_dev.wasm\"", &slow_path, 1));
+    let child = compile_child_of(agent.id()).await;
+    // SAFETY: kill(2) on a process of our own agent's.
+    assert_eq!(unsafe { libc::kill(child, libc::SIGSTOP) }, 0);
+    applied(1).await;
+    // Changed back to what runs: nothing to start, and the stalled start is no longer wanted.
+    node.registry(&fuse);
+    applied(2).await;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(child, libc::SIGCONT) }, 0);
+    // Ready once that start ended (its errors, were they kept, recorded before).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (code, _) = devicelet_tests::http_get(metrics, "/readyz").await;
+        if code == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ready again");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let status = status::read(&node.state_dir()).await.expect("status");
+    assert!(status.load_errors.is_empty(), "{:?}", status.load_errors);
+    let module = status
+        .modules
+        .iter()
+        .find(|m| m.name == "generic-dev")
+        .expect("still running");
+    let running =
+        std::fs::read(devicelet_tests::module_dir().join("generic_dev.wasm")).expect("the module");
+    let running = devicelet::digest::sha256_hex(&running);
+    assert!(module.digest.contains(&running), "{}", module.digest);
+    node.kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("the running version serves on");
     agent.kill().expect("SIGKILL");
     agent.wait().expect("reaped");
 }
