@@ -336,8 +336,14 @@ async fn read_capped(mut response: reqwest::Response, max: u64) -> Result<Vec<u8
         .await
         .map_err(|e| super::access::with_causes(&e))?
     {
-        if (bytes.len() + chunk.len()) as u64 > max {
+        let needed = bytes.len() + chunk.len();
+        if needed as u64 > max {
             return Err(too_large());
+        }
+        // Doubling, but never past the cap: a body at the cap holds the cap, not twice it.
+        if needed > bytes.capacity() {
+            let target = needed.max(bytes.capacity() * 2).min(max as usize);
+            bytes.reserve_exact(target - bytes.len());
         }
         bytes.extend_from_slice(&chunk);
     }
