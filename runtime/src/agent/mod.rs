@@ -273,9 +273,9 @@ impl Shared {
     /// Starts the given modules, or upgrades them when they run already: the new instance is
     /// loaded and initialised first, and only then replaces the old one, so a broken new file
     /// leaves the old module serving. Modules start in parallel and each serves (and registers)
-    /// as soon as it is ready, so a slow or hung one delays nobody else. Returns the problems,
-    /// each naming its module.
-    async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) -> usize {
+    /// as soon as it is ready, so a slow or hung one delays nobody else. Each module's problems
+    /// become its load errors.
+    async fn start_modules(self: &Arc<Self>, registry: &Registry, names: &[String]) {
         let _starting = Starting::new(&self.starting);
         let mut starting = JoinSet::new();
         let mut tasks = BTreeMap::new();
@@ -285,7 +285,6 @@ impl Shared {
             let task = starting.spawn(async move { shared.start_module(&spec, &root).await });
             tasks.insert(task.id(), name);
         }
-        let mut failed = 0;
         while let Some(done) = starting.join_next_with_id().await {
             let (id, errors) = match done {
                 Ok((id, problems)) => (id, problems),
@@ -298,12 +297,10 @@ impl Shared {
             for e in &errors {
                 tracing::error!("{e}");
             }
-            failed += usize::from(!errors.is_empty());
             if let Some(module) = tasks.get(&id) {
                 self.set_load_errors(module, errors);
             }
         }
-        failed
     }
 
     /// Starts (or upgrades) `spec` as a registry edit asks, in a task of its own; see
