@@ -181,19 +181,10 @@ async fn an_agent_pulling_from_a_hostile_registry_keeps_allocating_its_other_mod
             .replace("name = \"fuse\"", "name = \"tun\""),
         module_dir().join("generic_dev.wasm").display()
     );
-    let state = node.state_dir();
     let access = devicelet::oci::access::Access::load(vec![registry.addr.clone()], None, None)
         .expect("access");
-    let agent = node
-        .start_agent_with(&modules, move |o| {
-            o.state_dir = Some(state);
-            o.registry_access = access;
-        })
-        .await;
-    let pending = devicelet_tests::eventually_some("the hostile pull failed", || {
-        agent.pending().into_iter().find(|p| p.attempts >= 1)
-    })
-    .await;
+    let agent = super::agent_reaching(&node, &modules, access).await;
+    let pending = super::failed_try(&agent, "the hostile pull failed").await;
     let error = pending.last_error.unwrap_or_default();
     assert!(error.contains("more than 4194304 bytes"), "{error}");
     node.kubelet
