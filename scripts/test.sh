@@ -20,11 +20,19 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 cargo fmt --all -- --check
 guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0)
+# Clippy lints each workspace crate as it is compiled (clippy-driver as the workspace's rustc
+# wrapper, as `cargo clippy` runs it over `cargo check`; CLIPPY_ARGS is how `cargo clippy -- -D
+# warnings` hands it the flag), so the dependency tree is built once instead of checked and then
+# built. Cargo tests started below inherit both, so their own builds find everything fresh.
+RUSTC_WORKSPACE_WRAPPER="$(rustup which clippy-driver 2>/dev/null || command -v clippy-driver)"
+export RUSTC_WORKSPACE_WRAPPER
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
-cargo clippy --target wasm32-wasip2 "${guests[@]}" -- -D warnings
-cargo clippy --all-targets -- -D warnings
-# The agent alone, without the simulator and fixture trees (`devicelet` feature `simulator`).
-cargo clippy -p devicelet --no-default-features -- -D warnings
+# The agent alone, without the simulator and fixture trees (`devicelet` feature `simulator`); first, so
+# that the full `target/debug/devicelet` the scenarios run is the one built last.
+cargo build -p devicelet --no-default-features --bin devicelet
+# Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them.
+cargo build --all-targets
 cargo test
 # The guests' logic runs on the host too, against the SDK's test kit (a fake node).
 cargo test "${guests[@]}"

@@ -379,8 +379,9 @@ mod tests {
 
     #[test]
     fn nvidias_own_cases_on_a_dgx1_get_nvidias_answers() {
-        // (available, must include, size, NVIDIA's best-effort answer)
-        let cases: [(&[u32], &[u32], usize, &[u32]); 7] = [
+        /// (available, must include, size, NVIDIA's best-effort answer)
+        type Case = (&'static [u32], &'static [u32], usize, &'static [u32]);
+        let cases: [Case; 7] = [
             (&[0, 2, 4, 5], &[], 2, &[4, 5]),
             (&[0, 4, 5, 6], &[], 2, &[5, 6]),
             (&[0, 3, 1], &[], 2, &[0, 3]),
