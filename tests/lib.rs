@@ -86,6 +86,14 @@ pub fn module_dir() -> &'static Path {
     })
 }
 
+/// The compile cache the scenarios' agents share (unless a scenario gives its own, or none): each
+/// module is compiled once per `cargo test`, not at every agent start. The agent's own rules keep
+/// it safe to share: entries are written whole (temporary file, rename) and are the same bytes
+/// whoever compiles them, and an entry that fails its checks is compiled again.
+pub fn scenario_cache() -> PathBuf {
+    target_dir().join("scenario-compile-cache")
+}
+
 /// The `devicelet` binary, built on first use.
 pub fn devicelet_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -206,6 +214,7 @@ impl Node {
         let mut options = AgentOptions::new(registry, self.plugin_dir());
         // Never the machine's own CDI directory: the agent cleans up specs of its kind there.
         options.cdi_dir = self.dir.path().join("cdi");
+        options.cache_dir = Some(scenario_cache());
         adjust(&mut options);
         Agent::start(options).await.expect("starting the agent")
     }

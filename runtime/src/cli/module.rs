@@ -154,7 +154,7 @@ async fn sign(args: SignArgs) -> anyhow::Result<()> {
 async fn push(args: PushArgs) -> anyhow::Result<()> {
     let bytes = crate::files::read_regular(&args.file, crate::files::MAX_MODULE)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    // Only a component the agent can load is pushed: its imports and exports go in the config.
+    // Only a valid component is pushed: its imports and exports go in the config.
     let interface = tokio::task::spawn_blocking(move || crate::sandbox::loader::interface(&bytes))
         .await?
         .map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;

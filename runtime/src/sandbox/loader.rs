@@ -130,14 +130,41 @@ pub struct ModuleInterface {
 }
 
 /// A component's imports and exports by name, for the config `devicelet module push` writes.
-/// Compiles it: only what compiles is pushed.
+/// Read from the component's own sections after validating it (milliseconds), not by compiling
+/// it (Cranelift, hundreds of milliseconds and tens of MiB): what is pushed is a valid component
+/// with those names, and the node that loads it still compiles and links it.
 pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
-    let engine = super::engine::new_engine().map_err(|e| format!("{e:#}"))?;
-    let component = super::compiler::compile(&engine, bytes)
-        .map_err(|e| format!("not a component this agent can load: {e:#}"))?;
-    let ty = component.component_type();
-    let imports = ty.imports(&engine).map(|(n, _)| n.to_owned()).collect();
-    let exports = ty.exports(&engine).map(|(n, _)| n.to_owned()).collect();
+    use wasmparser::{Encoding, Parser, Payload, Validator, WasmFeatures};
+    Validator::new_with_features(WasmFeatures::default())
+        .validate_all(bytes)
+        .map_err(|e| format!("not a valid component: {e}"))?;
+    let (mut imports, mut exports) = (Vec::new(), Vec::new());
+    // Nested modules and components have imports and exports of their own: only the outer
+    // component's (depth 0) are the module's.
+    let mut depth = 0usize;
+    for payload in Parser::new(0).parse_all(bytes) {
+        let payload = payload.map_err(|e| format!("not a valid component: {e}"))?;
+        match payload {
+            Payload::Version { encoding, .. } if depth == 0 && encoding != Encoding::Component => {
+                return Err("a core module, not a component (build it for wasm32-wasip2)".into());
+            }
+            Payload::ModuleSection { .. } | Payload::ComponentSection { .. } => depth += 1,
+            Payload::End(_) => depth = depth.saturating_sub(1),
+            Payload::ComponentImportSection(section) if depth == 0 => {
+                for import in section {
+                    let import = import.map_err(|e| format!("not a valid component: {e}"))?;
+                    imports.push(import.name.name.to_owned());
+                }
+            }
+            Payload::ComponentExportSection(section) if depth == 0 => {
+                for export in section {
+                    let export = export.map_err(|e| format!("not a valid component: {e}"))?;
+                    exports.push(export.name.name.to_owned());
+                }
+            }
+            _ => {}
+        }
+    }
     Ok((imports, exports))
 }
 
@@ -245,4 +272,19 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interface;
+
+    #[test]
+    fn push_refuses_what_is_no_component_by_name() {
+        let core = interface(b"\0asm\x01\x00\x00\x00").expect_err("a core module");
+        assert!(core.contains("a core module, not a component"), "{core}");
+        let garbage = interface(b"\0asm\x0d\x00\x01\x00garbage").expect_err("garbage");
+        assert!(garbage.starts_with("not a valid component"), "{garbage}");
+        let empty = interface(b"").expect_err("nothing");
+        assert!(empty.starts_with("not a valid component"), "{empty}");
+    }
 }

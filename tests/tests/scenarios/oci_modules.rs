@@ -4,7 +4,6 @@
 //! the registry down, and refused by name when they are not what the digest pins. A registry
 //! that attacks instead of serving: `oci_modules/hostile_registry.rs`.
 
-#[path = "oci_modules/hostile_registry.rs"]
 mod hostile_registry;
 
 use devicelet_tests::oci::TestRegistry;
@@ -308,6 +307,34 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
     })
     .await;
     loaded.shutdown().await;
+}
+
+/// `module push` reads the names from the component's sections, without compiling it; they are
+/// the names wasmtime finds in the compiled component, which the node's pre-check compares.
+#[test]
+fn push_lists_the_imports_and_exports_the_compiled_component_has() {
+    let engine = devicelet::sandbox::engine::new_engine().expect("an engine");
+    for file in ["generic_dev.wasm", "misbehaving.wasm", "wit_0_1_0.wasm"] {
+        let wasm = std::fs::read(module_dir().join(file)).expect("the module");
+        let (imports, exports) = devicelet::sandbox::loader::interface(&wasm).expect(file);
+        let component = devicelet::sandbox::compiler::compile(&engine, &wasm).expect(file);
+        let ty = component.component_type();
+        let compiled = |names: &mut dyn Iterator<Item = &str>| names.map(str::to_owned).collect();
+        let compiled_imports: Vec<String> = compiled(&mut ty.imports(&engine).map(|(n, _)| n));
+        let compiled_exports: Vec<String> = compiled(&mut ty.exports(&engine).map(|(n, _)| n));
+        assert_eq!(imports, compiled_imports, "{file}");
+        assert_eq!(exports, compiled_exports, "{file}");
+        assert!(
+            imports.iter().any(|i| i.starts_with("devicelet:plugin/")),
+            "{imports:?}"
+        );
+        assert!(
+            exports
+                .iter()
+                .any(|e| e.starts_with("devicelet:plugin/plugin@")),
+            "{exports:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,29 @@
+//! The scenario tests, one file per concern, linked into one test binary: each file alone was a
+//! binary linking the whole agent (25 links per change), and run one after another their waits
+//! never overlapped. Run one file's scenarios with `cargo test --test scenarios <file>::`.
+//! `fake_nvml.rs` stays a binary of its own: it points the process's environment at its fixture.
+
+mod agent_restart;
+mod amd_gpu;
+mod cdi;
+mod compile_cache;
+mod container_image;
+mod deploy_manifests;
+mod dra;
+mod dra_modules;
+mod hostile_modules;
+mod lifecycle;
+mod local_trust;
+mod metrics;
+mod misbehaving_modules;
+mod module_cells;
+mod nvidia_gpu;
+mod oci_modules;
+mod plugin_watcher;
+mod registry_errors;
+mod simulate_dra;
+mod try_module;
+mod vfio_pci;
+mod walking_skeleton;
+mod wit_0_2;
+mod wit_versions;
