@@ -1,4 +1,4 @@
-//! Another local user, for the trust scenarios (`tests/tests/local_trust.rs`): the tests run it
+//! Another local user, for the trust scenarios (`tests/tests/scenarios/local_trust.rs`): the tests run it
 //! under an unprivileged uid and it does what such a user could do to the agent's files.
 //!
 //! - `swap <a> <b> <stop-file>`: exchanges the two paths (`renameat2(RENAME_EXCHANGE)`) in a loop

@@ -987,7 +987,7 @@ fn the_dra_build_serves_every_module_through_dra_with_a_device_class_per_driver(
 
     // The agent knows its node and can reach the API server as the ServiceAccount the
     // ClusterRole is bound to (deploy/dra/rbac.yaml is checked against the agent's requests
-    // in tests/tests/dra.rs).
+    // in tests/tests/scenarios/dra.rs).
     let env = list(&agent.container["env"])
         .iter()
         .find(|e| e["name"] == "NODE_NAME")
