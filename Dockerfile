@@ -14,9 +14,11 @@ FROM docker.io/library/rust:1.95.0-slim-bookworm AS build
 RUN rustup target add wasm32-wasip2
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin devicelet \
+# The node agent alone (`devicelet-node`: no simulator, fixtures, `try`, `demo` or `simulate`),
+# installed as /usr/bin/devicelet.
+RUN cargo build --release --locked --bin devicelet-node \
  && cargo build --release --locked --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
-RUN scripts/image-rootfs.sh target/release/devicelet target/wasm32-wasip2/release /rootfs
+RUN scripts/image-rootfs.sh target/release/devicelet-node target/wasm32-wasip2/release /rootfs
 
 # --- base: what both final stages say about themselves -------------------------------------------
 FROM scratch AS base

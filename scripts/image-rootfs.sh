@@ -4,7 +4,7 @@
 #
 #   scripts/image-rootfs.sh BINARY MODULE_DIR OUT_DIR
 #
-# BINARY     the `devicelet` binary (cargo's target/<profile>/devicelet)
+# BINARY     the node agent (cargo's target/<profile>/devicelet-node), installed as devicelet
 # MODULE_DIR cargo's wasm32-wasip2 output (target/wasm32-wasip2/release): generic_dev.wasm,
 #            amd_gpu.wasm, nvidia_gpu.wasm, vfio_pci.wasm
 # OUT_DIR    the tree to write; replaced if it holds a tree this script wrote before
@@ -13,7 +13,10 @@
 # (real files, no symlinks; the loader itself at exactly the path the binary's PT_INTERP names);
 # the glibc libraries NVIDIA's libnvidia-ml.so.1 links (libdl, libpthread, librt, libm), since the
 # agent dlopens the host's NVML at run time; the reference modules in /opt/devicelet/modules/
-# (named with hyphens, as the registry names them); an empty /tmp (1777) and /etc/devicelet/.
+# (named with hyphens, as the registry names them), and compiled ahead of time by the binary
+# itself in /opt/devicelet/precompiled/ (`devicelet precompile`, the directory `run` looks in by
+# default), so a new node's first start compiles none of them; an empty /tmp (1777) and
+# /etc/devicelet/.
 # With SOURCE_DATE_EPOCH set, every file gets that time, for reproducible layers.
 set -euo pipefail
 umask 022
@@ -33,7 +36,7 @@ modules=(generic-dev amd-gpu nvidia-gpu vfio-pci)
 nvml_needs=(libdl.so.2 libpthread.so.0 librt.so.1 libm.so.6)
 
 [[ -f $binary && -x $binary ]] ||
-    die "no agent binary at '$binary' (build it first: cargo build --release --bin devicelet)"
+    die "no agent binary at '$binary' (build it first: cargo build --release --bin devicelet-node)"
 for m in "${modules[@]}"; do
     [[ -f $module_dir/${m//-/_}.wasm ]] ||
         die "module '$m' missing: no '${m//-/_}.wasm' in '$module_dir' (build the modules first: cargo build --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci)"
@@ -99,6 +102,14 @@ done
 for m in "${modules[@]}"; do
     install -D -m 0644 -- "$module_dir/${m//-/_}.wasm" "$out/opt/devicelet/modules/$m.wasm"
 done
+# Compiled by this very binary, for its wasmtime and this machine's CPU features: a node whose
+# CPU offers other features finds no entry for its own and compiles, as without them.
+wasm=()
+for m in "${modules[@]}"; do
+    wasm+=("$out/opt/devicelet/modules/$m.wasm")
+done
+"$binary" precompile --out "$out/opt/devicelet/precompiled" "${wasm[@]}" >/dev/null ||
+    die "'$binary' could not precompile the modules"
 install -d -m 1777 -- "$out/tmp"
 install -d -m 0755 -- "$out/etc/devicelet"
 
@@ -106,4 +117,4 @@ if [[ -n ${SOURCE_DATE_EPOCH:-} ]]; then
     find "$out" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 fi
 
-echo "image-rootfs.sh: $out: /usr/bin/devicelet, $interp, ${#libs[@]} libraries, ${#modules[@]} modules"
+echo "image-rootfs.sh: $out: /usr/bin/devicelet, $interp, ${#libs[@]} libraries, ${#modules[@]} modules (precompiled)"

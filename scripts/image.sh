@@ -174,13 +174,15 @@ if [[ $prebuilt == true ]]; then
     fi
     profile_flag=()
     [[ $profile == release ]] && profile_flag=(--release)
-    # As tests/lib.rs builds it (`--bin`, not `-p`), so a debug image reuses the tests' build.
-    cargo build --locked "${profile_flag[@]}" --bin devicelet
+    # The node agent alone, as the Dockerfile builds it: no simulator, fixtures, `try`, `demo` or
+    # `simulate`. As tests/lib.rs builds it (`--bin`, not `-p`), so a debug image reuses the
+    # tests' build.
+    cargo build --locked "${profile_flag[@]}" --bin devicelet-node
     cargo build --locked --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
     target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
     [[ -n $target_dir ]] || fail "cargo metadata named no target directory"
-    scripts/image-rootfs.sh "$target_dir/$profile/devicelet" "$target_dir/wasm32-wasip2/release" \
+    scripts/image-rootfs.sh "$target_dir/$profile/devicelet-node" "$target_dir/wasm32-wasip2/release" \
         "$target_dir/image/rootfs"
     "${build[@]}" --target prebuilt "$target_dir/image"
 else

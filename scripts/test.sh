@@ -28,10 +28,8 @@ RUSTC_WORKSPACE_WRAPPER="$(rustup which clippy-driver 2>/dev/null || command -v 
 export RUSTC_WORKSPACE_WRAPPER
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
-# The agent alone, without the simulator and fixture trees (`devicelet` feature `simulator`); first, so
-# that the full `target/debug/devicelet` the scenarios run is the one built last.
-cargo build -p devicelet --no-default-features --bin devicelet
-# Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them.
+# Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them:
+# `devicelet` and the node agent alone, `devicelet-node`, among them.
 cargo build --all-targets
 cargo test
 # The guests' logic runs on the host too, against the SDK's test kit (a fake node).

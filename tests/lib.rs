@@ -110,6 +110,20 @@ pub fn devicelet_bin() -> &'static Path {
     })
 }
 
+/// The node agent alone (`devicelet-node`, the image's `/usr/bin/devicelet`), built on first use
+/// as [`devicelet_bin`] is.
+pub fn devicelet_node_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let status = cargo()
+            .args(["build", "--quiet", "--bin", "devicelet-node"])
+            .status()
+            .expect("running cargo to build devicelet-node");
+        assert!(status.success(), "building devicelet-node failed");
+        target_dir().join("debug/devicelet-node")
+    })
+}
+
 /// The fake NVML library (`tests/fake-nvml`), built on first use: the agent dlopens it in place of
 /// `libnvidia-ml.so.1`. Use a [`FakeGpus`] copy per test: each copy reads the fixture beside it.
 pub fn fake_nvml_lib() -> &'static Path {

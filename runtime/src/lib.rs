@@ -12,7 +12,6 @@ pub mod device;
 pub mod digest;
 pub mod dra;
 pub mod files;
-#[cfg(feature = "simulator")]
 pub mod fixture;
 pub mod kubelet;
 pub mod ledger;

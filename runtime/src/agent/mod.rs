@@ -54,6 +54,8 @@ pub struct AgentOptions {
     pub hot_reload: bool,
     /// Where compiled modules are kept between starts (created 0700); None compiles every time.
     pub cache_dir: Option<PathBuf>,
+    /// Modules compiled ahead of time (an image's), looked in on a cache miss when it exists.
+    pub precompiled_dir: Option<PathBuf>,
     /// Where CDI spec files are written, for resources whose strategy uses CDI.
     pub cdi_dir: PathBuf,
     /// Where vendor libraries (NVML) are loaded from, for modules granted them.
@@ -83,6 +85,7 @@ impl AgentOptions {
             reconcile_grace: Duration::from_secs(60),
             hot_reload: true,
             cache_dir: None,
+            precompiled_dir: None,
             cdi_dir: PathBuf::from(crate::cdi::DEFAULT_DIR),
             libraries: Libraries::default(),
             registration: Route::default(),
@@ -670,11 +673,21 @@ impl Agent {
             None => Ledger::in_memory(),
         };
         // Only saves time: a cache that cannot be used is reported, not fatal.
+        let precompiled = options.precompiled_dir.as_deref().and_then(|dir| {
+            CompileCache::open_precompiled(dir).unwrap_or_else(|e| {
+                tracing::error!("{e}; not using the modules precompiled there");
+                None
+            })
+        });
         let cache = options.cache_dir.as_deref().map(|dir| {
-            CompileCache::open(dir).map(Arc::new).map_err(|e| {
+            let cache = CompileCache::open(dir).map_err(|e| {
                 tracing::error!("{e}; compiling modules without a cache");
                 e.to_string()
-            })
+            })?;
+            Ok(Arc::new(match precompiled {
+                Some(precompiled) => cache.with_precompiled(precompiled),
+                None => cache,
+            }))
         });
         let shared = Arc::new(Shared {
             engine,

@@ -1,19 +1,14 @@
 //! The `devicelet` command line.
 
-#[cfg(feature = "simulator")]
 mod demo;
-#[cfg(feature = "simulator")]
 mod dra_show;
 mod module;
+mod precompile;
 mod run;
-#[cfg(feature = "simulator")]
 pub mod simulate;
-#[cfg(feature = "simulator")]
 mod simulate_dra;
 mod status;
-#[cfg(feature = "simulator")]
 mod try_dra;
-#[cfg(feature = "simulator")]
 mod try_module;
 mod validate;
 
@@ -37,6 +32,29 @@ pub struct Cli {
     pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The node agent's command line (`devicelet-node`, the image's `/usr/bin/devicelet`): [`Cli`]
+/// without the simulator's commands (`simulate`, `demo`, `try`), which a node never runs. Same
+/// name, flags and output, so a DaemonSet's arguments mean the same to both.
+#[derive(Parser, Debug)]
+#[command(
+    name = "devicelet",
+    version,
+    about = "Kubernetes device plugins as sandboxed WebAssembly modules (the node agent)"
+)]
+pub struct NodeCli {
+    /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`), plus `module=NAME:LEVEL`
+    /// for one module's own lines and whatever the agent logs while running its code (e.g.
+    /// `warn,module=sriov-vfio:debug`).
+    #[arg(long, global = true, default_value = "info")]
+    pub log: String,
+    /// Log lines as text (coloured only on a terminal) or as one JSON object per line, for log
+    /// collectors.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: NodeCommand,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,36 +170,110 @@ pub enum Command {
     /// Show what a running agent serves: resources, devices, health and holders.
     Status(status::StatusArgs),
     /// Run the built-in kubelet simulator, for trying a module locally.
-    #[cfg(feature = "simulator")]
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
-    #[cfg(feature = "simulator")]
     Demo(demo::DemoArgs),
     /// One module against a fixture node and the simulator: registration, snapshots, an
     /// allocation, then the fixture watched for changes.
-    #[cfg(feature = "simulator")]
     Try(try_module::TryArgs),
     /// Modules in OCI registries: push one, or inspect one.
     #[command(subcommand)]
     Module(module::ModuleCommand),
+    /// Compile modules ahead of time into a directory, for an image to carry (`run
+    /// --precompiled-dir`): a new node's first start then compiles nothing.
+    Precompile(precompile::PrecompileArgs),
     /// Internal: compiles a component read on stdin for the agent, writing the precompiled form
     /// on stdout (the agent runs it as a child, so the compiler's memory is never its own).
     #[command(hide = true)]
     CompileModule,
 }
 
-pub async fn main(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
+/// [`Command`]'s node-agent subset, as [`NodeCli`] offers it.
+#[derive(Subcommand, Debug)]
+pub enum NodeCommand {
+    /// Serve every resource of the registry's modules to the kubelet.
+    Run(Box<run::RunArgs>),
+    /// Check a registry and load its modules without serving anything.
+    Validate(validate::ValidateArgs),
+    /// Show what a running agent serves: resources, devices, health and holders.
+    Status(status::StatusArgs),
+    /// Modules in OCI registries: push one, or inspect one.
+    #[command(subcommand)]
+    Module(module::ModuleCommand),
+    /// Compile modules ahead of time into a directory, for an image to carry (`run
+    /// --precompiled-dir`): a new node's first start then compiles nothing.
+    Precompile(precompile::PrecompileArgs),
+    /// Internal: compiles a component read on stdin for the agent (see `Command`).
+    #[command(hide = true)]
+    CompileModule,
+}
+
+impl From<NodeCommand> for Command {
+    fn from(command: NodeCommand) -> Command {
+        match command {
+            NodeCommand::Run(args) => Command::Run(args),
+            NodeCommand::Validate(args) => Command::Validate(args),
+            NodeCommand::Status(args) => Command::Status(args),
+            NodeCommand::Module(command) => Command::Module(command),
+            NodeCommand::Precompile(args) => Command::Precompile(args),
+            NodeCommand::CompileModule => Command::CompileModule,
+        }
+    }
+}
+
+/// Async workers: the agent's own work (gRPC servers, health watchers, the ledger, metrics) never
+/// blocks and is light, and module code runs on threads of its own, so two suffice on any node;
+/// tokio's default (one per core) would be 16 idle threads on a 16-core GPU node.
+const WORKERS: usize = 2;
+/// How long an idle blocking-pool thread (compiles, file writes) stays before it ends.
+const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Both binaries' `main`: logging, the compile child, the async runtime, the command.
+pub fn entry(log: &str, format: LogFormat, command: Command) -> std::process::ExitCode {
+    if let Err(e) = init_logging(log, format) {
+        eprintln!("error: {e:#}");
+        return std::process::ExitCode::from(2);
+    }
+    if matches!(command, Command::CompileModule) {
+        // The agent's compiler child: no async runtime, no threads but the compiler's.
+        return exit(crate::sandbox::compiler::serve_child());
+    }
+    // Compiles for the compile cache run in children of this binary.
+    if let Ok(exe) = std::env::current_exe() {
+        crate::sandbox::compiler::compile_in_children(exe);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(WORKERS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .enable_all()
+        .build();
+    let result = match runtime {
+        Ok(runtime) => runtime.block_on(main(command)),
+        Err(e) => Err(anyhow::Error::from(e).context("starting the async runtime")),
+    };
+    exit(result)
+}
+
+fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+pub async fn main(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Run(args) => run::run(*args).await,
         Command::Validate(args) => validate::run(args).await,
         Command::Status(args) => status::run(args).await,
-        #[cfg(feature = "simulator")]
         Command::Simulate(args) => simulate::run(args).await,
-        #[cfg(feature = "simulator")]
         Command::Demo(args) => demo::run(args).await,
-        #[cfg(feature = "simulator")]
         Command::Try(args) => try_module::run(args).await,
         Command::Module(command) => module::run(command).await,
+        Command::Precompile(args) => precompile::run(args).await,
         Command::CompileModule => crate::sandbox::compiler::serve_child(),
     }
 }

@@ -29,6 +29,12 @@ pub struct RunArgs {
     /// compiled in memory). Defaults to `cache` in the state directory: /var/lib/devicelet/cache.
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
+    /// Modules compiled ahead of time (`devicelet precompile`), looked in when the cache has no
+    /// entry: the image carries the reference modules there, so a new node's first start
+    /// compiles none of them. Used only when it exists, under the cache's trust rules; an entry
+    /// made for another wasmtime or other CPU features is not found, and the module compiles.
+    #[arg(long, default_value = "/opt/devicelet/precompiled")]
+    pub precompiled_dir: PathBuf,
     /// How often the ledger is reconciled with PodResources, e.g. 30s.
     #[arg(long, default_value = "30s", value_parser = crate::config::parse_duration)]
     pub reconcile_interval: std::time::Duration,
@@ -89,6 +95,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .cache_dir
         .unwrap_or_else(|| args.state_dir.join("cache"));
     options.cache_dir = Some(cache_dir);
+    options.precompiled_dir = Some(args.precompiled_dir);
     options.state_dir = Some(args.state_dir);
     options.pod_resources = Some(args.pod_resources_socket);
     options.reconcile_interval = args.reconcile_interval;

@@ -174,7 +174,6 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
 /// A `host-root` that is a fixture node (`sys/` and a `dev.list`, as `try` takes) has no real
 /// device nodes, only their list: they are made in a scratch copy of the fixture, which the
 /// modules then see, as `try` does. Returns the scratch directory (gone when dropped).
-#[cfg(feature = "simulator")]
 fn fixture_nodes(registry: &mut Registry) -> anyhow::Result<Option<tempfile::TempDir>> {
     use anyhow::Context;
     let fixture = registry.host_root.clone();
@@ -197,20 +196,6 @@ fn fixture_nodes(registry: &mut Registry) -> anyhow::Result<Option<tempfile::Tem
     );
     registry.host_root = tree.root().to_owned();
     Ok(Some(scratch))
-}
-
-#[cfg(not(feature = "simulator"))]
-fn fixture_nodes(registry: &mut Registry) -> anyhow::Result<Option<()>> {
-    if registry.host_root != std::path::Path::new("/")
-        && registry.host_root.join("dev.list").is_file()
-    {
-        println!(
-            "warning: host-root {} has a dev.list, which this build (without fixtures) does not \
-             make into device nodes: devices listed only there are not seen",
-            registry.host_root.display()
-        );
-    }
-    Ok(None)
 }
 
 /// What the kubelet would be told, one line per device.

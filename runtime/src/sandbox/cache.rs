@@ -90,6 +90,18 @@ pub struct CompileCache {
     hits: AtomicU64,
     misses: AtomicU64,
     replaced: AtomicU64,
+    /// Components compiled ahead of time (an image's, by `devicelet precompile`), looked in
+    /// when this cache has no entry: a new node's first start deserializes them instead of
+    /// compiling. Read only: nothing is ever written or deleted there.
+    precompiled: Option<Box<CompileCache>>,
+}
+
+fn untrusted(path: &Path, reason: trust::Untrusted) -> CacheError {
+    CacheError::Untrusted {
+        path: path.to_owned(),
+        fix: reason.fix(),
+        reason,
+    }
 }
 
 impl CompileCache {
@@ -98,33 +110,53 @@ impl CompileCache {
     /// us ([`trust::private_dir`]), or it is refused: whoever can write there could make us run
     /// their code.
     pub fn open(path: &Path) -> Result<CompileCache, CacheError> {
-        let untrusted = |reason: trust::Untrusted| CacheError::Untrusted {
-            path: path.to_owned(),
-            fix: reason.fix(),
-            reason,
-        };
-        trust::private_dir(path).map_err(untrusted)?;
+        trust::private_dir(path).map_err(|reason| untrusted(path, reason))?;
+        Self::open_checked(path, 0o077)
+    }
+
+    /// Opens a directory of components compiled ahead of time (`devicelet precompile`), under
+    /// the same trust rules as the cache: it holds machine code we will run. Only read: it is
+    /// neither created nor narrowed (an image's may be on a read-only root), so it may be
+    /// readable by others, never writable. `Ok(None)` when there is no such directory.
+    pub fn open_precompiled(path: &Path) -> Result<Option<CompileCache>, CacheError> {
+        if let Err(e) = std::fs::symlink_metadata(path)
+            && e.kind() == std::io::ErrorKind::NotFound
+        {
+            return Ok(None);
+        }
+        trust::check_dir(path).map_err(|reason| untrusted(path, reason))?;
+        Self::open_checked(path, 0o022).map(Some)
+    }
+
+    /// Opens `path`, already checked from above, and checks the directory itself through the
+    /// handle every access goes through: ours, and no `forbidden` mode bits.
+    fn open_checked(path: &Path, forbidden: u32) -> Result<CompileCache, CacheError> {
         let opened = |source| CacheError::Open {
             path: path.to_owned(),
             source,
         };
         let dir = Dir::open_ambient_dir(path, cap_std::ambient_authority()).map_err(opened)?;
-        // What was opened is what was checked: nothing above it can be swapped by others, and
-        // this verifies the directory itself through the handle every access goes through.
+        // What was opened is what was checked: nothing above it can be swapped by others.
         let meta = dir.dir_metadata().map_err(opened)?;
         let uid = euid();
         if meta.uid() != uid {
-            return Err(untrusted(trust::Untrusted::Owner {
-                path: path.to_owned(),
-                owner: meta.uid(),
-                uid,
-            }));
+            return Err(untrusted(
+                path,
+                trust::Untrusted::Owner {
+                    path: path.to_owned(),
+                    owner: meta.uid(),
+                    uid,
+                },
+            ));
         }
-        if meta.mode() & 0o077 != 0 {
-            return Err(untrusted(trust::Untrusted::Writable {
-                path: path.to_owned(),
-                mode: meta.mode() & 0o7777,
-            }));
+        if meta.mode() & forbidden != 0 {
+            return Err(untrusted(
+                path,
+                trust::Untrusted::Writable {
+                    path: path.to_owned(),
+                    mode: meta.mode() & 0o7777,
+                },
+            ));
         }
         Ok(CompileCache {
             path: path.to_owned(),
@@ -133,7 +165,15 @@ impl CompileCache {
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             replaced: AtomicU64::new(0),
+            precompiled: None,
         })
+    }
+
+    /// Looks in `precompiled` for what this cache does not hold. Its entries count as hits: a
+    /// module found there is not compiled.
+    pub fn with_precompiled(mut self, precompiled: CompileCache) -> CompileCache {
+        self.precompiled = Some(Box::new(precompiled));
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -184,7 +224,15 @@ impl CompileCache {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok((component, CacheOutcome::Hit));
             }
-            Ok(None) => CacheOutcome::Miss,
+            Ok(None) => {
+                // A sidecar without its .cwasm: a write interrupted between the two renames.
+                self.remove_if_present(&sidecar);
+                if let Some(component) = self.precompiled_entry(engine, &cwasm, &sidecar) {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok((component, CacheOutcome::Hit));
+                }
+                CacheOutcome::Miss
+            }
             Err(reason) => {
                 tracing::warn!(
                     file = %self.path.join(&cwasm).display(),
@@ -205,6 +253,30 @@ impl CompileCache {
             _ => self.replaced.fetch_add(1, Ordering::Relaxed),
         };
         Ok((component, outcome))
+    }
+
+    /// The entry from the precompiled directory, if it has a usable one for this engine (one
+    /// compiled for another CPU or wasmtime has another name, and is simply not found). A bad
+    /// one is logged and left alone: the directory is read only.
+    fn precompiled_entry(&self, engine: &Engine, cwasm: &str, sidecar: &str) -> Option<Component> {
+        let precompiled = self.precompiled.as_deref()?;
+        match precompiled.try_load(engine, cwasm, sidecar) {
+            Ok(Some(component)) => {
+                tracing::debug!(
+                    file = %precompiled.path.join(cwasm).display(),
+                    "compile cache: loaded the precompiled component"
+                );
+                Some(component)
+            }
+            Ok(None) => None,
+            Err(reason) => {
+                tracing::warn!(
+                    file = %precompiled.path.join(cwasm).display(),
+                    "precompiled component not used ({reason}); compiling the module"
+                );
+                None
+            }
+        }
     }
 
     /// Compiles in this process and caches the result.
@@ -291,6 +363,7 @@ impl CompileCache {
     }
 
     /// `Ok(None)`: not cached. `Err(reason)`: there is an entry, and it must not be used.
+    /// Changes nothing in the directory (the precompiled one is read through it too).
     fn try_load(
         &self,
         engine: &Engine,
@@ -299,11 +372,7 @@ impl CompileCache {
     ) -> Result<Option<Component>, String> {
         let file = match self.open_entry(cwasm) {
             Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                // A sidecar without its .cwasm: a write interrupted between the two renames.
-                self.remove_if_present(sidecar);
-                return Ok(None);
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(format!("cannot open it: {e}")),
         };
         check_ours(&file).map_err(|e| format!("the .cwasm {e}"))?;

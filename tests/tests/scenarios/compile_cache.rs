@@ -113,3 +113,101 @@ async fn an_unsafe_cache_dir_is_not_used_but_modules_are_served() {
     assert!(cwasm_files(&cache).is_empty(), "nothing written to it");
     agent.shutdown().await;
 }
+
+/// Modules compiled ahead of time (`devicelet precompile`, as the image carries them) serve a
+/// new node's first start: nothing is compiled and nothing is copied; where they cannot be
+/// trusted (a directory others can write, an entry changed since), the module compiles as
+/// without them, and they are left as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_cannot_trust() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let precompiled = node.dir.path().join("precompiled");
+    let wasm = devicelet_tests::module_dir().join("generic_dev.wasm");
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["precompile", "--out"])
+        .arg(&precompiled)
+        .arg(&wasm)
+        .output()
+        .expect("devicelet precompile");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains(": compiled: "), "{said}");
+    let entry = cwasm_files(&precompiled);
+    assert_eq!(entry.len(), 1, "one entry: {entry:?}");
+
+    let start = |cache: PathBuf, registrations: u32| {
+        let precompiled = precompiled.clone();
+        let node = &node;
+        async move {
+            let agent = node
+                .start_agent_with(&generic_dev(FUSE), |o| {
+                    o.cache_dir = Some(cache);
+                    o.precompiled_dir = Some(precompiled);
+                })
+                .await;
+            assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+            node.kubelet
+                .wait_until("devicelet.io/fuse", WAIT, |r| {
+                    r.registrations == registrations && r.allocatable == 2
+                })
+                .await
+                .expect("fuse is served");
+            agent
+        }
+    };
+
+    let cache = node.dir.path().join("cache-1");
+    let first = start(cache.clone(), 1).await;
+    assert_eq!(
+        first.cache_stats(),
+        stats(1, 0, 0),
+        "precompiled: nothing compiled"
+    );
+    assert!(
+        cwasm_files(&cache).is_empty(),
+        "nothing copied into the node's cache"
+    );
+    first.shutdown().await;
+
+    // Writable by others: not trusted at all.
+    std::fs::set_permissions(&precompiled, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let cache = node.dir.path().join("cache-2");
+    let second = start(cache.clone(), 2).await;
+    assert_eq!(
+        second.cache_stats(),
+        stats(0, 1, 0),
+        "compiled, as without them"
+    );
+    second.shutdown().await;
+    std::fs::set_permissions(&precompiled, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+
+    // An entry changed since it was written: its digest file no longer matches.
+    let mut bytes = std::fs::read(&entry[0]).expect("the entry");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&entry[0], &bytes).expect("changing the entry");
+    let cache = node.dir.path().join("cache-3");
+    let third = start(cache.clone(), 3).await;
+    assert_eq!(
+        third.cache_stats(),
+        stats(0, 1, 0),
+        "compiled, as without it"
+    );
+    assert_eq!(
+        cwasm_files(&cache).len(),
+        1,
+        "and cached in the node's own cache"
+    );
+    assert_eq!(
+        std::fs::read(&entry[0]).ok(),
+        Some(bytes),
+        "the precompiled entry is left alone"
+    );
+    third.shutdown().await;
+}

@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use devicelet_tests::{devicelet_bin, module_dir, workspace_root};
+use devicelet_tests::{devicelet_node_bin, module_dir, workspace_root};
 
 const TAG: &str = "localhost/devicelet:test";
 const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -98,7 +98,7 @@ fn image_script_says_clearly_when_no_engine_is_present() {
 fn prebuilt_image_holds_the_agent_its_libraries_and_the_modules() {
     // What the script builds, built as the other scenarios build it (a debug agent, release
     // modules): the script's own cargo builds then have nothing to do.
-    let agent = devicelet_bin();
+    let agent = devicelet_node_bin();
     let modules = module_dir();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("root");
@@ -308,6 +308,28 @@ fn check_tree(root: &Path, agent: &Path, modules: &Path) {
         expected.insert(PathBuf::from(path));
     }
 
+    // Each module compiled ahead of time, under the compile cache's rules (a private directory,
+    // files only we can write), named for this wasmtime and CPU as the agent looks them up.
+    let precompiled = at("/opt/devicelet/precompiled");
+    let meta = std::fs::metadata(&precompiled).expect("/opt/devicelet/precompiled");
+    assert_eq!(
+        meta.permissions().mode() & 0o7777,
+        0o700,
+        "the precompiled directory's mode"
+    );
+    let engine = devicelet::sandbox::engine::new_engine().expect("an engine");
+    let key = devicelet::sandbox::cache::engine_key(&engine);
+    for (_, built) in MODULES {
+        let wasm = std::fs::read(modules.join(built)).expect("the module");
+        let name = format!("{}-{key}", devicelet::digest::sha256_hex(&wasm));
+        for file in [format!("{name}.cwasm"), format!("{name}.sha256")] {
+            let path = format!("/opt/devicelet/precompiled/{file}");
+            let meta = std::fs::metadata(at(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+            assert_eq!(meta.permissions().mode() & 0o7777, 0o600, "{path}'s mode");
+            expected.insert(PathBuf::from(path));
+        }
+    }
+
     for (dir, mode) in [("/tmp", 0o1777), ("/etc/devicelet", 0o755)] {
         let meta = std::fs::metadata(at(dir)).unwrap_or_else(|e| panic!("{dir}: {e}"));
         assert!(meta.is_dir(), "{dir} is a directory");
@@ -354,6 +376,15 @@ fn check_tree(root: &Path, agent: &Path, modules: &Path) {
         format!("devicelet {VERSION}")
     );
     assert!(chrooted(&["validate", "--help"]).contains("--config"));
+    // The node agent alone: the simulator's commands are not in the image.
+    let help = chrooted(&["--help"]);
+    for tool in ["simulate", "demo", "try"] {
+        assert!(
+            !help.lines().any(|l| l.trim_start().starts_with(tool)),
+            "{help}"
+        );
+    }
+    assert!(help.contains("precompile"), "{help}");
 }
 
 /// Everything under `root` but directories, as absolute paths inside it.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use clap::Parser;
-use devicelet::cli::{Cli, LogFormat};
+use devicelet::cli::{LogFormat, NodeCli as Cli};
 use devicelet::config::{FrontEnd, Registry};
 use devicelet::fixture::{FixtureTree, NodeType};
 use devicelet_tests::{FakeGpus, devicelet_bin, module_dir, workspace_root};
@@ -45,7 +45,7 @@ const ENTRYPOINT: &[&str] = &["/usr/bin/devicelet", "run"];
 macro_rules! run_args {
     ($cli:expr) => {
         match $cli.command {
-            devicelet::cli::Command::Run(args) => args,
+            devicelet::cli::NodeCommand::Run(args) => args,
             other => panic!("the container does not run `devicelet run`: {other:?}"),
         }
     };

@@ -785,13 +785,34 @@ async fn a_driver_loaded_after_the_agent_started_is_retried_until_nvml_answers()
 }
 
 /// An `nvmlInit` slower than the 10 s a module load waits for it is not given up on: the GPUs
-/// appear when it returns.
+/// appear when it returns. Meanwhile it holds back no other module: FUSE registers and allocates
+/// while the agent is still waiting for NVML.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_nvml_init_slower_than_the_load_limit_is_waited_for_and_then_served() {
+async fn an_nvml_init_slower_than_the_load_limit_delays_no_other_module_and_is_then_served() {
     let mut fixture = eight_gpus();
     fixture["init-delay-ms"] = json!(12_000);
     let (node, gpus) = gpu_node(&fixture).await;
-    let agent = start(&node, &gpus, &registry("1h", "", "")).await;
+    node.add_char("/dev/fuse", 10, 229);
+    let modules = format!(
+        "{}\n{}",
+        registry("1h", "", ""),
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+    );
+    let starting = start(&node, &gpus, &modules);
+    tokio::pin!(starting);
+    tokio::select! {
+        _ = &mut starting => panic!("the agent's start ended before FUSE registered"),
+        fuse = node.kubelet.wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1) => {
+            fuse.expect("FUSE registers while NVML's init is still running");
+        }
+    }
+    let fuse = node
+        .kubelet
+        .allocate("devicelet.io/fuse", 1)
+        .await
+        .expect("FUSE allocates while NVML's init is still running");
+    assert_eq!(fuse.device_ids.len(), 1, "{fuse:?}");
+    let agent = starting.await;
     let module = devicelet_tests::module_status(&agent, "nvidia-gpu");
     assert!(
         matches!(&module.nvml, Some(devicelet::nvml::Availability::Unavailable(w)) if w.contains("did not return within 10s")),
