@@ -31,6 +31,8 @@ cargo build --release --target wasm32-wasip2 "${guests[@]}"
 # Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them:
 # `devicelet` and the node agent alone, `devicelet-node`, among them.
 cargo build --all-targets
-cargo test
+# Four tests at a time on any machine: the scenarios mostly wait on sockets, agents and
+# deadlines, so on two cores four overlap their waits without starving one another.
+RUST_TEST_THREADS=4 cargo test
 # The guests' logic runs on the host too, against the SDK's test kit (a fake node).
 cargo test "${guests[@]}"

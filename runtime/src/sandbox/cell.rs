@@ -45,8 +45,10 @@ pub const STUCK_GRACE: Duration = Duration::from_millis(500);
 /// Cells a module may leave stuck in host calls before it is failed for good (until reloaded).
 pub const MAX_ABANDONED: u32 = 4;
 /// How late past a job's own deadline its caller still waits for the cell's answer: the cell's
-/// timer needs a tick to see the guest yield.
-const ANSWER_SLACK: Duration = Duration::from_millis(3 * EPOCH_TICK.as_millis() as u64);
+/// timer needs a tick to see the guest yield, and on a node whose CPUs are busy its thread may
+/// wait that long again to run. Only a cell that cannot answer (a thread stuck in a host call)
+/// costs its caller this much.
+const ANSWER_SLACK: Duration = Duration::from_millis(10 * EPOCH_TICK.as_millis() as u64);
 
 /// First wait before re-instantiating a crashed module; doubles on every crash in a row.
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);

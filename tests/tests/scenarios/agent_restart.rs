@@ -17,22 +17,25 @@ fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
     spawn_agent_with(node, registry, &[])
 }
 
-/// As [`spawn_agent`], with `extra` arguments.
+/// As [`spawn_agent`], with `extra` arguments. The scenarios' shared compile cache unless they
+/// name a `--cache-dir` of their own.
 fn spawn_agent_with(node: &Node, registry: &std::path::Path, extra: &[&str]) -> Child {
-    Command::new(devicelet_bin())
-        .arg("run")
+    let mut cmd = Command::new(devicelet_bin());
+    cmd.arg("run")
         .arg("--config")
         .arg(registry)
         .arg("--kubelet-dir")
         .arg(node.plugin_dir())
         .arg("--state-dir")
         .arg(node.state_dir())
-        .arg("--cache-dir")
-        .arg(devicelet_tests::scenario_cache())
         .arg("--pod-resources-socket")
         .arg(node.kubelet.pod_resources_socket())
-        .args(["--reconcile-interval", "100ms"])
-        .args(extra)
+        .args(["--reconcile-interval", "100ms"]);
+    if !extra.contains(&"--cache-dir") {
+        cmd.arg("--cache-dir")
+            .arg(devicelet_tests::scenario_cache());
+    }
+    cmd.args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -540,7 +543,10 @@ async fn a_stalled_compile_delays_no_other_module_s_registry_edit() {
     let slow_entry = format!("[[module]]\nname = \"slow\"\npath = {:?}\n", slow.display());
     let fuse = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#;
     let registry = node.registry(&generic_dev(fuse));
-    let mut agent = spawn_agent(&node, &registry);
+    // A cache of its own: in the shared one, another run's finished compile would be found.
+    let own_cache = node.state_dir().join("cache");
+    let own_cache = own_cache.to_str().expect("a UTF-8 path");
+    let mut agent = spawn_agent_with(&node, &registry, &["--cache-dir", own_cache]);
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
@@ -591,7 +597,19 @@ async fn an_edit_reverted_while_its_compile_is_stalled_leaves_the_running_versio
         .expect("a free port")
         .port();
     let metrics: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
-    let mut agent = spawn_agent_with(&node, &registry, &["--metrics-addr", &metrics.to_string()]);
+    // A cache of its own: this compile finishes, and would be found by the next run.
+    let own_cache = node.state_dir().join("cache");
+    let own_cache = own_cache.to_str().expect("a UTF-8 path");
+    let mut agent = spawn_agent_with(
+        &node,
+        &registry,
+        &[
+            "--metrics-addr",
+            &metrics.to_string(),
+            "--cache-dir",
+            own_cache,
+        ],
+    );
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
