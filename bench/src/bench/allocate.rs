@@ -318,6 +318,7 @@ async fn across_processes(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let dirs = AgentDirs {
         state: node.dir.path().join("state"),
         cache: node.dir.path().join("cache"),
+        precompiled: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, std::slice::from_ref(&name)).await?;

@@ -78,6 +78,7 @@ async fn prime(s: &Settings, cache: &Path, state_parent: &Path) -> anyhow::Resul
     let dirs = AgentDirs {
         state: state_parent.join("prime"),
         cache: cache.to_owned(),
+        precompiled: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, &names).await?;
@@ -106,6 +107,7 @@ async fn measure(
     let dirs = AgentDirs {
         state: PathBuf::from(state_parent).join(format!("state-{modules}")),
         cache: cache.to_owned(),
+        precompiled: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, &names).await?;

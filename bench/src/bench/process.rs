@@ -13,6 +13,8 @@ use super::node::Node;
 pub struct AgentDirs {
     pub state: PathBuf,
     pub cache: PathBuf,
+    /// `--precompiled-dir`: modules compiled ahead of time, as an image carries them.
+    pub precompiled: Option<PathBuf>,
 }
 
 pub struct AgentProcess {
@@ -44,6 +46,12 @@ impl AgentProcess {
             .arg(&dirs.state)
             .arg("--cache-dir")
             .arg(&dirs.cache)
+            .arg("--precompiled-dir")
+            .arg(
+                dirs.precompiled
+                    .clone()
+                    .unwrap_or_else(|| dirs.state.join("no-precompiled")),
+            )
             .arg("--pod-resources-socket")
             .arg(node.sim.pod_resources_socket())
             .stdin(Stdio::null())

@@ -524,8 +524,21 @@ impl Shared {
             }
         };
         let version = running.handle().version().to_owned();
+        // Said as each module is served, not once every module is: one module's slow start
+        // (an NVML init, a pull) holds back no other module's line.
+        let sockets: BTreeMap<String, PathBuf> = running
+            .front_end::<front_ends::device_plugin::Served>()
+            .flat_map(|f| f.resources.iter())
+            .map(|r| (r.served.name.clone(), r.served.socket.clone()))
+            .collect();
         for resource in running.front_ends.iter().flat_map(|f| f.resources()) {
-            tracing::info!(module = spec.name, version, resource, "serving");
+            match sockets.get(&resource) {
+                Some(socket) => {
+                    let socket = socket.display();
+                    tracing::info!(module = spec.name, version, resource, %socket, "serving");
+                }
+                None => tracing::info!(module = spec.name, version, resource, "serving"),
+            }
         }
         let without_nvml = running
             .handle()

@@ -135,10 +135,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             retirees: Default::default(),
         });
     }
+    // Each module says `serving` (resource, socket) as it starts, in Agent::start.
     let agent = Agent::start(options).await.context("starting the agent")?;
-    for r in agent.resources() {
-        tracing::info!(resource = r.name, module = r.module, socket = %r.socket.display(), "serving");
-    }
     super::stop_signal().await?;
     tracing::info!("stopping");
     agent.shutdown().await;
