@@ -5,5 +5,5 @@ use devicelet::cli::{self, Cli};
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    cli::entry(&cli.log, cli.log_format, cli.command)
+    cli::entry(&cli.logging, cli.command)
 }

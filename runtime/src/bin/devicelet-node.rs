@@ -7,5 +7,5 @@ use devicelet::cli::{self, NodeCli};
 
 fn main() -> std::process::ExitCode {
     let cli = NodeCli::parse();
-    cli::entry(&cli.log, cli.log_format, cli.command.into())
+    cli::entry(&cli.logging, cli.command.into())
 }

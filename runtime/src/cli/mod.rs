@@ -21,15 +21,8 @@ use clap::{Parser, Subcommand};
     about = "Kubernetes device plugins as sandboxed WebAssembly modules"
 )]
 pub struct Cli {
-    /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`), plus `module=NAME:LEVEL`
-    /// for one module's own lines and whatever the agent logs while running its code (e.g.
-    /// `warn,module=sriov-vfio:debug`).
-    #[arg(long, global = true, default_value = "info")]
-    pub log: String,
-    /// Log lines as text (coloured only on a terminal) or as one JSON object per line, for log
-    /// collectors.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
+    #[command(flatten)]
+    pub logging: Logging,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -44,6 +37,15 @@ pub struct Cli {
     about = "Kubernetes device plugins as sandboxed WebAssembly modules (the node agent)"
 )]
 pub struct NodeCli {
+    #[command(flatten)]
+    pub logging: Logging,
+    #[command(subcommand)]
+    pub command: NodeCommand,
+}
+
+/// Every command's logging flags, in both binaries.
+#[derive(clap::Args, Debug)]
+pub struct Logging {
     /// Log filter, as in RUST_LOG (e.g. `info`, `devicelet=debug`), plus `module=NAME:LEVEL`
     /// for one module's own lines and whatever the agent logs while running its code (e.g.
     /// `warn,module=sriov-vfio:debug`).
@@ -53,8 +55,6 @@ pub struct NodeCli {
     /// collectors.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-    #[command(subcommand)]
-    pub command: NodeCommand,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,8 +229,8 @@ const WORKERS: usize = 2;
 const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Both binaries' `main`: logging, the compile child, the async runtime, the command.
-pub fn entry(log: &str, format: LogFormat, command: Command) -> std::process::ExitCode {
-    if let Err(e) = init_logging(log, format) {
+pub fn entry(logging: &Logging, command: Command) -> std::process::ExitCode {
+    if let Err(e) = init_logging(&logging.log, logging.log_format) {
         eprintln!("error: {e:#}");
         return std::process::ExitCode::from(2);
     }

@@ -517,7 +517,11 @@ fn the_container_runs_devicelet_run_with_arguments_the_cli_accepts() {
             "{b}: the container keeps the image's entrypoint"
         );
         let cli = agent.cli();
-        assert_eq!(cli.log_format, LogFormat::Json, "{b}: logs for a collector");
+        assert_eq!(
+            cli.logging.log_format,
+            LogFormat::Json,
+            "{b}: logs for a collector"
+        );
         let args = run_args!(cli);
         assert_eq!(args.kubelet_dir, defaults.kubelet_dir, "{b}");
         assert_eq!(
