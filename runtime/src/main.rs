@@ -1,9 +1,10 @@
 //! `devicelet`: the node agent and the tools for trying modules (the simulator, `demo`, `try`).
 
 use clap::Parser;
-use devicelet::cli::{self, Cli};
+use devicelet::cli::{self, Cli, Command};
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    cli::entry(&cli.logging, cli.command)
+    let compile_child = matches!(cli.command, Command::CompileModule);
+    cli::entry(&cli.logging, compile_child, cli::main(cli.command))
 }

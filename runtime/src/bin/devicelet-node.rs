@@ -3,9 +3,10 @@
 //! here, so the linker leaves the simulator and the fixture trees out.
 
 use clap::Parser;
-use devicelet::cli::{self, NodeCli};
+use devicelet::cli::{self, NodeCli, NodeCommand};
 
 fn main() -> std::process::ExitCode {
     let cli = NodeCli::parse();
-    cli::entry(&cli.logging, cli.command.into())
+    let compile_child = matches!(cli.command, NodeCommand::CompileModule);
+    cli::entry(&cli.logging, compile_child, cli::node_main(cli.command))
 }

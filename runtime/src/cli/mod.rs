@@ -208,16 +208,16 @@ pub enum NodeCommand {
     CompileModule,
 }
 
-impl From<NodeCommand> for Command {
-    fn from(command: NodeCommand) -> Command {
-        match command {
-            NodeCommand::Run(args) => Command::Run(args),
-            NodeCommand::Validate(args) => Command::Validate(args),
-            NodeCommand::Status(args) => Command::Status(args),
-            NodeCommand::Module(command) => Command::Module(command),
-            NodeCommand::Precompile(args) => Command::Precompile(args),
-            NodeCommand::CompileModule => Command::CompileModule,
-        }
+/// The node agent's commands; reaches none of the simulator's, so `devicelet-node` links none
+/// of it.
+pub async fn node_main(command: NodeCommand) -> anyhow::Result<()> {
+    match command {
+        NodeCommand::Run(args) => run::run(*args).await,
+        NodeCommand::Validate(args) => validate::run(args).await,
+        NodeCommand::Status(args) => status::run(args).await,
+        NodeCommand::Module(command) => module::run(command).await,
+        NodeCommand::Precompile(args) => precompile::run(args).await,
+        NodeCommand::CompileModule => crate::sandbox::compiler::serve_child(),
     }
 }
 
@@ -228,13 +228,18 @@ const WORKERS: usize = 2;
 /// How long an idle blocking-pool thread (compiles, file writes) stays before it ends.
 const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Both binaries' `main`: logging, the compile child, the async runtime, the command.
-pub fn entry(logging: &Logging, command: Command) -> std::process::ExitCode {
+/// Both binaries' `main`: logging, the compile child (`compile_child`: this process is one), the
+/// async runtime, and `command` run on it.
+pub fn entry(
+    logging: &Logging,
+    compile_child: bool,
+    command: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> std::process::ExitCode {
     if let Err(e) = init_logging(&logging.log, logging.log_format) {
         eprintln!("error: {e:#}");
         return std::process::ExitCode::from(2);
     }
-    if matches!(command, Command::CompileModule) {
+    if compile_child {
         // The agent's compiler child: no async runtime, no threads but the compiler's.
         return exit(crate::sandbox::compiler::serve_child());
     }
@@ -248,7 +253,7 @@ pub fn entry(logging: &Logging, command: Command) -> std::process::ExitCode {
         .enable_all()
         .build();
     let result = match runtime {
-        Ok(runtime) => runtime.block_on(main(command)),
+        Ok(runtime) => runtime.block_on(command),
         Err(e) => Err(anyhow::Error::from(e).context("starting the async runtime")),
     };
     exit(result)
