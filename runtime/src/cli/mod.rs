@@ -161,14 +161,11 @@ impl RegistryArgs {
     }
 }
 
+/// Every command: the node agent's, and the simulator's tools for trying modules.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Serve every resource of the registry's modules to the kubelet.
-    Run(Box<run::RunArgs>),
-    /// Check a registry and load its modules without serving anything.
-    Validate(validate::ValidateArgs),
-    /// Show what a running agent serves: resources, devices, health and holders.
-    Status(status::StatusArgs),
+    #[command(flatten)]
+    Node(NodeCommand),
     /// Run the built-in kubelet simulator, for trying a module locally.
     Simulate(simulate::SimulateArgs),
     /// The agent with the reference modules against the simulator and a fixture device tree.
@@ -176,19 +173,9 @@ pub enum Command {
     /// One module against a fixture node and the simulator: registration, snapshots, an
     /// allocation, then the fixture watched for changes.
     Try(try_module::TryArgs),
-    /// Modules in OCI registries: push one, or inspect one.
-    #[command(subcommand)]
-    Module(module::ModuleCommand),
-    /// Compile modules ahead of time into a directory, for an image to carry (`run
-    /// --precompiled-dir`): a new node's first start then compiles nothing.
-    Precompile(precompile::PrecompileArgs),
-    /// Internal: compiles a component read on stdin for the agent, writing the precompiled form
-    /// on stdout (the agent runs it as a child, so the compiler's memory is never its own).
-    #[command(hide = true)]
-    CompileModule,
 }
 
-/// [`Command`]'s node-agent subset, as [`NodeCli`] offers it.
+/// The node agent's commands: all of [`NodeCli`]'s, and [`Cli`]'s besides the simulator's.
 #[derive(Subcommand, Debug)]
 pub enum NodeCommand {
     /// Serve every resource of the registry's modules to the kubelet.
@@ -203,7 +190,8 @@ pub enum NodeCommand {
     /// Compile modules ahead of time into a directory, for an image to carry (`run
     /// --precompiled-dir`): a new node's first start then compiles nothing.
     Precompile(precompile::PrecompileArgs),
-    /// Internal: compiles a component read on stdin for the agent (see `Command`).
+    /// Internal: compiles a component read on stdin for the agent, writing the precompiled form
+    /// on stdout (the agent runs it as a child, so the compiler's memory is never its own).
     #[command(hide = true)]
     CompileModule,
 }
@@ -271,15 +259,10 @@ fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {
 
 pub async fn main(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Run(args) => run::run(*args).await,
-        Command::Validate(args) => validate::run(args).await,
-        Command::Status(args) => status::run(args).await,
+        Command::Node(command) => node_main(command).await,
         Command::Simulate(args) => simulate::run(args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Try(args) => try_module::run(args).await,
-        Command::Module(command) => module::run(command).await,
-        Command::Precompile(args) => precompile::run(args).await,
-        Command::CompileModule => crate::sandbox::compiler::serve_child(),
     }
 }
 

@@ -135,15 +135,16 @@ pub struct ModuleInterface {
 /// with those names, and the node that loads it still compiles and links it.
 pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
     use wasmparser::{Encoding, Parser, Payload, Validator, WasmFeatures};
+    let invalid = |e: wasmparser::BinaryReaderError| format!("not a valid component: {e}");
     Validator::new_with_features(WasmFeatures::default())
         .validate_all(bytes)
-        .map_err(|e| format!("not a valid component: {e}"))?;
+        .map_err(invalid)?;
     let (mut imports, mut exports) = (Vec::new(), Vec::new());
     // Nested modules and components have imports and exports of their own: only the outer
     // component's (depth 0) are the module's.
     let mut depth = 0usize;
     for payload in Parser::new(0).parse_all(bytes) {
-        let payload = payload.map_err(|e| format!("not a valid component: {e}"))?;
+        let payload = payload.map_err(invalid)?;
         match payload {
             Payload::Version { encoding, .. } if depth == 0 && encoding != Encoding::Component => {
                 return Err("a core module, not a component (build it for wasm32-wasip2)".into());
@@ -152,13 +153,13 @@ pub fn interface(bytes: &[u8]) -> Result<(Vec<String>, Vec<String>), String> {
             Payload::End(_) => depth = depth.saturating_sub(1),
             Payload::ComponentImportSection(section) if depth == 0 => {
                 for import in section {
-                    let import = import.map_err(|e| format!("not a valid component: {e}"))?;
+                    let import = import.map_err(invalid)?;
                     imports.push(import.name.name.to_owned());
                 }
             }
             Payload::ComponentExportSection(section) if depth == 0 => {
                 for export in section {
-                    let export = export.map_err(|e| format!("not a valid component: {e}"))?;
+                    let export = export.map_err(invalid)?;
                     exports.push(export.name.name.to_owned());
                 }
             }
