@@ -16,6 +16,6 @@ cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nv
 cargo build --release -p devicelet -p devicelet-bench -p fake-nvml
 target="${CARGO_TARGET_DIR:-target}"
 export DEVICELET_BENCH_SCRIPT="./scripts/bench.sh${*:+ $*}"
-"$target/release/devicelet-bench" --devicelet "$target/release/devicelet" \
+"$target/release/devicelet-bench" --devicelet "$target/release/devicelet-node" \
   --module-dir "$target/wasm32-wasip2/release" --fake-nvml "$target/release/libfake_nvml.so" \
   --out BENCHMARKS.md "$@"

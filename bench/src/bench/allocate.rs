@@ -44,7 +44,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     }
     // The floor sends back exactly what the module answered, so both carry the same bytes.
     let floor_socket = node.dir.path().join("floor.sock");
-    let _floor = floor::serve(&floor_socket, answer.unwrap_or_default())?;
+    let _floor = floor::serve(&floor_socket, answer.unwrap_or_default(), Vec::new())?;
     let mut bare = node::client(&floor_socket).await?;
     measure(&mut bare, &request, s.n(WARMUP), &mut Vec::new()).await?;
 
@@ -319,6 +319,7 @@ async fn across_processes(s: &Settings) -> anyhow::Result<Vec<Row>> {
         state: node.dir.path().join("state"),
         cache: node.dir.path().join("cache"),
         precompiled: None,
+        nvml: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, std::slice::from_ref(&name)).await?;

@@ -1,13 +1,13 @@
 //! Our floor: a DevicePlugin server with nothing behind it, answering every `Allocate` with a
-//! constant response, on its own Unix socket. What tonic over a Unix socket costs on this
-//! machine, with no module, cell, ledger or validation.
+//! constant response and `ListAndWatch` with one constant snapshot, on its own Unix socket. What
+//! tonic over a Unix socket costs on this machine, with no module, cell, ledger or validation.
 
 use std::path::Path;
 use std::pin::Pin;
 
 use tokio::sync::oneshot;
-use tokio_stream::Stream;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use devicelet::kubelet::api::deviceplugin as api;
@@ -18,6 +18,7 @@ use devicelet::kubelet::uds;
 
 struct Constant {
     answer: api::AllocateResponse,
+    devices: Vec<api::Device>,
 }
 
 type Empty = Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send>>;
@@ -37,7 +38,12 @@ impl DevicePlugin for Constant {
         &self,
         _: Request<api::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        Err(Status::unimplemented("the floor server only allocates"))
+        let snapshot = api::ListAndWatchResponse {
+            devices: self.devices.clone(),
+        };
+        // One snapshot, then the stream stays open, as a plugin's does between changes.
+        let stream = tokio_stream::once(Ok(snapshot)).chain(tokio_stream::pending());
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn get_preferred_allocation(
@@ -67,13 +73,18 @@ pub struct Floor {
     _stop: oneshot::Sender<()>,
 }
 
-/// Serves `answer` to every Allocate on `socket`.
-pub fn serve(socket: &Path, answer: api::AllocateResponse) -> std::io::Result<Floor> {
+/// Serves `answer` to every Allocate, and `devices` as the one ListAndWatch snapshot, on
+/// `socket`.
+pub fn serve(
+    socket: &Path,
+    answer: api::AllocateResponse,
+    devices: Vec<api::Device>,
+) -> std::io::Result<Floor> {
     let listener = uds::bind(socket)?;
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(DevicePluginServer::new(Constant { answer }))
+            .add_service(DevicePluginServer::new(Constant { answer, devices }))
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
                 let _ = stopped.await;
             }),

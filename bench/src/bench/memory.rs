@@ -4,14 +4,19 @@
 //! start), as for an agent restarted on a node. The state directory is on tmpfs (`/dev/shm`) when
 //! there is one, so that the disk's fsync speed does not set the run time (memory is what is
 //! measured); the ledger still holds every entry (reconciliation frees them only after its grace
-//! period).
+//! period). Beside them: the trivial plugin process of the start-up floor, and (with
+//! `--fake-nvml`) nvidia-gpu serving eight fake GPUs.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use super::Settings;
-use super::node::{Node, fuse_modules};
-use super::process::{AgentDirs, AgentProcess, wait_all};
+use super::node::{Node, fuse_modules, resource};
+use super::nvidia;
+use super::process::{AgentDirs, AgentProcess, status_bytes, wait_all};
+use super::remote;
 use super::report::Row;
 use super::stats::{duration, megabytes};
 use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
@@ -27,17 +32,25 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     let cache = cache_root.path().join("cache");
     let state_parent = tmpfs_scratch()?;
     prime(s, &cache, state_parent.path()).await?;
-    let mut rows = Vec::new();
-    for (modules, target) in [(1, Some(25 * MB)), (10, Some(40 * MB)), (50, None)] {
+    let mut rows = vec![Row::info(
+        "6. Resident memory (VmRSS) of the trivial device plugin process (the start-up floor), \
+         registered and idle"
+            .to_owned(),
+        floor_rss().await?,
+    )];
+    for (modules, target) in [(1, Some(15 * MB)), (10, Some(40 * MB)), (50, None)] {
         let m = measure(s, modules, &cache, state_parent.path()).await?;
         let figure = format!(
-            "idle {} / after {} allocations {} (of which anonymous {} / {}; the allocations \
-             took {})",
+            "idle {} / after {} allocations {} (anonymous {} / {}, file-backed {} / {}; peak \
+             during start-up {}; the allocations took {})",
             megabytes(m.idle),
             m.allocations,
             megabytes(m.after),
             megabytes(m.idle_anon),
             megabytes(m.after_anon),
+            megabytes(m.idle.saturating_sub(m.idle_anon)),
+            megabytes(m.after.saturating_sub(m.after_anon)),
+            megabytes(m.peak),
             duration(m.took)
         );
         let benchmark = format!(
@@ -54,7 +67,66 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             None => Row::info(benchmark, figure),
         });
     }
+    if let Some(fake) = &s.fake_nvml {
+        rows.push(nvidia_rss(s, fake, &cache, state_parent.path()).await?);
+    }
     Ok(rows)
+}
+
+/// nvidia-gpu over eight fake GPUs, from a warm cache: VmRSS once all eight are listed and the
+/// agent has idled for a second.
+async fn nvidia_rss(
+    s: &Settings,
+    fake: &Path,
+    cache: &Path,
+    state_parent: &Path,
+) -> anyhow::Result<Row> {
+    let mut figures = None;
+    for start in ["prime", "measured"] {
+        let node = Node::start(SimConfig::default()).await?;
+        let state = state_parent.join(format!("nvidia-{start}"));
+        let agent = nvidia::spawn_serving(s, &node, fake, cache, state).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        figures = Some((
+            agent.rss()?,
+            agent.rss_anon()?,
+            agent.rss_file()?,
+            agent.rss_peak()?,
+        ));
+        agent.terminate().await?;
+    }
+    let (rss, anon, file, peak) = figures.context("measured")?;
+    Ok(Row::judged(
+        "6. Resident memory (VmRSS) of `devicelet run` with nvidia-gpu over the fake NVML (8 \
+         GPUs), registered and idle"
+            .to_owned(),
+        format!(
+            "{} (anonymous {}, file-backed {}; peak during start-up {})",
+            megabytes(rss),
+            megabytes(anon),
+            megabytes(file),
+            megabytes(peak)
+        ),
+        format!("≤ {} (issue 35)", megabytes(20 * MB)),
+        rss <= 20 * MB,
+    ))
+}
+
+/// VmRSS of the trivial plugin process once registered and idle for a second.
+async fn floor_rss() -> anyhow::Result<String> {
+    let node = Node::start(SimConfig::default()).await?;
+    let plugin = remote::spawn_plugin(&node, &resource("trivial")).await?;
+    let pid = plugin.id().context("the plugin exited at once")?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (rss, anon) = (status_bytes(pid, "VmRSS:")?, status_bytes(pid, "RssAnon:")?);
+    remote::stop(plugin).await?;
+    Ok(format!(
+        "{} (anonymous {}, file-backed {}); the bench binary, which links the agent and the \
+         simulator",
+        megabytes(rss),
+        megabytes(anon),
+        megabytes(rss.saturating_sub(anon))
+    ))
 }
 
 /// Scratch space on tmpfs if the machine has `/dev/shm`, else the default temp directory.
@@ -79,6 +151,7 @@ async fn prime(s: &Settings, cache: &Path, state_parent: &Path) -> anyhow::Resul
         state: state_parent.join("prime"),
         cache: cache.to_owned(),
         precompiled: None,
+        nvml: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, &names).await?;
@@ -87,6 +160,8 @@ async fn prime(s: &Settings, cache: &Path, state_parent: &Path) -> anyhow::Resul
 
 struct Measured {
     idle: u64,
+    /// VmHWM before the allocations: the start-up's peak.
+    peak: u64,
     idle_anon: u64,
     after: u64,
     after_anon: u64,
@@ -108,11 +183,12 @@ async fn measure(
         state: PathBuf::from(state_parent).join(format!("state-{modules}")),
         cache: cache.to_owned(),
         precompiled: None,
+        nvml: None,
     };
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, &names).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let (idle, idle_anon) = (agent.rss()?, agent.rss_anon()?);
+    let (idle, idle_anon, peak) = (agent.rss()?, agent.rss_anon()?, agent.rss_peak()?);
 
     let mut clients = Vec::new();
     for name in &names {
@@ -136,6 +212,7 @@ async fn measure(
     agent.terminate().await?;
     Ok(Measured {
         idle,
+        peak,
         idle_anon,
         after,
         after_anon,

@@ -155,7 +155,10 @@ pub fn method() -> Vec<String> {
          compiled and cached on its own, with distinct names and resources (fuse0 … fuse9, each \
          /dev/fuse-0 … fuse-9). Cold: a new, \
          empty cache directory; warm: the same directory on the next start. SIGTERM between \
-         starts.",
+         starts. The floor is `devicelet-bench plugin-process`: tonic serving a DevicePlugin on \
+         a socket in the kubelet's directory, one Register, a snapshot of 10 devices, timed the \
+         same way. nvidia-gpu: eight fake GPUs (the fake NVML, `--nvml-library`), until all \
+         eight are allocatable.",
         "4: the clock starts when `Simulator::restart` returns (every socket deleted, the new \
          kubelet.sock exists) and stops when the resource is registered again, streaming, with a \
          snapshot. accept_delay is how long the new kubelet.sock refuses connections.",
@@ -168,7 +171,8 @@ pub fn method() -> Vec<String> {
          on tmpfs) after every resource registered and 1 s idle, and 1 s after 10,000 Allocate \
          calls spread round-robin over its resources and devices (a new allocation takes its device \
          out of older entries, so the ledger ends with one entry per device; tmpfs keeps disk \
-         speed from setting the run time).",
+         speed from setting the run time). Anonymous is RssAnon; file-backed is VmRSS less \
+         RssAnon (the binary's pages, its libraries, compiled modules).",
         "7: in the bench process, no gRPC: `ModuleHandle::allocate` (the module's kubelet cell: \
          a channel to its thread, deadline, answer validation), and the generated wasmtime \
          binding's `call_allocate` on a store set up as a cell sets one up. \

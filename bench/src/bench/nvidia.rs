@@ -11,6 +11,7 @@ use anyhow::Context;
 
 use super::Settings;
 use super::node::{Node, WAIT};
+use super::process::{AgentDirs, AgentProcess};
 use super::report::Row;
 use super::stats::{Samples, duration};
 use devicelet::kubelet::api::deviceplugin::{
@@ -54,8 +55,8 @@ fn fixture() -> String {
     )
 }
 
-struct Gpus {
-    library: PathBuf,
+pub(super) struct Gpus {
+    pub library: PathBuf,
     control: PathBuf,
 }
 
@@ -86,28 +87,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         .as_deref()
         .context("the nvidia benchmark needs --fake-nvml (scripts/bench.sh builds it)")?;
     let node = Node::start(SimConfig::default()).await?;
-    node.add_char("/dev/nvidiactl", 195, 255)?;
-    for i in 0..8 {
-        node.add_char(&format!("/dev/nvidia{i}"), 195, i)?;
-    }
-    let gpus = Gpus::new(node.dir.path(), fake)?;
-    let registry = node.registry(&format!(
-        r#"[[module]]
-name = "nvidia-gpu"
-path = "{}"
-resource-domain = "nvidia.com"
-health-interval = "1h"
-
-[module.grants]
-dev = ["/dev/nvidia*"]
-libraries = ["nvml"]
-
-[module.config]
-quiet-period = "{}ms"
-"#,
-        s.module_dir.join("nvidia_gpu.wasm").display(),
-        QUIET.as_millis()
-    ))?;
+    let (registry, gpus) = eight_gpus(s, &node, fake)?;
     let library = gpus.library.clone();
     let agent = node
         .start_agent_with(&registry, |o| o.libraries.nvml = library)
@@ -131,6 +111,65 @@ quiet-period = "{}ms"
     rows.extend(while_hung(s, &node, &gpus, &agent).await?);
     agent.shutdown().await;
     Ok(rows)
+}
+
+/// Eight fake GPUs on `node` (device nodes, the fake NVML library and its fixture) and a
+/// registry serving them with the nvidia-gpu module, health checked by events only.
+pub(super) fn eight_gpus(
+    s: &Settings,
+    node: &Node,
+    fake: &Path,
+) -> anyhow::Result<(PathBuf, Gpus)> {
+    node.add_char("/dev/nvidiactl", 195, 255)?;
+    for i in 0..8 {
+        node.add_char(&format!("/dev/nvidia{i}"), 195, i)?;
+    }
+    let gpus = Gpus::new(node.dir.path(), fake)?;
+    let registry = node.registry(&format!(
+        r#"[[module]]
+name = "nvidia-gpu"
+path = "{}"
+resource-domain = "nvidia.com"
+health-interval = "1h"
+
+[module.grants]
+dev = ["/dev/nvidia*"]
+libraries = ["nvml"]
+
+[module.config]
+quiet-period = "{}ms"
+"#,
+        s.module_dir.join("nvidia_gpu.wasm").display(),
+        QUIET.as_millis()
+    ))?;
+    Ok((registry, gpus))
+}
+
+/// `devicelet run`, as a process, serving eight fake GPUs on `node` ([`eight_gpus`]); returns
+/// once all eight are allocatable.
+pub(super) async fn spawn_serving(
+    s: &Settings,
+    node: &Node,
+    fake: &Path,
+    cache: &Path,
+    state: PathBuf,
+) -> anyhow::Result<AgentProcess> {
+    let (registry, gpus) = eight_gpus(s, node, fake)?;
+    let dirs = AgentDirs {
+        state,
+        cache: cache.to_owned(),
+        precompiled: None,
+        nvml: Some(gpus.library),
+    };
+    let agent = AgentProcess::spawn(&s.devicelet, node, &registry, &dirs)?;
+    if let Err(e) = node
+        .sim
+        .wait_until(RESOURCE, WAIT, |r| r.streaming && r.allocatable == 8)
+        .await
+    {
+        anyhow::bail!("{e}\nagent log:\n{}", agent.log_tail());
+    }
+    Ok(agent)
 }
 
 /// An XID 79 on one GPU until the kubelet sees it Unhealthy. With a one-hour health interval

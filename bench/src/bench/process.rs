@@ -1,5 +1,6 @@
 //! The agent as its own process (`devicelet run`), as on a node: for start-up and memory.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -15,6 +16,8 @@ pub struct AgentDirs {
     pub cache: PathBuf,
     /// `--precompiled-dir`: modules compiled ahead of time, as an image carries them.
     pub precompiled: Option<PathBuf>,
+    /// `--nvml-library`, for a registry granting NVML (the fake one).
+    pub nvml: Option<PathBuf>,
 }
 
 pub struct AgentProcess {
@@ -54,6 +57,11 @@ impl AgentProcess {
             )
             .arg("--pod-resources-socket")
             .arg(node.sim.pod_resources_socket())
+            .args(
+                dirs.nvml
+                    .iter()
+                    .flat_map(|l| [OsStr::new("--nvml-library"), l.as_os_str()]),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)
@@ -81,15 +89,18 @@ impl AgentProcess {
         self.status_bytes("RssAnon:")
     }
 
-    /// A `kB` line of `/proc/<pid>/status`, in bytes.
+    /// VmHWM: the most VmRSS has been, start-up included.
+    pub fn rss_peak(&self) -> anyhow::Result<u64> {
+        self.status_bytes("VmHWM:")
+    }
+
+    /// RssFile: pages of mapped files (the binary, its libraries, compiled modules).
+    pub fn rss_file(&self) -> anyhow::Result<u64> {
+        self.status_bytes("RssFile:")
+    }
+
     fn status_bytes(&self, key: &str) -> anyhow::Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        let kb = status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .with_context(|| format!("no {key} in /proc/{}/status", self.pid))?;
-        Ok(kb * 1024)
+        status_bytes(self.pid, key)
     }
 
     /// The end of its log, for an error message.
@@ -115,6 +126,17 @@ impl AgentProcess {
         }
         Ok(())
     }
+}
+
+/// A `kB` line of `/proc/<pid>/status`, in bytes.
+pub fn status_bytes(pid: u32, key: &str) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .with_context(|| format!("no {key} in /proc/{pid}/status"))?;
+    Ok(kb * 1024)
 }
 
 /// Waits until every one of `resources` is registered and streaming with a snapshot; on

@@ -2,16 +2,19 @@
 //! memory, and the client each in their own process, so the client's calls cross processes the
 //! way the kubelet's do and neither server shares a runtime with the caller.
 //!
-//! The bench binary plays the two helper roles itself: `devicelet-bench floor-process` serves a
-//! constant Allocate answer until its stdin closes, and `devicelet-bench client-process` times
-//! Allocate calls against both sockets in alternating batches and prints the figures.
+//! The bench binary plays the helper roles itself: `devicelet-bench floor-process` serves a
+//! constant Allocate answer until its stdin closes, `devicelet-bench client-process` times
+//! Allocate calls against both sockets in alternating batches and prints the figures, and
+//! `devicelet-bench plugin-process` is the trivial plugin a start-up is measured against: it
+//! serves, registers with the kubelet and streams one snapshot.
 
 use std::path::Path;
-use std::process::ExitCode;
+use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
 
 use super::floor;
 use super::node;
@@ -19,6 +22,8 @@ use devicelet::kubelet::api::deviceplugin as api;
 
 /// `devicelet-bench floor-process <socket> <container:host:perm>... [--env K=V]...`.
 const FLOOR: &str = "floor-process";
+/// `devicelet-bench plugin-process <kubelet dir> <resource> <devices>`.
+const PLUGIN: &str = "plugin-process";
 /// `devicelet-bench client-process <ours> <floor> <warmup> <calls> <batch> <id>[,<id>...]`.
 const CLIENT: &str = "client-process";
 
@@ -28,6 +33,7 @@ pub async fn child_main(args: &[String]) -> Option<ExitCode> {
     let result = match role.as_str() {
         FLOOR => serve_floor(&args[2..]).await,
         CLIENT => run_client(&args[2..]).await,
+        PLUGIN => serve_plugin(&args[2..]).await,
         _ => return None,
     };
     Some(match result {
@@ -75,8 +81,65 @@ async fn serve_floor(args: &[String]) -> anyhow::Result<()> {
         api::AllocateResponse {
             container_responses: vec![answer],
         },
+        Vec::new(),
     )?;
-    // Serve until the parent closes our stdin (or dies).
+    until_stdin_closes().await
+}
+
+/// A trivial plugin process registering `resource` with 10 healthy devices at `node`'s
+/// kubelet; returns once the kubelet has its snapshot. It serves until [`stop`].
+pub async fn spawn_plugin(node: &node::Node, resource: &str) -> anyhow::Result<Child> {
+    let child = Command::new(std::env::current_exe()?)
+        .arg(PLUGIN)
+        .arg(node.plugin_dir())
+        .arg(resource)
+        .arg("10")
+        .stdin(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    node.wait_served(resource).await?;
+    Ok(child)
+}
+
+/// Closes a helper process's stdin, which ends it, and waits for it.
+pub async fn stop(mut child: Child) -> anyhow::Result<()> {
+    drop(child.stdin.take());
+    child.wait().await?;
+    Ok(())
+}
+
+/// What a device plugin does at the least: serve its socket in the kubelet's directory, register,
+/// stream a snapshot (of `dev-0` ..), and answer Allocate from memory.
+async fn serve_plugin(args: &[String]) -> anyhow::Result<()> {
+    let [dir, resource, devices] = args else {
+        anyhow::bail!("usage: {PLUGIN} <kubelet dir> <resource> <devices>");
+    };
+    let dir = Path::new(dir);
+    let devices = (0..devices.parse::<usize>()?)
+        .map(|i| api::Device {
+            id: format!("dev-{i}"),
+            health: api::HEALTHY.to_owned(),
+            ..Default::default()
+        })
+        .collect();
+    let endpoint = format!("trivial-{}.sock", std::process::id());
+    let _plugin = floor::serve(
+        &dir.join(&endpoint),
+        api::AllocateResponse::default(),
+        devices,
+    )?;
+    devicelet::kubelet::registration::register(
+        dir,
+        &endpoint,
+        resource,
+        api::DevicePluginOptions::default(),
+    )
+    .await?;
+    until_stdin_closes().await
+}
+
+/// Serves until the parent closes our stdin (or dies).
+async fn until_stdin_closes() -> anyhow::Result<()> {
     let mut rest = Vec::new();
     tokio::io::stdin().read_to_end(&mut rest).await?;
     Ok(())
