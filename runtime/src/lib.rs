@@ -13,6 +13,7 @@ pub mod digest;
 pub mod dra;
 pub mod files;
 pub mod fixture;
+pub mod footprint;
 pub mod kubelet;
 pub mod ledger;
 pub mod metrics;

@@ -873,6 +873,19 @@ impl Agent {
         probes::ready(&self.shared)
     }
 
+    /// Resolves when the agent is first [ready](Self::ready), or after `limit` if it is not by
+    /// then (a kubelet that is not up, a pull that keeps failing): the end of start-up. Checks
+    /// readiness as the kubelet's probe does, every 20 ms.
+    pub fn started_up(&self, limit: Duration) -> impl Future<Output = ()> + Send + 'static {
+        let shared = self.shared.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + limit;
+            while probes::ready(&shared).is_err() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
     /// Where `/metrics`, `/healthz` and `/readyz` are served (the port chosen, for `:0`).
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         self.metrics_addr

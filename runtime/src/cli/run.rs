@@ -88,6 +88,9 @@ pub enum RegistrationRoute {
     PluginWatcher,
 }
 
+/// How long start-up may take before the binary's start-up pages are released anyway.
+const START_UP_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
     let mut options = AgentOptions::new(registry, args.kubelet_dir);
@@ -137,6 +140,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     // Each module says `serving` (resource, socket) as it starts, in Agent::start.
     let agent = Agent::start(options).await.context("starting the agent")?;
+    // Start-up's code (argument parsing, validation, loading and linking modules) is not run
+    // again: its pages of the binary leave the resident set once every resource is registered.
+    let started_up = agent.started_up(START_UP_LIMIT);
+    tokio::spawn(async move {
+        started_up.await;
+        let released = crate::footprint::release_start_up_pages();
+        tracing::debug!(bytes = released, "released the binary's start-up pages");
+    });
     super::stop_signal().await?;
     tracing::info!("stopping");
     agent.shutdown().await;

@@ -20,6 +20,16 @@ fn spawn_agent(node: &Node, registry: &std::path::Path) -> Child {
 /// As [`spawn_agent`], with `extra` arguments. The scenarios' shared compile cache unless they
 /// name a `--cache-dir` of their own.
 fn spawn_agent_with(node: &Node, registry: &std::path::Path, extra: &[&str]) -> Child {
+    spawn_agent_logging(node, registry, extra, Stdio::null())
+}
+
+/// As [`spawn_agent_with`], its log (stderr) going to `log`.
+fn spawn_agent_logging(
+    node: &Node,
+    registry: &std::path::Path,
+    extra: &[&str],
+    log: Stdio,
+) -> Child {
     let mut cmd = Command::new(devicelet_bin());
     cmd.arg("run")
         .arg("--config")
@@ -37,7 +47,7 @@ fn spawn_agent_with(node: &Node, registry: &std::path::Path, extra: &[&str]) -> 
     }
     cmd.args(extra)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .expect("spawning devicelet run")
 }
@@ -266,6 +276,72 @@ async fn an_idle_agent_holds_two_workers_no_compiler_threads_and_no_ticking_time
         .allocate("devicelet.io/fuse", 2)
         .await
         .expect("allocated");
+    agent.kill().expect("kill");
+    let _ = agent.wait();
+}
+
+/// A `kB` figure of `/proc/<pid>/status`, in kB.
+fn status_kb(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("the agent's status")
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {key}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_registered_the_agent_releases_the_pages_of_its_binary_that_only_start_up_touched() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let registry = node.registry(&generic_dev(FUSE));
+    let log = node.dir.path().join("agent.log");
+    let mut agent = spawn_agent_logging(
+        &node,
+        &registry,
+        &["--log", "info,devicelet::cli::run=debug"],
+        Stdio::from(std::fs::File::create(&log).expect("log file")),
+    );
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("served");
+    let text = devicelet_tests::eventually_some("the release", || {
+        let text = std::fs::read_to_string(&log).ok()?;
+        text.contains("released the binary's start-up pages")
+            .then_some(text)
+    })
+    .await;
+    // After the registration, never before it: start-up is over only then.
+    let registered = text
+        .find("registered with the kubelet")
+        .expect("registered");
+    let released = text
+        .find("released the binary's start-up pages")
+        .expect("released");
+    assert!(
+        registered < released,
+        "released before registering:\n{text}"
+    );
+    let bytes: u64 = text[released..]
+        .lines()
+        .next()
+        .and_then(|l| l.split("bytes=").nth(1))
+        .and_then(|b| b.split_whitespace().next())
+        .and_then(|b| b.parse().ok())
+        .expect("bytes=N");
+    assert!(bytes > 1 << 20, "released only {bytes} bytes");
+    // Well below the peak now (the health checks every 100 ms fault back what they use), and
+    // the agent still answers.
+    let (rss, peak) = (
+        status_kb(agent.id(), "VmRSS:"),
+        status_kb(agent.id(), "VmHWM:"),
+    );
+    assert!(rss + 1024 < peak, "VmRSS {rss} kB, start-up peak {peak} kB");
+    node.kubelet
+        .allocate("devicelet.io/fuse", 2)
+        .await
+        .expect("allocated after the release");
     agent.kill().expect("kill");
     let _ = agent.wait();
 }
