@@ -73,11 +73,37 @@ fn main() {
 
 /// The agent is a position-independent executable: every pointer in its read-only data (vtables,
 /// string tables) is a relative relocation the dynamic loader applies at start. As RELA entries
-/// they take 1.5 MB of the binary, all read (so resident) at every start; packed as DT_RELR
-/// (glibc 2.36+, the image's Debian bookworm) they take a few kilobytes.
+/// they take 1.5 MB of the binary, all read (so resident) at every start; packed as DT_RELR they
+/// take a few kilobytes. The binary then needs glibc 2.36 or later at run time (the linker adds
+/// the `GLIBC_ABI_DT_RELR` version), so they are packed only when the build machine's own glibc
+/// has it: a native build runs where it was built (the tests spawn it), and the image carries the
+/// glibc of its builder (Debian bookworm, 2.36).
 fn pack_relative_relocations() {
     let var = |k: &str| std::env::var(k).unwrap_or_default();
-    if var("CARGO_CFG_TARGET_OS") == "linux" && var("CARGO_CFG_TARGET_ENV") == "gnu" {
+    let native = var("HOST") == var("TARGET");
+    if native && var("CARGO_CFG_TARGET_ENV") == "gnu" && host_glibc_at_least(2, 36) {
         println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
     }
+}
+
+/// Whether the glibc this build script runs on is at least `major.minor`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn host_glibc_at_least(major: u32, minor: u32) -> bool {
+    unsafe extern "C" {
+        fn gnu_get_libc_version() -> *const std::ffi::c_char;
+    }
+    // SAFETY: glibc returns a static NUL-terminated string such as "2.36".
+    let version = unsafe { std::ffi::CStr::from_ptr(gnu_get_libc_version()) };
+    let mut parts = version
+        .to_str()
+        .unwrap_or_default()
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn host_glibc_at_least(_major: u32, _minor: u32) -> bool {
+    false
 }

@@ -48,8 +48,8 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             megabytes(m.after),
             megabytes(m.idle_anon),
             megabytes(m.after_anon),
-            megabytes(m.idle.saturating_sub(m.idle_anon)),
-            megabytes(m.after.saturating_sub(m.after_anon)),
+            megabytes(m.idle_file),
+            megabytes(m.after_file),
             megabytes(m.peak),
             duration(m.took)
         );
@@ -118,14 +118,18 @@ async fn floor_rss() -> anyhow::Result<String> {
     let plugin = remote::spawn_plugin(&node, &resource("trivial")).await?;
     let pid = plugin.id().context("the plugin exited at once")?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let (rss, anon) = (status_bytes(pid, "VmRSS:")?, status_bytes(pid, "RssAnon:")?);
+    let (rss, anon, file) = (
+        status_bytes(pid, "VmRSS:")?,
+        status_bytes(pid, "RssAnon:")?,
+        status_bytes(pid, "RssFile:")?,
+    );
     remote::stop(plugin).await?;
     Ok(format!(
         "{} (anonymous {}, file-backed {}); the bench binary, which links the agent and the \
          simulator",
         megabytes(rss),
         megabytes(anon),
-        megabytes(rss.saturating_sub(anon))
+        megabytes(file)
     ))
 }
 
@@ -160,6 +164,8 @@ async fn prime(s: &Settings, cache: &Path, state_parent: &Path) -> anyhow::Resul
 
 struct Measured {
     idle: u64,
+    idle_file: u64,
+    after_file: u64,
     /// VmHWM before the allocations: the start-up's peak.
     peak: u64,
     idle_anon: u64,
@@ -188,7 +194,8 @@ async fn measure(
     let agent = AgentProcess::spawn(&s.devicelet, &node, &registry, &dirs)?;
     wait_all(&node, &agent, &names).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let (idle, idle_anon, peak) = (agent.rss()?, agent.rss_anon()?, agent.rss_peak()?);
+    let (idle, idle_anon, idle_file) = (agent.rss()?, agent.rss_anon()?, agent.rss_file()?);
+    let peak = agent.rss_peak()?;
 
     let mut clients = Vec::new();
     for name in &names {
@@ -208,10 +215,12 @@ async fn measure(
     let took = started.elapsed();
     drop(clients);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let (after, after_anon) = (agent.rss()?, agent.rss_anon()?);
+    let (after, after_anon, after_file) = (agent.rss()?, agent.rss_anon()?, agent.rss_file()?);
     agent.terminate().await?;
     Ok(Measured {
         idle,
+        idle_file,
+        after_file,
         peak,
         idle_anon,
         after,

@@ -171,8 +171,8 @@ pub fn method() -> Vec<String> {
          on tmpfs) after every resource registered and 1 s idle, and 1 s after 10,000 Allocate \
          calls spread round-robin over its resources and devices (a new allocation takes its device \
          out of older entries, so the ledger ends with one entry per device; tmpfs keeps disk \
-         speed from setting the run time). Anonymous is RssAnon; file-backed is VmRSS less \
-         RssAnon (the binary's pages, its libraries, compiled modules).",
+         speed from setting the run time). Anonymous is RssAnon; file-backed is RssFile (the \
+         binary's pages, its libraries, compiled modules); the peak is VmHWM.",
         "7: in the bench process, no gRPC: `ModuleHandle::allocate` (the module's kubelet cell: \
          a channel to its thread, deadline, answer validation), and the generated wasmtime \
          binding's `call_allocate` on a store set up as a cell sets one up. \

@@ -88,7 +88,9 @@ pub enum RegistrationRoute {
     PluginWatcher,
 }
 
-/// How long start-up may take before the binary's start-up pages are released anyway.
+/// How long start-up may take before the binary's start-up pages are released anyway: long
+/// past any warm start (milliseconds) or cold compile (seconds), and still soon enough that an
+/// agent kept unready (a kubelet not up, a failing pull) does not hold them for its lifetime.
 const START_UP_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
