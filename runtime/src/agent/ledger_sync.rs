@@ -29,7 +29,11 @@ pub async fn run(
             Ok(pods) => pods,
             Err(e) => {
                 shared.metrics.reconciled(None);
-                if !complained {
+                if !needs_pod_resources(&shared) {
+                    // DRA drivers alone: the kubelet ends each claim itself, and no device
+                    // plugin allocation waits to be freed. Nothing is wrong yet.
+                    tracing::debug!("PodResources not reachable ({e}); no allocation needs it");
+                } else if !complained {
                     tracing::warn!("cannot reconcile the ledger: {e}; will keep trying");
                     complained = true;
                 }
@@ -57,4 +61,11 @@ pub async fn run(
         }
         tracing::debug!(%report, "ledger reconciled with PodResources");
     }
+}
+
+/// Only allocations made through the device plugin end by disappearing from PodResources: it is
+/// needed while a device-plugin resource is served or the ledger holds such an allocation
+/// (made before a resource moved to DRA, kept out of the DRA pool until it ends).
+fn needs_pod_resources(shared: &Shared) -> bool {
+    !shared.resources().is_empty() || shared.ledger.entry_count() > 0
 }

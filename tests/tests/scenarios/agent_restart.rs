@@ -362,6 +362,23 @@ fn spawn_dra_agent_resyncing(
     state: &std::path::Path,
     resync: &str,
 ) -> Child {
+    spawn_dra_agent_logging(
+        dra,
+        registry,
+        state,
+        &["--dra-resync", resync],
+        Stdio::null(),
+    )
+}
+
+/// As [`spawn_dra_agent`], with `extra` arguments, its log (stderr) going to `log`.
+fn spawn_dra_agent_logging(
+    dra: &devicelet_tests::dra::DraNode,
+    registry: &std::path::Path,
+    state: &std::path::Path,
+    extra: &[&str],
+    log: Stdio,
+) -> Child {
     let kubeconfig = dra.node.dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, dra.api.kubeconfig()).expect("kubeconfig");
     Command::new(devicelet_bin())
@@ -383,11 +400,55 @@ fn spawn_dra_agent_resyncing(
         .args(["--node-name", devicelet_tests::dra::NODE])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
-        .args(["--dra-resync", resync])
+        .args(extra)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .expect("spawning devicelet run")
+}
+
+/// With DRA drivers alone nothing needs PodResources (the kubelet ends each claim itself), so
+/// a node where it cannot be reached gets no warning at every start; the attempts still show at
+/// debug level and in the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_only_dra_drivers_an_unreachable_pod_resources_socket_is_no_warning() {
+    // DraNode's tree has /dev/fuse.
+    let dra = devicelet_tests::dra::DraNode::new().await;
+    let fuse = r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#;
+    let registry = dra.node.registry(&generic_dev(fuse).replacen(
+        "[module.grants]",
+        "front-end = \"dra\"\n\n[module.grants]",
+        1,
+    ));
+    let log = dra.node.dir.path().join("agent.log");
+    let missing = dra.node.dir.path().join("no-pod-resources.sock");
+    let mut agent = spawn_dra_agent_logging(
+        &dra,
+        &registry,
+        &dra.node.state_dir(),
+        &[
+            "--pod-resources-socket",
+            missing.to_str().expect("a UTF-8 path"),
+            "--reconcile-interval",
+            "100ms",
+            "--log",
+            "info,devicelet::agent::ledger_sync=debug",
+        ],
+        Stdio::from(std::fs::File::create(&log).expect("log file")),
+    );
+    devicelet_tests::dra::registered(&dra.kubelet, 1).await;
+    // Two failed attempts seen: the first could have come before the driver was served.
+    let text = devicelet_tests::eventually_some("two unreachable reconciles", || {
+        let text = std::fs::read_to_string(&log).ok()?;
+        (text.matches("PodResources not reachable").count() >= 2).then_some(text)
+    })
+    .await;
+    assert!(
+        !text.contains("cannot reconcile the ledger"),
+        "warned:\n{text}"
+    );
+    agent.kill().expect("kill");
+    let _ = agent.wait();
 }
 
 /// Killed after a claim's devices were checked and reserved in the ledger but before the claim
