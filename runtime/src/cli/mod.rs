@@ -231,6 +231,7 @@ pub fn entry(
         // The agent's compiler child: no async runtime, no threads but the compiler's.
         return exit(crate::sandbox::compiler::serve_child());
     }
+    end_quietly_on_a_closed_stdout();
     // Compiles for the compile cache run in children of this binary.
     if let Ok(exe) = std::env::current_exe() {
         crate::sandbox::compiler::compile_in_children(exe);
@@ -245,6 +246,24 @@ pub fn entry(
         Err(e) => Err(anyhow::Error::from(e).context("starting the async runtime")),
     };
     exit(result)
+}
+
+/// `devicelet validate … | head`: the reader goes away. Rust ignores SIGPIPE, so the next
+/// `println!` panics; end instead as any Unix filter does, by SIGPIPE, quietly (status 141 in a
+/// shell). Only a write to stdout failing with EPIPE does this: a socket's EPIPE stays an error.
+fn end_quietly_on_a_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info.payload_as_str().unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.ends_with("(os error 32)") {
+            // SAFETY: restores SIGPIPE's default action and raises it on this process.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::raise(libc::SIGPIPE);
+            }
+        }
+        default(info);
+    }));
 }
 
 fn exit(result: anyhow::Result<()>) -> std::process::ExitCode {

@@ -44,6 +44,30 @@ async fn a_good_registry_validates_and_lists_what_the_module_may_touch() {
     );
 }
 
+/// `devicelet validate … | head` with the reader gone: ended by SIGPIPE, as a Unix filter is,
+/// not a panic.
+#[tokio::test]
+async fn validate_into_a_closed_pipe_ends_by_sigpipe_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let node = Node::new().await;
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = Command::new(devicelet_bin())
+        .args(["validate", "--config"])
+        .arg(node.registry(&generic_dev(GOOD)))
+        .stdout(writer)
+        .output()
+        .expect("running devicelet validate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {stderr}",
+        out.status
+    );
+}
+
 #[tokio::test]
 async fn validate_calls_enumerate_and_prints_the_devices_each_resource_would_advertise() {
     let node = Node::new().await;
