@@ -178,8 +178,8 @@ async fn a_registry_socket_deleted_by_someone_is_served_again() {
             r.registrations == 2 && r.streaming && r.allocatable == 2
         })
         .await
-        .expect("served on a new file and registered again");
-    assert!(socket.exists());
+        .expect("served again and registered again");
+    assert!(socket.exists(), "served again on the same path");
     agent.shutdown().await;
 }
 
