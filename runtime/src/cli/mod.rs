@@ -111,6 +111,32 @@ mod tests {
         );
         assert_eq!(super::directives("info"), "info");
     }
+
+    /// A command's one-line summary, shown in its parent's list, names each of its (visible)
+    /// subcommands: `devicelet --help` is where a user looks for what exists.
+    #[test]
+    fn every_summary_names_the_subcommands_under_it() {
+        use clap::CommandFactory;
+        fn check(command: &clap::Command, missing: &mut Vec<String>) {
+            let about = command
+                .get_about()
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
+                if !command.get_name().starts_with("devicelet") && !about.contains(sub.get_name()) {
+                    missing.push(format!(
+                        "`{}`'s summary lacks `{}`",
+                        command.get_name(),
+                        sub.get_name()
+                    ));
+                }
+                check(sub, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        check(&super::Cli::command(), &mut missing);
+        assert!(missing.is_empty(), "{missing:#?}");
+    }
 }
 
 /// Where vendor libraries are loaded from, for modules the registry grants them.
@@ -184,7 +210,7 @@ pub enum NodeCommand {
     Validate(validate::ValidateArgs),
     /// Show what a running agent serves: resources, devices, health and holders.
     Status(status::StatusArgs),
-    /// Modules in OCI registries: push one, or inspect one.
+    /// Modules in OCI registries: push one, inspect one, or sign one.
     #[command(subcommand)]
     Module(module::ModuleCommand),
     /// Compile modules ahead of time into a directory, for an image to carry (`run
