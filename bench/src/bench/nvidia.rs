@@ -55,8 +55,8 @@ fn fixture() -> String {
     )
 }
 
-pub(super) struct Gpus {
-    pub library: PathBuf,
+struct Gpus {
+    library: PathBuf,
     control: PathBuf,
 }
 
@@ -115,11 +115,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
 
 /// Eight fake GPUs on `node` (device nodes, the fake NVML library and its fixture) and a
 /// registry serving them with the nvidia-gpu module, health checked by events only.
-pub(super) fn eight_gpus(
-    s: &Settings,
-    node: &Node,
-    fake: &Path,
-) -> anyhow::Result<(PathBuf, Gpus)> {
+fn eight_gpus(s: &Settings, node: &Node, fake: &Path) -> anyhow::Result<(PathBuf, Gpus)> {
     node.add_char("/dev/nvidiactl", 195, 255)?;
     for i in 0..8 {
         node.add_char(&format!("/dev/nvidia{i}"), 195, i)?;
