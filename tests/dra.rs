@@ -249,8 +249,8 @@ pub fn assert_rbac_allows(api: &ApiServer) {
     }
 }
 
-/// The names of the devices the API server's one slice lists.
-pub fn slice_devices(api: &ApiServer) -> Option<Vec<String>> {
+/// The devices the API server's one slice lists; None unless there is exactly one slice.
+fn one_slice_devices(api: &ApiServer) -> Option<Vec<serde_json::Value>> {
     let slices = api.list(Kind::ResourceSlice);
     let [one] = slices.as_slice() else {
         return None;
@@ -258,11 +258,36 @@ pub fn slice_devices(api: &ApiServer) -> Option<Vec<String>> {
     Some(
         one["spec"]["devices"]
             .as_array()
-            .map(|d| {
-                d.iter()
-                    .filter_map(|d| d["name"].as_str().map(str::to_owned))
-                    .collect()
-            })
+            .cloned()
             .unwrap_or_default(),
+    )
+}
+
+/// The names of the devices the API server's one slice lists.
+pub fn slice_devices(api: &ApiServer) -> Option<Vec<String>> {
+    let devices = one_slice_devices(api)?;
+    Some(
+        devices
+            .iter()
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// Each device of the API server's one slice with its taints as `key:effect`.
+pub fn slice_taints(api: &ApiServer) -> Option<Vec<(String, Vec<String>)>> {
+    let devices = one_slice_devices(api)?;
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    Some(
+        devices
+            .iter()
+            .map(|d| {
+                let taints = d["taints"].as_array().into_iter().flatten();
+                let taints = taints
+                    .map(|t| format!("{}:{}", text(&t["key"]), text(&t["effect"])))
+                    .collect();
+                (text(&d["name"]), taints)
+            })
+            .collect(),
     )
 }

@@ -104,6 +104,8 @@ pub(crate) struct Store {
     /// Lists answered with every object of the kind, whatever the field selector
     /// ([`ApiServer::ignore_field_selectors`]).
     ignore_selectors: bool,
+    /// The DRADeviceTaints feature is off ([`ApiServer::drop_device_taints`]).
+    taints_off: bool,
 }
 
 /// An API error as `metav1.Status`.
@@ -195,10 +197,49 @@ impl Store {
         }
         object["apiVersion"] = json!(kind.api_version());
         object["kind"] = json!(kind.name());
+        if kind == Kind::ResourceSlice {
+            self.prepare_slice(&mut object, None);
+        }
         check(kind, &name, &object)?;
         object["metadata"]["resourceVersion"] = json!(self.next_version());
         self.objects.insert(key, object.clone());
         Ok(object)
+    }
+
+    /// What the server does to a ResourceSlice before validating a write
+    /// (`pkg/registry/resource/resourceslice/strategy.go`): with DRADeviceTaints off, taints
+    /// are dropped unless the stored slice already had some; with it on, a taint without
+    /// `timeAdded` gets the current time.
+    fn prepare_slice(&self, object: &mut Value, old: Option<&Value>) {
+        let has_taints = |slice: &Value| {
+            slice["spec"]["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|d| d.get("taints").is_some_and(|t| !t.is_null()))
+        };
+        let drop = self.taints_off && !old.is_some_and(has_taints);
+        let now = now_rfc3339();
+        let devices = object["spec"]["devices"].as_array_mut();
+        for device in devices.into_iter().flatten() {
+            let Some(device) = device.as_object_mut() else {
+                continue;
+            };
+            if drop {
+                device.remove("taints");
+                continue;
+            }
+            for taint in device
+                .get_mut("taints")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                if taint.get("timeAdded").is_none_or(Value::is_null) && taint.is_object() {
+                    taint["timeAdded"] = json!(now);
+                }
+            }
+        }
     }
 
     fn update(
@@ -255,6 +296,10 @@ impl Store {
         }
         object["apiVersion"] = json!(kind.api_version());
         object["kind"] = json!(kind.name());
+        if kind == Kind::ResourceSlice {
+            let old = current.clone();
+            self.prepare_slice(&mut object, Some(&old));
+        }
         check(kind, name, &object)?;
         object["metadata"]["resourceVersion"] = json!(self.next_version());
         self.objects.insert(key, object.clone());
@@ -278,6 +323,16 @@ impl Store {
             .map(|(_, object)| object.clone())
             .collect()
     }
+}
+
+/// The current time as `metav1.Time` is written: RFC 3339, seconds, UTC.
+fn now_rfc3339() -> String {
+    let seconds = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    jiff::Timestamp::from_second(seconds)
+        .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
+        .to_string()
 }
 
 /// A field selector's value of `object` (`spec.nodeName`, `metadata.name`...).
@@ -473,6 +528,13 @@ impl ApiServer {
     /// a server that does not implement one would.
     pub fn ignore_field_selectors(&self) {
         lock(&self.store).ignore_selectors = true;
+    }
+
+    /// From now on, as a server whose DRADeviceTaints feature is off (the default before
+    /// 1.36): taints in a written ResourceSlice are dropped without a word, unless the stored
+    /// slice already had some.
+    pub fn drop_device_taints(&self) {
+        lock(&self.store).taints_off = true;
     }
 
     /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,

@@ -31,9 +31,11 @@ impl ApiHandle {
     /// Allocates `count` devices of `driver` on `node` to a new ResourceClaim
     /// `namespace/name`, as the scheduler does: only from complete pools (every slice of the
     /// pool's newest generation present), only devices no other claim was allocated (admin
-    /// access aside), in slice order. The claim has one request named after the driver's first
-    /// label (`gpu` for `gpu.example.com`) for the DeviceClass named after the driver, and its
-    /// allocation results in `status`. Err says why nothing could be allocated.
+    /// access aside) and whose taints the claim tolerates (it has no tolerations here; see
+    /// [`allocate_claim_tolerating`](Self::allocate_claim_tolerating)), in slice order. The claim
+    /// has one request named after the driver's first label (`gpu` for `gpu.example.com`) for
+    /// the DeviceClass named after the driver, and its allocation results in `status`. Err says
+    /// why nothing could be allocated.
     pub fn allocate_claim(
         &self,
         namespace: &str,
@@ -41,6 +43,22 @@ impl ApiHandle {
         driver: &str,
         node: &str,
         count: usize,
+    ) -> Result<Value, String> {
+        self.allocate_claim_tolerating(namespace, name, driver, node, count, &[])
+    }
+
+    /// [`allocate_claim`](Self::allocate_claim) for a request with `tolerations`
+    /// (`DeviceToleration` objects): a device with a `NoSchedule` or `NoExecute` taint is
+    /// allocated only if one of them tolerates it, and the results carry them, as the
+    /// structured allocator does.
+    pub fn allocate_claim_tolerating(
+        &self,
+        namespace: &str,
+        name: &str,
+        driver: &str,
+        node: &str,
+        count: usize,
+        tolerations: &[Value],
     ) -> Result<Value, String> {
         let mut store = self.lock();
         let selector = [
@@ -54,6 +72,7 @@ impl ApiHandle {
             pools.entry(pool.to_owned()).or_default().push(slice);
         }
         let mut devices = Vec::new();
+        let mut tainted = 0usize;
         for (pool, slices) in &pools {
             let newest = slices
                 .iter()
@@ -73,8 +92,16 @@ impl ApiHandle {
             }
             for slice in current {
                 for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
-                    if let Some(device) = device["name"].as_str() {
-                        devices.push((pool.clone(), device.to_owned()));
+                    if let Some(name) = device["name"].as_str() {
+                        let untolerated =
+                            device["taints"].as_array().into_iter().flatten().any(|t| {
+                                binding(t) && !tolerations.iter().any(|o| tolerates(o, t))
+                            });
+                        if untolerated {
+                            tainted += 1;
+                        } else {
+                            devices.push((pool.clone(), name.to_owned()));
+                        }
                     }
                 }
             }
@@ -101,8 +128,13 @@ impl ApiHandle {
         if free.len() < count {
             return Err(format!(
                 "cannot allocate {count} device(s) of driver {driver} on node {node}: {} free in \
-                 its complete pools",
-                free.len()
+                 its complete pools{}",
+                free.len(),
+                if tainted > 0 {
+                    format!(" ({tainted} more with taints the claim does not tolerate)")
+                } else {
+                    String::new()
+                }
             ));
         }
         let request = driver.split('.').next().unwrap_or(driver);
@@ -110,18 +142,25 @@ impl ApiHandle {
             .iter()
             .take(count)
             .map(|(pool, device)| {
-                json!({"request": request, "driver": driver, "pool": pool, "device": device})
+                let mut result =
+                    json!({"request": request, "driver": driver, "pool": pool, "device": device});
+                if !tolerations.is_empty() {
+                    result["tolerations"] = json!(tolerations);
+                }
+                result
             })
             .collect();
+        let mut exactly = json!({"deviceClassName": driver, "count": count});
+        if !tolerations.is_empty() {
+            exactly["tolerations"] = json!(tolerations);
+        }
         store
             .create(
                 Kind::ResourceClaim,
                 namespace,
                 json!({
                     "metadata": {"name": name},
-                    "spec": {"devices": {"requests": [
-                        {"name": request, "exactly": {"deviceClassName": driver, "count": count}}
-                    ]}},
+                    "spec": {"devices": {"requests": [{"name": request, "exactly": exactly}]}},
                     "status": {"allocation": {
                         "devices": {"results": results},
                         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
@@ -131,6 +170,30 @@ impl ApiHandle {
                 }),
             )
             .map_err(|e| e.message)
+    }
+}
+
+/// A taint the scheduler honours: `NoSchedule` and `NoExecute`; `None` and unknown effects
+/// are informational.
+fn binding(taint: &Value) -> bool {
+    matches!(taint["effect"].as_str(), Some("NoSchedule" | "NoExecute"))
+}
+
+/// `resourceclaim.ToleratesTaint`: an empty effect or key matches any; `Exists` any value,
+/// `Equal` (the default) the same value; another operator nothing.
+fn tolerates(toleration: &Value, taint: &Value) -> bool {
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+    let (effect, key) = (text(&toleration["effect"]), text(&toleration["key"]));
+    if !effect.is_empty() && effect != text(&taint["effect"]) {
+        return false;
+    }
+    if !key.is_empty() && key != text(&taint["key"]) {
+        return false;
+    }
+    match text(&toleration["operator"]).as_str() {
+        "" | "Equal" => text(&toleration["value"]) == text(&taint["value"]),
+        "Exists" => true,
+        _ => false,
     }
 }
 
@@ -191,8 +254,59 @@ mod tests {
                 .unwrap_err()
                 .contains("0 free")
         );
+        // A tainted device goes only to a claim that tolerates its taint; `None` binds nobody.
+        api.create(
+            Kind::ResourceSlice,
+            "",
+            json!({
+                "metadata": {"generateName": "node-c-gpu-"},
+                "spec": {
+                    "driver": "gpu.example.com",
+                    "nodeName": "node-c",
+                    "pool": {"name": "node-c", "generation": 1, "resourceSliceCount": 1},
+                    "devices": [
+                        {"name": "sick", "taints": [
+                            {"key": "devicelet.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
+                        ]},
+                        {"name": "noted", "taints": [{"key": "example.com/note", "effect": "None"}]}
+                    ],
+                }
+            }),
+        )
+        .expect("tainted slice");
+        let noted = scheduler
+            .allocate_claim("ns", "c1", "gpu.example.com", "node-c", 1)
+            .expect("the informational taint binds nobody");
+        assert_eq!(
+            noted["status"]["allocation"]["devices"]["results"][0]["device"],
+            "noted"
+        );
+        let refused = scheduler
+            .allocate_claim("ns", "c2", "gpu.example.com", "node-c", 1)
+            .unwrap_err();
+        assert!(
+            refused.contains("0 free") && refused.contains("1 more with taints"),
+            "{refused}"
+        );
+        let wrong = [json!({"key": "devicelet.io/unhealthy", "value": "xid-48"})];
+        assert!(
+            scheduler
+                .allocate_claim_tolerating("ns", "c3", "gpu.example.com", "node-c", 1, &wrong)
+                .is_err()
+        );
+        let tolerating = [json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})];
+        let sick = scheduler
+            .allocate_claim_tolerating("ns", "c4", "gpu.example.com", "node-c", 1, &tolerating)
+            .expect("tolerated");
+        let result = &sick["status"]["allocation"]["devices"]["results"][0];
+        assert_eq!(result["device"], "sick");
+        assert_eq!(result["tolerations"][0]["operator"], "Exists");
+        assert_eq!(
+            sick["spec"]["devices"]["requests"][0]["exactly"]["tolerations"][0]["key"],
+            "devicelet.io/unhealthy"
+        );
         // The kubelet's wipe of node-a leaves node-b alone.
         assert_eq!(scheduler.wipe_slices("node-a", None), 2);
-        assert_eq!(api.list(Kind::ResourceSlice).len(), 1);
+        assert_eq!(api.list(Kind::ResourceSlice).len(), 2);
     }
 }

@@ -1858,6 +1858,67 @@ mod api_server {
     }
 
     #[tokio::test]
+    async fn taints_are_validated_stamped_and_dropped_when_the_feature_is_off() {
+        let api = ApiServer::start().await.unwrap();
+        let mut bad = slice("node-a", "gpu.example.com", 65);
+        bad["spec"]["devices"][0]["taints"] = json!([
+            {"key": "devicelet.io/unhealthy", "value": "xid 79", "effect": "NoSchedule"},
+            {"key": "-bad", "effect": "PreferNoSchedule"},
+            {"key": "example.com/ok"}
+        ]);
+        let (code, status) = http(&api, "POST", SLICES, Some(&bad)).await;
+        assert_eq!(code, 422);
+        let message = status["message"].as_str().unwrap();
+        for cause in [
+            "spec.devices: Too many: 65: must have at most 64 items",
+            "spec.devices[0].taints[0].value: Invalid value: \"xid 79\": a valid label",
+            "spec.devices[0].taints[1].key: Invalid value: \"-bad\"",
+            "spec.devices[0].taints[1].effect: Unsupported value: \"PreferNoSchedule\"",
+            "spec.devices[0].taints[2].effect: Required value",
+        ] {
+            assert!(message.contains(cause), "{cause:?} not in {message}");
+        }
+
+        // Accepted, with the time the server added it.
+        let mut good = slice("node-a", "gpu.example.com", 2);
+        good["spec"]["devices"][1]["taints"] =
+            json!([{"key": "devicelet.io/unhealthy", "value": "xid-79", "effect": "NoSchedule"}]);
+        let (code, stored) = post(&api, good.clone()).await;
+        assert_eq!(code, 201, "{stored}");
+        let time = stored["spec"]["devices"][1]["taints"][0]["timeAdded"]
+            .as_str()
+            .expect("timeAdded set by the server");
+        assert!(time.ends_with('Z') && time.len() == 20, "{time}");
+
+        // With the feature off, a new slice's taints are dropped without a word; a stored
+        // slice that already has some keeps them.
+        api.drop_device_taints();
+        let (code, second) = post(&api, slice_with_taint("node-b")).await;
+        assert_eq!(code, 201);
+        assert!(
+            second["spec"]["devices"][1].get("taints").is_none(),
+            "{second}"
+        );
+        let name = stored["metadata"]["name"].as_str().unwrap();
+        let mut again = stored.clone();
+        again["spec"]["devices"][0]["taints"] =
+            json!([{"key": "devicelet.io/unhealthy", "effect": "NoSchedule"}]);
+        let (code, kept) = http(&api, "PUT", &format!("{SLICES}/{name}"), Some(&again)).await;
+        assert_eq!(code, 200, "{kept}");
+        assert_eq!(
+            kept["spec"]["devices"][0]["taints"][0]["key"],
+            "devicelet.io/unhealthy"
+        );
+    }
+
+    fn slice_with_taint(node: &str) -> serde_json::Value {
+        let mut s = slice(node, "gpu.example.com", 2);
+        s["spec"]["devices"][1]["taints"] =
+            json!([{"key": "devicelet.io/unhealthy", "effect": "NoSchedule"}]);
+        s
+    }
+
+    #[tokio::test]
     async fn a_node_wipe_deletes_only_its_slices_and_preconditions_guard_single_deletes() {
         let api = ApiServer::start().await.unwrap();
         let (_, mine) = post(&api, slice("node-a", "gpu.example.com", 1)).await;

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use devicelet_api::names::{is_dns1123_label, is_dns1123_subdomain};
+use devicelet_api::names::{is_dns1123_label, is_dns1123_subdomain, is_qualified_name};
 
 /// `ResourceSliceMaxDevices`.
 pub const MAX_DEVICES: usize = 128;
@@ -21,6 +21,10 @@ pub const MAX_ATTRIBUTE_VALUE: usize = 64;
 pub const MAX_ID: usize = 32;
 /// `PoolNameMaxLength`.
 pub const MAX_POOL: usize = 253;
+/// `DeviceTaintsMaxLength` (1.35 on; 4 in 1.34).
+pub const MAX_TAINTS: usize = 16;
+/// A taint's effects (`None` since 1.35).
+const EFFECTS: [&str; 3] = ["NoExecute", "NoSchedule", "None"];
 
 const SUBDOMAIN: &str = "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric \
                          characters, '-' or '.', and must start and end with an alphanumeric \
@@ -112,8 +116,63 @@ pub fn resource_slice(name: &str, slice: &Value) -> Vec<String> {
             Some(_) => {}
         }
         device_fields(&at, device, &mut causes);
+        taints(&at, device, &mut causes);
     }
     causes
+}
+
+/// A device's taints: each a label key, an optional label value and a known effect.
+fn taints(at: &str, device: &Value, causes: &mut Vec<String>) {
+    let taints = device["taints"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    if taints.len() > MAX_TAINTS {
+        causes.push(format!(
+            "{at}.taints: Too many: {}: must have at most {MAX_TAINTS} items",
+            taints.len()
+        ));
+    }
+    for (j, taint) in taints.iter().enumerate() {
+        let field = format!("{at}.taints[{j}]");
+        match taint["key"].as_str() {
+            None | Some("") => causes.push(format!("{field}.key: Required value")),
+            Some(key) if !is_qualified_name(key) => causes.push(format!(
+                "{field}.key: Invalid value: {key:?}: name part must consist of alphanumeric \
+                 characters, '-', '_' or '.', and must start and end with an alphanumeric \
+                 character"
+            )),
+            Some(_) => {}
+        }
+        if let Some(value) = taint["value"].as_str()
+            && !is_label_value(value)
+        {
+            causes.push(format!(
+                "{field}.value: Invalid value: {value:?}: a valid label must be an empty string \
+                 or consist of alphanumeric characters, '-', '_' or '.', and must start and end \
+                 with an alphanumeric character"
+            ));
+        }
+        match taint["effect"].as_str() {
+            None | Some("") => causes.push(format!("{field}.effect: Required value")),
+            Some(effect) if !EFFECTS.contains(&effect) => causes.push(format!(
+                "{field}.effect: Unsupported value: {effect:?}: supported values: \"NoExecute\", \
+                 \"NoSchedule\", \"None\""
+            )),
+            Some(_) => {}
+        }
+    }
+}
+
+/// `IsValidLabelValue`: empty, or at most 63 bytes of `[A-Za-z0-9._-]` beginning and ending with
+/// a letter or digit.
+fn is_label_value(v: &str) -> bool {
+    v.is_empty()
+        || (v.len() <= 63
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && v.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+            && v.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric()))
 }
 
 fn pool(pool: &Value, causes: &mut Vec<String>) {

@@ -49,8 +49,12 @@ pub struct DraDriverStatus {
     /// DRA devices, as published: a device group counts once.
     pub devices: usize,
     pub healthy: usize,
-    /// Devices in the published slices: the healthy ones no device-plugin container holds.
+    /// Devices in the published slices: those no device-plugin container holds, the unhealthy
+    /// ones with the health taint (or left out, when `taints_dropped`).
     pub published: usize,
+    /// The API server dropped device taints: unhealthy devices are withdrawn instead.
+    #[serde(default)]
+    pub taints_dropped: bool,
     /// The pool's generation and slices last published; the writes made and API errors met.
     pub generation: i64,
     pub slices: usize,
@@ -83,6 +87,7 @@ pub(super) fn driver_status(
         devices: units.len(),
         healthy: units.iter().filter(|u| u.healthy()).count(),
         published: published.devices,
+        taints_dropped: published.taints_dropped,
         generation: published.generation,
         slices: published.slices,
         api_writes: published.writes,

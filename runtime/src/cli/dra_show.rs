@@ -8,7 +8,7 @@ use serde_json::Value;
 use crate::kubelet::api::dra::v1::NodePrepareResourceResponse;
 use devicelet_simulator::apiserver::{ApiServer, Kind};
 
-/// The devices of `driver`'s slices, one line each with their attributes.
+/// The devices of `driver`'s slices, one line each with their attributes and taints.
 pub fn published(api: &ApiServer, driver: &str) -> String {
     let mut text = String::new();
     for slice in api
@@ -29,6 +29,15 @@ pub fn published(api: &ApiServer, driver: &str) -> String {
                     .map(|v| v.to_string())
                     .unwrap_or_default();
                 let _ = write!(text, " {name}={value}");
+            }
+            for taint in device["taints"].as_array().into_iter().flatten() {
+                let _ = write!(
+                    text,
+                    " TAINT {}={}:{}",
+                    taint["key"].as_str().unwrap_or("?"),
+                    taint["value"].as_str().unwrap_or(""),
+                    taint["effect"].as_str().unwrap_or("?")
+                );
             }
         }
     }
@@ -67,4 +76,38 @@ pub fn device_count(api: &ApiServer, driver: &str) -> usize {
         .filter(|s| s["spec"]["driver"] == driver)
         .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use devicelet_simulator::apiserver::{ApiServer, Kind};
+    use serde_json::json;
+
+    #[tokio::test]
+    async fn a_tainted_device_is_shown_with_its_taint() {
+        let api = ApiServer::start().await.expect("api");
+        api.create(
+            Kind::ResourceSlice,
+            "",
+            json!({
+                "metadata": {"generateName": "n-"},
+                "spec": {
+                    "driver": "gpu.example.com",
+                    "nodeName": "n",
+                    "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
+                    "devices": [
+                        {"name": "gpu-0", "attributes": {"index": {"int": 0}}},
+                        {"name": "gpu-1", "taints": [
+                            {"key": "devicelet.io/unhealthy", "value": "XID-79", "effect": "NoSchedule"}
+                        ]}
+                    ]
+                }
+            }),
+        )
+        .expect("slice");
+        assert_eq!(
+            super::published(&api, "gpu.example.com"),
+            "\n  gpu-0 index=0\n  gpu-1 TAINT devicelet.io/unhealthy=XID-79:NoSchedule"
+        );
+    }
 }

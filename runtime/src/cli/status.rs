@@ -82,6 +82,10 @@ fn render(status: &Status) -> String {
                 .map(|e| format!("; API error: {e}"))
                 .unwrap_or_default()
         );
+        if d.taints_dropped {
+            out += "  the API server drops device taints (DRADeviceTaints off): unhealthy devices \
+                    are withdrawn from the pool instead of tainted\n";
+        }
         if d.retiring {
             out += "  RETIRING: left the registry; answers only for the claims it prepared, until \
                     they are unprepared\n";

@@ -3,7 +3,9 @@
 //! the kubelet asked for, because the claim is read from the API server and a claim naming
 //! another node's devices, or replaced by another of the same name, must not be prepared.
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{DeviceToleration, ResourceClaim};
 
 use super::prepare::ClaimError;
 
@@ -14,10 +16,12 @@ const MAX_RESULTS: usize = 32;
 /// `status.allocation.devices.config`: the class's configs and the claim's, 32 each.
 const MAX_CONFIGS: usize = 64;
 const MAX_OPAQUE_PARAMETERS: usize = 10 << 10;
+/// Tolerations copied into one allocation result (`DeviceTolerationsMaxLength`).
+const MAX_TOLERATIONS: usize = 16;
 
 /// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
 /// config that applies to them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestWanted {
     pub request: String,
     /// Device names in this node's pool, in the order allocated.
@@ -27,6 +31,9 @@ pub struct RequestWanted {
     /// Allocated with admin access (monitoring a device that others use): it may be prepared
     /// while another claim holds the device.
     pub admin: bool,
+    /// The tolerations the scheduler allocated each device with (those that have any): a
+    /// device tainted unhealthy is prepared only for a claim that tolerates its taint.
+    pub tolerations: BTreeMap<String, Vec<DeviceToleration>>,
 }
 
 /// This driver's part of `claim`, which the kubelet asked for as `uid`; `pool` is this node's.
@@ -110,23 +117,41 @@ fn wanted_by(
                 result.device, result.pool
             ));
         }
+        let tolerations = result.tolerations.clone().unwrap_or_default();
+        if tolerations.len() > MAX_TOLERATIONS {
+            return Err(format!(
+                "{at}: device {} has {} tolerations; the API allows at most {MAX_TOLERATIONS}",
+                crate::text::cut(&result.device, 64),
+                tolerations.len()
+            ));
+        }
         let request = base(&result.request).to_string();
         let admin = result.admin_access == Some(true);
-        match wanted.iter_mut().find(|w| w.request == request) {
-            Some(w) => {
+        let w = match wanted.iter().position(|w| w.request == request) {
+            Some(i) => {
+                let w = &mut wanted[i];
                 w.devices.push(result.device.clone());
                 w.admin &= admin;
+                w
             }
-            None => wanted.push(RequestWanted {
-                config: config_for(
-                    devices.config.as_deref().unwrap_or(&[]),
-                    driver,
-                    &result.request,
-                ),
-                request,
-                devices: vec![result.device.clone()],
-                admin,
-            }),
+            None => {
+                wanted.push(RequestWanted {
+                    config: config_for(
+                        devices.config.as_deref().unwrap_or(&[]),
+                        driver,
+                        &result.request,
+                    ),
+                    request,
+                    devices: vec![result.device.clone()],
+                    admin,
+                    tolerations: BTreeMap::new(),
+                });
+                let last = wanted.len() - 1;
+                &mut wanted[last]
+            }
+        };
+        if !tolerations.is_empty() {
+            w.tolerations.insert(result.device.clone(), tolerations);
         }
     }
     if wanted.is_empty() {
@@ -214,12 +239,14 @@ mod tests {
                     devices: vec!["gpu-0".into(), "gpu-1".into()],
                     config: r#"{"mode":"claim"}"#.into(),
                     admin: false,
+                    tolerations: BTreeMap::new(),
                 },
                 RequestWanted {
                     request: "other".into(),
                     devices: vec!["gpu-2".into()],
                     config: r#"{"mode":"class"}"#.into(),
                     admin: false,
+                    tolerations: BTreeMap::new(),
                 },
             ]
         );

@@ -15,6 +15,7 @@ pub mod prepare;
 pub mod retire;
 pub mod server;
 pub mod slices;
+pub mod taints;
 pub mod units;
 
 use std::collections::BTreeSet;

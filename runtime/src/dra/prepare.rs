@@ -6,7 +6,7 @@
 //! the ledger has as prepared is answered as before (the kubelet calls again after its own
 //! restart). Otherwise the claim is fetched from the API server and checked (`claim.rs`), each
 //! request's device names are mapped back to the module's IDs in the current snapshot (each must
-//! be there and healthy), and the devices are *reserved* in the agent's one allocation ledger:
+//! be there, and healthy unless the claim tolerates its health taint), and the devices are *reserved* in the agent's one allocation ledger:
 //! the check that no other claim, and no container of the device-plugin front end, holds them and
 //! the record that this claim does are one step, so of several claims naming one device exactly
 //! one is prepared (a request with admin access holds nothing and is never refused). Then the
@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use k8s_openapi::api::resource::v1::DeviceToleration;
 use tokio::sync::watch;
 
 use super::HeldElsewhere;
@@ -319,7 +320,7 @@ impl<B: DeviceBackend> Claims<B> {
         let mut requests = Vec::with_capacity(wanted.len());
         for want in wanted {
             requests.push(PreparedRequest {
-                devices: self.ids_of(&want.devices)?,
+                devices: self.ids_of(&want.devices, &want.tolerations)?,
                 request: want.request,
                 config: want.config,
                 cdi_ids: Vec::new(),
@@ -531,10 +532,15 @@ impl<B: DeviceBackend> Claims<B> {
     }
 
     /// (name, module ID) of each device name's members (a group's every device), from the
-    /// current snapshot; each must be published: healthy, and held by no device-plugin
-    /// container. Work in the size of the claim: a name is looked up in the snapshot's table of
-    /// names, and its members by ID.
-    fn ids_of(&self, names: &[String]) -> Result<Vec<(String, String)>, ClaimError> {
+    /// current snapshot; each must be published and held by no device-plugin container, and
+    /// healthy unless the claim tolerates its health taint (`tolerations`, by name). Work in the
+    /// size of the claim: a name is looked up in the snapshot's table of names, and its members
+    /// by ID.
+    fn ids_of(
+        &self,
+        names: &[String],
+        tolerations: &BTreeMap<String, Vec<DeviceToleration>>,
+    ) -> Result<Vec<(String, String)>, ClaimError> {
         let snapshot = self.devices.borrow().clone();
         let table = self.names_in(&snapshot);
         let refused = |m: String| Err(ClaimError::Refused(m));
@@ -556,11 +562,30 @@ impl<B: DeviceBackend> Claims<B> {
                 .find(|d| d.health != crate::device::Health::Healthy)
             {
                 let why = sick.health_reason.as_deref().unwrap_or("unhealthy");
-                return refused(if members.len() > 1 && sick.id != members[0].id {
-                    format!("device {name:?} is unhealthy: {}: {why}", sick.id)
+                // As `Unit::reason` words it, so the taint is the one published.
+                let reason = if members.len() > 1 && sick.id != members[0].id {
+                    format!("{}: {why}", sick.id)
                 } else {
-                    format!("device {name:?} is unhealthy: {why}")
-                });
+                    why.to_owned()
+                };
+                let taint = super::taints::health_taint(Some(&reason));
+                let tolerated = tolerations
+                    .get(name)
+                    .is_some_and(|t| t.iter().any(|t| super::taints::tolerates(t, &taint)));
+                if !tolerated {
+                    return refused(format!(
+                        "device {name:?} is unhealthy: {reason} (only a claim that tolerates \
+                         its taint {}={}:{} may have it)",
+                        taint.key,
+                        taint.value.as_deref().unwrap_or_default(),
+                        taint.effect
+                    ));
+                }
+                tracing::info!(
+                    driver = self.driver,
+                    device = name,
+                    "preparing an unhealthy device: the claim tolerates its taint ({reason})"
+                );
             }
             let held = held.get_or_insert_with(|| (self.held)());
             if members.iter().any(|d| held.contains(&d.id)) {

@@ -3,11 +3,12 @@
 //! change, each slice owned by the Node (so it goes with the node) and placed on it
 //! (`spec.nodeName`).
 //!
-//! Only healthy devices are published: an unhealthy one leaves its slice, so the scheduler
-//! allocates it to no new claim, on every API server that serves `resource.k8s.io/v1` (device
-//! taints would keep it visible but need the DRADeviceTaints feature). So is a device a container
-//! still holds through the device-plugin front end (a node moving the resource to DRA): it joins
-//! the pool once that container ends. Typed attributes and
+//! An unhealthy device stays in its slice with the host's health taint (`taints`), so the
+//! scheduler gives it to no new claim but one that tolerates the taint; on an API server that
+//! drops taints (the DRADeviceTaints feature off: before 1.36 by default) the publisher sees its
+//! taints gone from what it wrote, says so once, and withdraws unhealthy devices from the pool
+//! instead. A device a container still holds through the device-plugin front end (a node moving
+//! the resource to DRA) is left out: it joins the pool once that container ends. Typed attributes and
 //! capacities come from the module (WIT 0.2); names that are not the API's C identifiers
 //! (`pci-address`) are published with `-` and `.` as `_` (`pci_address`), and a PCI address also
 //! as the standard `resource.kubernetes.io/pciBusID`.
@@ -39,6 +40,8 @@ use crate::resource::snapshot::Snapshot;
 
 /// `ResourceSliceMaxDevices`.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// `ResourceSliceMaxDevicesWithAdvancedFeatures`: a slice in which any device has taints.
+pub const MAX_TAINTED_DEVICES_PER_SLICE: usize = 64;
 /// The standard attribute for a device's PCI address (KEP-4381).
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 
@@ -55,16 +58,25 @@ pub struct Published {
     pub errors: u64,
     /// The last error, until a sync succeeds.
     pub last_error: Option<String>,
+    /// The API server dropped the health taints the publisher wrote (DRADeviceTaints off), so
+    /// unhealthy devices are withdrawn from the pool instead, until the agent restarts.
+    pub taints_dropped: bool,
 }
 
-/// The devices of `snapshot` as the API publishes them, by name: healthy units (a device, or a
-/// whole group) no member of which a container holds through the device-plugin front end
-/// (`held`, module IDs).
-pub fn api_devices(snapshot: &[Device], held: &BTreeSet<String>) -> Vec<ApiDevice> {
+/// The devices of `snapshot` as the API publishes them, by name: units (a device, or a whole
+/// group) no member of which a container holds through the device-plugin front end (`held`,
+/// module IDs); an unhealthy one with the health taint, or (`taints` false) not at all.
+pub fn api_devices(snapshot: &[Device], held: &BTreeSet<String>, taints: bool) -> Vec<ApiDevice> {
     let mut devices: Vec<ApiDevice> = units(snapshot)
         .iter()
-        .filter(|u| u.healthy() && !u.members.iter().any(|d| held.contains(&d.id)))
-        .map(|u| api_device(u.first))
+        .filter(|u| (taints || u.healthy()) && !u.members.iter().any(|d| held.contains(&d.id)))
+        .map(|u| {
+            let mut device = api_device(u.first);
+            if !u.healthy() {
+                device.taints = Some(vec![super::taints::health_taint(u.reason().as_deref())]);
+            }
+            device
+        })
         .collect();
     devices.sort_by(|a, b| a.name.cmp(&b.name));
     // Two IDs on one name would get the whole slice refused: neither is published (an
@@ -127,8 +139,33 @@ fn same_device(have: &ApiDevice, want: &ApiDevice) -> bool {
         && have.attributes.as_ref().filter(|a| !a.is_empty())
             == want.attributes.as_ref().filter(|a| !a.is_empty())
         && capacities(have) == capacities(want)
-        && have.taints.as_ref().is_none_or(|t| t.is_empty())
+        && same_taints(have, want)
         && have.consumes_counters.as_ref().is_none_or(|c| c.is_empty())
+}
+
+/// The same taints in the same order, whenever the server says they were added.
+fn same_taints(have: &ApiDevice, want: &ApiDevice) -> bool {
+    let (h, w) = (
+        have.taints.as_deref().unwrap_or_default(),
+        want.taints.as_deref().unwrap_or_default(),
+    );
+    h.len() == w.len() && h.iter().zip(w).all(|(h, w)| super::taints::same(h, w))
+}
+
+/// Whether any of `devices` has a taint: such a slice holds at most 64 devices.
+fn tainted(devices: &[ApiDevice]) -> bool {
+    devices
+        .iter()
+        .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()))
+}
+
+/// How many devices one slice of `devices` holds.
+pub fn per_slice(devices: &[ApiDevice]) -> usize {
+    if tainted(devices) {
+        MAX_TAINTED_DEVICES_PER_SLICE
+    } else {
+        MAX_DEVICES_PER_SLICE
+    }
 }
 
 /// The domain whose attributes the host publishes (`pciBusID`), never a module.
@@ -299,7 +336,7 @@ impl Pool {
         let chunks: Vec<&[ApiDevice]> = if devices.is_empty() {
             vec![&[]]
         } else {
-            devices.chunks(MAX_DEVICES_PER_SLICE).collect()
+            devices.chunks(per_slice(devices)).collect()
         };
         let count = chunks.len() as i64;
         chunks
@@ -365,14 +402,22 @@ impl Pool {
     }
 }
 
-/// Makes the API server hold the pool for `devices`; the writes it made.
+/// What one sync did.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Synced {
+    writes: u64,
+    /// A slice written with taints came back without them: the server drops the field.
+    taints_dropped: bool,
+}
+
+/// Makes the API server hold the pool for `devices`.
 async fn sync(
     api: &ApiClient,
     pool: &Pool,
     node_uid: &str,
     devices: &[ApiDevice],
     last_generation: &mut i64,
-) -> Result<u64, ApiError> {
+) -> Result<Synced, ApiError> {
     let mut existing = pool.listed(api).await?;
     existing.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     let found_generation = existing
@@ -404,32 +449,58 @@ async fn sync(
         });
     if same {
         *last_generation = current;
-        return Ok(0);
+        return Ok(Synced::default());
     }
     let generation = current + 1;
     let want = pool.slices(devices, generation, node_uid);
     let keep = want.len();
-    let mut writes = 0;
+    let mut synced = Synced::default();
     for (i, mut slice) in want.into_iter().enumerate() {
-        match existing.get(i) {
+        keep_taint_times(&mut slice, &existing);
+        let stored = match existing.get(i) {
             Some(have) => {
                 slice.metadata.name = have.metadata.name.clone();
                 slice.metadata.generate_name = None;
                 slice.metadata.resource_version = have.metadata.resource_version.clone();
-                api.replace_slice(&slice).await?;
+                api.replace_slice(&slice).await?
             }
-            None => {
-                api.create_slice(&slice).await?;
-            }
-        }
-        writes += 1;
+            None => api.create_slice(&slice).await?,
+        };
+        let sent = slice.spec.devices.as_deref().unwrap_or_default();
+        let kept = stored.spec.devices.as_deref().unwrap_or_default();
+        synced.taints_dropped |= tainted(sent) && !tainted(kept);
+        synced.writes += 1;
     }
     for extra in existing.iter().skip(keep) {
         api.delete_slice(extra).await?;
-        writes += 1;
+        synced.writes += 1;
     }
     *last_generation = generation;
-    Ok(writes)
+    Ok(synced)
+}
+
+/// A taint the pool already carries keeps the `timeAdded` the server gave it: rewriting a
+/// slice for another device's sake does not make an old taint look new.
+fn keep_taint_times(slice: &mut ResourceSlice, existing: &[ResourceSlice]) {
+    let old: Vec<&ApiDevice> = existing
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect();
+    for device in slice.spec.devices.iter_mut().flatten() {
+        let Some(had) = old.iter().find(|d| d.name == device.name) else {
+            continue;
+        };
+        for taint in device.taints.iter_mut().flatten() {
+            if let Some(same) = had
+                .taints
+                .iter()
+                .flatten()
+                .find(|t| super::taints::same(t, taint))
+            {
+                taint.time_added = same.time_added.clone();
+            }
+        }
+    }
 }
 
 /// Keeps the pool published until `stop`, from the first enumeration on (`ready`): after every
@@ -456,12 +527,13 @@ pub async fn publish(
     let mut generation = 0i64;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut logged = BTreeSet::new();
+    let mut taints = true;
     loop {
         let held = held();
         let want = {
             let snapshot = devices.borrow_and_update();
             log_dropped(&pool.driver, &snapshot, &mut logged);
-            api_devices(&snapshot, &held)
+            api_devices(&snapshot, &held, taints)
         };
         // The Node's UID each time: a Node deleted and made again has a new one, and slices
         // owned by the old one are garbage collected.
@@ -474,18 +546,34 @@ pub async fn publish(
             _ = stop.wait_for(|s| *s) => return,
         };
         let pause = match result {
-            Ok(writes) => {
+            Ok(Synced {
+                writes,
+                taints_dropped,
+            }) => {
                 backoff.reset();
                 if writes > 0 {
                     events.emit(&pool.driver, DraEvent::SliceWrites(writes));
                 }
+                if taints_dropped {
+                    tracing::warn!(
+                        driver = pool.driver,
+                        "the API server dropped the devices' taints (its DRADeviceTaints feature \
+                         is off); unhealthy devices are withdrawn from the pool instead"
+                    );
+                    taints = false;
+                }
                 published.send_modify(|p| {
                     p.generation = generation;
                     p.devices = want.len();
-                    p.slices = want.len().div_ceil(MAX_DEVICES_PER_SLICE).max(1);
+                    p.slices = want.len().div_ceil(per_slice(&want)).max(1);
                     p.writes += writes;
                     p.last_error = None;
+                    p.taints_dropped |= taints_dropped;
                 });
+                if taints_dropped {
+                    // Written again at once, without the sick devices.
+                    continue;
+                }
                 resync
             }
             Err(e) => {
@@ -574,9 +662,27 @@ mod tests {
             ("bad name!".into(), AttributeValue::Text("x".into())),
         ];
         gpu.capacities = vec![("memory".into(), "80Gi".into())];
-        let sick = Device::new("gpu-1", Health::Unhealthy);
-        let devices = api_devices(&[gpu, sick], &BTreeSet::new());
-        assert_eq!(devices.len(), 1, "only healthy devices are published");
+        let mut sick = Device::new("gpu-1", Health::Unhealthy);
+        sick.health_reason = Some("XID 79".into());
+        let both = [gpu, sick];
+        let devices = api_devices(&both, &BTreeSet::new(), false);
+        assert_eq!(
+            devices.len(),
+            1,
+            "without taints only healthy devices are published"
+        );
+        let tainted = api_devices(&both, &BTreeSet::new(), true);
+        assert_eq!(tainted.len(), 2, "with taints the sick one stays");
+        let taints: Vec<_> = tainted.iter().map(|d| d.taints.clone()).collect();
+        assert_eq!(taints[0], None);
+        assert_eq!(
+            taints[1],
+            Some(vec![super::super::taints::health_taint(Some("XID 79"))])
+        );
+        assert_eq!(
+            taints[1].as_ref().unwrap()[0].value.as_deref(),
+            Some("XID-79")
+        );
         let d = &devices[0];
         assert_eq!(d.name, device_name("0000:3b:00.0"));
         let attributes = d.attributes.as_ref().unwrap();
@@ -660,7 +766,7 @@ mod tests {
             ),
             ("cuda".into(), AttributeValue::Version("12.4.0".into())),
         ];
-        let ours = api_devices(&[gpu], &BTreeSet::new());
+        let ours = api_devices(&[gpu], &BTreeSet::new(), true);
         let attributes = ours[0].attributes.as_ref().unwrap();
         assert!(
             !attributes.contains_key("driverVersion"),
@@ -687,13 +793,22 @@ mod tests {
         let snapshot: Vec<Device> = (0..300)
             .map(|i| Device::new(format!("fuse-{i:03}"), Health::Healthy))
             .collect();
-        let slices = pool.slices(&api_devices(&snapshot, &BTreeSet::new()), 4, "uid-1");
+        let slices = pool.slices(&api_devices(&snapshot, &BTreeSet::new(), true), 4, "uid-1");
         assert_eq!(slices.len(), 3);
         let sizes: Vec<usize> = slices
             .iter()
             .map(|s| s.spec.devices.as_ref().unwrap().len())
             .collect();
         assert_eq!(sizes, [128, 128, 44]);
+        // One tainted device anywhere: 64 a slice (the API's limit with taints).
+        let mut sick = snapshot.clone();
+        sick[7].health = Health::Unhealthy;
+        let tainted = pool.slices(&api_devices(&sick, &BTreeSet::new(), true), 4, "uid-1");
+        let sizes: Vec<usize> = tainted
+            .iter()
+            .map(|s| s.spec.devices.as_ref().unwrap().len())
+            .collect();
+        assert_eq!(sizes, [64, 64, 64, 64, 44]);
         assert!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 3
             && s.spec.pool.generation == 4
             && s.metadata.owner_references.as_ref().unwrap()[0].uid == "uid-1"));

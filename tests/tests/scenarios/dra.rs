@@ -3,7 +3,8 @@
 
 use devicelet_simulator::apiserver::{ApiServer, Kind};
 use devicelet_tests::dra::{
-    DraNode, NODE, assert_rbac_allows, client, published, registered, slice_devices, wire_claim,
+    DraNode, NODE, assert_rbac_allows, client, published, registered, slice_devices, slice_taints,
+    wire_claim,
 };
 use k8s_openapi::api::resource::v1::{Device, ResourcePool, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -398,16 +399,7 @@ async fn the_schedulers_claims_are_prepared_and_no_device_is_allocated_twice() {
     agent.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unhealthy_device_reaches_the_health_stream_and_leaves_the_slice() {
-    let dra = DraNode::new().await;
-    dra.node
-        .tree
-        .write_file("/sys/testing/switch", "ok")
-        .expect("switch");
-    let agent = dra
-        .agent(
-            r#"[[module]]
+const FLAKY: &str = r#"[[module]]
 name = "flaky"
 path = "@MODULES@/misbehaving.wasm"
 health-interval = "100ms"
@@ -419,55 +411,121 @@ sysfs = ["/sys/testing"]
 [module.config]
 resource = "bad"
 switch = "/sys/testing/switch"
-"#,
-        )
-        .await;
-    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
-    const BAD: &str = "bad.devicelet.io";
-    let devices_in_slice = |api: &ApiServer| -> Option<usize> {
-        let slices = api.list(Kind::ResourceSlice);
-        let [one] = slices.as_slice() else {
-            return None;
-        };
-        Some(one["spec"]["devices"].as_array().map_or(0, Vec::len))
-    };
-    let health_is = |want: &'static str| {
-        move |h: &[devicelet_simulator::DraDeviceHealth]| {
-            h.len() == 2 && h.iter().all(|d| d.health == want && d.pool == NODE)
-        }
-    };
-    dra.kubelet
-        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Healthy"))
-        .await
-        .expect("healthy devices on the stream");
-    devicelet_tests::eventually("both devices published", || {
-        devices_in_slice(&dra.api) == Some(2)
-    })
-    .await;
+"#;
+const BAD: &str = "bad.devicelet.io";
 
-    dra.node
-        .tree
-        .write_file("/sys/testing/switch", "unhealthy")
-        .expect("switch");
-    dra.kubelet
-        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Unhealthy"))
-        .await
-        .expect("unhealthy devices on the stream");
-    devicelet_tests::eventually("unhealthy devices out of the slice", || {
-        devices_in_slice(&dra.api) == Some(0)
-    })
-    .await;
+fn health_is(want: &'static str) -> impl Fn(&[devicelet_simulator::DraDeviceHealth]) -> bool {
+    move |h| h.len() == 2 && h.iter().all(|d| d.health == want && d.pool == NODE)
+}
 
+/// An agent serving the flaky module's two devices through DRA, healthy.
+async fn flaky(dra: &DraNode) -> devicelet::agent::Agent {
     dra.node
         .tree
         .write_file("/sys/testing/switch", "ok")
         .expect("switch");
+    let agent = dra.agent(FLAKY).await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    agent
+}
+
+/// Turns the flaky module's devices healthy (`ok`) or not (`unhealthy`); returns once the
+/// kubelet's health stream says so.
+async fn turn(dra: &DraNode, switch: &str) {
+    dra.node
+        .tree
+        .write_file("/sys/testing/switch", switch)
+        .expect("switch");
+    let want = if switch == "ok" {
+        "Healthy"
+    } else {
+        "Unhealthy"
+    };
     dra.kubelet
-        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is("Healthy"))
+        .wait_dra_health(BAD, devicelet_tests::WAIT, health_is(want))
         .await
-        .expect("healthy again");
+        .expect("the devices' health on the stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_device_stays_in_its_slice_tainted_and_only_a_tolerating_claim_gets_it() {
+    let dra = DraNode::new().await;
+    let agent = flaky(&dra).await;
+    let untainted =
+        |d: &[(String, Vec<String>)]| d.len() == 2 && d.iter().all(|(_, t)| t.is_empty());
+    devicelet_tests::eventually("both devices published untainted", || {
+        slice_taints(&dra.api).is_some_and(|d| untainted(&d))
+    })
+    .await;
+
+    turn(&dra, "unhealthy").await;
+    devicelet_tests::eventually("both devices still published, tainted", || {
+        slice_taints(&dra.api).is_some_and(|d| {
+            d.len() == 2
+                && d.iter()
+                    .all(|(_, t)| t == &["devicelet.io/unhealthy:NoSchedule".to_owned()])
+        })
+    })
+    .await;
+    let taint = &dra.api.list(Kind::ResourceSlice)[0]["spec"]["devices"][0]["taints"][0];
+    assert!(taint["timeAdded"].is_string(), "{taint}");
+    assert!(taint["value"].is_string(), "the module's reason: {taint}");
+
+    // The scheduler leaves tainted devices to claims that tolerate the taint.
+    let scheduler = dra.api.handle();
+    let refused = scheduler
+        .allocate_claim("team-a", "plain", BAD, NODE, 1)
+        .unwrap_err();
+    assert!(refused.contains("2 more with taints"), "{refused}");
+    let tolerating = [json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})];
+    let claim = scheduler
+        .allocate_claim_tolerating("team-a", "tolerant", BAD, NODE, 1, &tolerating)
+        .expect("a tolerating claim gets a tainted device");
+    let uid = claim["metadata"]["uid"].as_str().expect("uid").to_string();
+    let prepared = dra.prepare(BAD, "tolerant", &uid).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    assert_eq!(prepared.devices.len(), 1);
+    // A claim allocated the sick device without a toleration (a scheduler that ignores
+    // taints) is refused, naming the taint.
+    let sick = prepared.devices[0].device_name.as_str();
+    let stray_uid = dra.claim(BAD, "stray", &[sick], json!([]));
+    let refused = dra.prepare(BAD, "stray", &stray_uid).await;
+    assert!(
+        refused.error.contains("is unhealthy") && refused.error.contains("devicelet.io/unhealthy"),
+        "{refused:?}"
+    );
+
+    turn(&dra, "ok").await;
+    devicelet_tests::eventually("the taints gone", || {
+        slice_taints(&dra.api).is_some_and(|d| untainted(&d))
+    })
+    .await;
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_an_api_server_that_drops_taints_an_unhealthy_device_leaves_the_slice_instead() {
+    let dra = DraNode::new().await;
+    dra.api.drop_device_taints();
+    let agent = flaky(&dra).await;
+    let devices = |n: usize| move |d: Vec<(String, Vec<String>)>| d.len() == n;
+    devicelet_tests::eventually("both devices published", || {
+        slice_taints(&dra.api).is_some_and(devices(2))
+    })
+    .await;
+    let dropped = |agent: &devicelet::agent::Agent| agent.status().dra_drivers[0].taints_dropped;
+    assert!(!dropped(&agent), "nothing tainted yet");
+
+    turn(&dra, "unhealthy").await;
+    devicelet_tests::eventually("unhealthy devices out of the slice", || {
+        slice_taints(&dra.api).is_some_and(devices(0))
+    })
+    .await;
+    assert!(dropped(&agent), "devicelet status says why");
+
+    turn(&dra, "ok").await;
     devicelet_tests::eventually("both devices back", || {
-        devices_in_slice(&dra.api) == Some(2)
+        slice_taints(&dra.api).is_some_and(devices(2))
     })
     .await;
     agent.shutdown().await;
