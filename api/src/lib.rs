@@ -5,6 +5,7 @@
 pub mod authority;
 pub mod names;
 pub mod serve;
+pub mod timestamp;
 pub mod uds;
 
 /// Device-plugin API (`v1beta1.Registration`, `v1beta1.DevicePlugin`).

@@ -86,15 +86,16 @@ impl Kind {
 }
 
 /// Where an object lives: its kind, namespace ("" when cluster-scoped) and name.
-type Key = (Kind, String, String);
+pub(crate) type Key = (Kind, String, String);
 
 #[derive(Default)]
 pub(crate) struct Store {
     pub(crate) objects: BTreeMap<Key, Value>,
     resource_version: u64,
     uids: u64,
-    /// Requests answered, by verb and kind, for tests that count what a client did.
-    requests: Vec<(String, Kind)>,
+    /// Requests answered, by verb, kind and subresource, for tests that count what a client
+    /// did.
+    requests: Vec<(String, Kind, Option<&'static str>)>,
     /// Claim reads held back until this many have arrived, then answered together
     /// ([`ApiServer::release_claim_reads_together`]).
     claim_reads: Option<(usize, Arc<tokio::sync::Barrier>)>,
@@ -106,6 +107,9 @@ pub(crate) struct Store {
     ignore_selectors: bool,
     /// The DRADeviceTaints feature is off ([`ApiServer::drop_device_taints`]).
     taints_off: bool,
+    /// Which field manager owns each `status.devices` entry of a claim, by (driver, pool,
+    /// device): what server-side apply tracks in `managedFields`.
+    pub(crate) status_owners: BTreeMap<Key, BTreeMap<(String, String, String), String>>,
 }
 
 /// An API error as `metav1.Status`.
@@ -117,7 +121,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn not_found(kind: Kind, name: &str) -> ApiError {
+    pub(crate) fn not_found(kind: Kind, name: &str) -> ApiError {
         ApiError {
             code: 404,
             reason: "NotFound",
@@ -219,7 +223,7 @@ impl Store {
                 .any(|d| d.get("taints").is_some_and(|t| !t.is_null()))
         };
         let drop = self.taints_off && !old.is_some_and(has_taints);
-        let now = now_rfc3339();
+        let now = devicelet_api::timestamp::now_rfc3339();
         let devices = object["spec"]["devices"].as_array_mut();
         for device in devices.into_iter().flatten() {
             let Some(device) = device.as_object_mut() else {
@@ -323,16 +327,6 @@ impl Store {
             .map(|(_, object)| object.clone())
             .collect()
     }
-}
-
-/// The current time as `metav1.Time` is written: RFC 3339, seconds, UTC.
-fn now_rfc3339() -> String {
-    let seconds = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    jiff::Timestamp::from_second(seconds)
-        .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
-        .to_string()
 }
 
 /// A field selector's value of `object` (`spec.nodeName`, `metadata.name`...).
@@ -540,7 +534,27 @@ impl ApiServer {
     /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,
     /// `delete`, `deletecollection`.
     pub fn requests(&self) -> Vec<(String, Kind)> {
-        lock(&self.store).requests.clone()
+        lock(&self.store)
+            .requests
+            .iter()
+            .map(|(verb, kind, _)| (verb.clone(), *kind))
+            .collect()
+    }
+
+    /// Requests answered so far, as RBAC names them: `(verb, API group, resource)`, the
+    /// resource with its subresource (`resourceclaims/status`).
+    pub fn rbac_requests(&self) -> Vec<(String, &'static str, String)> {
+        lock(&self.store)
+            .requests
+            .iter()
+            .map(|(verb, kind, sub)| {
+                let resource = match sub {
+                    Some(sub) => format!("{}/{sub}", kind.plural()),
+                    None => kind.plural().to_owned(),
+                };
+                (verb.clone(), kind.group(), resource)
+            })
+            .collect()
     }
 }
 
@@ -603,6 +617,22 @@ async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<B
             barrier.wait().await;
         }
     }
+    if parts.method == Method::PATCH
+        && parts
+            .headers
+            .get(hyper::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            != Some("application/apply-patch+yaml")
+    {
+        return reply(Err(ApiError {
+            code: 415,
+            reason: "UnsupportedMediaType",
+            message: "the stand-in serves only server-side apply patches \
+                      (application/apply-patch+yaml)"
+                .into(),
+        }))
+        .map(BodyExt::boxed);
+    }
     let body = match http_body_util::Limited::new(body, MAX_BODY).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) => {
@@ -660,8 +690,8 @@ fn reply(result: Result<(StatusCode, Value), ApiError>) -> Response<Full<Bytes>>
     response
 }
 
-/// A parsed request path: the kind, namespace and, for one object, its name.
-fn route(path: &str) -> Option<(Kind, String, Option<String>)> {
+/// A parsed request path: the kind, namespace, for one object its name, and the subresource.
+fn route(path: &str) -> Option<(Kind, String, Option<String>, Option<&'static str>)> {
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     let kind_of = |plural: &str| {
         [
@@ -700,8 +730,11 @@ fn route(path: &str) -> Option<(Kind, String, Option<String>)> {
         _ => return None,
     };
     match rest {
-        [] => Some((kind, namespace, None)),
-        [name] => Some((kind, namespace, Some(name.to_string()))),
+        [] => Some((kind, namespace, None, None)),
+        [name] => Some((kind, namespace, Some(name.to_string()), None)),
+        [name, "status"] if kind == Kind::ResourceClaim => {
+            Some((kind, namespace, Some(name.to_string()), Some("status")))
+        }
         _ => None,
     }
 }
@@ -777,7 +810,7 @@ fn handle(
     query: &str,
     body: &[u8],
 ) -> Result<(StatusCode, Value), ApiError> {
-    let (kind, namespace, name) = route(path).ok_or_else(|| ApiError {
+    let (kind, namespace, name, subresource) = route(path).ok_or_else(|| ApiError {
         code: 404,
         reason: "NotFound",
         message: format!("the server could not find the requested resource ({path})"),
@@ -788,6 +821,14 @@ fn handle(
     };
     let mut store = lock(store);
     let verb = match (method, &name) {
+        (&Method::PATCH, Some(_)) if subresource.is_some() => "patch",
+        _ if subresource.is_some() => {
+            return Err(ApiError {
+                code: 405,
+                reason: "MethodNotAllowed",
+                message: format!("only server-side apply (PATCH) is served on {path}"),
+            });
+        }
         (&Method::GET, Some(_)) => "get",
         (&Method::GET, None) => "list",
         (&Method::POST, None) => "create",
@@ -802,7 +843,7 @@ fn handle(
             });
         }
     };
-    store.requests.push((verb.to_string(), kind));
+    store.requests.push((verb.to_string(), kind, subresource));
     let ns = (!namespace.is_empty()).then_some(namespace.as_str());
     match (verb, name) {
         ("get", Some(name)) => store
@@ -818,6 +859,17 @@ fn handle(
             }
             let items = store.list(kind, ns, &selector);
             Ok((StatusCode::OK, list_of(kind, store.resource_version, items)))
+        }
+        ("patch", Some(name)) => {
+            let manager = query
+                .split('&')
+                .filter_map(|kv| kv.split_once('='))
+                .find(|(k, _)| *k == "fieldManager")
+                .map(|(_, v)| percent_decode(v))
+                .ok_or_else(|| ApiError::bad_request("fieldManager is required for apply patch"))?;
+            store
+                .apply_claim_status(&namespace, &name, &manager, parse()?)
+                .map(|o| (StatusCode::OK, o))
         }
         ("create", None) => store
             .create(kind, &namespace, parse()?)

@@ -41,6 +41,7 @@
 
 mod allocate;
 pub mod apiserver;
+mod claim_status;
 mod dra;
 mod dra_pods;
 mod endpoint;

@@ -1714,15 +1714,26 @@ mod api_server {
     use crate::apiserver::{ApiServer, Kind};
 
     const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
+    const CLAIMS: &str = "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims";
 
     /// One HTTP/1.1 request as a client library sends it; the status and the JSON answer.
     async fn http(api: &ApiServer, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        http_as(api, method, path, "application/json", body).await
+    }
+
+    async fn http_as(
+        api: &ApiServer,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
         let addr = api.url().trim_start_matches("http://").to_string();
         let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let request = format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+             Content-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         stream.write_all(request.as_bytes()).await.unwrap();
@@ -1916,6 +1927,106 @@ mod api_server {
         s["spec"]["devices"][1]["taints"] =
             json!([{"key": "devicelet.io/unhealthy", "effect": "NoSchedule"}]);
         s
+    }
+
+    #[tokio::test]
+    async fn claim_status_is_applied_per_field_manager_and_validated() {
+        let api = ApiServer::start().await.unwrap();
+        let result = |driver: &str, device: &str| json!({"request": "r", "driver": driver, "pool": "node-a", "device": device});
+        api.create(
+            Kind::ResourceClaim,
+            "ns",
+            json!({
+                "metadata": {"name": "c"},
+                "spec": {},
+                "status": {"allocation": {"devices": {"results": [
+                    result("gpu.example.com", "gpu-0"), result("nic.example.com", "nic-0")
+                ]}}}
+            }),
+        )
+        .unwrap();
+        let entry = |driver: &str, device: &str, reason: &str| {
+            json!({"driver": driver, "pool": "node-a", "device": device,
+                   "conditions": [{"type": "Ready", "status": "True", "reason": reason,
+                                   "message": "", "lastTransitionTime": "2026-11-28T19:00:00Z"}],
+                   "data": {"deviceIDs": ["x"]}})
+        };
+        let apply = |manager: &str, devices: Value| {
+            let body = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                              "metadata": {"name": "c"}, "status": {"devices": devices}});
+            let path = format!("{CLAIMS}/c/status?fieldManager={manager}&force=true");
+            let api = &api;
+            async move {
+                http_as(
+                    api,
+                    "PATCH",
+                    &path,
+                    "application/apply-patch+yaml",
+                    Some(&body),
+                )
+                .await
+            }
+        };
+        let (code, _) = apply(
+            "gpu.example.com",
+            json!([entry("gpu.example.com", "gpu-0", "Prepared")]),
+        )
+        .await;
+        assert_eq!(code, 200);
+        let (code, _) = apply(
+            "nic.example.com",
+            json!([entry("nic.example.com", "nic-0", "Prepared")]),
+        )
+        .await;
+        assert_eq!(code, 200);
+        let devices = |api: &ApiServer| -> Vec<String> {
+            api.get(Kind::ResourceClaim, "ns", "c").unwrap()["status"]["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|d| d["device"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(devices(&api), ["gpu-0", "nic-0"]);
+        // An empty apply removes only that manager's entries.
+        let (code, _) = apply("gpu.example.com", json!([])).await;
+        assert_eq!(code, 200);
+        assert_eq!(devices(&api), ["nic-0"]);
+
+        // Refused: a device the claim was not allocated, a bad condition; and a merge patch.
+        let (code, status) = apply(
+            "gpu.example.com",
+            json!([entry("gpu.example.com", "gpu-9", "not a reason")]),
+        )
+        .await;
+        assert_eq!(code, 422);
+        let message = status["message"].as_str().unwrap();
+        for cause in [
+            "status.devices[1]: Invalid value: {driver: \"gpu.example.com\", pool: \"node-a\", device: \"gpu-9\"}: must be an allocated device in the claim",
+            "status.devices[1].conditions[0].reason: Invalid value: \"not a reason\"",
+        ] {
+            assert!(message.contains(cause), "{cause:?} not in {message}");
+        }
+        assert_eq!(
+            devices(&api),
+            ["nic-0"],
+            "nothing of a refused apply is kept"
+        );
+        let (code, _) = http(
+            &api,
+            "PATCH",
+            &format!("{CLAIMS}/c/status?fieldManager=x"),
+            Some(&json!({})),
+        )
+        .await;
+        assert_eq!(code, 415);
+        assert!(
+            api.rbac_requests()
+                .iter()
+                .any(|(verb, group, resource)| verb == "patch"
+                    && *group == "resource.k8s.io"
+                    && resource == "resourceclaims/status")
+        );
     }
 
     #[tokio::test]

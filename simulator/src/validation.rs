@@ -314,3 +314,85 @@ fn is_quantity(q: &str) -> bool {
                 | "E"
         )
 }
+
+/// `ResourceClaimStatus.devices` limits: conditions per device, opaque data size.
+const MAX_CONDITIONS: usize = 8;
+const MAX_STATUS_DATA: usize = 10 << 10;
+
+/// Every cause the server gives for refusing `devices` as a claim's `status.devices`: each
+/// entry must be a device the claim was allocated, with at most 8 well-formed conditions and at
+/// most 10 KiB of data.
+pub fn claim_device_statuses(claim: &Value, devices: &[Value]) -> Vec<String> {
+    let mut causes = Vec::new();
+    let allocated: Vec<(&Value, &Value, &Value)> =
+        claim["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| (&r["driver"], &r["pool"], &r["device"]))
+            .collect();
+    for (i, entry) in devices.iter().enumerate() {
+        let at = format!("status.devices[{i}]");
+        let key = (&entry["driver"], &entry["pool"], &entry["device"]);
+        if !allocated.contains(&key) {
+            causes.push(format!(
+                "{at}: Invalid value: {{driver: {}, pool: {}, device: {}}}: must be an \
+                 allocated device in the claim",
+                key.0, key.1, key.2
+            ));
+        }
+        let conditions = entry["conditions"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        if conditions.len() > MAX_CONDITIONS {
+            causes.push(format!(
+                "{at}.conditions: Too many: {}: must have at most {MAX_CONDITIONS} items",
+                conditions.len()
+            ));
+        }
+        for (j, c) in conditions.iter().enumerate() {
+            let field = format!("{at}.conditions[{j}]");
+            if c["type"].as_str().is_none_or(str::is_empty) {
+                causes.push(format!("{field}.type: Required value"));
+            }
+            if !matches!(c["status"].as_str(), Some("True" | "False" | "Unknown")) {
+                causes.push(format!(
+                    "{field}.status: Unsupported value: {}: supported values: \"False\", \
+                     \"True\", \"Unknown\"",
+                    c["status"]
+                ));
+            }
+            if !c["reason"].as_str().is_some_and(is_reason) {
+                causes.push(format!(
+                    "{field}.reason: Invalid value: {}: a condition reason must start with \
+                     alphabetic character, optionally followed by a string of alphanumeric \
+                     characters or '_,:', and must end with an alphanumeric character or '_'",
+                    c["reason"]
+                ));
+            }
+            if c["lastTransitionTime"].as_str().is_none_or(str::is_empty) {
+                causes.push(format!("{field}.lastTransitionTime: Required value"));
+            }
+        }
+        if !entry["data"].is_null() {
+            let size = entry["data"].to_string().len();
+            if size > MAX_STATUS_DATA {
+                causes.push(format!(
+                    "{at}.data: Too long: may not be more than {MAX_STATUS_DATA} bytes"
+                ));
+            }
+        }
+    }
+    causes
+}
+
+/// `^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$`, a condition's reason.
+fn is_reason(r: &str) -> bool {
+    let b = r.as_bytes();
+    b.first().is_some_and(u8::is_ascii_alphabetic)
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b',' | b':'))
+        && b.last()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_')
+}

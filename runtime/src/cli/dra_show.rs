@@ -69,6 +69,55 @@ pub fn format_prepared(
     text
 }
 
+/// How long `try` and `simulate` wait for a prepared claim's status, which the driver writes
+/// after answering the kubelet.
+const STATUS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Claim `default/name`'s `status.devices` once the driver has written it (or why not), one
+/// line per device.
+pub async fn claim_status(api: &ApiServer, name: &str) -> String {
+    let started = std::time::Instant::now();
+    loop {
+        let devices = api
+            .get(Kind::ResourceClaim, "default", name)
+            .and_then(|c| c["status"]["devices"].as_array().cloned())
+            .unwrap_or_default();
+        if !devices.is_empty() {
+            return format_claim_status(&devices);
+        }
+        if started.elapsed() > STATUS_WAIT {
+            return format!("\n  status: none written within {STATUS_WAIT:?}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+fn format_claim_status(devices: &[Value]) -> String {
+    let mut text = String::new();
+    for d in devices {
+        let conditions: Vec<String> = d["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                format!(
+                    "{}={}",
+                    c["type"].as_str().unwrap_or("?"),
+                    c["status"].as_str().unwrap_or("?")
+                )
+            })
+            .collect();
+        let _ = write!(
+            text,
+            "\n  status of {}: {} data {}",
+            d["device"].as_str().unwrap_or("?"),
+            conditions.join(" "),
+            d["data"]
+        );
+    }
+    text
+}
+
 /// How many devices `driver`'s slices list.
 pub fn device_count(api: &ApiServer, driver: &str) -> usize {
     api.list(Kind::ResourceSlice)
@@ -108,6 +157,18 @@ mod tests {
         assert_eq!(
             super::published(&api, "gpu.example.com"),
             "\n  gpu-0 index=0\n  gpu-1 TAINT devicelet.io/unhealthy=XID-79:NoSchedule"
+        );
+        let status = [
+            json!({"device": "gpu-0", "conditions": [{"type": "Ready", "status": "True"}],
+                             "data": {"deviceIDs": ["GPU-1"]}}),
+        ];
+        assert_eq!(
+            super::format_claim_status(&status),
+            "\n  status of gpu-0: Ready=True data {\"deviceIDs\":[\"GPU-1\"]}"
+        );
+        assert_eq!(
+            super::claim_status(&api, "none").await,
+            "\n  status: none written within 2s"
         );
     }
 }

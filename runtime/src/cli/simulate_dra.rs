@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, anyhow, bail};
 use serde_json::json;
 
-use super::dra_show::{device_count, format_prepared, published};
+use super::dra_show::{claim_status, device_count, format_prepared, published};
 use super::simulate::{ClaimRequest, SimulateArgs};
 use crate::kubelet::api::dra::v1::Claim;
 use devicelet_simulator::apiserver::{ApiServer, Kind};
@@ -176,7 +176,7 @@ async fn claim(
     Ok(match sim.node_prepare_resources(driver, vec![wire]).await {
         Ok(mut answer) => match answer.claims.remove(uid) {
             Some(prepared) if prepared.error.is_empty() => {
-                format_prepared(driver, name, uid, &prepared)
+                format_prepared(driver, name, uid, &prepared) + &claim_status(api, name).await
             }
             Some(prepared) => format!("claim default/{name} failed: {}", prepared.error),
             None => format!("claim default/{name}: the driver answered nothing for it"),

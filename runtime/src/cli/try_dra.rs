@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, anyhow, bail};
 use serde_json::{Value, json};
 
-use super::dra_show::{format_prepared, published};
+use super::dra_show::{claim_status, format_prepared, published};
 use crate::agent::{Agent, AgentOptions};
 use crate::config::Registry;
 use crate::dra::api::ApiClient;
@@ -244,6 +244,7 @@ async fn claim(
         );
     }
     let mut text = format_prepared(driver, &name, uid, &prepared);
+    text.push_str(&claim_status(api, &name).await);
     let spec = cdi_dir.join(format!("devicelet-dra_{driver}_{uid}.json"));
     text.push_str(&format_spec(&spec));
     let unprepared = kubelet

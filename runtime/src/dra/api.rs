@@ -7,7 +7,7 @@ use std::path::Path;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 
 /// The longest any one request to the API server may take, from its start to the last byte of
 /// the answer.
@@ -143,6 +143,33 @@ impl ApiClient {
             .with_layer(&cap)
             .build();
         Ok(ApiClient { client })
+    }
+
+    /// Makes `devices` (`AllocatedDeviceStatus` objects) the entries of ResourceClaim
+    /// `namespace/name`'s `status.devices` that `manager` owns, by server-side apply: entries
+    /// other drivers applied stay, and this manager's entries left out are removed (so an
+    /// empty list removes them all).
+    pub async fn apply_claim_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        manager: &str,
+        devices: Vec<serde_json::Value>,
+    ) -> Result<(), ApiError> {
+        let api = Api::<ResourceClaim>::namespaced(self.client.clone(), namespace);
+        let patch = serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "status": {"devices": devices},
+        });
+        let params = PatchParams::apply(manager).force();
+        within(
+            || format!("writing the status of ResourceClaim {namespace}/{name}"),
+            api.patch_status(name, &params, &Patch::Apply(&patch)),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// The ResourceClaim `namespace/name`.

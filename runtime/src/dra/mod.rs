@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod claim;
+pub mod claim_status;
 pub mod driver;
 pub mod error;
 pub mod events;

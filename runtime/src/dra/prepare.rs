@@ -34,6 +34,7 @@ use tokio::sync::watch;
 use super::HeldElsewhere;
 use super::api::ApiClient;
 use super::claim;
+use super::claim_status::StatusWriter;
 use super::events::{DraEvent, DraEvents};
 use super::units::units;
 use crate::device::{ContainerEdits, Request};
@@ -125,6 +126,8 @@ pub struct Claims<B> {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The last snapshot's units by DRA name ([`Claims::names_in`]).
     names: Mutex<Option<(Snapshot, Arc<NameTable>)>>,
+    /// Writes prepared claims' `status.devices` (with an API server).
+    status: Option<StatusWriter>,
 }
 
 /// What building a driver's [`Claims`] takes besides the backend.
@@ -155,7 +158,11 @@ impl<B: DeviceBackend> Claims<B> {
             held,
             events,
         } = spec;
+        let status = api
+            .clone()
+            .map(|api| StatusWriter::start(api, driver.clone(), events.clone()));
         Claims {
+            status,
             driver,
             pool,
             resource,
@@ -390,7 +397,15 @@ impl<B: DeviceBackend> Claims<B> {
             // Its end reaches the journal with the next write.
             return Err(e);
         }
+        self.report(&record);
         Ok(answer)
+    }
+
+    /// Queues the claim's `status.devices` entries (see `claim_status`).
+    fn report(&self, record: &ClaimRecord) {
+        if let Some(status) = &self.status {
+            status.prepared(&self.pool, record);
+        }
     }
 
     /// A prepared claim whose spec is gone, prepared again from what the ledger kept.
@@ -415,6 +430,7 @@ impl<B: DeviceBackend> Claims<B> {
         let (record, spec) = self.with_spec(uid, done, &answers);
         let answer = self.devices_of(&record);
         self.make_durable(uid, &record, spec).await?;
+        self.report(&record);
         Ok(answer)
     }
 
@@ -474,6 +490,10 @@ impl<B: DeviceBackend> Claims<B> {
         };
         self.release_all(uid, &prepared.requests).await;
         self.ledger.drop_claim(uid);
+        // A claim recorded before names were kept (an older checkpoint) has none to write to.
+        if let Some(status) = self.status.as_ref().filter(|_| !prepared.name.is_empty()) {
+            status.unprepared(&prepared.namespace, &prepared.name);
+        }
         let ledger = self.ledger.clone();
         // One trip: the spec goes, and the claim's end is journaled.
         tokio::task::spawn_blocking(move || {

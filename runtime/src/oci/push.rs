@@ -37,31 +37,6 @@ pub fn target(text: &str) -> Result<(String, String, String), String> {
     Ok((registry.to_owned(), repository.to_owned(), tag.to_owned()))
 }
 
-/// RFC 3339 UTC, as the config's `created` wants it.
-fn now_rfc3339() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or_default();
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Days to civil date (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 /// Pushes the module at `file` to `to` (`oci://<registry>/<repository>:<tag>`); the source
 /// that pins it. `interface` lists the component's (imports, exports).
 pub async fn push(
@@ -76,7 +51,7 @@ pub async fn push(
     let layer = format!("sha256:{}", sha256_hex(&bytes));
     let (imports, exports) = interface;
     let config = serde_json::to_vec(&serde_json::json!({
-        "created": now_rfc3339(),
+        "created": devicelet_api::timestamp::now_rfc3339(),
         "architecture": "wasm",
         "os": "wasip2",
         "layerDigests": [layer],
@@ -129,15 +104,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_push_target_is_a_tag_and_the_date_is_rfc3339() {
+    fn a_push_target_is_a_tag() {
         assert_eq!(
             target("oci://localhost:5000/vendor/gpu:1.0").unwrap(),
             ("localhost:5000".into(), "vendor/gpu".into(), "1.0".into())
         );
         assert_eq!(target("oci://r.io/a").unwrap().2, "latest");
         assert!(target(&format!("oci://r.io/a@sha256:{}", "0".repeat(64))).is_err());
-        let now = now_rfc3339();
-        assert_eq!(now.len(), 20, "{now}");
-        assert!(now.ends_with('Z') && now.as_bytes()[10] == b'T', "{now}");
     }
 }

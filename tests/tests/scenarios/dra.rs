@@ -196,6 +196,27 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     assert_eq!(prepared.devices[0].pool_name, NODE);
     let cdi_id = prepared.devices[0].cdi_device_ids[0].clone();
     assert_eq!(cdi_id, format!("k8s.{DRIVER}/fuse={uid}-fuse"));
+    // The claim's status names the device: the module's ID for it, its CDI device, Ready.
+    let entries = || {
+        let claim = dra.api.get(Kind::ResourceClaim, "team-a", "fuse-claim");
+        let devices = claim.map(|c| c["status"]["devices"].clone());
+        devices
+            .and_then(|d| d.as_array().cloned())
+            .unwrap_or_default()
+    };
+    devicelet_tests::eventually("the claim's status.devices written", || {
+        entries().len() == 1
+    })
+    .await;
+    let entry = &entries()[0];
+    assert_eq!(
+        (&entry["driver"], &entry["pool"], &entry["device"]),
+        (&json!(DRIVER), &json!(NODE), &json!(device))
+    );
+    assert_eq!(entry["data"]["deviceIDs"], json!(["fuse"]), "{entry}");
+    assert_eq!(entry["data"]["cdiDeviceIDs"], json!([cdi_id]));
+    assert_eq!(entry["conditions"][0]["type"], "Ready");
+    assert_eq!(entry["conditions"][0]["status"], "True");
     let spec_file = dra
         .node
         .dir
@@ -244,6 +265,10 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     assert_eq!(unprepared.claims[&uid].error, "");
     assert!(!spec_file.exists(), "the claim's spec is removed");
     assert_eq!(agent.status().dra_drivers[0].prepared_claims, 0);
+    devicelet_tests::eventually("the claim's status.devices removed", || {
+        entries().is_empty()
+    })
+    .await;
     // An unknown UID is fine (idempotent).
     let unknown = dra
         .kubelet

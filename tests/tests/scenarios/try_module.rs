@@ -92,6 +92,12 @@ async fn try_dra_publishes_the_devices_and_prepares_and_unprepares_a_claim() {
     assert!(text.contains("prepared by gpu.amd.com"), "{text}");
     assert!(text.contains("CDI k8s.gpu.amd.com/gpu="), "{text}");
     assert!(text.contains("device /dev/kfd"), "{text}");
+    // The claim's status, as the driver wrote it: Ready, with the module's device IDs.
+    assert!(
+        text.contains(": Ready=True data {\"cdiDeviceIDs\""),
+        "{text}"
+    );
+    assert!(text.contains("\"deviceIDs\":["), "{text}");
     assert!(text.contains("unprepared: its CDI spec removed"), "{text}");
 
     let out = run("3").await;
