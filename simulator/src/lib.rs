@@ -41,6 +41,7 @@
 
 mod allocate;
 pub mod apiserver;
+mod claim_allocator;
 mod claim_status;
 mod dra;
 mod dra_pods;
@@ -48,12 +49,15 @@ mod endpoint;
 mod error;
 mod events;
 mod podresources;
+mod quantity;
 mod registration;
 mod scheduler;
 mod server;
 mod state;
 mod validation;
 mod watcher;
+
+pub use claim_allocator::DeviceRequest;
 
 #[cfg(test)]
 mod fake;

@@ -3,11 +3,10 @@
 //! allocator reduced to "N devices of a driver on this node"), and the kubelet wiping the node's
 //! ResourceSlices (at its start, and 30 s after a driver's last endpoint goes).
 
-use std::collections::{BTreeMap, BTreeSet};
-
 use serde_json::{Value, json};
 
 use crate::apiserver::{ApiHandle, Kind};
+use crate::claim_allocator::{self, Allocated, DeviceRequest};
 
 impl ApiHandle {
     /// Deletes the ResourceSlices of `node` (of `driver` only, when given), as the kubelet's
@@ -29,13 +28,8 @@ impl ApiHandle {
     }
 
     /// Allocates `count` devices of `driver` on `node` to a new ResourceClaim
-    /// `namespace/name`, as the scheduler does: only from complete pools (every slice of the
-    /// pool's newest generation present), only devices no other claim was allocated (admin
-    /// access aside) and whose taints the claim tolerates (it has no tolerations here; see
-    /// [`allocate_claim_tolerating`](Self::allocate_claim_tolerating)), in slice order. The claim
-    /// has one request named after the driver's first label (`gpu` for `gpu.example.com`) for
-    /// the DeviceClass named after the driver, and its allocation results in `status`. Err says
-    /// why nothing could be allocated.
+    /// `namespace/name`, as the scheduler does ([`allocate_claim_with`](Self::allocate_claim_with)
+    /// for a request with nothing but a count).
     pub fn allocate_claim(
         &self,
         namespace: &str,
@@ -44,21 +38,26 @@ impl ApiHandle {
         node: &str,
         count: usize,
     ) -> Result<Value, String> {
-        self.allocate_claim_tolerating(namespace, name, driver, node, count, &[])
+        let request = DeviceRequest {
+            count,
+            ..DeviceRequest::default()
+        };
+        self.allocate_claim_with(namespace, name, driver, node, &request)
     }
 
-    /// [`allocate_claim`](Self::allocate_claim) for a request with `tolerations`
-    /// (`DeviceToleration` objects): a device with a `NoSchedule` or `NoExecute` taint is
-    /// allocated only if one of them tolerates it, and the results carry them, as the
-    /// structured allocator does.
-    pub fn allocate_claim_tolerating(
+    /// Allocates devices of `driver` on `node` for `request` to a new ResourceClaim
+    /// `namespace/name`, as the structured allocator does (`claim_allocator`): the claim has one
+    /// request named after the driver's first label (`gpu` for `gpu.example.com`) for the
+    /// DeviceClass named after the driver, with the request's tolerations and capacity, and its
+    /// allocation results in `status` (the tolerations copied in; a shared device's `shareID`
+    /// and `consumedCapacity`). Err says why nothing could be allocated.
+    pub fn allocate_claim_with(
         &self,
         namespace: &str,
         name: &str,
         driver: &str,
         node: &str,
-        count: usize,
-        tolerations: &[Value],
+        request: &DeviceRequest,
     ) -> Result<Value, String> {
         let mut store = self.lock();
         let selector = [
@@ -66,93 +65,64 @@ impl ApiHandle {
             ("spec.nodeName".to_owned(), node.to_owned()),
         ];
         let slices = store.list(Kind::ResourceSlice, None, &selector);
-        let mut pools: BTreeMap<String, Vec<&Value>> = BTreeMap::new();
-        for slice in &slices {
-            let pool = slice["spec"]["pool"]["name"].as_str().unwrap_or_default();
-            pools.entry(pool.to_owned()).or_default().push(slice);
-        }
-        let mut devices = Vec::new();
-        let mut tainted = 0usize;
-        for (pool, slices) in &pools {
-            let newest = slices
-                .iter()
-                .filter_map(|s| s["spec"]["pool"]["generation"].as_i64())
-                .max()
-                .unwrap_or(0);
-            let current: Vec<&&Value> = slices
-                .iter()
-                .filter(|s| s["spec"]["pool"]["generation"].as_i64() == Some(newest))
-                .collect();
-            let expected = current
-                .first()
-                .and_then(|s| s["spec"]["pool"]["resourceSliceCount"].as_u64())
-                .unwrap_or(0);
-            if current.len() as u64 != expected {
-                continue;
+        let allocated = Allocated::of(&store.list(Kind::ResourceClaim, None, &[]), driver);
+        let mut shares = 0u64;
+        let base = store.next_version();
+        let chosen = claim_allocator::allocate(&slices, &allocated, request, || {
+            shares += 1;
+            format!(
+                "00000000-0000-4000-a000-{:06x}{shares:06x}",
+                base.parse::<u64>().unwrap_or(0)
+            )
+        })
+        .map_err(|short| {
+            let mut why = format!(
+                "cannot allocate {} device(s) of driver {driver} on node {node}: {} free in its \
+                 complete pools",
+                request.count, short.free
+            );
+            if short.tainted > 0 {
+                why += &format!(
+                    " ({} more with taints the claim does not tolerate)",
+                    short.tainted
+                );
             }
-            for slice in current {
-                for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
-                    if let Some(name) = device["name"].as_str() {
-                        let untolerated =
-                            device["taints"].as_array().into_iter().flatten().any(|t| {
-                                binding(t) && !tolerations.iter().any(|o| tolerates(o, t))
-                            });
-                        if untolerated {
-                            tainted += 1;
-                        } else {
-                            devices.push((pool.clone(), name.to_owned()));
-                        }
-                    }
-                }
+            if short.capacity > 0 {
+                why += &format!(
+                    " ({} more without the capacity it asks for)",
+                    short.capacity
+                );
             }
-        }
-        let taken: BTreeSet<(String, String)> = store
-            .list(Kind::ResourceClaim, None, &[])
-            .iter()
-            .flat_map(|claim| {
-                claim["status"]["allocation"]["devices"]["results"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default()
-            })
-            .filter(|r| r["driver"] == driver && r["adminAccess"] != true)
-            .filter_map(|r| {
-                Some((
-                    r["pool"].as_str()?.to_owned(),
-                    r["device"].as_str()?.to_owned(),
-                ))
-            })
-            .collect();
-        let free: Vec<(String, String)> =
-            devices.into_iter().filter(|d| !taken.contains(d)).collect();
-        if free.len() < count {
-            return Err(format!(
-                "cannot allocate {count} device(s) of driver {driver} on node {node}: {} free in \
-                 its complete pools{}",
-                free.len(),
-                if tainted > 0 {
-                    format!(" ({tainted} more with taints the claim does not tolerate)")
-                } else {
-                    String::new()
-                }
-            ));
-        }
-        let request = driver.split('.').next().unwrap_or(driver);
-        let results: Vec<Value> = free
-            .iter()
-            .take(count)
-            .map(|(pool, device)| {
+            if !short.invalid.is_empty() {
+                why += &format!(
+                    "; invalid resource pools were encountered: {}",
+                    short.invalid.join("; ")
+                );
+            }
+            why
+        })?;
+        let label = driver.split('.').next().unwrap_or(driver);
+        let results: Vec<Value> = chosen
+            .into_iter()
+            .map(|((pool, device), share)| {
                 let mut result =
-                    json!({"request": request, "driver": driver, "pool": pool, "device": device});
-                if !tolerations.is_empty() {
-                    result["tolerations"] = json!(tolerations);
+                    json!({"request": label, "driver": driver, "pool": pool, "device": device});
+                if !request.tolerations.is_empty() {
+                    result["tolerations"] = json!(request.tolerations);
+                }
+                if let Some(share) = share {
+                    result["shareID"] = share["shareID"].clone();
+                    result["consumedCapacity"] = share["consumedCapacity"].clone();
                 }
                 result
             })
             .collect();
-        let mut exactly = json!({"deviceClassName": driver, "count": count});
-        if !tolerations.is_empty() {
-            exactly["tolerations"] = json!(tolerations);
+        let mut exactly = json!({"deviceClassName": driver, "count": request.count});
+        if !request.tolerations.is_empty() {
+            exactly["tolerations"] = json!(request.tolerations);
+        }
+        if !request.capacity.is_empty() {
+            exactly["capacity"] = json!({"requests": request.capacity});
         }
         store
             .create(
@@ -160,7 +130,7 @@ impl ApiHandle {
                 namespace,
                 json!({
                     "metadata": {"name": name},
-                    "spec": {"devices": {"requests": [{"name": request, "exactly": exactly}]}},
+                    "spec": {"devices": {"requests": [{"name": label, "exactly": exactly}]}},
                     "status": {"allocation": {
                         "devices": {"results": results},
                         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
@@ -173,34 +143,11 @@ impl ApiHandle {
     }
 }
 
-/// A taint the scheduler honours: `NoSchedule` and `NoExecute`; `None` and unknown effects
-/// are informational.
-fn binding(taint: &Value) -> bool {
-    matches!(taint["effect"].as_str(), Some("NoSchedule" | "NoExecute"))
-}
-
-/// `resourceclaim.ToleratesTaint`: an empty effect or key matches any; `Exists` any value,
-/// `Equal` (the default) the same value; another operator nothing.
-fn tolerates(toleration: &Value, taint: &Value) -> bool {
-    let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
-    let (effect, key) = (text(&toleration["effect"]), text(&toleration["key"]));
-    if !effect.is_empty() && effect != text(&taint["effect"]) {
-        return false;
-    }
-    if !key.is_empty() && key != text(&taint["key"]) {
-        return false;
-    }
-    match text(&toleration["operator"]).as_str() {
-        "" | "Equal" => text(&toleration["value"]) == text(&taint["value"]),
-        "Exists" => true,
-        _ => false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use crate::DeviceRequest;
     use crate::apiserver::{ApiServer, Kind};
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn slice(api: &ApiServer, node: &str, generation: i64, count: i64, devices: &[&str]) {
         let devices: Vec<_> = devices.iter().map(|d| json!({"name": d})).collect();
@@ -288,15 +235,20 @@ mod tests {
             refused.contains("0 free") && refused.contains("1 more with taints"),
             "{refused}"
         );
-        let wrong = [json!({"key": "devicelet.io/unhealthy", "value": "xid-48"})];
+        let tolerating = |t: Value| DeviceRequest {
+            count: 1,
+            tolerations: vec![t],
+            ..DeviceRequest::default()
+        };
+        let wrong = tolerating(json!({"key": "devicelet.io/unhealthy", "value": "xid-48"}));
         assert!(
             scheduler
-                .allocate_claim_tolerating("ns", "c3", "gpu.example.com", "node-c", 1, &wrong)
+                .allocate_claim_with("ns", "c3", "gpu.example.com", "node-c", &wrong)
                 .is_err()
         );
-        let tolerating = [json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})];
+        let exists = tolerating(json!({"key": "devicelet.io/unhealthy", "operator": "Exists"}));
         let sick = scheduler
-            .allocate_claim_tolerating("ns", "c4", "gpu.example.com", "node-c", 1, &tolerating)
+            .allocate_claim_with("ns", "c4", "gpu.example.com", "node-c", &exists)
             .expect("tolerated");
         let result = &sick["status"]["allocation"]["devices"]["results"][0];
         assert_eq!(result["device"], "sick");
@@ -308,5 +260,191 @@ mod tests {
         // The kubelet's wipe of node-a leaves node-b alone.
         assert_eq!(scheduler.wipe_slices("node-a", None), 2);
         assert_eq!(api.list(Kind::ResourceSlice).len(), 2);
+    }
+
+    /// A slice of node `node`'s pool for `gpu.example.com` holding `spec` (devices or counters).
+    fn pool_slice(api: &ApiServer, node: &str, count: i64, spec: Value) {
+        let mut body = json!({
+            "metadata": {"generateName": format!("{node}-gpu-")},
+            "spec": {
+                "driver": "gpu.example.com",
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": count},
+            }
+        });
+        for (k, v) in spec.as_object().expect("an object") {
+            body["spec"][k] = v.clone();
+        }
+        api.create(Kind::ResourceSlice, "", body).expect("slice");
+    }
+
+    fn devices(claim: &Value) -> Vec<String> {
+        claim["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| r["device"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn partitions_are_allocated_while_their_gpus_counters_last() {
+        let api = ApiServer::start().await.expect("api");
+        let scheduler = api.handle();
+        let consumes = |memory: &str, slices: i64| {
+            json!([{"counterSet": "gpu-0", "counters": {
+                "memory": {"value": memory}, "slices": {"value": slices.to_string()}
+            }}])
+        };
+        // The counters in a slice of their own, as the API wants them from 1.35.
+        pool_slice(
+            &api,
+            "node-a",
+            2,
+            json!({"sharedCounters": [{"name": "gpu-0", "counters": {
+                "memory": {"value": "40Gi"}, "slices": {"value": "7"}
+            }}]}),
+        );
+        pool_slice(
+            &api,
+            "node-a",
+            2,
+            json!({"devices": [
+                {"name": "gpu-0", "consumesCounters": consumes("40Gi", 7)},
+                {"name": "gpu-0-3g-0", "consumesCounters": consumes("20Gi", 3)},
+                {"name": "gpu-0-3g-4", "consumesCounters": consumes("20Gi", 3)},
+                {"name": "gpu-0-1g-0", "consumesCounters": consumes("5Gi", 1)},
+            ]}),
+        );
+        let one = |name: &str| scheduler.allocate_claim("ns", name, "gpu.example.com", "node-a", 1);
+        // The whole GPU first: it takes every counter, so nothing else fits after it.
+        assert_eq!(devices(&one("whole").expect("the whole GPU")), ["gpu-0"]);
+        let full = one("more").unwrap_err();
+        assert!(full.contains("cannot allocate 1 device(s)"), "{full}");
+        api.delete(Kind::ResourceClaim, "ns", "whole");
+        // Partitions: two 3g (6 of 7 slices, 40Gi of memory), then no 1g (no memory left).
+        let two = DeviceRequest {
+            count: 2,
+            ..DeviceRequest::default()
+        };
+        let both = scheduler
+            .allocate_claim_with("ns", "two", "gpu.example.com", "node-a", &two)
+            .expect("two 3g partitions");
+        assert_eq!(
+            devices(&both),
+            ["gpu-0-3g-0", "gpu-0-3g-4"],
+            "not the whole GPU: it would leave no room for a second"
+        );
+        assert!(one("small").is_err(), "the memory is used up");
+        api.delete(Kind::ResourceClaim, "ns", "two");
+        assert_eq!(devices(&one("small").expect("room again")), ["gpu-0"]);
+
+        // A device consuming a counter set the pool does not define makes the pool invalid.
+        pool_slice(
+            &api,
+            "node-b",
+            1,
+            json!({"devices": [{"name": "odd", "consumesCounters": [
+                {"counterSet": "nowhere", "counters": {"memory": {"value": "1Gi"}}}
+            ]}]}),
+        );
+        let invalid = scheduler
+            .allocate_claim("ns", "odd", "gpu.example.com", "node-b", 1)
+            .unwrap_err();
+        assert!(
+            invalid.contains("invalid resource pools were encountered: node-b: device odd consumes counter set \"nowhere\""),
+            "{invalid}"
+        );
+    }
+
+    #[tokio::test]
+    async fn claims_share_a_device_by_capacity_until_it_is_used_up() {
+        let api = ApiServer::start().await.expect("api");
+        let scheduler = api.handle();
+        pool_slice(
+            &api,
+            "node-a",
+            1,
+            json!({"devices": [{
+                "name": "gpu-0",
+                "allowMultipleAllocations": true,
+                "capacity": {"memory": {"value": "40Gi", "requestPolicy": {
+                    "default": "10Gi", "validRange": {"min": "1Gi", "max": "40Gi", "step": "1Gi"}
+                }}}
+            }, {"name": "small", "capacity": {"memory": {"value": "8Gi"}}}]}),
+        );
+        let asking = |memory: Option<&str>| DeviceRequest {
+            count: 1,
+            capacity: memory
+                .map(|m| [("memory".to_owned(), m.to_owned())].into())
+                .unwrap_or_default(),
+            ..DeviceRequest::default()
+        };
+        let mut shares = std::collections::BTreeSet::new();
+        // Four claims of 10Gi: the default, then asked for, then 9.5Gi rounded up to 10Gi.
+        for (i, memory) in [None, Some("10Gi"), Some("9728Mi"), Some("10Gi")]
+            .into_iter()
+            .enumerate()
+        {
+            let claim = scheduler
+                .allocate_claim_with(
+                    "ns",
+                    &format!("c{i}"),
+                    "gpu.example.com",
+                    "node-a",
+                    &asking(memory),
+                )
+                .expect("a share of gpu-0");
+            let result = &claim["status"]["allocation"]["devices"]["results"][0];
+            assert_eq!(result["device"], "gpu-0");
+            assert_eq!(result["consumedCapacity"]["memory"], "10Gi", "{result}");
+            assert!(shares.insert(result["shareID"].as_str().expect("a share ID").to_owned()));
+            assert_eq!(
+                claim["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"],
+                memory.map_or(json!(null), |m| json!({"memory": m}))
+            );
+        }
+        // A fifth does not fit in gpu-0, nor in `small` (8Gi, not shared: its whole capacity).
+        let fifth = scheduler
+            .allocate_claim_with(
+                "ns",
+                "c4",
+                "gpu.example.com",
+                "node-a",
+                &asking(Some("10Gi")),
+            )
+            .unwrap_err();
+        assert!(
+            fifth.contains("0 free") && fifth.contains("2 more without the capacity"),
+            "{fifth}"
+        );
+        // Over the policy's max is no share at all; a small request still fits `small` whole.
+        let over = scheduler
+            .allocate_claim_with(
+                "ns",
+                "c5",
+                "gpu.example.com",
+                "node-a",
+                &asking(Some("41Gi")),
+            )
+            .unwrap_err();
+        assert!(over.contains("0 free"), "{over}");
+        let whole = scheduler
+            .allocate_claim_with(
+                "ns",
+                "c6",
+                "gpu.example.com",
+                "node-a",
+                &asking(Some("4Gi")),
+            )
+            .expect("small, whole");
+        let result = &whole["status"]["allocation"]["devices"]["results"][0];
+        assert_eq!(result["device"], "small");
+        assert!(result.get("shareID").is_none() && result.get("consumedCapacity").is_none());
+        // One share gone, there is room for one more.
+        api.delete(Kind::ResourceClaim, "ns", "c0");
+        scheduler
+            .allocate_claim_with("ns", "c7", "gpu.example.com", "node-a", &asking(None))
+            .expect("room for one more share");
     }
 }

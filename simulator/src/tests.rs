@@ -1852,6 +1852,10 @@ mod api_server {
         bad["spec"]["devices"][1]["attributes"]["example.com/bad-name"] = json!({"bool": true});
         bad["spec"]["allNodes"] = json!(true);
         bad["spec"]["pool"]["resourceSliceCount"] = json!(0);
+        bad["spec"]["sharedCounters"] = json!([{"name": "GPU 0", "counters": {}}]);
+        let consumption = json!({"counterSet": "gpu-0", "counters": {}});
+        bad["spec"]["devices"][1]["consumesCounters"] =
+            json!([consumption.clone(), consumption.clone(), consumption]);
         let (code, status) = http(&api, "POST", SLICES, Some(&bad)).await;
         assert_eq!(code, 422);
         let message = status["message"].as_str().unwrap();
@@ -1862,6 +1866,10 @@ mod api_server {
             "spec.devices[1].attributes[\"example.com/bad-name\"]: Invalid value: \"bad-name\": a C identifier",
             "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required",
             "spec.pool.resourceSliceCount: Invalid value: must be greater than zero",
+            "spec: Invalid value: only one of `devices` and `sharedCounters` may be set",
+            "spec.sharedCounters[0].name: Invalid value: \"GPU 0\"",
+            "spec.sharedCounters[0].counters: Invalid value: 0: must have between 1 and 32",
+            "spec.devices[1].consumesCounters: Too many: 3: must have at most 2 items",
         ] {
             assert!(message.contains(cause), "{cause:?} not in {message}");
         }

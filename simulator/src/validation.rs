@@ -88,6 +88,7 @@ pub fn resource_slice(name: &str, slice: &Value) -> Vec<String> {
         ));
     }
     let devices = spec["devices"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    counter_sets(spec, !devices.is_empty(), &mut causes);
     let advanced = devices
         .iter()
         .any(|d| !d["taints"].is_null() || !d["consumesCounters"].is_null());
@@ -117,8 +118,68 @@ pub fn resource_slice(name: &str, slice: &Value) -> Vec<String> {
         }
         device_fields(&at, device, &mut causes);
         taints(&at, device, &mut causes);
+        let consumes = device["consumesCounters"].as_array().map_or(0, Vec::len);
+        if consumes > MAX_CONSUMPTIONS {
+            causes.push(format!(
+                "{at}.consumesCounters: Too many: {consumes}: must have at most \
+                 {MAX_CONSUMPTIONS} items"
+            ));
+        }
     }
     causes
+}
+
+/// `ResourceSliceMaxCounterSets`, `ResourceSliceMaxCountersPerCounterSet` and
+/// `ResourceSliceMaxDeviceCounterConsumptionsPerDevice` (1.35 on).
+const MAX_COUNTER_SETS: usize = 8;
+const MAX_COUNTERS: usize = 32;
+const MAX_CONSUMPTIONS: usize = 2;
+
+/// `spec.sharedCounters`: in a slice of their own (1.35 on), at most 8 sets of at most 32
+/// counters, each set named by a DNS label, each counter a quantity.
+fn counter_sets(spec: &Value, has_devices: bool, causes: &mut Vec<String>) {
+    let sets = spec["sharedCounters"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    if sets.is_empty() {
+        return;
+    }
+    if has_devices {
+        causes.push(
+            "spec: Invalid value: only one of `devices` and `sharedCounters` may be set".into(),
+        );
+    }
+    if sets.len() > MAX_COUNTER_SETS {
+        causes.push(format!(
+            "spec.sharedCounters: Too many: {}: must have at most {MAX_COUNTER_SETS} items",
+            sets.len()
+        ));
+    }
+    for (i, set) in sets.iter().enumerate() {
+        let at = format!("spec.sharedCounters[{i}]");
+        if !set["name"].as_str().is_some_and(is_dns1123_label) {
+            causes.push(format!(
+                "{at}.name: Invalid value: {}: {LABEL}",
+                set["name"]
+            ));
+        }
+        let counters = set["counters"].as_object().cloned().unwrap_or_default();
+        if counters.is_empty() || counters.len() > MAX_COUNTERS {
+            causes.push(format!(
+                "{at}.counters: Invalid value: {}: must have between 1 and {MAX_COUNTERS} counters",
+                counters.len()
+            ));
+        }
+        for (name, counter) in &counters {
+            if !counter["value"].as_str().is_some_and(is_quantity) {
+                causes.push(format!(
+                    "{at}.counters[{name:?}].value: Invalid value: {}: must be a quantity",
+                    counter["value"]
+                ));
+            }
+        }
+    }
 }
 
 /// A device's taints: each a label key, an optional label value and a known effect.

@@ -1,6 +1,7 @@
 //! The DRA front end against the kubelet simulator's DRA plugin manager and its API server
 //! stand-in.
 
+use devicelet_simulator::DeviceRequest;
 use devicelet_simulator::apiserver::{ApiServer, Kind};
 use devicelet_tests::dra::{
     DraNode, NODE, assert_rbac_allows, client, published, registered, slice_devices, slice_taints,
@@ -502,9 +503,13 @@ async fn an_unhealthy_device_stays_in_its_slice_tainted_and_only_a_tolerating_cl
         .allocate_claim("team-a", "plain", BAD, NODE, 1)
         .unwrap_err();
     assert!(refused.contains("2 more with taints"), "{refused}");
-    let tolerating = [json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})];
+    let tolerating = DeviceRequest {
+        count: 1,
+        tolerations: vec![json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})],
+        ..DeviceRequest::default()
+    };
     let claim = scheduler
-        .allocate_claim_tolerating("team-a", "tolerant", BAD, NODE, 1, &tolerating)
+        .allocate_claim_with("team-a", "tolerant", BAD, NODE, &tolerating)
         .expect("a tolerating claim gets a tainted device");
     let uid = claim["metadata"]["uid"].as_str().expect("uid").to_string();
     let prepared = dra.prepare(BAD, "tolerant", &uid).await;

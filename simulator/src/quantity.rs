@@ -1,0 +1,107 @@
+//! Kubernetes quantities (`80Gi`, `500m`, `1.5G`) as exact integers of nano-units, for the
+//! scheduler's arithmetic on counters and capacity: sums and comparisons are exact, as the
+//! API's `resource.Quantity` arithmetic is.
+
+/// Nano-units in one unit.
+const NANO: i128 = 1_000_000_000;
+
+/// `q` in nano-units; None when it is not a quantity.
+pub fn parse(q: &str) -> Option<i128> {
+    let q = q.trim();
+    let end = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+        .unwrap_or(q.len());
+    let (number, suffix) = q.split_at(end);
+    let (negative, number) = match number.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, number.strip_prefix('+').unwrap_or(number)),
+    };
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if (whole.is_empty() && fraction.is_empty())
+        || !whole.bytes().all(|b| b.is_ascii_digit())
+        || !fraction.bytes().all(|b| b.is_ascii_digit())
+        || fraction.len() > 9
+    {
+        return None;
+    }
+    let mut nano: i128 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse::<i128>().ok()? * NANO
+    };
+    if !fraction.is_empty() {
+        let digits: i128 = fraction.parse().ok()?;
+        nano += digits * 10i128.pow(9 - fraction.len() as u32);
+    }
+    let scaled = match suffix {
+        "" => nano,
+        "n" => nano / NANO,
+        "u" => nano / 1_000_000,
+        "m" => nano / 1_000,
+        "k" => nano * 1_000,
+        "M" => nano * 1_000_000,
+        "G" => nano * 1_000_000_000,
+        "T" => nano * 1_000_000_000_000,
+        "P" => nano * 1_000_000_000_000_000,
+        "E" => nano * 1_000_000_000_000_000_000,
+        "Ki" => nano << 10,
+        "Mi" => nano << 20,
+        "Gi" => nano << 30,
+        "Ti" => nano << 40,
+        "Pi" => nano << 50,
+        "Ei" => nano << 60,
+        s if s.starts_with(['e', 'E']) => {
+            nano.checked_mul(10i128.checked_pow(s[1..].parse().ok()?)?)?
+        }
+        _ => return None,
+    };
+    Some(if negative { -scaled } else { scaled })
+}
+
+/// `nano` nano-units as a quantity: the largest binary suffix that divides it (`10Gi`), a whole
+/// number, or a decimal with up to nine fraction digits.
+pub fn format(nano: i128) -> String {
+    if nano % NANO == 0 {
+        let units = nano / NANO;
+        for (shift, suffix) in [
+            (60, "Ei"),
+            (50, "Pi"),
+            (40, "Ti"),
+            (30, "Gi"),
+            (20, "Mi"),
+            (10, "Ki"),
+        ] {
+            if units != 0 && units % (1i128 << shift) == 0 {
+                return format!("{}{suffix}", units >> shift);
+            }
+        }
+        return units.to_string();
+    }
+    let sign = if nano < 0 { "-" } else { "" };
+    let (whole, fraction) = (nano.abs() / NANO, nano.abs() % NANO);
+    let fraction = format!("{fraction:09}");
+    format!("{sign}{whole}.{}", fraction.trim_end_matches('0'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_are_exact_in_either_direction() {
+        assert_eq!(parse("80Gi"), Some(80 * (1 << 30) * NANO));
+        assert_eq!(parse("1024Mi"), parse("1Gi"));
+        assert_eq!(parse("500m"), Some(NANO / 2));
+        assert_eq!(parse("1.5G"), parse("1500M"));
+        assert_eq!(parse("1e3"), parse("1k"));
+        assert_eq!(parse("-2"), Some(-2 * NANO));
+        for bad in ["", "Gi", "1.2.3", "12 GB", "1x"] {
+            assert_eq!(parse(bad), None, "{bad}");
+        }
+        assert_eq!(format(parse("10Gi").unwrap()), "10Gi");
+        assert_eq!(format(parse("1536Mi").unwrap()), "1536Mi");
+        assert_eq!(format(parse("7").unwrap()), "7");
+        assert_eq!(format(parse("0").unwrap()), "0");
+        assert_eq!(format(parse("0.25").unwrap()), "0.25");
+    }
+}
