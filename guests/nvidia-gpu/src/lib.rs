@@ -106,10 +106,26 @@ pub struct NvidiaGpu {
     /// critical event plus the quiet period. Kept as an end, computed from the event's age,
     /// because an instance's clock starts when the instance does and cannot express times before
     /// it.
-    critical: HashMap<(String, Scope), Instant>,
+    critical: HashMap<(String, Scope), Sick>,
     /// NVLink/PCIe scores between GPU indexes, read once per instance for `preferred` (at init
     /// when NVML answers then), so that the kubelet's GetPreferredAllocation needs no NVML call.
     links: Option<preferred::Scores>,
+}
+
+/// Until when a GPU (or one MIG instance) counts as sick, and why: its last critical sign.
+#[derive(Debug, Clone)]
+struct Sick {
+    until: Instant,
+    why: String,
+}
+
+/// How a critical event is reported as the reason a device is unhealthy (and so the value of
+/// its DRA taint): `XID 79`, `double-bit ECC error`.
+fn event_reason(kind: &EventKind) -> String {
+    match kind {
+        EventKind::Xid(code) => format!("XID {code}"),
+        EventKind::DoubleBitEcc => "double-bit ECC error".to_owned(),
+    }
 }
 
 /// A GPU NVML never answered for: only its index is known.
@@ -270,8 +286,11 @@ impl NvidiaGpu {
         if batch.missed > 0 && relevant {
             devicelet_sdk::warn!("missed {} NVML events: every GPU is suspect", batch.missed);
             for (gpu, _) in self.seen.values() {
-                self.critical
-                    .insert((gpu.uuid.clone(), None), now + self.quiet);
+                let sick = Sick {
+                    until: now + self.quiet,
+                    why: "NVML events missed".to_owned(),
+                };
+                self.critical.insert((gpu.uuid.clone(), None), sick);
             }
         }
         for event in batch.events {
@@ -295,34 +314,48 @@ impl NvidiaGpu {
                     devicelet_sdk::warn!("GPU {}: critical event {:?}", event.gpu_uuid, event.kind)
                 }
             }
-            let until = now
-                + self
-                    .quiet
-                    .saturating_sub(Duration::from_millis(event.age_ms));
+            let sick = Sick {
+                until: now
+                    + self
+                        .quiet
+                        .saturating_sub(Duration::from_millis(event.age_ms)),
+                why: event_reason(&event.kind),
+            };
             let last = self
                 .critical
                 .entry((event.gpu_uuid, scope))
-                .or_insert(until);
-            *last = (*last).max(until);
+                .or_insert_with(|| sick.clone());
+            if sick.until >= last.until {
+                *last = sick;
+            }
         }
     }
 
-    fn health(&mut self, unit: &Unit) -> Health {
+    /// The unit's health, and why it is unhealthy: the latest critical sign still within its
+    /// quiet period.
+    fn health(&mut self, unit: &Unit) -> (Health, Option<String>) {
+        const LOST: &str = "lost: NVML cannot reach it (fallen off the bus)";
         if unit.lost {
             if !unit.gpu.uuid.is_empty() {
-                self.critical
-                    .insert((unit.gpu.uuid.clone(), None), Instant::now() + self.quiet);
+                let sick = Sick {
+                    until: Instant::now() + self.quiet,
+                    why: LOST.to_owned(),
+                };
+                self.critical.insert((unit.gpu.uuid.clone(), None), sick);
             }
-            return Health::Unhealthy;
+            return (Health::Unhealthy, Some(LOST.to_owned()));
         }
         let now = Instant::now();
-        let sick = self.critical.iter().any(|((uuid, scope), until)| {
-            *uuid == unit.gpu.uuid && now < *until && concerns(*scope, unit.mig.as_ref())
-        });
-        if sick {
-            Health::Unhealthy
-        } else {
-            Health::Healthy
+        let sick = self
+            .critical
+            .iter()
+            .filter(|((uuid, scope), sick)| {
+                *uuid == unit.gpu.uuid && now < sick.until && concerns(*scope, unit.mig.as_ref())
+            })
+            .max_by_key(|(_, sick)| sick.until);
+        match sick {
+            Some((_, sick)) => (Health::Unhealthy, Some(sick.why.clone())),
+            None => (Health::Healthy, None),
         }
     }
 
@@ -330,10 +363,10 @@ impl NvidiaGpu {
     /// again then rather than at the next health interval.
     fn recheck_when_quiet(&mut self) {
         let now = Instant::now();
-        self.critical.retain(|_, until| *until > now);
-        if let Some(next) = self.critical.values().min() {
+        self.critical.retain(|_, sick| sick.until > now);
+        if let Some(next) = self.critical.values().map(|sick| sick.until).min() {
             // A millisecond past the end, so the next look finds it over.
-            devicelet_sdk::schedule::recheck_after(*next - now + Duration::from_millis(1));
+            devicelet_sdk::schedule::recheck_after(next - now + Duration::from_millis(1));
         }
     }
 
@@ -461,15 +494,20 @@ impl Plugin for NvidiaGpu {
             .iter()
             .map(|unit| {
                 if unit.gpu.uuid.is_empty() {
-                    return Device::new(unit.id.clone(), Health::Unhealthy)
-                        .attribute("index", unit.gpu.index.to_string())
-                        .attribute("lost", "true");
+                    return Device::unhealthy_because(
+                        unit.id.clone(),
+                        "lost: NVML never answered for it",
+                    )
+                    .attribute("index", unit.gpu.index.to_string())
+                    .attribute("lost", "true");
                 }
-                let mut device = Device::new(unit.id.clone(), self.health(unit))
+                let (health, why) = self.health(unit);
+                let mut device = Device::new(unit.id.clone(), health)
                     .attribute("uuid", unit.uuid())
                     .attribute("index", unit.gpu.index.to_string())
                     .attribute("name", unit.name())
                     .attribute("pci-address", short_bus_id(&unit.gpu.pci_bus_id));
+                device.health_reason = why;
                 match &unit.mig {
                     None => {
                         device = device

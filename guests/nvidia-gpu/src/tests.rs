@@ -161,6 +161,17 @@ fn critical_events_make_one_gpu_unhealthy_and_ignored_xids_do_not() {
     let now = health(&mut gpus);
     let sick: Vec<usize> = (0..8).filter(|&i| now[i] == Health::Unhealthy).collect();
     assert_eq!(sick, vec![2, 6]);
+    // Each says why: the latest critical event (and so its DRA taint's value).
+    let devices = gpus.enumerate("gpu").unwrap();
+    let why = |i: usize| devices[i].health_reason.clone();
+    assert_eq!(
+        (why(2), why(6), why(0)),
+        (
+            Some("XID 48".into()),
+            Some("double-bit ECC error".into()),
+            None
+        )
+    );
     // A fresh instance (after a crash) rebuilds the same health from the agent's buffer.
     let mut fresh = gpus.another(r#"{"quiet-period": "1h"}"#).unwrap();
     assert_eq!(health(&mut fresh), now);
@@ -179,6 +190,8 @@ fn a_gpu_off_the_bus_stays_listed_unhealthy_and_recovers_after_the_quiet_period(
         (devices[3].id.clone(), devices[3].health),
         (uuid(3), Health::Unhealthy)
     );
+    let why = devices[3].health_reason.clone().unwrap_or_default();
+    assert!(why.starts_with("lost:"), "{why}");
     assert!(gpus.allocate("gpu", &[&uuid(3)]).is_err());
     assert!(gpus.allocate("gpu", &[&uuid(4)]).is_ok());
     gpus.host().set_gpu_lost(3, false);
@@ -199,6 +212,10 @@ fn a_gpu_lost_before_start_is_listed_unhealthy_by_its_index_until_it_answers() {
     assert_eq!(devices.len(), 8, "the lost GPU counts");
     let lost = devices.iter().find(|d| d.id == "lost-3").expect("listed");
     assert_eq!(lost.health, Health::Unhealthy);
+    assert_eq!(
+        lost.health_reason.as_deref(),
+        Some("lost: NVML never answered for it")
+    );
     assert!(gpus.allocate("gpu", &["lost-3"]).is_err());
     assert!(gpus.allocate("gpu", &[&uuid(4)]).is_ok());
     // Once it answers, it is listed by its UUID instead, as any GPU is.

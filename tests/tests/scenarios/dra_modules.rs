@@ -2,8 +2,10 @@
 //! devices with their typed attributes, and a claim for one is prepared into a CDI spec that
 //! resolves, as a runtime resolves it, to what the module answers through the device plugin.
 
+use devicelet_simulator::DeviceRequest;
+use devicelet_simulator::apiserver::Kind;
 use devicelet_tests::cdi::resolve;
-use devicelet_tests::dra::{DraNode, published, registered};
+use devicelet_tests::dra::{DraNode, NODE, published, registered};
 use devicelet_tests::{FakeGpus, workspace_root};
 use serde_json::{Value, json};
 
@@ -126,7 +128,7 @@ dev = ["/dev/kfd", "/dev/dri/*"]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nvidia_gpus_are_published_with_their_uuids_and_a_claim_gets_its_gpu_by_uuid() {
+async fn nvidia_gpus_are_published_by_uuid_a_claim_gets_its_gpu_and_an_xid_taints_one() {
     let dra = DraNode::new().await;
     for (path, major, minor) in [
         ("/dev/nvidiactl", 195, 255),
@@ -196,6 +198,42 @@ libraries = ["nvml"]
         hosts.contains(&"/dev/nvidia0") && !hosts.contains(&"/dev/nvidia1"),
         "{hosts:?}"
     );
+
+    // An XID on GPU 1 keeps it in the slice, tainted: the scheduler gives it to no claim but
+    // one that tolerates the taint, and that claim is prepared.
+    gpus.inject("xid 1 79");
+    let gpu1_taint = || {
+        let slices = dra.api.list(Kind::ResourceSlice);
+        slices
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .find(|d| *attribute(d, "uuid") == json!(uuid(1)))
+            .map(|d| d["taints"][0].clone())
+            .unwrap_or_default()
+    };
+    devicelet_tests::eventually("GPU 1 tainted after its XID", || {
+        gpu1_taint()["key"] == "devicelet.io/unhealthy"
+    })
+    .await;
+    let taint = gpu1_taint();
+    assert_eq!(taint["effect"], "NoSchedule");
+    assert_eq!(taint["value"], "XID-79", "the XID in the taint's value");
+    let scheduler = dra.api.handle();
+    let refused = scheduler
+        .allocate_claim("team-a", "plain", "gpu.nvidia.com", NODE, 1)
+        .unwrap_err();
+    assert!(refused.contains("1 more with taints"), "{refused}");
+    let tolerating = DeviceRequest {
+        count: 1,
+        tolerations: vec![json!({"key": "devicelet.io/unhealthy", "operator": "Exists"})],
+        ..DeviceRequest::default()
+    };
+    let claim = scheduler
+        .allocate_claim_with("team-a", "tolerant", "gpu.nvidia.com", NODE, &tolerating)
+        .expect("the tolerating claim gets GPU 1");
+    let uid = claim["metadata"]["uid"].as_str().expect("uid");
+    let prepared = dra.prepare("gpu.nvidia.com", "tolerant", uid).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
     agent.shutdown().await;
 }
 
