@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use crate::quantity;
 
 /// What one claim's request asks for.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeviceRequest {
     pub count: usize,
     /// `DeviceToleration` objects.
@@ -414,4 +414,52 @@ fn violates(amount: i128, policy: &Value) -> bool {
         Some(values) if !values.is_empty() => !values.iter().filter_map(q).any(|v| v == amount),
         _ => false,
     }
+}
+
+/// How much is left, for showing a driver's pools (`try --dra`, `simulate --dra`): of each
+/// counter set (pool, set) and of each shared device's capacities (pool, device), every
+/// amount as (total, left), in nano-units.
+#[derive(Debug, Default, PartialEq)]
+pub struct Left {
+    pub counters: BTreeMap<DeviceKey, BTreeMap<String, (i128, i128)>>,
+    pub capacity: BTreeMap<DeviceKey, BTreeMap<String, (i128, i128)>>,
+}
+
+/// What claims leave of the counters and shared capacities of `driver`'s complete pools.
+pub fn left(slices: &[Value], allocated: &Allocated) -> Left {
+    let mut out = Left::default();
+    for (pool, current) in complete_pools(slices) {
+        let Ok((sets, devices)) = pool_candidates(&pool, &current) else {
+            continue;
+        };
+        let mut remaining = sets.clone();
+        for d in devices.iter().filter(|d| allocated.holds(&d.key)) {
+            subtract(&mut remaining, &d.consumes);
+        }
+        for (set, counters) in &sets {
+            let amounts = counters
+                .iter()
+                .map(|(name, total)| {
+                    let left = remaining[set].get(name).copied().unwrap_or(*total);
+                    (name.clone(), (*total, left))
+                })
+                .collect();
+            out.counters.insert((pool.clone(), set.clone()), amounts);
+        }
+        for d in devices.iter().filter(|d| d.multiple) {
+            let used = allocated.shared.get(&d.key).cloned().unwrap_or_default();
+            let amounts = d.device["capacity"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter_map(|(name, cap)| {
+                    let total = cap["value"].as_str().and_then(quantity::parse)?;
+                    let left = total - used.get(name).copied().unwrap_or_default();
+                    Some((name.clone(), (total, left)))
+                })
+                .collect();
+            out.capacity.insert(d.key.clone(), amounts);
+        }
+    }
+    out
 }

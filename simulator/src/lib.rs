@@ -49,7 +49,7 @@ mod endpoint;
 mod error;
 mod events;
 mod podresources;
-mod quantity;
+pub mod quantity;
 mod registration;
 mod scheduler;
 mod server;
@@ -57,7 +57,7 @@ mod state;
 mod validation;
 mod watcher;
 
-pub use claim_allocator::DeviceRequest;
+pub use claim_allocator::{DeviceRequest, Left};
 
 #[cfg(test)]
 mod fake;

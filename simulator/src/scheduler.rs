@@ -27,6 +27,19 @@ impl ApiHandle {
         wiped
     }
 
+    /// What claims leave of the counter sets and shared capacities of `driver`'s pools on
+    /// `node`.
+    pub fn left(&self, driver: &str, node: &str) -> claim_allocator::Left {
+        let store = self.lock();
+        let selector = [
+            ("spec.driver".to_owned(), driver.to_owned()),
+            ("spec.nodeName".to_owned(), node.to_owned()),
+        ];
+        let slices = store.list(Kind::ResourceSlice, None, &selector);
+        let allocated = Allocated::of(&store.list(Kind::ResourceClaim, None, &[]), driver);
+        claim_allocator::left(&slices, &allocated)
+    }
+
     /// Allocates `count` devices of `driver` on `node` to a new ResourceClaim
     /// `namespace/name`, as the scheduler does ([`allocate_claim_with`](Self::allocate_claim_with)
     /// for a request with nothing but a count).

@@ -8,16 +8,22 @@ use serde_json::Value;
 use crate::kubelet::api::dra::v1::NodePrepareResourceResponse;
 use devicelet_simulator::apiserver::{ApiServer, Kind};
 
-/// The devices of `driver`'s slices, one line each with their attributes and taints.
-pub fn published(api: &ApiServer, driver: &str) -> String {
+/// The devices of `driver`'s slices on `node`, one line each with their attributes,
+/// capacities (with what claims left of a shared one), counters consumed and taints; then each
+/// counter set with what is left of it.
+pub fn published(api: &ApiServer, driver: &str, node: &str) -> String {
+    use devicelet_simulator::quantity::format as q;
+    let left = api.handle().left(driver, node);
     let mut text = String::new();
     for slice in api
         .list(Kind::ResourceSlice)
         .iter()
-        .filter(|s| s["spec"]["driver"] == driver)
+        .filter(|s| s["spec"]["driver"] == driver && s["spec"]["nodeName"] == node)
     {
+        let pool = slice["spec"]["pool"]["name"].as_str().unwrap_or_default();
         for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
-            let _ = write!(text, "\n  {}", device["name"].as_str().unwrap_or("?"));
+            let name = device["name"].as_str().unwrap_or("?");
+            let _ = write!(text, "\n  {name}");
             let attributes: BTreeMap<&String, &Value> = device["attributes"]
                 .as_object()
                 .map(|a| a.iter().collect())
@@ -30,6 +36,31 @@ pub fn published(api: &ApiServer, driver: &str) -> String {
                     .unwrap_or_default();
                 let _ = write!(text, " {name}={value}");
             }
+            let shared = left.capacity.get(&(pool.to_owned(), name.to_owned()));
+            if shared.is_some() {
+                text.push_str(" SHARED");
+            }
+            for (cap, value) in device["capacity"].as_object().into_iter().flatten() {
+                let value = value["value"].as_str().unwrap_or("?");
+                match shared.and_then(|s| s.get(cap)) {
+                    Some((_, rest)) => {
+                        let _ = write!(text, " {cap}={value} ({} left)", q(*rest));
+                    }
+                    None => {
+                        let _ = write!(text, " {cap}={value}");
+                    }
+                }
+            }
+            for c in device["consumesCounters"].as_array().into_iter().flatten() {
+                let counters: Vec<String> = c["counters"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| format!("{k}={}", v["value"].as_str().unwrap_or("?")))
+                    .collect();
+                let set = c["counterSet"].as_str().unwrap_or("?");
+                let _ = write!(text, " CONSUMES {set}{{{}}}", counters.join(" "));
+            }
             for taint in device["taints"].as_array().into_iter().flatten() {
                 let _ = write!(
                     text,
@@ -40,6 +71,13 @@ pub fn published(api: &ApiServer, driver: &str) -> String {
                 );
             }
         }
+    }
+    for ((_, set), counters) in &left.counters {
+        let amounts: Vec<String> = counters
+            .iter()
+            .map(|(k, (total, rest))| format!("{k}={} ({} left)", q(*total), q(*rest)))
+            .collect();
+        let _ = write!(text, "\n  COUNTERS {set}: {}", amounts.join(" "));
     }
     text
 }
@@ -155,8 +193,43 @@ mod tests {
         )
         .expect("slice");
         assert_eq!(
-            super::published(&api, "gpu.example.com"),
+            super::published(&api, "gpu.example.com", "n"),
             "\n  gpu-0 index=0\n  gpu-1 TAINT devicelet.io/unhealthy=XID-79:NoSchedule"
+        );
+        // A pool with counters, a partition, and a device claims share by capacity: what is
+        // left of each after one claim for a 10Gi share and one for the partition.
+        let slice = |spec: serde_json::Value| {
+            let mut body = json!({"metadata": {"generateName": "m-"}, "spec": {
+                "driver": "mig.example.com", "nodeName": "n",
+                "pool": {"name": "n", "generation": 1, "resourceSliceCount": 2}}});
+            for (k, v) in spec.as_object().unwrap() {
+                body["spec"][k] = v.clone();
+            }
+            api.create(Kind::ResourceSlice, "", body).expect("slice");
+        };
+        slice(
+            json!({"sharedCounters": [{"name": "gpu-0", "counters": {"memory": {"value": "40Gi"}}}]}),
+        );
+        slice(json!({"devices": [
+            {"name": "part", "consumesCounters": [{"counterSet": "gpu-0", "counters": {"memory": {"value": "10Gi"}}}]},
+            {"name": "whole", "allowMultipleAllocations": true, "capacity": {"memory": {"value": "40Gi"}}}
+        ]}));
+        let scheduler = api.handle();
+        scheduler
+            .allocate_claim("default", "p", "mig.example.com", "n", 1)
+            .expect("the partition");
+        let share = devicelet_simulator::DeviceRequest {
+            count: 1,
+            capacity: [("memory".to_owned(), "10Gi".to_owned())].into(),
+            ..Default::default()
+        };
+        scheduler
+            .allocate_claim_with("default", "s", "mig.example.com", "n", &share)
+            .expect("a share");
+        assert_eq!(
+            super::published(&api, "mig.example.com", "n"),
+            "\n  part CONSUMES gpu-0{memory=10Gi}\n  whole SHARED memory=40Gi (30Gi left)\
+             \n  COUNTERS gpu-0: memory=40Gi (30Gi left)"
         );
         let status = [
             json!({"device": "gpu-0", "conditions": [{"type": "Ready", "status": "True"}],

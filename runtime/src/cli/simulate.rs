@@ -65,7 +65,12 @@ pub struct SimulateArgs {
     pub kubeconfig_out: Option<PathBuf>,
     /// With `--dra`, e.g. `--claim gpu.example.com=2`: once that driver is registered and
     /// publishes 2 devices, allocate a ResourceClaim for them as the scheduler would and
-    /// prepare it as the kubelet would (NodePrepareResources), printing the answer. Repeatable.
+    /// prepare it as the kubelet would (NodePrepareResources), printing the answer and the
+    /// claim's status. After the count, comma-separated: `tolerate=KEY` (a toleration of that
+    /// taint key, any value; `tolerate=*` every taint) and `capacity.NAME=QUANTITY` (a share of
+    /// that much of a device's capacity), e.g.
+    /// `--claim gpu.example.com=1,tolerate=devicelet.io/unhealthy,capacity.memory=10Gi`.
+    /// Repeatable.
     #[arg(long)]
     pub claim: Vec<String>,
 }
@@ -77,15 +82,17 @@ struct Request {
     count: usize,
 }
 
-/// One `--claim DRIVER=COUNT` request.
+/// One `--claim DRIVER=COUNT[,tolerate=KEY][,capacity.NAME=QUANTITY]...` request.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct ClaimRequest {
     pub driver: String,
     pub count: usize,
+    pub request: devicelet_simulator::DeviceRequest,
 }
 
 fn parse_claim(text: &str) -> anyhow::Result<ClaimRequest> {
-    let Some((driver, count)) = text.rsplit_once('=') else {
+    let mut parts = text.split(',');
+    let Some((driver, count)) = parts.next().and_then(|p| p.rsplit_once('=')) else {
         bail!("--claim {text:?}: expected DRIVER=COUNT, e.g. gpu.example.com=1");
     };
     if !devicelet_api::names::is_dns1123_subdomain(driver) {
@@ -96,9 +103,33 @@ fn parse_claim(text: &str) -> anyhow::Result<ClaimRequest> {
         .ok()
         .filter(|n| *n > 0)
         .with_context(|| format!("--claim {text:?}: the count must be a positive integer"))?;
+    let mut request = devicelet_simulator::DeviceRequest {
+        count,
+        ..Default::default()
+    };
+    for part in parts {
+        match part.split_once('=') {
+            Some(("tolerate", "*")) => request
+                .tolerations
+                .push(serde_json::json!({"operator": "Exists"})),
+            Some(("tolerate", key)) if names::is_qualified_name(key) => request
+                .tolerations
+                .push(serde_json::json!({"key": key, "operator": "Exists"})),
+            Some((name, quantity)) if name.starts_with("capacity.") && !quantity.is_empty() => {
+                request
+                    .capacity
+                    .insert(name["capacity.".len()..].to_owned(), quantity.to_owned());
+            }
+            _ => bail!(
+                "--claim {text:?}: {part:?} is neither `tolerate=KEY` (a taint key, or `*`) nor \
+                 `capacity.NAME=QUANTITY`"
+            ),
+        }
+    }
     Ok(ClaimRequest {
         driver: driver.to_owned(),
         count,
+        request,
     })
 }
 
@@ -536,6 +567,34 @@ mod tests {
             "fuse=1",
         ] {
             assert!(parse_request(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn parses_claim_requests_with_tolerations_and_capacity() {
+        let claim = parse_claim(
+            "gpu.example.com=1,tolerate=devicelet.io/unhealthy,tolerate=*,capacity.memory=10Gi",
+        )
+        .unwrap();
+        assert_eq!((claim.driver.as_str(), claim.count), ("gpu.example.com", 1));
+        assert_eq!(
+            claim.request.tolerations,
+            [
+                serde_json::json!({"key": "devicelet.io/unhealthy", "operator": "Exists"}),
+                serde_json::json!({"operator": "Exists"})
+            ]
+        );
+        assert_eq!(claim.request.capacity["memory"], "10Gi");
+        assert_eq!(claim.request.count, 1);
+        for bad in [
+            "gpu.example.com",
+            "gpu.example.com=0",
+            "GPU=1",
+            "gpu.example.com=1,colour=blue",
+            "gpu.example.com=1,tolerate=-bad",
+            "gpu.example.com=1,capacity.memory=",
+        ] {
+            assert!(parse_claim(bad).is_err(), "{bad}");
         }
     }
 

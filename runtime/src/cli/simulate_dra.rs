@@ -120,7 +120,7 @@ async fn transcript(api: ApiServer, sim: Simulator, node: String, claims: Vec<Cl
         );
         drivers.extend(shown.keys().cloned());
         for driver in &drivers {
-            let text = published(&api, driver);
+            let text = published(&api, driver, &node);
             if shown.get(driver) != Some(&text) {
                 println!(
                     "{driver}: {} device(s) published{text}",
@@ -162,10 +162,14 @@ async fn claim(
     name: &str,
     request: &ClaimRequest,
 ) -> Result<String, String> {
-    let ClaimRequest { driver, count } = request;
+    let ClaimRequest {
+        driver,
+        count,
+        request,
+    } = request;
     let object = api
         .handle()
-        .allocate_claim("default", name, driver, node, *count)
+        .allocate_claim_with("default", name, driver, node, request)
         .map_err(|e| format!("claim for {count} device(s) of {driver}: {e}"))?;
     let uid = object["metadata"]["uid"].as_str().unwrap_or_default();
     let wire = Claim {

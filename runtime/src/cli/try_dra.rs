@@ -170,7 +170,7 @@ async fn serve(
                 );
                 registered.push(driver.driver.clone());
             }
-            let slices = published(api, &driver.driver);
+            let slices = published(api, &driver.driver, NODE);
             if driver.generation > 0 && shown.get(&driver.driver) != Some(&slices) {
                 println!(
                     "{}: pool generation {}, {} device(s) published{slices}",
