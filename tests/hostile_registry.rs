@@ -48,6 +48,8 @@ pub struct HostileRegistry {
     pub sent: Arc<AtomicU64>,
     /// Requests seen, as "METHOD path" lines (the path without its query).
     pub requests: Arc<Mutex<Vec<String>>>,
+    /// Every `User-Agent` the requests carried (empty for one without).
+    pub user_agents: Arc<Mutex<std::collections::BTreeSet<String>>>,
     socket: SocketAddr,
     stop: Arc<AtomicBool>,
     listener: Option<JoinHandle<()>>,
@@ -59,6 +61,7 @@ struct Shared {
     addr: String,
     sent: Arc<AtomicU64>,
     requests: Arc<Mutex<Vec<String>>>,
+    user_agents: Arc<Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl HostileRegistry {
@@ -70,11 +73,13 @@ impl HostileRegistry {
             Arc::new(Mutex::new(Vec::new())),
         );
         let stop = Arc::new(AtomicBool::new(false));
+        let user_agents = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
         let shared = Arc::new(Shared {
             answer,
             addr: socket.to_string(),
             sent: sent.clone(),
             requests: requests.clone(),
+            user_agents: user_agents.clone(),
         });
         let stopped = stop.clone();
         // A thread per connection: a trickled or huge answer must not hold up the next request.
@@ -92,6 +97,7 @@ impl HostileRegistry {
             addr: socket.to_string(),
             sent,
             requests,
+            user_agents,
             socket,
             stop,
             listener: Some(listener),
@@ -129,6 +135,7 @@ struct Request {
     method: String,
     path: String,
     bearer: bool,
+    agent: String,
 }
 
 /// The request line and headers; any body is ignored (GET and HEAD have none).
@@ -143,6 +150,7 @@ fn read_request(stream: &TcpStream) -> Option<Request> {
         .map_or(target, |(path, _)| path)
         .to_owned();
     let mut bearer = false;
+    let mut agent = String::new();
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
@@ -154,11 +162,17 @@ fn read_request(stream: &TcpStream) -> Option<Request> {
             let scheme = value.trim().get(..7);
             bearer = scheme.is_some_and(|s| s.eq_ignore_ascii_case("bearer "));
         }
+        if let Some((name, value)) = line.split_once(':')
+            && name.trim().eq_ignore_ascii_case("user-agent")
+        {
+            agent = value.trim().to_owned();
+        }
     }
     Some(Request {
         method,
         path,
         bearer,
+        agent,
     })
 }
 
@@ -187,6 +201,9 @@ fn serve(stream: &TcpStream, shared: &Shared) {
     };
     if let Ok(mut seen) = shared.requests.lock() {
         seen.push(format!("{} {}", request.method, request.path));
+    }
+    if let Ok(mut agents) = shared.user_agents.lock() {
+        agents.insert(request.agent.clone());
     }
     let head_only = request.method == "HEAD";
     let out = Out {

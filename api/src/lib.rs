@@ -2,6 +2,10 @@
 //! so no `protoc` is needed), the Unix-socket transport the kubelet uses, and its resource-name
 //! rules: what the agent and the kubelet simulator both speak.
 
+/// What devicelet calls itself on every HTTP request it makes (API servers, OCI registries):
+/// audit logs and API priority and fairness name it.
+pub const USER_AGENT: &str = concat!("devicelet/", env!("CARGO_PKG_VERSION"));
+
 pub mod authority;
 pub mod names;
 pub mod serve;

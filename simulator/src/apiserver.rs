@@ -107,6 +107,8 @@ pub(crate) struct Store {
     ignore_selectors: bool,
     /// The DRADeviceTaints feature is off ([`ApiServer::drop_device_taints`]).
     taints_off: bool,
+    /// Every `User-Agent` clients sent ([`ApiServer::user_agents`]).
+    user_agents: std::collections::BTreeSet<String>,
     /// Which field manager owns each `status.devices` entry of a claim, by (driver, pool,
     /// device): what server-side apply tracks in `managedFields`.
     pub(crate) status_owners: BTreeMap<Key, BTreeMap<(String, String, String), String>>,
@@ -541,6 +543,11 @@ impl ApiServer {
             .collect()
     }
 
+    /// Every `User-Agent` header clients sent so far (an empty one for a request without).
+    pub fn user_agents(&self) -> std::collections::BTreeSet<String> {
+        lock(&self.store).user_agents.clone()
+    }
+
     /// Requests answered so far, as RBAC names them: `(verb, API group, resource)`, the
     /// resource with its subresource (`resourceclaims/status`).
     pub fn rbac_requests(&self) -> Vec<(String, &'static str, String)> {
@@ -599,6 +606,12 @@ type Body = BoxBody<Bytes, Infallible>;
 
 async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
+    let agent = parts
+        .headers
+        .get(hyper::header::USER_AGENT)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    lock(store).user_agents.insert(agent);
     let claim_read = parts.method == Method::GET && parts.uri.path().contains("/resourceclaims/");
     if claim_read {
         let barrier = {

@@ -134,6 +134,11 @@ impl ApiClient {
         config.read_timeout = Some(CALL_TIMEOUT);
         config.write_timeout = Some(CALL_TIMEOUT);
         config.reset_reader_on_write = true;
+        // Named in the API server's audit log and by API priority and fairness.
+        config.headers.push((
+            http::header::USER_AGENT,
+            http::HeaderValue::from_static(devicelet_api::USER_AGENT),
+        ));
         // Every answer's body capped as it streams: kube reads it whole before parsing.
         let cap = tower::util::MapResponseLayer::new(|r: http::Response<_>| {
             r.map(|body| http_body_util::Limited::new(body, MAX_ANSWER))

@@ -108,6 +108,7 @@ impl Access {
                     data: der.clone(),
                 })
                 .collect(),
+            user_agent: devicelet_api::USER_AGENT,
             ..ClientConfig::default()
         })
         .map_err(|e| format!("the registry client: {e}"))?;
@@ -132,7 +133,7 @@ impl Access {
             .tls_certs_merge(certificates)
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(30))
-            .user_agent(concat!("devicelet/", env!("CARGO_PKG_VERSION")))
+            .user_agent(devicelet_api::USER_AGENT)
             .build()
             .map_err(|e| format!("the registry client: {}", with_causes(&e)))?;
         let insecure = self

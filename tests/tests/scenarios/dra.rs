@@ -279,6 +279,11 @@ async fn a_module_served_through_dra_registers_publishes_and_prepares_claims() {
     assert_eq!(unknown.claims["no-such-uid"].error, "");
     agent.shutdown().await;
     assert_rbac_allows(&dra.api);
+    assert_eq!(
+        dra.api.user_agents(),
+        [format!("devicelet/{}", env!("CARGO_PKG_VERSION"))].into(),
+        "every request names devicelet and its version"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

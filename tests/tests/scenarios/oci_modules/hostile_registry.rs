@@ -64,6 +64,12 @@ fn a_huge_manifest_is_refused_as_it_streams_past_its_cap() {
     assert!(rss < RSS_BOUND_MIB, "peak RSS {rss} MiB:\n{text}");
     let sent = registry.sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(sent < 100 << 20, "read {sent} bytes of 500 MiB");
+    // Every request names devicelet and its version, for the registry's logs.
+    let agents = registry.user_agents.lock().expect("agents").clone();
+    assert_eq!(
+        agents,
+        [format!("devicelet/{}", env!("CARGO_PKG_VERSION"))].into()
+    );
 }
 
 #[test]
