@@ -156,7 +156,11 @@ impl Access {
     /// failure hides behind "error sending request"), and a refusal of credentials says whose.
     pub fn explain(&self, registry: &str, e: &oci_client::errors::OciDistributionError) -> String {
         use oci_client::errors::OciDistributionError::{AuthenticationFailure, UnauthorizedError};
-        let text = with_causes(e);
+        let insecure = self
+            .insecure
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(registry));
+        let text = plain_http_hint(registry, insecure, with_causes(e));
         if !matches!(e, UnauthorizedError { .. } | AuthenticationFailure(_)) {
             return text;
         }
@@ -169,6 +173,26 @@ impl Access {
             )
         }
     }
+}
+
+/// `text`, an error reaching `registry` over HTTPS, with the fix when it reads as a registry
+/// that answered TLS in plain HTTP (rustls: "received corrupt message of type
+/// InvalidContentType"), as a local `docker-registry` does.
+pub fn plain_http_hint(registry: &str, insecure: bool, text: String) -> String {
+    let plain = [
+        "InvalidContentType",
+        "corrupt message",
+        "wrong version number",
+    ]
+    .iter()
+    .any(|sign| text.contains(sign));
+    if insecure || !plain {
+        return text;
+    }
+    format!(
+        "{text} (the registry seems to answer in plain HTTP: if {registry} has no TLS, give \
+         --insecure-registry {registry})"
+    )
 }
 
 /// `e` and each of its causes not already in its message.
@@ -228,6 +252,23 @@ fn docker_config(file: &Path) -> Result<BTreeMap<String, (String, String)>, Stri
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_tls_error_from_a_plain_http_registry_says_to_list_it_as_insecure() {
+        let tls = "error sending request: received corrupt message of type InvalidContentType";
+        let hinted = super::plain_http_hint("127.0.0.1:5000", false, tls.to_owned());
+        assert!(
+            hinted.ends_with("give --insecure-registry 127.0.0.1:5000)"),
+            "{hinted}"
+        );
+        // Listed already, or another error: as it was.
+        assert_eq!(super::plain_http_hint("r:5000", true, tls.to_owned()), tls);
+        let refused = "error sending request: connection refused";
+        assert_eq!(
+            super::plain_http_hint("r:5000", false, refused.to_owned()),
+            refused
+        );
+    }
     use super::*;
 
     #[test]

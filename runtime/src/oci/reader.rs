@@ -182,7 +182,10 @@ impl Reader {
             request = request.header(AUTHORIZATION, auth);
         }
         request.send().await.map_err(|e| {
-            ReadError::failed(format!("GET {url}: {}", super::access::with_causes(&e)))
+            let text = super::access::with_causes(&e);
+            let insecure = self.base.starts_with("http://");
+            let text = super::access::plain_http_hint(&self.registry, insecure, text);
+            ReadError::failed(format!("GET {url}: {text}"))
         })
     }
 

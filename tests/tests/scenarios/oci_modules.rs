@@ -60,6 +60,23 @@ async fn agent_reaching(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registry_down() {
     let mut registry = TestRegistry::start();
+    // Pushed as if it had TLS (no --insecure-registry), the plain-HTTP registry's answer is a
+    // TLS error; the message says what to add.
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["module", "push"])
+        .arg(module_dir().join("generic_dev.wasm"))
+        .arg(format!(
+            "oci://{}/devicelet/generic-dev:0.2.0",
+            registry.addr
+        ))
+        .output()
+        .expect("running devicelet module push");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("give --insecure-registry {}", registry.addr)),
+        "{stderr}"
+    );
     let line = pushed(&registry, "devicelet/generic-dev", "0.2.0");
     let digest = line
         .rsplit_once("@sha256:")
