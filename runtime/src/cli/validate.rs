@@ -68,6 +68,13 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             None => spec.path.display().to_string(),
         };
         println!("module `{}` ({from}): loaded", spec.name);
+        // Loading refuses a module from a registry unless this key verified its signature.
+        if let (Some(_), Some(key)) = (&spec.source, &spec.verify_key) {
+            println!(
+                "  signature verified by {} (cosign, ECDSA P-256)",
+                key.path.display()
+            );
+        }
         let interface = module.interface();
         let host: Vec<&str> = interface
             .imports

@@ -629,6 +629,20 @@ async fn a_module_with_a_verify_key_is_served_only_once_signed_with_that_key() {
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 1)
         .await
         .expect("served once signed");
+    // `validate` says whose signature it checked.
+    let file = node.registry(&signed_fuse_from(&line, &vendor_pub));
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["validate", "--config"])
+        .arg(&file)
+        .args(registry.args())
+        .output()
+        .expect("running devicelet validate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("  signature verified by {}", vendor_pub.display())),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (_, listed) = registry.inspect(&reference);
     assert!(
         listed.contains("signatures: 2 at"),
