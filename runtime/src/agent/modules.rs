@@ -157,8 +157,8 @@ pub fn plan(
             ));
         } else if let Some(owner) = taken.get(&name) {
             errors.push(format!(
-                "module `{}` declared {name}, which module `{owner}` already serves",
-                spec.name
+                "{}: module `{}` declared {name}, which module `{owner}` already serves",
+                spec.entry_at, spec.name
             ));
         } else if served.iter().any(|(n, _)| *n == name) {
             errors.push(format!("module `{}` declared {name} twice", spec.name));

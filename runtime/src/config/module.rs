@@ -70,6 +70,8 @@ pub struct ModuleSpec {
     /// `file:line` of the `[module.config]` table (of the `[[module]]` entry when there is
     /// none), so a module refusing its config sends the operator to the right line.
     pub config_at: String,
+    /// `file:line` of the `[[module]]` entry: errors about the entry as a whole point there.
+    pub entry_at: String,
     /// Which kubelet API serves the module's resources.
     pub front_end: FrontEnd,
 }
@@ -164,7 +166,8 @@ pub(super) fn parse(
     let mut needs_allocate_ahead = None;
     let mut grants = Grants::default();
     let mut config = serde_json::Value::Object(serde_json::Map::new());
-    let mut config_at = node.location();
+    let entry_at = node.location();
+    let mut config_at = entry_at.clone();
     let mut front_end = None;
     let mut dra_driver = None;
     // Device-plugin-only keys seen, by line, to refuse beside `front-end = "dra"`.
@@ -317,6 +320,7 @@ pub(super) fn parse(
             grants,
             config,
             config_at,
+            entry_at,
             front_end,
         },
         name_span,

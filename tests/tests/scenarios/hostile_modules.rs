@@ -304,10 +304,9 @@ async fn a_module_cannot_take_over_another_resource() {
     };
     let errors = agent.load_errors();
     assert!(
-        errors
-            .iter()
-            .any(|e| e.starts_with(&format!("module `{loser}` declared"))
-                && e.contains(&format!("module `{owner}` already serves"))),
+        errors.iter().any(|e| e.contains("registry.toml:")
+            && e.contains(&format!(": module `{loser}` declared"))
+            && e.contains(&format!("module `{owner}` already serves"))),
         "{errors:?}"
     );
     assert!(

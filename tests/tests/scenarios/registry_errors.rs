@@ -108,7 +108,10 @@ async fn validate_fails_wherever_run_would_refuse_something() {
                 misbehaving("first", r#"resource = "same""#, "1s"),
                 misbehaving("second", r#"resource = "same""#, "1s")
             ),
-            &["module `second` declared devicelet.io/same, which module `first` already serves"],
+            &[
+                "registry.toml:17: module `second` declared devicelet.io/same, which module \
+                 `first` already serves",
+            ],
         ),
         // Enumerate fails: run would advertise no devices.
         (
