@@ -67,15 +67,67 @@ pub struct DraDriverStatus {
     /// unprepared (its module is then empty).
     #[serde(default)]
     pub retiring: bool,
+    /// Each device as published (a group once, by its DRA name), with its health, why, and the
+    /// claim holding it.
+    #[serde(default)]
+    pub device_states: Vec<DraDeviceStatus>,
+}
+
+/// One DRA device of a driver.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraDeviceStatus {
+    /// Its name in the ResourceSlice.
+    pub name: String,
+    /// The module's IDs of it (a group's every member).
+    pub ids: Vec<String>,
+    pub healthy: bool,
+    pub reason: Option<String>,
+    /// The claims holding it (a claim's UID and its namespace/name), or the device-plugin
+    /// container still holding it.
+    pub holders: Vec<String>,
 }
 
 /// One DRA driver of `module`.
 pub(super) fn driver_status(
     d: &crate::dra::driver::RunningDriver,
     module: &str,
+    ledger: &crate::ledger::Ledger,
 ) -> DraDriverStatus {
     let devices = d.devices.borrow();
     let units = crate::dra::units::units(&devices);
+    // Containers of the device-plugin front end (a resource moved to DRA), and claims.
+    let containers = ledger.holders(&d.name);
+    let claims = ledger.claims_of(&d.driver);
+    let device_states = units
+        .iter()
+        .map(|u| {
+            let ids: Vec<String> = u.members.iter().map(|m| m.id.clone()).collect();
+            let mut held: Vec<String> = containers
+                .iter()
+                .filter(|(id, _)| ids.contains(id))
+                .filter_map(|(_, h)| h.as_ref().map(ToString::to_string))
+                .collect();
+            held.extend(
+                claims
+                    .iter()
+                    .filter(|(_, c)| {
+                        c.requests
+                            .iter()
+                            .any(|r| r.devices.iter().any(|(name, _)| *name == u.name))
+                    })
+                    .map(|(uid, c)| format!("{}/{} (claim {uid})", c.namespace, c.name)),
+            );
+            held.sort();
+            held.dedup();
+            DraDeviceStatus {
+                name: u.name.clone(),
+                healthy: u.healthy(),
+                reason: u.reason(),
+                holders: held,
+                ids,
+            }
+        })
+        .collect();
     let published = d.published.borrow();
     DraDriverStatus {
         driver: d.driver.clone(),
@@ -95,6 +147,7 @@ pub(super) fn driver_status(
         api_error: published.last_error.clone(),
         prepared_claims: d.claims.prepared(),
         retiring: false,
+        device_states,
     }
 }
 
@@ -270,7 +323,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
             .dra_drivers
             .extend(dra.retirees.each(|d| DraDriverStatus {
                 retiring: true,
-                ..driver_status(d, "")
+                ..driver_status(d, "", &shared.ledger)
             }));
     }
     status

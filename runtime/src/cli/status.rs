@@ -82,6 +82,27 @@ fn render(status: &Status) -> String {
                 .map(|e| format!("; API error: {e}"))
                 .unwrap_or_default()
         );
+        for device in &d.device_states {
+            let health = if device.healthy {
+                "Healthy"
+            } else {
+                "Unhealthy"
+            };
+            let held = if device.holders.is_empty() {
+                "free".to_owned()
+            } else {
+                device.holders.join(", ")
+            };
+            out += &format!(
+                "  {:<24} {:<9} {held} (module IDs {})\n",
+                device.name,
+                health,
+                device.ids.join(" ")
+            );
+            if let Some(reason) = device.reason.as_ref().filter(|_| !device.healthy) {
+                out += &format!("    unhealthy: {reason}\n");
+            }
+        }
         if d.taints_dropped {
             out += "  the API server drops device taints (DRADeviceTaints off): unhealthy devices \
                     are withdrawn from the pool instead of tainted\n";

@@ -520,6 +520,17 @@ async fn an_unhealthy_device_stays_in_its_slice_tainted_and_only_a_tolerating_cl
     let prepared = dra.prepare(BAD, "tolerant", &uid).await;
     assert_eq!(prepared.error, "", "{prepared:?}");
     assert_eq!(prepared.devices.len(), 1);
+    // `devicelet status` lists each device: unhealthy, why, and the claim holding it.
+    let states = agent.status().dra_drivers[0].device_states.clone();
+    assert_eq!(states.len(), 2, "{states:?}");
+    assert!(
+        states.iter().all(|d| !d.healthy && d.reason.is_some()),
+        "{states:?}"
+    );
+    let held: Vec<_> = states.iter().filter(|d| !d.holders.is_empty()).collect();
+    assert_eq!(held.len(), 1, "{states:?}");
+    assert_eq!(held[0].name, prepared.devices[0].device_name);
+    assert_eq!(held[0].holders, [format!("team-a/tolerant (claim {uid})")]);
     // A claim allocated the sick device without a toleration (a scheduler that ignores
     // taints) is refused, naming the taint.
     let sick = prepared.devices[0].device_name.as_str();

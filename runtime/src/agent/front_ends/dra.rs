@@ -155,12 +155,12 @@ impl FrontEnd for Drivers {
     fn status(
         &self,
         module: &str,
-        _: &crate::ledger::Ledger,
+        ledger: &crate::ledger::Ledger,
         out: &mut crate::agent::status::Status,
     ) {
         for d in &self.drivers {
             out.dra_drivers
-                .push(crate::agent::status::driver_status(d, module));
+                .push(crate::agent::status::driver_status(d, module, ledger));
         }
     }
 
