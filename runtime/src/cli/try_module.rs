@@ -185,7 +185,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     let registry_file = work.path().join("registry.toml");
     let (text, header) = registry_text(tree.root(), &module, &config, &keys, args.dra);
     std::fs::write(&registry_file, text)?;
-    let registry = Registry::load(&registry_file).map_err(|e| {
+    let mut registry = Registry::load(&registry_file).map_err(|e| {
         anyhow::anyhow!(relocate(
             &e.to_string(),
             &registry_file,
@@ -193,6 +193,19 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
             header
         ))
     })?;
+    // Every error the agent logs about the entry names the operator's file, not the scratch
+    // copy (gone by the time they read it).
+    if let Some(config) = config_path {
+        for spec in &mut registry.modules {
+            for at in [&mut spec.config_at, &mut spec.entry_at] {
+                *at = relocate(at, &registry_file, Some(config), header);
+                if at.starts_with(&registry_file.display().to_string()) {
+                    // A line try wrote itself: the operator's file as a whole.
+                    *at = config.display().to_string();
+                }
+            }
+        }
+    }
     if let Some(spec) = registry.modules.first()
         && crate::agent::front_ends::kind_of(spec).needs_api_server()
     {

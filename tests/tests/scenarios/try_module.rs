@@ -150,6 +150,8 @@ async fn try_says_what_is_wrong_and_where() {
     let line = CONFIG.lines().count() + 2;
     assert!(e.contains(&format!("amd.toml:{line})")), "{e}");
     assert!(e.contains("unknown field `resourse`"), "{e}");
+    // Only there: neither the error nor the agent's log names try's scratch registry.
+    assert!(!e.contains("registry.toml"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
