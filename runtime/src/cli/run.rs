@@ -88,6 +88,23 @@ pub enum RegistrationRoute {
     PluginWatcher,
 }
 
+/// A `host-root` that is a fixture node as `try` takes it (`sys/` and a `dev.list`, no `dev/`)
+/// has no device nodes: every module would find its devices missing and say only that. `run`
+/// serves a node's real `/dev`; the fixture is for `try` and `validate`, which make its nodes.
+fn refuse_a_bare_fixture(host_root: &std::path::Path) -> anyhow::Result<()> {
+    if host_root.join("dev.list").is_file() && !host_root.join("dev").is_dir() {
+        anyhow::bail!(
+            "host-root {} is a fixture node (a dev.list and no dev/): `run` serves a node's real \
+             device nodes, so every device would be missing. Try a module on it with `devicelet \
+             try --module M.wasm --fixture {}` (which makes its device nodes), or check a \
+             registry with `devicelet validate` (which does too)",
+            host_root.display(),
+            host_root.display()
+        );
+    }
+    Ok(())
+}
+
 /// How long start-up may take before the binary's start-up pages are released anyway: long
 /// past any warm start (milliseconds) or cold compile (seconds), and still soon enough that an
 /// agent kept unready (a kubelet not up, a failing pull) does not hold them for its lifetime.
@@ -95,6 +112,7 @@ const START_UP_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let registry = Registry::load(&args.config)?;
+    refuse_a_bare_fixture(&registry.host_root)?;
     let mut options = AgentOptions::new(registry, args.kubelet_dir);
     let cache_dir = args
         .cache_dir

@@ -478,6 +478,24 @@ dev = ["/dev/kfd", "/dev/dri/*"]
     );
     assert!(text.contains("2 devices, 2 healthy"), "{text}");
     assert!(!text.contains("none is Healthy"), "{text}");
+
+    // `run` on the same registry refuses at once, saying what to use instead.
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["run", "--config"])
+        .arg(&file)
+        .args(["--kubelet-dir"])
+        .arg(dir.path().join("kubelet"))
+        .args(["--state-dir"])
+        .arg(dir.path().join("state"))
+        .output()
+        .expect("running devicelet run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is a fixture node (a dev.list and no dev/)")
+            && stderr.contains("devicelet try --module M.wasm --fixture"),
+        "{stderr}"
+    );
 }
 
 /// `--log module=NAME:LEVEL` shows one module's own lines (they come from the agent's `log`
