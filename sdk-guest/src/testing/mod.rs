@@ -41,7 +41,9 @@
 //! `sys/` holds files and symlinks as on a node (git keeps both), and `dev.list` lists the
 //! device nodes, one per line, `c <major>:<minor> /dev/<path>` (`b` for block devices; `#`
 //! starts a comment), since a repository cannot hold device nodes. `devicelet try --fixture`
-//! reads the same layout.
+//! reads the same layout. Changes while the module runs ([`FakeHost::set_file`] and the like)
+//! go through the symlinks on their way, as writes on a node do: a file set by its
+//! `/sys/bus/pci/devices/…` path is the one the module reads by either path.
 
 mod nvml;
 pub use nvml::FakeNvml;
@@ -255,9 +257,22 @@ impl FakeHost {
         self.logs.borrow().clone()
     }
 
+    /// Puts `entry` at `path` as writing there on a node would: through the symlinks on the
+    /// way (`/sys/bus/pci/devices/0000:03:00.0/x` lands in `/sys/devices/…/0000:03:00.0/x`),
+    /// so what a module reads back through either path is what was set. A path whose links
+    /// lead out of its tree is refused loudly: the module could never read it.
     fn insert(&self, path: &str, entry: Entry) {
         assert!(is_normal(path), "{path} is not an absolute, normal path");
-        self.tree.borrow_mut().insert(path.to_owned(), entry);
+        let area = ["/sys", "/dev"]
+            .into_iter()
+            .find(|a| path == *a || path.starts_with(&format!("{a}/")));
+        let at = match area {
+            Some(area) => self.resolve(area, path, false).unwrap_or_else(|e| {
+                panic!("{path}: its symlinks lead where no module can read it ({e:?})")
+            }),
+            None => path.to_owned(),
+        };
+        self.tree.borrow_mut().insert(at, entry);
     }
 
     fn read_tree(&self, dir: &Path, logical: &str) -> std::io::Result<()> {
@@ -845,6 +860,41 @@ mod tests {
                 .char_device("/dev/dri/renderD128", 226, 128)
                 .char_device("/dev/dri/card0", 226, 0),
         )
+    }
+
+    #[test]
+    fn a_file_set_through_a_symlinked_path_is_what_the_module_reads_through_either_path() {
+        let host = pci_node();
+        // As a test changes a real node's sysfs: through the link a module reads by.
+        host.set_file("/sys/bus/pci/devices/0000:03:00.0/vendor", "0x10de\n");
+        host.set_file("/sys/bus/pci/devices/0000:03:00.0/power_state", "D3cold\n");
+        with_host(&host, || {
+            assert_eq!(
+                sysfs::read_to_string("/sys/bus/pci/devices/0000:03:00.0/vendor").unwrap(),
+                "0x10de"
+            );
+            assert_eq!(
+                sysfs::read_to_string("/sys/bus/pci/devices/0000:03:00.0/power_state").unwrap(),
+                "D3cold"
+            );
+        });
+        // It landed at the link's target, not beside the link.
+        assert!(matches!(
+            host.entry("/sys/devices/pci0000:00/0000:03:00.0/power_state"),
+            Some(Entry::File(_))
+        ));
+        assert!(
+            host.entry("/sys/bus/pci/devices/0000:03:00.0/power_state")
+                .is_none()
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "its symlinks lead where no module can read it")]
+    fn a_file_set_through_a_link_out_of_its_tree_is_refused_loudly() {
+        let host = pci_node();
+        host.set_symlink("/sys/bus/pci/devices/escape", "/etc");
+        host.set_file("/sys/bus/pci/devices/escape/passwd", "x");
     }
 
     #[test]
