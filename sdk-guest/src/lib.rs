@@ -388,12 +388,54 @@ impl Device {
         self
     }
 
-    /// The value of the text attribute `name`, if the device has one (for tests).
+    /// The value of the text attribute `name`, if the device has one (for tests; see also
+    /// [`int`](Self::int), [`boolean`](Self::boolean), [`version`](Self::version),
+    /// [`capacity_of`](Self::capacity_of) and [`value`](Self::value)).
     pub fn text(&self, name: &str) -> Option<&str> {
-        self.attributes.iter().find_map(|a| match &a.value {
-            AttributeValue::Text(t) if a.name == name => Some(t.as_str()),
+        match self.value(name)? {
+            AttributeValue::Text(t) => Some(t.as_str()),
             _ => None,
-        })
+        }
+    }
+
+    /// The attribute `name`, whatever its type.
+    pub fn value(&self, name: &str) -> Option<&AttributeValue> {
+        self.attributes
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| &a.value)
+    }
+
+    /// The integer attribute `name`.
+    pub fn int(&self, name: &str) -> Option<i64> {
+        match self.value(name)? {
+            AttributeValue::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+
+    /// The boolean attribute `name`.
+    pub fn boolean(&self, name: &str) -> Option<bool> {
+        match self.value(name)? {
+            AttributeValue::Boolean(b) => Some(*b),
+            _ => None,
+        }
+    }
+
+    /// The version attribute `name` (`1.2.3`).
+    pub fn version(&self, name: &str) -> Option<&str> {
+        match self.value(name)? {
+            AttributeValue::Version(v) => Some(v.as_str()),
+            _ => None,
+        }
+    }
+
+    /// The quantity of the capacity `name` (`80Gi`).
+    pub fn capacity_of(&self, name: &str) -> Option<&str> {
+        self.capacities
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.value.as_str())
     }
 
     /// Adds a semantic-version fact (`1.2.3`, no leading `v`).
@@ -1041,6 +1083,27 @@ mod tests {
         let got = default_preferred(&ids(&["a", "b", "a"]), &ids(&["x", "b", "b"]), 3);
         assert_eq!(got, ids(&["b", "a"]));
         assert!(default_preferred(&ids(&["a"]), &[], 0).is_empty());
+    }
+
+    #[test]
+    fn a_device_s_facts_read_back_by_their_type() {
+        let d = Device::healthy("gpu-0")
+            .attribute("model", "MI300X")
+            .attribute("cores", 304i64)
+            .attribute("mig", true)
+            .version_attribute("firmware", "1.2.3")
+            .capacity("memory", "192Gi");
+        assert_eq!(d.text("model"), Some("MI300X"));
+        assert_eq!(d.int("cores"), Some(304));
+        assert_eq!(d.boolean("mig"), Some(true));
+        assert_eq!(d.version("firmware"), Some("1.2.3"));
+        assert_eq!(d.capacity_of("memory"), Some("192Gi"));
+        // The wrong type, or no such fact: None.
+        assert_eq!(
+            (d.int("model"), d.text("cores"), d.capacity_of("model")),
+            (None, None, None)
+        );
+        assert!(matches!(d.value("cores"), Some(AttributeValue::Int(304))));
     }
 
     #[test]
