@@ -30,7 +30,7 @@ pub struct Secured {
 pub const USER: (&str, &str) = ("vendor", "s3cret-pass");
 
 /// `127.0.0.1:<a port free now>`.
-fn free_addr() -> String {
+pub fn free_addr() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")

@@ -788,3 +788,57 @@ async fn a_registry_behind_the_token_flow_serves_with_a_bearer_token_for_good_cr
     assert!(token.issued.load(std::sync::atomic::Ordering::Relaxed) > pushing);
     agent.shutdown().await;
 }
+
+/// `scripts/local-registry.sh`, as the vendor guide tells a vendor to start a registry: it
+/// serves, and `module push` reaches it with `--insecure-registry`.
+#[test]
+fn the_local_registry_script_serves_what_module_push_pushes() {
+    use std::io::{Read, Write};
+    let (dir, addr) = (
+        tempfile::tempdir().expect("tempdir"),
+        devicelet_tests::oci::free_addr(),
+    );
+    let mut registry = std::process::Command::new(
+        devicelet_tests::workspace_root().join("scripts/local-registry.sh"),
+    )
+    .arg(&addr)
+    .arg(dir.path())
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .expect("running scripts/local-registry.sh");
+    let answers = || {
+        let Ok(mut stream) = std::net::TcpStream::connect(&addr) else {
+            return false;
+        };
+        let mut answer = String::new();
+        stream
+            .write_all(format!("GET /v2/ HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .is_ok()
+            && stream.read_to_string(&mut answer).is_ok()
+            && answer.starts_with("HTTP/1.0 200")
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    while !answers() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the script's registry never answered"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["module", "push"])
+        .arg(module_dir().join("generic_dev.wasm"))
+        .arg(format!("oci://{addr}/devicelet/generic-dev:0.1.0"))
+        .args(["--insecure-registry", &addr])
+        .output()
+        .expect("running devicelet module push");
+    let _ = registry.kill();
+    let _ = registry.wait();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("registry line: "),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
