@@ -44,6 +44,9 @@ pub const MAX_DEVICES_PER_SLICE: usize = 128;
 pub const MAX_TAINTED_DEVICES_PER_SLICE: usize = 64;
 /// The standard attribute for a device's PCI address (KEP-4381).
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+/// The standard attribute for a device's NUMA node (KEP-6072; the scalar form, which needs no
+/// feature gate), so a claim can `matchAttribute` devices of different drivers on one node.
+pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 
 /// What the publisher has done, for status and metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -260,6 +263,19 @@ fn api_device(d: &Device) -> ApiDevice {
             PCI_BUS_ID.to_string(),
             DeviceAttribute {
                 string: Some(address),
+                ..DeviceAttribute::default()
+            },
+        );
+    }
+    // Its one NUMA node (the module's, or the one sysfs gives): none for a device without
+    // affinity, nor for one spanning several (the scalar form cannot say that).
+    if let [node] = d.numa_nodes[..]
+        && node >= 0
+    {
+        attributes.insert(
+            NUMA_NODE.to_string(),
+            DeviceAttribute {
+                int: Some(node),
                 ..DeviceAttribute::default()
             },
         );
@@ -662,6 +678,7 @@ mod tests {
             ("bad name!".into(), AttributeValue::Text("x".into())),
         ];
         gpu.capacities = vec![("memory".into(), "80Gi".into())];
+        gpu.numa_nodes = vec![1];
         let mut sick = Device::new("gpu-1", Health::Unhealthy);
         sick.health_reason = Some("XID 79".into());
         let both = [gpu, sick];
@@ -694,6 +711,7 @@ mod tests {
             attributes[PCI_BUS_ID].string.as_deref(),
             Some("0000:3b:00.0")
         );
+        assert_eq!(attributes[NUMA_NODE].int, Some(1));
         assert_eq!(attributes["cores"].int, Some(96));
         assert_eq!(attributes["mig"].bool, Some(true));
         assert_eq!(
@@ -702,6 +720,26 @@ mod tests {
         );
         assert!(!attributes.keys().any(|k| k.contains("bad")));
         assert_eq!(d.capacity.as_ref().unwrap()["memory"].value.0, "80Gi");
+    }
+
+    #[test]
+    fn the_numa_node_is_published_only_when_there_is_exactly_one() {
+        let numa = |nodes: &[i64]| {
+            let mut d = Device::new("d", Health::Healthy);
+            d.numa_nodes = nodes.to_vec();
+            api_device(&d)
+                .attributes
+                .and_then(|a| a.get(NUMA_NODE).and_then(|v| v.int))
+        };
+        assert_eq!(numa(&[0]), Some(0));
+        assert_eq!(numa(&[3]), Some(3));
+        assert_eq!(numa(&[]), None, "no affinity");
+        assert_eq!(numa(&[-1]), None, "no affinity, as sysfs says it");
+        assert_eq!(
+            numa(&[0, 1]),
+            None,
+            "two nodes: the scalar form cannot say it"
+        );
     }
 
     #[test]
