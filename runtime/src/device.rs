@@ -81,6 +81,9 @@ pub struct Device {
     /// What a container needs for this device alone: with them for every device of a request,
     /// the host answers Allocate without calling the module.
     pub edits: Option<ContainerEdits>,
+    /// The PCIe root complex (`pci0000:00`) sysfs puts a PCI device under: the host's, never
+    /// the module's (`policy::topology`); DRA publishes it as `resource.kubernetes.io/pcieRoot`.
+    pub pcie_root: Option<String>,
 }
 
 impl Device {
@@ -97,6 +100,7 @@ impl Device {
             group: None,
             exclusive: false,
             edits: None,
+            pcie_root: None,
         }
     }
 

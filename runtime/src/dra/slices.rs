@@ -44,6 +44,9 @@ pub const MAX_DEVICES_PER_SLICE: usize = 128;
 pub const MAX_TAINTED_DEVICES_PER_SLICE: usize = 64;
 /// The standard attribute for a device's PCI address (KEP-4381).
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+/// The standard attribute for the PCIe root complex a device is under (`pci0000:00`), so a
+/// claim can `matchAttribute` devices of different drivers under one root.
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// The standard attribute for a device's NUMA node (KEP-6072; the scalar form, which needs no
 /// feature gate), so a claim can `matchAttribute` devices of different drivers on one node.
 pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
@@ -263,6 +266,15 @@ fn api_device(d: &Device) -> ApiDevice {
             PCI_BUS_ID.to_string(),
             DeviceAttribute {
                 string: Some(address),
+                ..DeviceAttribute::default()
+            },
+        );
+    }
+    if let Some(root) = &d.pcie_root {
+        attributes.insert(
+            PCIE_ROOT.to_string(),
+            DeviceAttribute {
+                string: Some(root.clone()),
                 ..DeviceAttribute::default()
             },
         );
@@ -679,6 +691,7 @@ mod tests {
         ];
         gpu.capacities = vec![("memory".into(), "80Gi".into())];
         gpu.numa_nodes = vec![1];
+        gpu.pcie_root = Some("pci0000:3a".into());
         let mut sick = Device::new("gpu-1", Health::Unhealthy);
         sick.health_reason = Some("XID 79".into());
         let both = [gpu, sick];
@@ -712,6 +725,7 @@ mod tests {
             Some("0000:3b:00.0")
         );
         assert_eq!(attributes[NUMA_NODE].int, Some(1));
+        assert_eq!(attributes[PCIE_ROOT].string.as_deref(), Some("pci0000:3a"));
         assert_eq!(attributes["cores"].int, Some(96));
         assert_eq!(attributes["mig"].bool, Some(true));
         assert_eq!(

@@ -5,7 +5,9 @@
 //! device's `numa_node`, and a character device's through `/sys/dev/char/<major>:<minor>/device`.
 //! So a device with no NUMA node whose attributes name a PCI address (`pci-address`, e.g.
 //! `0000:3b:00.0`) or a character device (`dev`, `<major>:<minor>`) gets the node sysfs gives
-//! (`-1`, a missing file or anything unreadable: none). The attribute values are checked before
+//! (`-1`, a missing file or anything unreadable: none). A PCI device also gets the PCIe root
+//! complex its sysfs link goes through (`../../../devices/pci0000:00/…` → `pci0000:00`), which
+//! DRA publishes as `resource.kubernetes.io/pcieRoot`. The attribute values are checked before
 //! they become paths, so a module cannot point the host at any other file.
 
 use std::collections::HashMap;
@@ -27,11 +29,16 @@ const MAX_REMEMBERED: usize = 16_384;
 #[derive(Debug, Default)]
 pub struct TopologyCache {
     known: Mutex<HashMap<String, Option<i64>>>,
+    /// PCIe roots by PCI address, once found.
+    roots: Mutex<HashMap<String, String>>,
 }
 
 impl TopologyCache {
     /// Gives every device without NUMA nodes the node sysfs names for it, if any.
     pub fn fill(&self, devices: &mut [Device], host_root: &Path) {
+        for device in devices.iter_mut() {
+            device.pcie_root = pci_address(device).and_then(|a| self.root(&a, host_root));
+        }
         for device in devices.iter_mut().filter(|d| d.numa_nodes.is_empty()) {
             let Some(file) = sysfs_file(device) else {
                 continue;
@@ -39,6 +46,25 @@ impl TopologyCache {
             let node = self.node(&file, host_root);
             device.numa_nodes.extend(node);
         }
+    }
+
+    /// The PCIe root complex of the PCI device at `address`, from its sysfs link.
+    fn root(&self, address: &str, host_root: &Path) -> Option<String> {
+        let roots = || {
+            self.roots
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        if let Some(root) = roots().get(address) {
+            return Some(root.clone());
+        }
+        let link = host_root.join("sys/bus/pci/devices").join(address);
+        let root = pcie_root_of(&std::fs::read_link(link).ok()?)?;
+        let mut known = roots();
+        if known.len() < MAX_REMEMBERED {
+            known.insert(address.to_owned(), root.clone());
+        }
+        Some(root)
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<i64>>> {
@@ -63,6 +89,31 @@ impl TopologyCache {
         }
         read.flatten()
     }
+}
+
+/// The root complex a PCI device's sysfs link goes through: the `pci<domain>:<bus>` directory
+/// under `devices/` (`../../../devices/pci0000:00/0000:00:01.0/0000:03:00.0` → `pci0000:00`).
+fn pcie_root_of(link: &Path) -> Option<String> {
+    let text = link.to_str()?;
+    let rest = &text[text.find("devices/")? + "devices/".len()..];
+    let root = rest.split('/').next()?;
+    let (domain, bus) = root.strip_prefix("pci")?.split_once(':')?;
+    let hex = |s: &str, len: std::ops::RangeInclusive<usize>| {
+        len.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_hexdigit())
+    };
+    (hex(domain, 4..=8) && hex(bus, 2..=2)).then(|| root.to_owned())
+}
+
+/// A device's well-formed `pci-address`.
+fn pci_address(device: &Device) -> Option<String> {
+    device
+        .attributes
+        .iter()
+        .find(|(k, _)| k == PCI_ADDRESS)
+        .and_then(|(_, v)| match v {
+            crate::device::AttributeValue::Text(t) if is_pci_address(t) => Some(t.clone()),
+            _ => None,
+        })
 }
 
 /// The sysfs `numa_node` file a device's attributes point at, when they are well formed.
@@ -206,5 +257,38 @@ mod tests {
         write(root.path(), "sys/dev/char/3:4/device/numa_node", "0");
         cache.fill(&mut late, root.path());
         assert_eq!(late[0].numa_nodes, [0], "a driver bound since");
+    }
+
+    #[test]
+    fn a_pci_device_gets_the_pcie_root_its_sysfs_link_goes_through() {
+        let root = tempfile::tempdir().unwrap();
+        let devices_dir = root.path().join("sys/bus/pci/devices");
+        std::fs::create_dir_all(&devices_dir).unwrap();
+        let link = |address: &str, target: &str| {
+            std::os::unix::fs::symlink(target, devices_dir.join(address)).unwrap();
+        };
+        link(
+            "0000:03:00.0",
+            "../../../devices/pci0000:00/0000:00:01.0/0000:03:00.0",
+        );
+        link(
+            "10000:e1:00.0",
+            "../../../devices/pci10000:e0/10000:e0:01.0/10000:e1:00.0",
+        );
+        link("0000:04:00.0", "../../../devices/platform/odd/0000:04:00.0");
+        let mut devices = vec![
+            device(&[(PCI_ADDRESS, "0000:03:00.0")], &[0]),
+            device(&[(PCI_ADDRESS, "10000:e1:00.0")], &[]),
+            device(&[(PCI_ADDRESS, "0000:04:00.0")], &[]),
+            device(&[(PCI_ADDRESS, "0000:05:00.0")], &[]),
+            device(&[(CHAR_DEV, "10:229")], &[]),
+        ];
+        TopologyCache::default().fill(&mut devices, root.path());
+        let roots: Vec<Option<&str>> = devices.iter().map(|d| d.pcie_root.as_deref()).collect();
+        assert_eq!(
+            roots,
+            [Some("pci0000:00"), Some("pci10000:e0"), None, None, None],
+            "a VMD domain's root too; none without a root complex or a link"
+        );
     }
 }

@@ -114,6 +114,12 @@ dev = ["/dev/kfd", "/dev/dri/*"]
         .map(|d| attribute(d, "resource.kubernetes.io/pciBusID"))
         .collect();
     assert_eq!(buses, [&json!("0000:03:00.0"), &json!("0000:23:00.0")]);
+    // Each under its own root complex, as the fixture's sysfs links say.
+    let roots: Vec<&Value> = devices
+        .iter()
+        .map(|d| attribute(d, "resource.kubernetes.io/pcieRoot"))
+        .collect();
+    assert_eq!(roots, [&json!("pci0000:02"), &json!("pci0000:22")]);
 
     let device = devices[0]["name"].as_str().expect("a name");
     let container = claim_and_resolve(&dra, "gpu.amd.com", device).await;

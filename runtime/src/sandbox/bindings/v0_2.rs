@@ -104,6 +104,7 @@ impl From<wit::Device> for Device {
             group: d.group,
             exclusive: d.exclusive,
             edits: d.edits.map(ContainerEdits::from),
+            pcie_root: None,
         }
     }
 }
