@@ -65,7 +65,7 @@ pub struct Published {
     /// The last error, until a sync succeeds.
     pub last_error: Option<String>,
     /// The API server dropped the health taints the publisher wrote (DRADeviceTaints off), so
-    /// unhealthy devices are withdrawn from the pool instead, until the agent restarts.
+    /// unhealthy devices are withdrawn from the pool instead, until the driver starts again.
     pub taints_dropped: bool,
 }
 
