@@ -559,3 +559,35 @@ async fn every_socket_answers_whatever_authority_the_client_sends() {
         .expect("registered again");
     agent.shutdown().await;
 }
+
+/// `devicelet demo`, the README's first command: the reference module through the device-plugin
+/// API (registration, allocations, a hot-unplug) and then through DRA (a driver, its slice, a
+/// claim prepared with its CDI devices and status, then unprepared).
+#[test]
+fn the_demo_shows_the_module_through_both_kubelet_apis() {
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .args(["--log", "error", "demo", "--module-dir"])
+        .arg(devicelet_tests::module_dir())
+        .output()
+        .expect("running devicelet demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for step in [
+        "registered devicelet.io/fuse",
+        "allocated 2 × devicelet.io/fuse",
+        "PreStartContainer: ok",
+        "new snapshot of devicelet.io/serial: ttyUSB0 (Healthy)",
+        "registered DRA driver serial.devicelet.io with the kubelet",
+        "serial.devicelet.io: pool generation 1, 1 device(s) published",
+        "prepared by serial.devicelet.io",
+        "Ready=True",
+        "unprepared: its CDI spec removed",
+        "\ndone",
+    ] {
+        assert!(text.contains(step), "{step:?} in:\n{text}");
+    }
+}

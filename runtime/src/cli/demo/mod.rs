@@ -1,5 +1,8 @@
 //! `devicelet demo`: the agent with the reference module, a fixture device tree and the kubelet
-//! simulator, all in one process, showing registration, devices, allocations and a hot-unplug.
+//! simulator, all in one process, showing registration, devices, allocations and a hot-unplug
+//! through the device-plugin API; then the same module through Dynamic Resource Allocation: a
+//! driver registered, its ResourceSlice published, a claim allocated by the scheduler's rules,
+//! prepared (CDI devices, the claim's status) and unprepared.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -14,6 +17,7 @@ use crate::metrics::http::get;
 use devicelet_simulator::Simulator;
 
 const REGISTRY: &str = include_str!("registry.toml");
+const DRA_REGISTRY: &str = include_str!("dra.toml");
 const WAIT: Duration = Duration::from_secs(10);
 
 #[derive(clap::Args, Debug)]
@@ -33,14 +37,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     println!("fixture node tree: {}", tree.root().display());
 
     let module_dir = std::path::absolute(&args.module_dir)?;
-    let registry_file = work.path().join("registry.toml");
-    std::fs::write(
-        &registry_file,
-        REGISTRY
-            .replace("@HOST_ROOT@", &tree.root().display().to_string())
-            .replace("@MODULE_DIR@", &module_dir.display().to_string()),
-    )?;
-    let registry = Registry::load(&registry_file)?;
+    let registry_of = |text: &str, file: std::path::PathBuf| -> anyhow::Result<Registry> {
+        std::fs::write(
+            &file,
+            text.replace("@HOST_ROOT@", &tree.root().display().to_string())
+                .replace("@MODULE_DIR@", &module_dir.display().to_string()),
+        )?;
+        Ok(Registry::load(&file)?)
+    };
+    let registry = registry_of(REGISTRY, work.path().join("registry.toml"))?;
 
     let plugin_dir = work.path().join("device-plugins");
     let kubelet = Simulator::start(&plugin_dir).await?;
@@ -123,6 +128,22 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     agent.shutdown().await;
     kubelet.shutdown().await;
+
+    println!("\n— the same module through Dynamic Resource Allocation —");
+    let dra = work.path().join("dra");
+    std::fs::create_dir_all(&dra)?;
+    let registry = registry_of(DRA_REGISTRY, dra.join("registry.toml"))?;
+    super::try_dra::run(super::try_dra::Trial {
+        work: &dra,
+        registry,
+        allocate: 1,
+        once: true,
+        libraries: crate::nvml::Libraries::default(),
+        changed: None,
+        reload: &|| {},
+    })
+    .await
+    .context("the DRA part")?;
     println!("\ndone");
     Ok(())
 }
