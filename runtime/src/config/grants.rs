@@ -45,7 +45,7 @@ impl Grants {
     }
 }
 
-const KEYS: &[&str] = &["sysfs", "dev", "mounts", "libraries"];
+pub(super) const KEYS: &[&str] = &["sysfs", "dev", "mounts", "libraries"];
 
 /// Reads a `[module.grants]` table.
 pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {

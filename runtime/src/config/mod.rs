@@ -70,3 +70,19 @@ pub use oci_source::OciSource;
 pub use registry::Registry;
 pub use sharing::{MAX_REPLICAS, ShareRule, Sharing};
 pub use verify_key::VerifyKey;
+
+/// Every key the registry takes, by the table it goes in (`""` for the top level): what the
+/// docs must cover (a test holds the README and `docs/` to it).
+pub fn registry_keys() -> Vec<(&'static str, &'static str)> {
+    let tables: [(&'static str, &[&'static str]); 5] = [
+        ("", registry::KEYS),
+        ("module", module::KEYS),
+        ("module.grants", grants::KEYS),
+        ("module.sharing", sharing::KEYS),
+        ("module.sharing.resources.<name>", sharing::RESOURCE_KEYS),
+    ];
+    tables
+        .into_iter()
+        .flat_map(|(table, keys)| keys.iter().map(move |k| (table, *k)))
+        .collect()
+}

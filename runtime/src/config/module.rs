@@ -90,7 +90,7 @@ pub enum FrontEnd {
     Dra { driver: Option<String> },
 }
 
-const KEYS: &[&str] = &[
+pub(super) const KEYS: &[&str] = &[
     "name",
     "path",
     "source",

@@ -27,7 +27,7 @@ pub struct Registry {
     pub modules: Vec<ModuleSpec>,
 }
 
-const KEYS: &[&str] = &["host-root", "resource-domain", "module"];
+pub(super) const KEYS: &[&str] = &["host-root", "resource-domain", "module"];
 
 impl Registry {
     /// Reads and validates the registry at `path`.

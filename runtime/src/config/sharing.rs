@@ -72,13 +72,13 @@ impl Sharing {
     }
 }
 
-const KEYS: &[&str] = &[
+pub(super) const KEYS: &[&str] = &[
     "replicas",
     "rename",
     "fail-requests-greater-than-one",
     "resources",
 ];
-const RESOURCE_KEYS: &[&str] = &[
+pub(super) const RESOURCE_KEYS: &[&str] = &[
     "replicas",
     "rename",
     "fail-requests-greater-than-one",

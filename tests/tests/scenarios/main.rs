@@ -9,6 +9,7 @@ mod cdi;
 mod compile_cache;
 mod container_image;
 mod deploy_manifests;
+mod documentation;
 mod dra;
 mod dra_modules;
 mod hostile_modules;
