@@ -153,6 +153,12 @@ impl ApiError {
 }
 
 impl Store {
+    /// A UID no other object (or share) of this server has, as the API server makes them.
+    pub(crate) fn next_uid(&mut self) -> String {
+        self.uids += 1;
+        format!("00000000-0000-4000-8000-{:012x}", self.uids)
+    }
+
     pub(crate) fn next_version(&mut self) -> String {
         self.resource_version += 1;
         self.resource_version.to_string()
@@ -193,8 +199,7 @@ impl Store {
                 message: format!("{} {name:?} already exists", kind.qualified()),
             });
         }
-        self.uids += 1;
-        let uid = format!("00000000-0000-4000-8000-{:012x}", self.uids);
+        let uid = self.next_uid();
         meta.insert("name".into(), json!(name));
         meta.insert("uid".into(), json!(uid));
         meta.insert("generation".into(), json!(1));

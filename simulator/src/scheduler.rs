@@ -5,7 +5,7 @@
 
 use serde_json::{Value, json};
 
-use crate::apiserver::{ApiHandle, Kind};
+use crate::apiserver::{ApiHandle, Kind, Store};
 use crate::claim_allocator::{self, Allocated, DeviceRequest};
 
 impl ApiHandle {
@@ -30,13 +30,7 @@ impl ApiHandle {
     /// What claims leave of the counter sets and shared capacities of `driver`'s pools on
     /// `node`.
     pub fn left(&self, driver: &str, node: &str) -> claim_allocator::Left {
-        let store = self.lock();
-        let selector = [
-            ("spec.driver".to_owned(), driver.to_owned()),
-            ("spec.nodeName".to_owned(), node.to_owned()),
-        ];
-        let slices = store.list(Kind::ResourceSlice, None, &selector);
-        let allocated = Allocated::of(&store.list(Kind::ResourceClaim, None, &[]), driver);
+        let (slices, allocated) = pools_of(&self.lock(), driver, node);
         claim_allocator::left(&slices, &allocated)
     }
 
@@ -73,22 +67,9 @@ impl ApiHandle {
         request: &DeviceRequest,
     ) -> Result<Value, String> {
         let mut store = self.lock();
-        let selector = [
-            ("spec.driver".to_owned(), driver.to_owned()),
-            ("spec.nodeName".to_owned(), node.to_owned()),
-        ];
-        let slices = store.list(Kind::ResourceSlice, None, &selector);
-        let allocated = Allocated::of(&store.list(Kind::ResourceClaim, None, &[]), driver);
-        let mut shares = 0u64;
-        let base = store.next_version();
-        let chosen = claim_allocator::allocate(&slices, &allocated, request, || {
-            shares += 1;
-            format!(
-                "00000000-0000-4000-a000-{:06x}{shares:06x}",
-                base.parse::<u64>().unwrap_or(0)
-            )
-        })
-        .map_err(|short| {
+        let (slices, allocated) = pools_of(&store, driver, node);
+        let chosen = claim_allocator::allocate(&slices, &allocated, request, || store.next_uid())
+            .map_err(|short| {
             let mut why = format!(
                 "cannot allocate {} device(s) of driver {driver} on node {node}: {} free in its \
                  complete pools",
@@ -154,6 +135,17 @@ impl ApiHandle {
             )
             .map_err(|e| e.message)
     }
+}
+
+/// `driver`'s slices on `node`, and what every claim holds of its devices.
+fn pools_of(store: &Store, driver: &str, node: &str) -> (Vec<Value>, Allocated) {
+    let selector = [
+        ("spec.driver".to_owned(), driver.to_owned()),
+        ("spec.nodeName".to_owned(), node.to_owned()),
+    ];
+    let slices = store.list(Kind::ResourceSlice, None, &selector);
+    let allocated = Allocated::of(&store.list(Kind::ResourceClaim, None, &[]), driver);
+    (slices, allocated)
 }
 
 #[cfg(test)]

@@ -577,17 +577,8 @@ impl<B: DeviceBackend> Claims<B> {
             }) else {
                 return refused(format!("device {name:?} is not one this driver publishes"));
             };
-            if let Some(sick) = members
-                .iter()
-                .find(|d| d.health != crate::device::Health::Healthy)
-            {
-                let why = sick.health_reason.as_deref().unwrap_or("unhealthy");
-                // As `Unit::reason` words it, so the taint is the one published.
-                let reason = if members.len() > 1 && sick.id != members[0].id {
-                    format!("{}: {why}", sick.id)
-                } else {
-                    why.to_owned()
-                };
+            // Worded as the published taint's, so a toleration of it matches here too.
+            if let Some(reason) = super::units::reason_of(&members) {
                 let taint = super::taints::health_taint(Some(&reason));
                 let tolerated = tolerations
                     .get(name)

@@ -28,14 +28,21 @@ impl Unit<'_> {
 
     /// The first unhealthy member's reason, naming that member when it is not the first.
     pub fn reason(&self) -> Option<String> {
-        let sick = self.members.iter().find(|d| d.health != Health::Healthy)?;
-        let why = sick.health_reason.as_deref().unwrap_or("unhealthy");
-        Some(if sick.id == self.first.id {
-            why.to_owned()
-        } else {
-            format!("{}: {why}", sick.id)
-        })
+        reason_of(&self.members)
     }
+}
+
+/// Why a unit of `members` (its first member first) is unhealthy: its first unhealthy member's
+/// reason, naming that member when it is not the first. What the health taint's value and
+/// prepare's refusal both say.
+pub fn reason_of(members: &[&Device]) -> Option<String> {
+    let sick = members.iter().find(|d| d.health != Health::Healthy)?;
+    let why = sick.health_reason.as_deref().unwrap_or("unhealthy");
+    Some(if members.first().is_some_and(|f| f.id == sick.id) {
+        why.to_owned()
+    } else {
+        format!("{}: {why}", sick.id)
+    })
 }
 
 /// The units of `snapshot`, by name.
