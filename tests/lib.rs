@@ -78,6 +78,8 @@ pub fn module_dir() -> &'static Path {
                 "vfio-pci",
                 "-p",
                 "wit-0-1-0",
+                "-p",
+                "wit-0-2-0",
             ])
             .status()
             .expect("running cargo to build the guest modules");

@@ -148,6 +148,12 @@ pub fn is_qualified_name(key: &str) -> bool {
         && is_qualified_name_part(name)
 }
 
+/// `IsValidLabelValue`: empty, or at most 63 bytes of `[A-Za-z0-9._-]` beginning and ending with
+/// a letter or digit.
+pub fn is_label_value(v: &str) -> bool {
+    v.is_empty() || (v.len() <= NAME_MAX && is_qualified_name_part(v))
+}
+
 /// `([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]`, the name part of `IsQualifiedName`.
 fn is_qualified_name_part(s: &str) -> bool {
     let bytes = s.as_bytes();

@@ -36,6 +36,28 @@ pub struct Request {
     pub config: String,
     /// Tells requests for the same devices apart; empty from the device-plugin front end.
     pub key: String,
+    /// What the request holds of each of its devices shared by capacity (a DRA claim's
+    /// consumed capacity); empty otherwise.
+    pub shares: Vec<Share>,
+}
+
+/// One request's part of a device shared by capacity.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Share {
+    pub id: String,
+    /// The scheduler's `shareID`.
+    pub share_id: String,
+    /// (capacity name, quantity).
+    pub consumed: Vec<(String, String)>,
+}
+
+/// What a module's `prepare` (WIT 0.3 `claims`) answers for one request of a DRA claim: the
+/// container's edits, and per device the JSON the claim's status carries.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Prepared {
+    pub edits: ContainerEdits,
+    /// (device ID, JSON object).
+    pub status: Vec<(String, String)>,
 }
 
 impl Request {
@@ -56,6 +78,11 @@ pub struct ResourceInfo {
     pub name: String,
     pub prestart: bool,
     pub preferred_allocation: bool,
+    /// A container never gets two shares (replicas) of one device (WIT 0.3).
+    pub one_share_per_container: bool,
+    /// DRA claims are prepared through the module's `claims` export, under the host's
+    /// write-ahead record (WIT 0.3).
+    pub prepares_claims: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +111,117 @@ pub struct Device {
     /// The PCIe root complex (`pci0000:00`) sysfs puts a PCI device under: the host's, never
     /// the module's (`policy::topology`); DRA publishes it as `resource.kubernetes.io/pcieRoot`.
     pub pcie_root: Option<String>,
+    /// The module's own taints (WIT 0.3), published beside the host's health taint.
+    pub taints: Vec<Taint>,
+    /// Several DRA claims may hold it at once, each a part of its capacities (WIT 0.3): how
+    /// much of which capacity a claim may hold.
+    pub shared: Option<Shared>,
+    /// What it takes from its inventory's counter sets while allocated (WIT 0.3).
+    pub consumes: Vec<CounterUse>,
+}
+
+/// A device taint of the module's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Taint {
+    pub key: String,
+    pub value: String,
+    pub effect: TaintEffect,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaintEffect {
+    NoSchedule,
+    NoExecute,
+    None,
+}
+
+impl TaintEffect {
+    /// As the DRA API spells it.
+    pub fn api(self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+            TaintEffect::None => "None",
+        }
+    }
+}
+
+/// How claims share a device by capacity: each capacity's request policy, by name (a capacity
+/// without one is held as asked, the whole of it when a claim asks nothing).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Shared {
+    pub policies: Vec<(String, RequestPolicy)>,
+}
+
+/// DRA's `CapacityRequestPolicy`: quantities as the module gave them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestPolicy {
+    /// None: the whole capacity.
+    pub default: Option<String>,
+    pub valid: ValidAmounts,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ValidAmounts {
+    #[default]
+    Any,
+    Range {
+        min: String,
+        max: Option<String>,
+        step: Option<String>,
+    },
+    Values(Vec<String>),
+}
+
+/// A budget in a resource's pool that devices draw on (DRA `sharedCounters`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CounterSet {
+    pub name: String,
+    /// (counter name, quantity).
+    pub counters: Vec<(String, String)>,
+}
+
+/// What a device takes from one counter set while allocated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CounterUse {
+    pub counter_set: String,
+    pub counters: Vec<(String, String)>,
+}
+
+/// What a module's `enumerate` answered: its devices, and (WIT 0.3) the counter sets they draw
+/// on. Reads as its devices (`Deref`), which is all most of the host needs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Inventory {
+    pub devices: Vec<Device>,
+    pub counter_sets: Vec<CounterSet>,
+}
+
+impl From<Vec<Device>> for Inventory {
+    fn from(devices: Vec<Device>) -> Self {
+        Inventory {
+            devices,
+            counter_sets: Vec::new(),
+        }
+    }
+}
+
+impl FromIterator<Device> for Inventory {
+    fn from_iter<I: IntoIterator<Item = Device>>(devices: I) -> Self {
+        Inventory::from(devices.into_iter().collect::<Vec<_>>())
+    }
+}
+
+impl std::ops::Deref for Inventory {
+    type Target = Vec<Device>;
+    fn deref(&self) -> &Vec<Device> {
+        &self.devices
+    }
+}
+
+impl std::ops::DerefMut for Inventory {
+    fn deref_mut(&mut self) -> &mut Vec<Device> {
+        &mut self.devices
+    }
 }
 
 impl Device {
@@ -101,6 +239,9 @@ impl Device {
             exclusive: false,
             edits: None,
             pcie_root: None,
+            taints: Vec::new(),
+            shared: None,
+            consumes: Vec::new(),
         }
     }
 

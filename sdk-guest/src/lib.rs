@@ -122,7 +122,7 @@ pub mod bindings {
         runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
         additional_derives: [PartialEq, Eq],
         additional_type_attributes: {
-            "devicelet:plugin/types@0.2.0/container-edits": [#[derive(Default)]],
+            "devicelet:plugin/types@0.3.0/container-edits": [#[derive(Default)]],
         },
     });
 }
@@ -133,8 +133,9 @@ use bindings::exports::devicelet::plugin::plugin::Guest;
 pub use bindings::devicelet::plugin::devnodes::{NodeInfo, NodeKind};
 pub use bindings::devicelet::plugin::log::Level;
 pub use wit_types::{
-    Attribute, AttributeValue, Capacity, ContainerEdits, Device, DeviceNode, FsError, Health,
-    Mount, ResourceInfo,
+    Amount, AmountRange, Attribute, AttributeValue, Capacity, ContainerEdits, CounterSet,
+    CounterUse, Device, DeviceNode, DeviceStatus, FsError, Health, Mount, Prepared, Request,
+    RequestPolicy, ResourceInfo, Share, Taint, TaintEffect, ValidAmounts,
 };
 
 /// Why a call failed. The host reports it with the module's name: in the agent's log, in
@@ -208,6 +209,15 @@ pub trait Plugin: Sized + 'static {
     /// out, and IDs must be stable across calls (the kubelet allocates by them).
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
 
+    /// The counter sets the resource's devices draw on ([`Device::consumes`]): budgets such as
+    /// a GPU's memory and compute slices, which Dynamic Resource Allocation's scheduler never
+    /// lets the allocated partitions exceed. Called right after [`Plugin::enumerate`], in the
+    /// same call from the host, so both describe one moment. The default has none.
+    fn counter_sets(&mut self, resource: &str) -> Result<Vec<CounterSet>, PluginError> {
+        let _ = resource;
+        Ok(Vec::new())
+    }
+
     /// What a container needs to use the given devices.
     ///
     /// The host checks the answer against the module's grants (device nodes and mounts must
@@ -242,6 +252,33 @@ pub trait Plugin: Sized + 'static {
     ) -> Result<ContainerEdits, PluginError> {
         no_config(resource, config)?;
         self.allocate(resource, ids)
+    }
+
+    /// [`Plugin::allocate_with_config`] with the whole request: for a device
+    /// [shared by capacity](Device::shared_by_capacity), [`Request::shares`] says how much of it
+    /// this claim holds (to set a memory limit, say). The default ignores the shares.
+    fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
+        self.allocate_with_config(&request.resource_name, &request.ids, &request.config)
+    }
+
+    /// Prepares a Dynamic Resource Allocation claim's request, for a resource declared
+    /// [`with_prepares_claims`](ResourceInfo::with_prepares_claims): create what the claim
+    /// needs (a MIG instance), and answer the container's edits and, per device, a JSON object
+    /// for the claim's status. The agent records that the claim is being prepared before the
+    /// call, and calls [`Plugin::unprepare`] after it, even after its own restart. The default
+    /// answers [`Plugin::allocate_request`] with no status.
+    fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+        Ok(Prepared {
+            edits: self.allocate_request(request)?,
+            status: Vec::new(),
+        })
+    }
+
+    /// Undoes [`Plugin::prepare`]. It may come twice, or for a request whose `prepare` never
+    /// ran or failed (after an agent restart): succeed when there is nothing to undo. The
+    /// default calls [`Plugin::release`].
+    fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
+        self.release(&request.resource_name, &request.ids, &request.config)
     }
 
     /// Checks a request's config before any device is allocated for it. The default accepts
@@ -353,6 +390,9 @@ impl Device {
             group: None,
             exclusive: false,
             edits: None,
+            taints: Vec::new(),
+            shared_by_capacity: false,
+            consumes: Vec::new(),
         }
     }
 
@@ -456,6 +496,62 @@ impl Device {
         self.capacities.push(Capacity {
             name: name.into(),
             value: quantity.into(),
+            request_policy: None,
+        });
+        self
+    }
+
+    /// Adds a capacity that claims of a device [shared by capacity](Device::shared_by_capacity)
+    /// hold parts of, by `policy`: what a claim holds when it asks nothing, and the amounts
+    /// what it asks is rounded up to.
+    pub fn shared_capacity(
+        mut self,
+        name: impl Into<String>,
+        quantity: impl Into<String>,
+        policy: RequestPolicy,
+    ) -> Self {
+        self.capacities.push(Capacity {
+            name: name.into(),
+            value: quantity.into(),
+            request_policy: Some(policy),
+        });
+        self
+    }
+
+    /// Lets several Dynamic Resource Allocation claims hold the device at once, each a part of
+    /// its capacities (its [`shared_capacity`](Device::shared_capacity) by their policies, any
+    /// other capacity as the claim asks); the scheduler and the agent keep the count. Not with
+    /// [`exclusive`](Device::exclusive) or [`group`](Device::group).
+    pub fn shared_by_capacity(mut self) -> Self {
+        self.shared_by_capacity = true;
+        self
+    }
+
+    /// What the device takes from one of the resource's [counter sets](Plugin::counter_sets)
+    /// while allocated: a MIG partition's memory and compute slices of its GPU. At most two
+    /// sets.
+    pub fn consumes(mut self, counter_set: impl Into<String>, counters: &[(&str, &str)]) -> Self {
+        self.consumes.push(CounterUse {
+            counter_set: counter_set.into(),
+            counters: amounts(counters),
+        });
+        self
+    }
+
+    /// Adds a taint of the module's own (at most three; keys outside `devicelet.io/`): the
+    /// device stays offered, but Dynamic Resource Allocation gives it only to claims that
+    /// tolerate the taint (and with [`TaintEffect::NoExecute`], evicts the pods of those that
+    /// hold it and do not).
+    pub fn taint(
+        mut self,
+        key: impl Into<String>,
+        value: impl Into<String>,
+        effect: TaintEffect,
+    ) -> Self {
+        self.taints.push(Taint {
+            key: key.into(),
+            value: value.into(),
+            effect,
         });
         self
     }
@@ -484,6 +580,64 @@ impl Device {
     pub fn edits(mut self, edits: ContainerEdits) -> Self {
         self.edits = Some(edits);
         self
+    }
+}
+
+fn amounts(pairs: &[(&str, &str)]) -> Vec<Amount> {
+    pairs
+        .iter()
+        .map(|(name, value)| Amount {
+            name: (*name).to_owned(),
+            value: (*value).to_owned(),
+        })
+        .collect()
+}
+
+impl CounterSet {
+    /// A counter set named `name` (a DNS label, unique in the resource), with its counters
+    /// (DNS labels, Kubernetes quantities; at most 32).
+    pub fn new(name: impl Into<String>, counters: &[(&str, &str)]) -> Self {
+        CounterSet {
+            name: name.into(),
+            counters: amounts(counters),
+        }
+    }
+}
+
+impl RequestPolicy {
+    /// Any amount; a claim that asks nothing holds `default` (None: the whole capacity).
+    pub fn any(default: Option<&str>) -> Self {
+        RequestPolicy {
+            default: default.map(str::to_owned),
+            valid: ValidAmounts::Any,
+        }
+    }
+
+    /// `min`, then every `step` above it, up to `max`; a claim that asks nothing holds
+    /// `default`.
+    pub fn range(default: &str, min: &str, step: Option<&str>, max: Option<&str>) -> Self {
+        RequestPolicy {
+            default: Some(default.to_owned()),
+            valid: ValidAmounts::Range(AmountRange {
+                min: min.to_owned(),
+                max: max.map(str::to_owned),
+                step: step.map(str::to_owned),
+            }),
+        }
+    }
+}
+
+impl Request {
+    /// What this request holds of device `id`'s capacity `name`, when the device is shared by
+    /// capacity.
+    pub fn consumed(&self, id: &str, name: &str) -> Option<&str> {
+        self.shares
+            .iter()
+            .find(|s| s.id == id)?
+            .consumed
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| a.value.as_str())
     }
 }
 
@@ -521,7 +675,25 @@ impl ResourceInfo {
             name: name.into(),
             prestart: false,
             preferred_allocation: false,
+            one_share_per_container: false,
+            prepares_claims: false,
         }
+    }
+
+    /// A container never gets two shares of one device: under a registry sharing rule the
+    /// agent refuses an Allocate naming two replicas of one device, before calling the module
+    /// (MPS: one client per GPU per container).
+    pub fn with_one_share_per_container(mut self, one: bool) -> Self {
+        self.one_share_per_container = one;
+        self
+    }
+
+    /// Dynamic Resource Allocation claims of the resource are prepared by [`Plugin::prepare`]
+    /// and undone by [`Plugin::unprepare`], which the agent guarantees even across its
+    /// restarts; otherwise by `allocate` and `release`.
+    pub fn with_prepares_claims(mut self, prepares: bool) -> Self {
+        self.prepares_claims = prepares;
+        self
     }
 
     /// Asks the kubelet to call [`Plugin::prestart`] before each container using the resource.
@@ -831,12 +1003,10 @@ thread_local! {
 /// The object-safe part of [`Plugin`], so the instance can live in one non-generic static.
 trait ErasedPlugin {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError>;
-    fn allocate_with_config(
-        &mut self,
-        resource: &str,
-        ids: &[String],
-        config: &str,
-    ) -> Result<ContainerEdits, PluginError>;
+    fn counter_sets(&mut self, resource: &str) -> Result<Vec<CounterSet>, PluginError>;
+    fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError>;
+    fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError>;
+    fn unprepare(&mut self, request: &Request) -> Result<(), PluginError>;
     fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError>;
     fn release(&mut self, resource: &str, ids: &[String], config: &str) -> Result<(), PluginError>;
     fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError>;
@@ -853,13 +1023,17 @@ impl<P: Plugin> ErasedPlugin for P {
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
         Plugin::enumerate(self, resource)
     }
-    fn allocate_with_config(
-        &mut self,
-        resource: &str,
-        ids: &[String],
-        config: &str,
-    ) -> Result<ContainerEdits, PluginError> {
-        Plugin::allocate_with_config(self, resource, ids, config)
+    fn counter_sets(&mut self, resource: &str) -> Result<Vec<CounterSet>, PluginError> {
+        Plugin::counter_sets(self, resource)
+    }
+    fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
+        Plugin::allocate_request(self, request)
+    }
+    fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+        Plugin::prepare(self, request)
+    }
+    fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
+        Plugin::unprepare(self, request)
     }
     fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError> {
         Plugin::validate_config(self, resource, config)
@@ -939,9 +1113,10 @@ pub mod __private {
     pub use wit_bindgen;
 
     use super::*;
+    use bindings::exports::devicelet::plugin::claims::Guest as ClaimsGuest;
     use bindings::exports::devicelet::plugin::config::Guest as ConfigGuest;
     use bindings::exports::devicelet::plugin::release::Guest as ReleaseGuest;
-    use wit_types::{InitContext, ModuleInfo, PluginError as WitError, Request};
+    use wit_types::{InitContext, Inventory, ModuleInfo, PluginError as WitError};
 
     /// The module crate's version, as `export_plugin!` reads it from the crate's manifest.
     pub trait Version {
@@ -980,15 +1155,18 @@ pub mod __private {
             })
         }
 
-        fn enumerate(resource_name: String) -> Result<Vec<Device>, WitError> {
-            with_instance(|p| p.enumerate(&resource_name)).map_err(WitError::from)
+        fn enumerate(resource_name: String) -> Result<Inventory, WitError> {
+            with_instance(|p| {
+                Ok(Inventory {
+                    devices: p.enumerate(&resource_name)?,
+                    counter_sets: p.counter_sets(&resource_name)?,
+                })
+            })
+            .map_err(WitError::from)
         }
 
         fn allocate(request: Request) -> Result<ContainerEdits, WitError> {
-            with_instance(|p| {
-                p.allocate_with_config(&request.resource_name, &request.ids, &request.config)
-            })
-            .map_err(WitError::from)
+            with_instance(|p| p.allocate_request(&request)).map_err(WitError::from)
         }
 
         fn prestart(resource_name: String, ids: Vec<String>) -> Result<(), WitError> {
@@ -1011,6 +1189,16 @@ pub mod __private {
         fn release(request: Request) -> Result<(), WitError> {
             with_instance(|p| p.release(&request.resource_name, &request.ids, &request.config))
                 .map_err(WitError::from)
+        }
+    }
+
+    impl<P: Plugin, V: Version> ClaimsGuest for Adapter<P, V> {
+        fn prepare(request: Request) -> Result<Prepared, WitError> {
+            with_instance(|p| p.prepare(&request)).map_err(WitError::from)
+        }
+
+        fn unprepare(request: Request) -> Result<(), WitError> {
+            with_instance(|p| p.unprepare(&request)).map_err(WitError::from)
         }
     }
 

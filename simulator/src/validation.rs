@@ -225,16 +225,7 @@ fn taints(at: &str, device: &Value, causes: &mut Vec<String>) {
     }
 }
 
-/// `IsValidLabelValue`: empty, or at most 63 bytes of `[A-Za-z0-9._-]` beginning and ending with
-/// a letter or digit.
-fn is_label_value(v: &str) -> bool {
-    v.is_empty()
-        || (v.len() <= 63
-            && v.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-            && v.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-            && v.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric()))
-}
+use devicelet_api::names::is_label_value;
 
 fn pool(pool: &Value, causes: &mut Vec<String>) {
     match pool["name"].as_str() {

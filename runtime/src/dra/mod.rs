@@ -3,6 +3,7 @@
 //! per served resource (`driver.rs`), built on the resource core like the device-plugin front
 //! end. The README's DRA section says what works today and what does not yet.
 
+pub mod advanced;
 pub mod api;
 pub mod claim;
 pub mod claim_status;

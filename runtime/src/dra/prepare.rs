@@ -378,6 +378,7 @@ impl<B: DeviceBackend> Claims<B> {
             ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
             config: request.config.clone(),
             key: format!("{uid}/{}", request.request),
+            shares: Vec::new(),
         }
     }
 

@@ -22,8 +22,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{
-    Device as ApiDevice, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
-    ResourceSliceSpec,
+    CounterSet as ApiCounterSet, Device as ApiDevice, DeviceAttribute, DeviceCapacity,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -67,19 +67,54 @@ pub struct Published {
     /// The API server dropped the health taints the publisher wrote (DRADeviceTaints off), so
     /// unhealthy devices are withdrawn from the pool instead, until the driver starts again.
     pub taints_dropped: bool,
+    /// The API server dropped the counters partitions consume (DRAPartitionableDevices off),
+    /// so devices that consume counters are withdrawn, until the driver starts again: published
+    /// without them, overlapping partitions would be allocated together.
+    pub counters_dropped: bool,
+}
+
+/// What the publisher leaves out because the API server dropped it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    /// Device taints are kept: unhealthy devices stay, tainted.
+    pub taints: bool,
+    /// Counters are kept: partitions are published.
+    pub counters: bool,
+}
+
+impl Default for Features {
+    fn default() -> Self {
+        Features {
+            taints: true,
+            counters: true,
+        }
+    }
 }
 
 /// The devices of `snapshot` as the API publishes them, by name: units (a device, or a whole
 /// group) no member of which a container holds through the device-plugin front end (`held`,
-/// module IDs); an unhealthy one with the health taint, or (`taints` false) not at all.
-pub fn api_devices(snapshot: &[Device], held: &BTreeSet<String>, taints: bool) -> Vec<ApiDevice> {
+/// module IDs); an unhealthy one with the health taint after the module's own, or (without the
+/// `taints` feature) not at all; a partition (consuming counters) only with the `counters`
+/// feature.
+pub fn api_devices(
+    snapshot: &[Device],
+    held: &BTreeSet<String>,
+    features: Features,
+) -> Vec<ApiDevice> {
     let mut devices: Vec<ApiDevice> = units(snapshot)
         .iter()
-        .filter(|u| (taints || u.healthy()) && !u.members.iter().any(|d| held.contains(&d.id)))
+        .filter(|u| {
+            (features.taints || u.healthy())
+                && (features.counters || u.first.consumes.is_empty())
+                && !u.members.iter().any(|d| held.contains(&d.id))
+        })
         .map(|u| {
             let mut device = api_device(u.first);
             if !u.healthy() {
-                device.taints = Some(vec![super::taints::health_taint(u.reason().as_deref())]);
+                device
+                    .taints
+                    .get_or_insert_with(Vec::new)
+                    .push(super::taints::health_taint(u.reason().as_deref()));
             }
             device
         })
@@ -146,7 +181,85 @@ fn same_device(have: &ApiDevice, want: &ApiDevice) -> bool {
             == want.attributes.as_ref().filter(|a| !a.is_empty())
         && capacities(have) == capacities(want)
         && same_taints(have, want)
-        && have.consumes_counters.as_ref().is_none_or(|c| c.is_empty())
+        && have.allow_multiple_allocations.unwrap_or(false)
+            == want.allow_multiple_allocations.unwrap_or(false)
+        && policies(have) == policies(want)
+        && consumed(have) == consumed(want)
+}
+
+/// A quantity by value, as the server may spell it otherwise.
+fn value_of(q: &Quantity) -> Option<f64> {
+    quantity_value(&q.0)
+}
+
+/// Each capacity's request policy, by value.
+type PolicyValues = (Option<f64>, Option<[Option<f64>; 3]>, Vec<Option<f64>>);
+
+fn policies(d: &ApiDevice) -> Vec<(String, PolicyValues)> {
+    d.capacity
+        .iter()
+        .flatten()
+        .filter_map(|(name, c)| {
+            let p = c.request_policy.as_ref()?;
+            let range = p.valid_range.as_ref().map(|r| {
+                [
+                    value_of(&r.min),
+                    r.max.as_ref().and_then(value_of),
+                    r.step.as_ref().and_then(value_of),
+                ]
+            });
+            let values = p.valid_values.iter().flatten().map(value_of).collect();
+            Some((
+                name.clone(),
+                (p.default.as_ref().and_then(value_of), range, values),
+            ))
+        })
+        .collect()
+}
+
+/// Named counter sets (consumed or shared), their counters by value.
+type CountersByValue = Vec<(String, Vec<(String, Option<f64>)>)>;
+
+/// What a device consumes, by value.
+fn consumed(d: &ApiDevice) -> CountersByValue {
+    d.consumes_counters
+        .iter()
+        .flatten()
+        .map(|c| {
+            let counters = c
+                .counters
+                .iter()
+                .map(|(n, v)| (n.clone(), value_of(&v.value)))
+                .collect();
+            (c.counter_set.clone(), counters)
+        })
+        .collect()
+}
+
+/// The same counter sets, by value.
+fn same_counters(have: &ResourceSliceSpec, want: &ResourceSliceSpec) -> bool {
+    let sets = |s: &ResourceSliceSpec| -> CountersByValue {
+        s.shared_counters
+            .iter()
+            .flatten()
+            .map(|c| {
+                let counters = c
+                    .counters
+                    .iter()
+                    .map(|(n, v)| (n.clone(), value_of(&v.value)))
+                    .collect();
+                (c.name.clone(), counters)
+            })
+            .collect()
+    };
+    sets(have) == sets(want)
+}
+
+/// Whether any of `devices` consumes counters.
+fn partitioned(devices: &[ApiDevice]) -> bool {
+    devices
+        .iter()
+        .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()))
 }
 
 /// The same taints in the same order, whenever the server says they were added.
@@ -167,7 +280,7 @@ fn tainted(devices: &[ApiDevice]) -> bool {
 
 /// How many devices one slice of `devices` holds.
 pub fn per_slice(devices: &[ApiDevice]) -> usize {
-    if tainted(devices) {
+    if tainted(devices) || partitioned(devices) {
         MAX_TAINTED_DEVICES_PER_SLICE
     } else {
         MAX_DEVICES_PER_SLICE
@@ -300,7 +413,7 @@ fn api_device(d: &Device) -> ApiDevice {
                 published_name(name).ok()?,
                 DeviceCapacity {
                     value: Quantity(quantity.clone()),
-                    request_policy: None,
+                    request_policy: super::advanced::request_policy(d, name),
                 },
             ))
         })
@@ -313,10 +426,14 @@ fn api_device(d: &Device) -> ApiDevice {
         .inspect(|_| room -= 1)
         .collect();
     let capacity: BTreeMap<_, _> = capacity.into_iter().take(room).collect();
+    let taints = super::advanced::own_taints(d);
     ApiDevice {
         name: device_name(&d.id),
         attributes: (!attributes.is_empty()).then_some(attributes),
         capacity: (!capacity.is_empty()).then_some(capacity),
+        allow_multiple_allocations: d.shared.is_some().then_some(true),
+        consumes_counters: super::advanced::consumes(d),
+        taints: (!taints.is_empty()).then_some(taints),
         ..ApiDevice::default()
     }
 }
@@ -354,10 +471,11 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// The slices the pool should have for `devices`, at `generation`, owned by the Node.
+    /// The slices the pool should have for `devices` and `counters` (the counter sets in a
+    /// slice of their own, last), at `generation`, owned by the Node.
     pub fn slices(
         &self,
-        devices: &[ApiDevice],
+        (devices, counters): (&[ApiDevice], &[ApiCounterSet]),
         generation: i64,
         node_uid: &str,
     ) -> Vec<ResourceSlice> {
@@ -366,8 +484,8 @@ impl Pool {
         } else {
             devices.chunks(per_slice(devices)).collect()
         };
-        let count = chunks.len() as i64;
-        chunks
+        let count = (chunks.len() + usize::from(!counters.is_empty())) as i64;
+        let mut slices: Vec<ResourceSlice> = chunks
             .into_iter()
             .map(|chunk| ResourceSlice {
                 metadata: ObjectMeta {
@@ -394,7 +512,20 @@ impl Pool {
                     ..ResourceSliceSpec::default()
                 },
             })
-            .collect()
+            .collect();
+        if let Some(first) = slices.first().cloned()
+            && !counters.is_empty()
+        {
+            slices.push(ResourceSlice {
+                spec: ResourceSliceSpec {
+                    devices: None,
+                    shared_counters: Some(counters.to_vec()),
+                    ..first.spec
+                },
+                ..first
+            });
+        }
+        slices
     }
 }
 
@@ -436,6 +567,8 @@ struct Synced {
     writes: u64,
     /// A slice written with taints came back without them: the server drops the field.
     taints_dropped: bool,
+    /// A slice written with counters (consumed or shared) came back without them.
+    counters_dropped: bool,
 }
 
 /// Makes the API server hold the pool for `devices`.
@@ -443,7 +576,7 @@ async fn sync(
     api: &ApiClient,
     pool: &Pool,
     node_uid: &str,
-    devices: &[ApiDevice],
+    devices: (&[ApiDevice], &[ApiCounterSet]),
     last_generation: &mut i64,
 ) -> Result<Synced, ApiError> {
     let mut existing = pool.listed(api).await?;
@@ -472,6 +605,7 @@ async fn sync(
             have.spec.pool == want.spec.pool
                 && h.len() == w.len()
                 && h.iter().zip(w).all(|(h, w)| same_device(h, w))
+                && same_counters(&have.spec, &want.spec)
                 && have.spec.node_name == want.spec.node_name
                 && owner(have) == owner(want)
         });
@@ -497,6 +631,14 @@ async fn sync(
         let sent = slice.spec.devices.as_deref().unwrap_or_default();
         let kept = stored.spec.devices.as_deref().unwrap_or_default();
         synced.taints_dropped |= tainted(sent) && !tainted(kept);
+        let sets = |s: &ResourceSlice| {
+            s.spec
+                .shared_counters
+                .as_ref()
+                .is_some_and(|c| !c.is_empty())
+        };
+        synced.counters_dropped |=
+            (partitioned(sent) && !partitioned(kept)) || (sets(&slice) && !sets(&stored));
         synced.writes += 1;
     }
     for extra in existing.iter().skip(keep) {
@@ -555,19 +697,24 @@ pub async fn publish(
     let mut generation = 0i64;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     let mut logged = BTreeSet::new();
-    let mut taints = true;
+    let mut features = Features::default();
     loop {
         let held = held();
-        let want = {
+        let (want, counters) = {
             let snapshot = devices.borrow_and_update();
             log_dropped(&pool.driver, &snapshot, &mut logged);
-            api_devices(&snapshot, &held, taints)
+            let counters = if features.counters {
+                super::advanced::counter_sets(&snapshot.counter_sets)
+            } else {
+                Vec::new()
+            };
+            (api_devices(&snapshot, &held, features), counters)
         };
         // The Node's UID each time: a Node deleted and made again has a new one, and slices
         // owned by the old one are garbage collected.
         let result = async {
             let uid = api.node_uid(&pool.node).await?;
-            sync(&api, &pool, &uid, &want, &mut generation).await
+            sync(&api, &pool, &uid, (&want, &counters), &mut generation).await
         };
         let result = tokio::select! {
             result = result => result,
@@ -577,6 +724,7 @@ pub async fn publish(
             Ok(Synced {
                 writes,
                 taints_dropped,
+                counters_dropped,
             }) => {
                 backoff.reset();
                 if writes > 0 {
@@ -588,17 +736,28 @@ pub async fn publish(
                         "the API server dropped the devices' taints (its DRADeviceTaints feature \
                          is off); unhealthy devices are withdrawn from the pool instead"
                     );
-                    taints = false;
+                    features.taints = false;
+                }
+                if counters_dropped {
+                    tracing::warn!(
+                        driver = pool.driver,
+                        "the API server dropped the devices' counters (its \
+                         DRAPartitionableDevices feature is off); devices that consume counters \
+                         are withdrawn from the pool instead"
+                    );
+                    features.counters = false;
                 }
                 published.send_modify(|p| {
                     p.generation = generation;
                     p.devices = want.len();
-                    p.slices = want.len().div_ceil(per_slice(&want)).max(1);
+                    p.slices = want.len().div_ceil(per_slice(&want)).max(1)
+                        + usize::from(!counters.is_empty());
                     p.writes += writes;
                     p.last_error = None;
                     p.taints_dropped |= taints_dropped;
+                    p.counters_dropped |= counters_dropped;
                 });
-                if taints_dropped {
+                if taints_dropped || counters_dropped {
                     // Written again at once, without the sick devices.
                     continue;
                 }
@@ -695,13 +854,20 @@ mod tests {
         let mut sick = Device::new("gpu-1", Health::Unhealthy);
         sick.health_reason = Some("XID 79".into());
         let both = [gpu, sick];
-        let devices = api_devices(&both, &BTreeSet::new(), false);
+        let devices = api_devices(
+            &both,
+            &BTreeSet::new(),
+            Features {
+                taints: false,
+                counters: true,
+            },
+        );
         assert_eq!(
             devices.len(),
             1,
             "without taints only healthy devices are published"
         );
-        let tainted = api_devices(&both, &BTreeSet::new(), true);
+        let tainted = api_devices(&both, &BTreeSet::new(), Features::default());
         assert_eq!(tainted.len(), 2, "with taints the sick one stays");
         let taints: Vec<_> = tainted.iter().map(|d| d.taints.clone()).collect();
         assert_eq!(taints[0], None);
@@ -818,7 +984,7 @@ mod tests {
             ),
             ("cuda".into(), AttributeValue::Version("12.4.0".into())),
         ];
-        let ours = api_devices(&[gpu], &BTreeSet::new(), true);
+        let ours = api_devices(&[gpu], &BTreeSet::new(), Features::default());
         let attributes = ours[0].attributes.as_ref().unwrap();
         assert!(
             !attributes.contains_key("driverVersion"),
@@ -845,7 +1011,14 @@ mod tests {
         let snapshot: Vec<Device> = (0..300)
             .map(|i| Device::new(format!("fuse-{i:03}"), Health::Healthy))
             .collect();
-        let slices = pool.slices(&api_devices(&snapshot, &BTreeSet::new(), true), 4, "uid-1");
+        let slices = pool.slices(
+            (
+                &api_devices(&snapshot, &BTreeSet::new(), Features::default()),
+                &[],
+            ),
+            4,
+            "uid-1",
+        );
         assert_eq!(slices.len(), 3);
         let sizes: Vec<usize> = slices
             .iter()
@@ -855,7 +1028,14 @@ mod tests {
         // One tainted device anywhere: 64 a slice (the API's limit with taints).
         let mut sick = snapshot.clone();
         sick[7].health = Health::Unhealthy;
-        let tainted = pool.slices(&api_devices(&sick, &BTreeSet::new(), true), 4, "uid-1");
+        let tainted = pool.slices(
+            (
+                &api_devices(&sick, &BTreeSet::new(), Features::default()),
+                &[],
+            ),
+            4,
+            "uid-1",
+        );
         let sizes: Vec<usize> = tainted
             .iter()
             .map(|s| s.spec.devices.as_ref().unwrap().len())
@@ -865,6 +1045,6 @@ mod tests {
             && s.spec.pool.generation == 4
             && s.metadata.owner_references.as_ref().unwrap()[0].uid == "uid-1"));
         // No devices still publishes the pool, empty, so consumers see it is there.
-        assert_eq!(pool.slices(&[], 1, "uid-1").len(), 1);
+        assert_eq!(pool.slices((&[], &[]), 1, "uid-1").len(), 1);
     }
 }

@@ -449,6 +449,7 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Inventory;
     use api::device_plugin_server::DevicePlugin;
 
     /// A backend that answers Allocate for every ID but `fails`, and counts its calls.
@@ -465,8 +466,8 @@ mod tests {
             "fake"
         }
 
-        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
-            Ok(Vec::new())
+        async fn enumerate(&self, _: &str) -> Result<Inventory, BackendError> {
+            Ok(Inventory::default())
         }
 
         async fn allocate(
@@ -511,7 +512,7 @@ mod tests {
                 ..crate::device::Device::new("", crate::device::Health::Healthy)
             })
             .to_vec();
-        let (devices_tx, devices) = watch::channel(Arc::new(devices));
+        let (devices_tx, devices) = watch::channel(Arc::new(devices.into()));
         let (stop_tx, stop) = watch::channel(false);
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let backend = Fake {

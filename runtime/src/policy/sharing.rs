@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::config::{ShareRule, Sharing};
-use crate::device::{ContainerEdits, Device, MAX_DEVICES, MAX_ID, Request};
+use crate::device::{ContainerEdits, Device, Inventory, MAX_DEVICES, MAX_ID, Request};
 use crate::resource::backend::{BackendError, DeviceBackend};
 
 /// Separates a physical device ID from its replica number.
@@ -75,11 +75,11 @@ impl<B: DeviceBackend> Replicated<B> {
 }
 
 /// Each device `replicas_of` times, as `<id>::<n>` when more than once.
-fn expand(
-    devices: Vec<Device>,
-    rule: &ShareRule,
-    module: &str,
-) -> Result<Vec<Device>, BackendError> {
+fn expand(inventory: Inventory, rule: &ShareRule, module: &str) -> Result<Inventory, BackendError> {
+    let Inventory {
+        devices,
+        counter_sets,
+    } = inventory;
     let mut out = Vec::with_capacity(devices.len());
     for d in devices {
         if d.id.contains(REPLICA_SEPARATOR) {
@@ -128,7 +128,10 @@ fn expand(
             });
         }
     }
-    Ok(out)
+    Ok(Inventory {
+        devices: out,
+        counter_sets,
+    })
 }
 
 /// Physical IDs of `ids`, each once, in order.
@@ -148,7 +151,7 @@ impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
         self.inner.name()
     }
 
-    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+    async fn enumerate(&self, resource: &str) -> Result<Inventory, BackendError> {
         let devices = self.inner.enumerate(resource).await?;
         match self.rule(resource) {
             Some(rule) => expand(devices, rule, self.inner.name()),
@@ -178,6 +181,23 @@ impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
             None => request.ids,
         };
         self.inner.release(Request { ids, ..request }).await
+    }
+
+    fn prepares_claims(&self, resource: &str) -> bool {
+        self.inner.prepares_claims(resource)
+    }
+
+    async fn prepare(&self, request: Request) -> Result<crate::device::Prepared, BackendError> {
+        let ids = self.physical_for(&request.resource, request.ids)?;
+        self.inner.prepare(Request { ids, ..request }).await
+    }
+
+    async fn unprepare(&self, request: Request) -> Result<(), BackendError> {
+        let ids = match self.rule(&request.resource) {
+            Some(_) => physical(&request.ids),
+            None => request.ids,
+        };
+        self.inner.unprepare(Request { ids, ..request }).await
     }
 
     async fn preferred(
@@ -227,7 +247,7 @@ mod tests {
             "gpus"
         }
 
-        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+        async fn enumerate(&self, _: &str) -> Result<Inventory, BackendError> {
             Ok(["gpu-0", "gpu-1"]
                 .map(|id| Device {
                     id: id.into(),
@@ -236,7 +256,8 @@ mod tests {
                     attributes: Vec::new(),
                     ..crate::device::Device::new("", crate::device::Health::Healthy)
                 })
-                .into())
+                .into_iter()
+                .collect())
         }
 
         async fn allocate(
@@ -276,6 +297,18 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push([vec!["release".into()], r.ids, vec![r.key]].concat());
+            Ok(())
+        }
+
+        fn prepares_claims(&self, _: &str) -> bool {
+            false
+        }
+
+        async fn prepare(&self, _: Request) -> Result<crate::device::Prepared, BackendError> {
+            crate::resource::backend::prepares_nothing(self.name())
+        }
+
+        async fn unprepare(&self, _: Request) -> Result<(), BackendError> {
             Ok(())
         }
 
@@ -340,6 +373,7 @@ mod tests {
             ids: strings(ids),
             config: r#"{"mode":"x"}"#.into(),
             key: "uid/gpu".into(),
+            shares: Vec::new(),
         };
         shared
             .allocate_request(request(&["gpu-0::2", "gpu-0::1"]))
@@ -393,7 +427,7 @@ mod tests {
                 ..crate::device::Device::new("", crate::device::Health::Healthy)
             })
             .collect();
-        let e = expand(many, &rule(200), "m").unwrap_err();
+        let e = expand(many.into(), &rule(200), "m").unwrap_err();
         assert!(e.to_string().contains("more than 16384"), "{e}");
         let long = vec![Device {
             id: "x".repeat(125),
@@ -402,7 +436,7 @@ mod tests {
             attributes: Vec::new(),
             ..crate::device::Device::new("", crate::device::Health::Healthy)
         }];
-        let e = expand(long, &rule(12), "m").unwrap_err();
+        let e = expand(long.into(), &rule(12), "m").unwrap_err();
         assert!(e.to_string().contains("at most 128"), "{e}");
     }
 

@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::snapshot::Snapshot;
+use crate::device::Inventory;
 use crate::ledger::Ledger;
 use crate::policy::sharing::physical_id;
 
@@ -34,13 +35,14 @@ pub fn without_claimed(
         if claimed.is_empty() {
             return snapshot.clone();
         }
-        Arc::new(
-            snapshot
+        Arc::new(Inventory {
+            devices: snapshot
                 .iter()
                 .filter(|d| !claimed.contains(physical_id(&d.id)))
                 .cloned()
                 .collect(),
-        )
+            counter_sets: snapshot.counter_sets.clone(),
+        })
     };
     let first = filter(&devices.borrow_and_update());
     let (tx, rx) = watch::channel(first);

@@ -10,7 +10,7 @@
 
 use std::future::Future;
 
-use crate::device::{ContainerEdits, Device, Request};
+use crate::device::{ContainerEdits, Inventory, Prepared, Request};
 
 /// Why a backend call failed, and so which gRPC status the kubelet gets. Every message names the
 /// backend (the module), because it ends up in a pod's events.
@@ -44,7 +44,7 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     fn enumerate(
         &self,
         resource: &str,
-    ) -> impl Future<Output = Result<Vec<Device>, BackendError>> + Send;
+    ) -> impl Future<Output = Result<Inventory, BackendError>> + Send;
 
     /// What one container needs to use `ids`.
     fn allocate(
@@ -73,6 +73,21 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     /// The end of `request` (a DRA claim unprepared): what was set up for it may go.
     fn release(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send;
 
+    /// Whether the resource's DRA claims are prepared by [`prepare`](Self::prepare), which
+    /// creates something [`unprepare`](Self::unprepare) must undo, even across a restart (WIT
+    /// 0.3 `prepares-claims`); otherwise by `allocate_request` and `release`.
+    fn prepares_claims(&self, resource: &str) -> bool;
+
+    /// A DRA claim's request prepared: the container's edits and the claim's status data.
+    /// Only called for a resource that [`prepares_claims`](Self::prepares_claims).
+    fn prepare(
+        &self,
+        request: Request,
+    ) -> impl Future<Output = Result<Prepared, BackendError>> + Send;
+
+    /// Undoes [`prepare`](Self::prepare): must succeed when there is nothing to undo.
+    fn unprepare(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send;
+
     /// Runs before a container using `ids` starts; only called when the resource's options ask
     /// for it.
     fn prestart(
@@ -90,6 +105,13 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
 // slot) must name each one, so none can be dropped on the way to the backend it wraps, as
 // `allocate_request` and `release` once were. A backend with nothing to do for a call says so
 // with one of these.
+
+/// [`DeviceBackend::prepare`] of a backend that prepares no claims itself.
+pub fn prepares_nothing(name: &str) -> Result<Prepared, BackendError> {
+    Err(BackendError::Failed(format!(
+        "{name} prepares no claims itself"
+    )))
+}
 
 /// The answer of a backend that offers no preferred allocation.
 pub fn no_preferred(name: &str) -> Result<Vec<String>, BackendError> {
@@ -146,6 +168,24 @@ macro_rules! plain_calls {
             &self,
             _: &str,
             _: Vec<String>,
+        ) -> Result<(), $crate::resource::backend::BackendError> {
+            Ok(())
+        }
+
+        fn prepares_claims(&self, _: &str) -> bool {
+            false
+        }
+
+        async fn prepare(
+            &self,
+            _: $crate::device::Request,
+        ) -> Result<$crate::device::Prepared, $crate::resource::backend::BackendError> {
+            $crate::resource::backend::prepares_nothing(self.name())
+        }
+
+        async fn unprepare(
+            &self,
+            _: $crate::device::Request,
         ) -> Result<(), $crate::resource::backend::BackendError> {
             Ok(())
         }

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::backend::{BackendError, DeviceBackend};
 use super::snapshot::Snapshot;
-use crate::device::{Device, Health};
+use crate::device::{Device, Health, Inventory};
 
 /// How long enumerations may keep missing their deadline before the devices are reported
 /// Unhealthy: long enough for a driver to come back from a reset or a burst of slow queries, short
@@ -23,10 +23,7 @@ use crate::device::{Device, Health};
 pub const STALL_LIMIT: Duration = Duration::from_secs(300);
 
 /// The first snapshot. A module that cannot enumerate yet starts with no devices.
-async fn initial(
-    backend: &impl DeviceBackend,
-    resource: &str,
-) -> Result<Vec<Device>, BackendError> {
+async fn initial(backend: &impl DeviceBackend, resource: &str) -> Result<Inventory, BackendError> {
     let found = backend.enumerate(resource).await.map(sorted);
     if let Err(e) = &found {
         tracing::warn!("{e}");
@@ -49,14 +46,14 @@ fn recheck_at<T>(
         .map(|after| Instant::now() + after)
 }
 
-fn sorted(mut devices: Vec<Device>) -> Vec<Device> {
-    devices.sort_by(|a, b| a.id.cmp(&b.id));
-    devices
+fn sorted(mut inventory: Inventory) -> Inventory {
+    inventory.sort_by(|a, b| a.id.cmp(&b.id));
+    inventory
 }
 
 /// Keeps `next` as the current snapshot (status and policies read its attributes), but wakes the
 /// ListAndWatch streams only when what the kubelet sees changed: IDs, health or topology.
-fn publish(devices: &watch::Sender<Snapshot>, next: Vec<Device>) {
+fn publish(devices: &watch::Sender<Snapshot>, next: Inventory) {
     devices.send_if_modified(|current| {
         if **current == next {
             return false;
@@ -65,7 +62,7 @@ fn publish(devices: &watch::Sender<Snapshot>, next: Vec<Device>) {
         let changed = current.len() != next.len()
             || current
                 .iter()
-                .zip(&next)
+                .zip(next.iter())
                 .any(|(a, b)| seen_by_kubelet(a) != seen_by_kubelet(b));
         *current = Arc::new(next);
         changed
@@ -74,14 +71,17 @@ fn publish(devices: &watch::Sender<Snapshot>, next: Vec<Device>) {
 
 /// While the module fails, its devices stay listed but Unhealthy, so the kubelet stops
 /// admitting pods to them instead of failing admissions in a loop.
-fn all_unhealthy(devices: &[Device]) -> Vec<Device> {
-    devices
-        .iter()
-        .map(|d| Device {
-            health: Health::Unhealthy,
-            ..d.clone()
-        })
-        .collect()
+fn all_unhealthy(inventory: &Inventory) -> Inventory {
+    Inventory {
+        devices: inventory
+            .iter()
+            .map(|d| Device {
+                health: Health::Unhealthy,
+                ..d.clone()
+            })
+            .collect(),
+        counter_sets: inventory.counter_sets.clone(),
+    }
 }
 
 /// Resolves at `at`; never without one.
@@ -198,7 +198,7 @@ mod tests {
     use std::collections::VecDeque;
     use std::sync::Mutex;
 
-    type Answer = Result<Vec<Device>, BackendError>;
+    type Answer = Result<Inventory, BackendError>;
 
     /// Answers enumerate from a script, one entry per call; the last entry repeats. Counts calls.
     #[derive(Clone)]
@@ -214,7 +214,7 @@ mod tests {
             "scripted"
         }
 
-        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
+        async fn enumerate(&self, _: &str) -> Result<Inventory, BackendError> {
             self.calls.send_modify(|n| *n += 1);
             let mut script = self.script.lock().unwrap();
             if script.len() > 1 {
@@ -236,7 +236,7 @@ mod tests {
     /// Runs a watcher over `script` (every 5 ms) until it has enumerated `calls` times, and
     /// returns every snapshot the kubelet's streams were woken for after the first.
     async fn published(
-        script: Vec<Result<Vec<Device>, BackendError>>,
+        script: Vec<Result<Inventory, BackendError>>,
         calls: usize,
         stall_limit: Duration,
     ) -> Vec<Vec<Device>> {
@@ -275,17 +275,17 @@ mod tests {
         seen
     }
 
-    fn slow() -> Result<Vec<Device>, BackendError> {
+    fn slow() -> Result<Inventory, BackendError> {
         Err(BackendError::Deadline("missed its deadline".into()))
     }
 
     #[tokio::test]
     async fn a_stall_keeps_the_last_snapshot_and_a_failure_does_not() {
         let healthy = vec![device("a", Health::Healthy, "40C")];
-        let seen = published(vec![Ok(healthy.clone()), slow()], 6, STALL_LIMIT).await;
+        let seen = published(vec![Ok(healthy.clone().into()), slow()], 6, STALL_LIMIT).await;
         assert!(seen.is_empty(), "stalls changed nothing: {seen:?}");
         let failed = Err(BackendError::Failed("no such device".into()));
-        let seen = published(vec![Ok(healthy), slow(), failed], 4, STALL_LIMIT).await;
+        let seen = published(vec![Ok(healthy.into()), slow(), failed], 4, STALL_LIMIT).await;
         assert_eq!(seen.len(), 1, "{seen:?}");
         assert_eq!(
             seen[0][0].health,
@@ -299,7 +299,7 @@ mod tests {
         let healthy = vec![device("a", Health::Healthy, "40C")];
         let limit = Duration::from_millis(30);
         // 5 ms apart, the twentieth enumeration comes well past the limit.
-        let seen = published(vec![Ok(healthy), slow()], 20, limit).await;
+        let seen = published(vec![Ok(healthy.into()), slow()], 20, limit).await;
         assert_eq!(seen.len(), 1, "{seen:?}");
         assert_eq!(seen[0][0].health, Health::Unhealthy);
     }
@@ -317,17 +317,17 @@ mod tests {
     #[test]
     fn attribute_only_changes_are_kept_but_wake_no_stream() {
         let (tx, mut rx) = watch::channel(Snapshot::default());
-        publish(&tx, vec![device("a", Health::Healthy, "40C")]);
+        publish(&tx, vec![device("a", Health::Healthy, "40C")].into());
         assert!(rx.has_changed().unwrap());
         rx.borrow_and_update();
-        publish(&tx, vec![device("a", Health::Healthy, "41C")]);
+        publish(&tx, vec![device("a", Health::Healthy, "41C")].into());
         assert!(!rx.has_changed().unwrap(), "the kubelet sees nothing new");
         assert_eq!(
             rx.borrow()[0].attributes[0].1,
             crate::device::AttributeValue::from("41C"),
             "but the host keeps the new value"
         );
-        publish(&tx, vec![device("a", Health::Unhealthy, "90C")]);
+        publish(&tx, vec![device("a", Health::Unhealthy, "90C")].into());
         assert!(rx.has_changed().unwrap(), "health reaches the kubelet");
     }
 }

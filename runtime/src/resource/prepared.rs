@@ -320,6 +320,7 @@ pub async fn prepare_answers<B: DeviceBackend>(
 mod tests {
     use super::*;
     use crate::device::ContainerEdits;
+    use crate::device::Inventory;
     use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
     /// Answers `DEV=<id>@<version>`; returns an error for `broken`, crashes on `crash`; keeps at
@@ -358,8 +359,8 @@ mod tests {
             "fake"
         }
 
-        async fn enumerate(&self, _: &str) -> Result<Vec<Device>, BackendError> {
-            Ok(Vec::new())
+        async fn enumerate(&self, _: &str) -> Result<Inventory, BackendError> {
+            Ok(Inventory::default())
         }
 
         async fn allocate(
@@ -418,7 +419,7 @@ mod tests {
 
     impl Running {
         fn start(backend: &Fake, snapshot: Vec<Device>) -> Running {
-            let (devices, devices_rx) = watch::channel(Arc::new(snapshot));
+            let (devices, devices_rx) = watch::channel(Arc::new(snapshot.into()));
             let (stop, stop_rx) = watch::channel(false);
             let wake = Arc::new(Notify::new());
             let prepared = Prepared::default();
@@ -445,7 +446,7 @@ mod tests {
         /// has handled the wake, and checks that `n` answers are then ready.
         async fn enumerated(&mut self, snapshot: Option<Vec<Device>>, n: usize) {
             if let Some(s) = snapshot {
-                self.devices.send_replace(Arc::new(s));
+                self.devices.send_replace(Arc::new(s.into()));
             }
             let rounds = self.progress.borrow_and_update().rounds;
             self.wake.notify_one();

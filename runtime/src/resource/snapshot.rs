@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use crate::device::Device;
+use crate::device::{Device, Inventory};
 
-/// The device set a resource serves: replaced as a whole whenever anything in it changes. Sorted
-/// by ID (the watcher sorts each one), so [`find`] is a binary search.
-pub type Snapshot = Arc<Vec<Device>>;
+/// The device set a resource serves, with the counter sets its devices draw on: replaced as a
+/// whole whenever anything in it changes. Its devices are sorted by ID (the watcher sorts each
+/// one), so [`find`] is a binary search.
+pub type Snapshot = Arc<Inventory>;
 
 /// The device with this ID in a snapshot (sorted by ID).
 pub fn find<'a>(snapshot: &'a [Device], id: &str) -> Option<&'a Device> {

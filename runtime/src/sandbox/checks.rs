@@ -12,7 +12,7 @@ use cap_std::fs::{FileTypeExt, MetadataExt};
 
 use super::host::paths::{granted, granted_exactly, real_path, real_path_and_metadata};
 use crate::config::Grants;
-use crate::device::{ContainerEdits, Device, NodeFile, NodeKind};
+use crate::device::{ContainerEdits, Device, Inventory, NodeFile, NodeKind, ValidAmounts};
 
 pub use crate::device::{MAX_DEVICES, MAX_ID};
 const MAX_NUMA_NODES: usize = 64;
@@ -95,6 +95,183 @@ pub fn devices(devices: &[Device]) -> Result<(), Violation> {
             return Err(format!(
                 "device {:?} has a health reason over {MAX_ATTRIBUTE} bytes or a group name that is empty or over {MAX_ID}",
                 d.id
+            ));
+        }
+        advanced(d)?;
+    }
+    Ok(())
+}
+
+/// DRA's limits on what a pool publishes (`resource.k8s.io/v1` validation), and the WIT's.
+const MAX_COUNTER_SETS: usize = 8;
+const MAX_COUNTERS: usize = 32;
+const MAX_CONSUMED_SETS: usize = 2;
+/// The API allows 4 taints a device (1.34), and the host may add its health taint.
+const MAX_OWN_TAINTS: usize = 3;
+const MAX_VALID_VALUES: usize = 10;
+/// `AllocatedDeviceStatus.data`'s limit.
+const MAX_STATUS_DATA: usize = 10 * 1024;
+
+/// An enumeration's answer: its devices ([`devices`]), its counter sets, and what the devices
+/// take from them (WIT 0.3).
+pub fn inventory(inventory: &Inventory) -> Result<(), Violation> {
+    devices(inventory)?;
+    let sets = &inventory.counter_sets;
+    if sets.len() > MAX_COUNTER_SETS {
+        return Err(format!(
+            "{} counter sets; at most {MAX_COUNTER_SETS} allowed",
+            sets.len()
+        ));
+    }
+    let mut names = HashSet::new();
+    for set in sets {
+        if !devicelet_api::names::is_dns1123_label(&set.name) || !names.insert(set.name.as_str()) {
+            return Err(format!(
+                "counter set {:?} must be a DNS label, and unique",
+                truncate(&set.name)
+            ));
+        }
+        amounts(&format!("counter set {:?}", set.name), &set.counters)?;
+    }
+    for d in inventory.iter() {
+        let at = format!("device {:?}", d.id);
+        if d.consumes.len() > MAX_CONSUMED_SETS {
+            return Err(format!(
+                "{at} consumes from {} counter sets; at most {MAX_CONSUMED_SETS}",
+                d.consumes.len()
+            ));
+        }
+        for used in &d.consumes {
+            let Some(set) = sets.iter().find(|s| s.name == used.counter_set) else {
+                return Err(format!(
+                    "{at} consumes from counter set {:?}, which the inventory does not have",
+                    truncate(&used.counter_set)
+                ));
+            };
+            amounts(&at, &used.counters)?;
+            if let Some((name, _)) = used
+                .counters
+                .iter()
+                .find(|(name, _)| !set.counters.iter().any(|(n, _)| n == name))
+            {
+                return Err(format!(
+                    "{at} consumes counter {:?}, which counter set {:?} does not have",
+                    truncate(name),
+                    set.name
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Named quantities: counters, or what a claim consumed.
+fn amounts(at: &str, amounts: &[(String, String)]) -> Result<(), Violation> {
+    if amounts.len() > MAX_COUNTERS {
+        return Err(format!(
+            "{at} has {} counters; at most {MAX_COUNTERS}",
+            amounts.len()
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (name, value) in amounts {
+        if !devicelet_api::names::is_dns1123_label(name) || !seen.insert(name.as_str()) {
+            return Err(format!(
+                "{at}: counter name {:?} must be a DNS label, and unique",
+                truncate(name)
+            ));
+        }
+        if !is_quantity(value) {
+            return Err(format!(
+                "{at}: counter {name} = {:?} is not a Kubernetes quantity",
+                truncate(value)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What 0.3 adds to a device: its own taints, its sharing by capacity.
+fn advanced(d: &Device) -> Result<(), Violation> {
+    let at = format!("device {:?}", d.id);
+    if d.taints.len() > MAX_OWN_TAINTS {
+        return Err(format!(
+            "{at} has {} taints; at most {MAX_OWN_TAINTS}",
+            d.taints.len()
+        ));
+    }
+    for t in &d.taints {
+        if !devicelet_api::names::is_qualified_name(&t.key) || t.key.starts_with("devicelet.io/") {
+            return Err(format!(
+                "{at}: taint key {:?} must be a label key outside devicelet.io/ (the host's)",
+                truncate(&t.key)
+            ));
+        }
+        if !devicelet_api::names::is_label_value(&t.value) {
+            return Err(format!(
+                "{at}: taint value {:?} must be a label value (63 characters of [A-Za-z0-9._-])",
+                truncate(&t.value)
+            ));
+        }
+    }
+    let Some(shared) = &d.shared else {
+        return Ok(());
+    };
+    if d.exclusive || d.group.is_some() {
+        return Err(format!(
+            "{at} is shared by capacity, which an exclusive or grouped device cannot be"
+        ));
+    }
+    for (name, policy) in &shared.policies {
+        if !d.capacities.iter().any(|(n, _)| n == name) {
+            return Err(format!(
+                "{at}: request policy for {name:?}, which is not one of its capacities"
+            ));
+        }
+        let mut quantities: Vec<&String> = policy.default.iter().collect();
+        match &policy.valid {
+            ValidAmounts::Any => {}
+            ValidAmounts::Range { min, max, step } => {
+                quantities.push(min);
+                quantities.extend(max.iter().chain(step));
+            }
+            ValidAmounts::Values(values) => {
+                if values.is_empty() || values.len() > MAX_VALID_VALUES {
+                    return Err(format!(
+                        "{at}: capacity {name} lists {} valid values; 1 to {MAX_VALID_VALUES}",
+                        values.len()
+                    ));
+                }
+                quantities.extend(values);
+            }
+        }
+        if let Some(bad) = quantities.into_iter().find(|q| !is_quantity(q)) {
+            return Err(format!(
+                "{at}: capacity {name}'s request policy has {:?}, not a Kubernetes quantity",
+                truncate(bad)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What `prepare` says for a claim's status: per device of the request at most once, a JSON
+/// object of at most 10 KiB.
+pub fn claim_status(status: &[(String, String)], ids: &[String]) -> Result<(), Violation> {
+    let mut seen = HashSet::new();
+    for (id, data) in status {
+        if !ids.contains(id) || !seen.insert(id.as_str()) {
+            return Err(format!(
+                "status for device {:?}, which the request does not hold or which is given twice",
+                truncate(id)
+            ));
+        }
+        if data.len() > MAX_STATUS_DATA
+            || !serde_json::from_str::<serde_json::Value>(data).is_ok_and(|v| v.is_object())
+        {
+            return Err(format!(
+                "status data of device {:?} must be a JSON object of at most {MAX_STATUS_DATA} bytes",
+                truncate(id)
             ));
         }
     }

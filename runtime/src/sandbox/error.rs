@@ -72,6 +72,9 @@ pub enum CallKind {
     Preferred,
     /// Telling the module an allocation ended (0.2).
     Release,
+    /// A DRA claim's request prepared, or undone, through the `claims` export (0.3).
+    Prepare,
+    Unprepare,
 }
 
 impl std::fmt::Display for CallKind {
@@ -84,6 +87,8 @@ impl std::fmt::Display for CallKind {
             CallKind::Prestart => "prestart",
             CallKind::Preferred => "preferred",
             CallKind::Release => "release",
+            CallKind::Prepare => "prepare",
+            CallKind::Unprepare => "unprepare",
         })
     }
 }

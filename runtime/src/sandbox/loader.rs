@@ -229,7 +229,8 @@ pub fn check_names(
             Some(Ok(
                 imports::Interface::Plugin
                 | imports::Interface::Release
-                | imports::Interface::Config,
+                | imports::Interface::Config
+                | imports::Interface::Claims,
             ))
             | Some(Err(imports::Unsupported::Interface))
             | None => {

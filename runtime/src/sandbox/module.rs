@@ -24,7 +24,8 @@ use super::host::HostState;
 use super::loader::{LoadedModule, ModuleInterface};
 use crate::config::Grants;
 use crate::device::{
-    ContainerEdits, Device, InitContext, ModuleInfo, PluginError, Request, ResourceInfo,
+    ContainerEdits, InitContext, Inventory, ModuleInfo, PluginError, Prepared, Request,
+    ResourceInfo,
 };
 
 #[derive(Default)]
@@ -275,6 +276,19 @@ impl ModuleHandle {
             first
         };
         let resources = info.resources;
+        if let Some(r) = resources
+            .iter()
+            .find(|r| r.prepares_claims && !module.pre.has_claims())
+        {
+            return Err(LoadError::Invalid {
+                module: name.to_string(),
+                message: format!(
+                    "resource {} prepares its claims through `claims`, which the module does \
+                     not export",
+                    r.name
+                ),
+            });
+        }
         let health = lane("health")?;
         let preferred = if resources.iter().any(|r| r.preferred_allocation) {
             let lane = lane("preferred")?;
@@ -381,6 +395,51 @@ impl ModuleHandle {
         call.done(result)
     }
 
+    /// Whether the resource's DRA claims are prepared through the module's `claims` export.
+    pub fn prepares_claims(&self, resource: &str) -> bool {
+        self.resources
+            .iter()
+            .any(|r| r.name == resource && r.prepares_claims)
+    }
+
+    /// A DRA claim's request prepared by the module's `claims.prepare`, in its kubelet lane:
+    /// its edits checked against the grants as `allocate`'s, its status data bounded.
+    pub async fn prepare(&self, request: Request) -> Result<Prepared, CallError> {
+        let call = self.observe(CallKind::Prepare);
+        let (grants, root) = (self.grants.clone(), self.host_root.clone());
+        let ids = request.ids.clone();
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Prepare,
+                self.deadline,
+                move |i| Box::pin(async move { i.plugin.prepare(&mut i.store, &request).await }),
+                move |mut prepared: Prepared| {
+                    checks::edits(&prepared.edits, &grants)?;
+                    checks::resolve_edits(&mut prepared.edits, &grants, &root)?;
+                    checks::claim_status(&prepared.status, &ids)?;
+                    Ok(prepared)
+                },
+            )
+            .await;
+        call.done(result)
+    }
+
+    /// Undoes a DRA claim's request (`claims.unprepare`), in the kubelet lane.
+    pub async fn unprepare(&self, request: Request) -> Result<(), CallError> {
+        let call = self.observe(CallKind::Unprepare);
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::Unprepare,
+                self.deadline,
+                move |i| Box::pin(async move { i.plugin.unprepare(&mut i.store, &request).await }),
+                Ok,
+            )
+            .await;
+        call.done(result)
+    }
+
     /// The resources the module declared at `init`.
     pub fn resources(&self) -> &[ResourceInfo] {
         &self.resources
@@ -388,12 +447,12 @@ impl ModuleHandle {
 
     /// The resource's devices, checked and charged to the module's host-memory budget (the
     /// snapshot the host keeps is what it costs).
-    pub async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, CallError> {
+    pub async fn enumerate(&self, resource: &str) -> Result<Inventory, CallError> {
         let call = self.observe(CallKind::Enumerate);
         call.done(self.enumerate_checked(resource).await)
     }
 
-    async fn enumerate_checked(&self, resource: &str) -> Result<Vec<Device>, CallError> {
+    async fn enumerate_checked(&self, resource: &str) -> Result<Inventory, CallError> {
         let owned = resource.to_owned();
         let (topology, root) = (self.topology.clone(), self.host_root.clone());
         let answer = self
@@ -411,7 +470,7 @@ impl ModuleHandle {
                 // Reading sysfs is file-system work: it runs in the cell.
                 move |(found, recheck)| {
                     let mut devices = found;
-                    checks::devices(&devices)?;
+                    checks::inventory(&devices)?;
                     topology.fill(&mut devices, &root);
                     Ok((devices, recheck))
                 },

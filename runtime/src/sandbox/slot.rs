@@ -13,7 +13,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use super::error::CallError;
 use super::module::ModuleHandle;
-use crate::device::{ContainerEdits, Device};
+use crate::device::{ContainerEdits, Inventory};
 use crate::resource::backend::{BackendError, DeviceBackend, Upkeep};
 
 #[derive(Clone)]
@@ -56,7 +56,7 @@ impl DeviceBackend for ModuleSlot {
         &self.name
     }
 
-    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+    async fn enumerate(&self, resource: &str) -> Result<Inventory, BackendError> {
         DeviceBackend::enumerate(&*self.current(), resource).await
     }
 
@@ -91,6 +91,21 @@ impl DeviceBackend for ModuleSlot {
 
     async fn release(&self, request: crate::device::Request) -> Result<(), BackendError> {
         DeviceBackend::release(&*self.current(), request).await
+    }
+
+    fn prepares_claims(&self, resource: &str) -> bool {
+        DeviceBackend::prepares_claims(&*self.current(), resource)
+    }
+
+    async fn prepare(
+        &self,
+        request: crate::device::Request,
+    ) -> Result<crate::device::Prepared, BackendError> {
+        DeviceBackend::prepare(&*self.current(), request).await
+    }
+
+    async fn unprepare(&self, request: crate::device::Request) -> Result<(), BackendError> {
+        DeviceBackend::unprepare(&*self.current(), request).await
     }
 
     fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {
@@ -133,7 +148,7 @@ impl DeviceBackend for ModuleHandle {
         ModuleHandle::name(self)
     }
 
-    async fn enumerate(&self, resource: &str) -> Result<Vec<Device>, BackendError> {
+    async fn enumerate(&self, resource: &str) -> Result<Inventory, BackendError> {
         Ok(ModuleHandle::enumerate(self, resource).await?)
     }
 
@@ -173,6 +188,21 @@ impl DeviceBackend for ModuleHandle {
             ModuleHandle::release(self, request).await?;
         }
         Ok(())
+    }
+
+    fn prepares_claims(&self, resource: &str) -> bool {
+        ModuleHandle::prepares_claims(self, resource)
+    }
+
+    async fn prepare(
+        &self,
+        request: crate::device::Request,
+    ) -> Result<crate::device::Prepared, BackendError> {
+        Ok(ModuleHandle::prepare(self, request).await?)
+    }
+
+    async fn unprepare(&self, request: crate::device::Request) -> Result<(), BackendError> {
+        Ok(ModuleHandle::unprepare(self, request).await?)
     }
 
     fn recheck_after(&self, resource: &str) -> Option<std::time::Duration> {

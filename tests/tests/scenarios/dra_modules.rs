@@ -347,3 +347,68 @@ dev = ["/dev/fuse"]
     );
     agent.shutdown().await;
 }
+
+/// A module built as SDK 0.2 built them (WIT 0.2.0, no SDK) serves through DRA in an agent
+/// speaking 0.3 as it did before: its typed attribute and capacity published, a claim's config
+/// passed to its `allocate`, its refusal of a bad config in the claim's own entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_module_built_against_wit_0_2_0_serves_claims_through_dra_unchanged() {
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        r#"[[module]]
+name = "built-02"
+path = "@MODULES@/wit_0_2_0.wasm"
+health-interval = "100ms"
+front-end = "dra"
+
+[module.grants]
+dev = ["/dev/fuse"]
+"#,
+        |_| {},
+    )
+    .await;
+    const DRIVER: &str = "fuse02.devicelet.io";
+    let slice = published(&dra.api).await;
+    assert_eq!(slice["spec"]["driver"], DRIVER);
+    let device = &slice["spec"]["devices"][0];
+    assert_eq!(device["name"], "fuse");
+    assert_eq!(attribute(device, "generation"), 2);
+    assert_eq!(device["capacity"]["streams"]["value"], "4");
+    assert!(
+        device.get("allowMultipleAllocations").is_none() && device.get("taints").is_none(),
+        "nothing of 0.3 on a 0.2 device: {device}"
+    );
+
+    let config = |tag: &str| {
+        json!([{
+            "source": "FromClaim",
+            "requests": [],
+            "opaque": {"driver": DRIVER, "parameters": {"tag": tag}}
+        }])
+    };
+    let uid = dra.claim(DRIVER, "tagged", &["fuse"], config("blue"));
+    let prepared = dra.prepare(DRIVER, "tagged", &uid).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    let container = resolve(
+        &dra.node.dir.path().join("cdi"),
+        &prepared.devices[0].cdi_device_ids,
+    );
+    assert_eq!(
+        container.envs.get("FUSE02_TAG").map(String::as_str),
+        Some("blue")
+    );
+    let unprepared = dra
+        .kubelet
+        .node_unprepare_resources(
+            DRIVER,
+            vec![devicelet_tests::dra::wire_claim("tagged", &uid)],
+        )
+        .await
+        .expect("answered");
+    assert_eq!(unprepared.claims[&uid].error, "");
+    let uid = dra.claim(DRIVER, "bad", &["fuse"], config("no good"));
+    let refused = dra.prepare(DRIVER, "bad", &uid).await;
+    assert!(refused.error.contains("expected {\"tag\""), "{refused:?}");
+    agent.shutdown().await;
+}

@@ -1,5 +1,5 @@
-//! The WIT is frozen per published version: a module built against any published version (0.1.x
-//! or 0.2.0) keeps loading into today's agent, and one built against a version the agent does not speak is refused by
+//! The WIT is frozen per published version: a module built against any published version (0.1.x,
+//! 0.2.0 or 0.3.0) keeps loading into today's agent, and one built against a version the agent does not speak is refused by
 //! name before anything links.
 
 use devicelet::sandbox::bindings::imports::{LATEST, speaks};
@@ -18,6 +18,16 @@ dev = ["/dev/fuse"]
 "#
     )
 }
+
+/// The module built straight from `wit/v0.2.0/` (as SDK 0.2 built them), granted `/dev/fuse`.
+const WIT_0_2_0: &str = r#"[[module]]
+name = "built-02"
+path = "@MODULES@/wit_0_2_0.wasm"
+health-interval = "100ms"
+
+[module.grants]
+dev = ["/dev/fuse"]
+"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_module_built_against_wit_0_1_0_registers_and_allocates_in_todays_agent() {
@@ -93,7 +103,7 @@ fn rewritten(dir: &std::path::Path, module: &str, from: &str, to: &str) -> std::
 async fn a_module_built_against_a_newer_minor_is_refused_naming_both_versions() {
     let node = Node::new().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let newer = rewritten(dir.path(), "generic_dev.wasm", LATEST, "0.2.7");
+    let newer = rewritten(dir.path(), "generic_dev.wasm", LATEST, "0.3.7");
     let newer_01 = rewritten(dir.path(), "wit_0_1_0.wasm", "0.1.0", "0.1.7");
     let modules = format!(
         "{}
@@ -105,21 +115,22 @@ async fn a_module_built_against_a_newer_minor_is_refused_naming_both_versions() 
     let agent = node.start_agent(&modules).await;
     let errors = agent.load_errors();
     assert_eq!(errors.len(), 2, "{errors:?}");
-    for (module, version) in [("generic-dev", "0.2.7"), ("legacy", "0.1.7")] {
+    for (module, version) in [("generic-dev", "0.3.7"), ("legacy", "0.1.7")] {
         let expected = format!(
             "module `{module}` was built against devicelet:plugin@{version}; this devicelet speaks {}",
             speaks()
         );
         assert!(errors.iter().any(|e| e.contains(&expected)), "{errors:?}");
     }
-    assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0");
+    assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0, 0.3.0");
     agent.shutdown().await;
 }
 
-/// A module built against 0.1.0, the same module as built against 0.1.1, and one built with
-/// today's SDK (0.2) serve side by side in one agent.
+/// A module built against 0.1.0, the same module as built against 0.1.1, one built against 0.2.0
+/// (as SDK 0.2 built them) and one built with today's SDK (0.3) serve side by side in one
+/// agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn modules_built_against_0_1_0_0_1_1_and_0_2_serve_side_by_side() {
+async fn modules_built_against_0_1_0_0_1_1_0_2_and_0_3_serve_side_by_side() {
     let node = Node::new().await;
     node.add_char("/dev/fuse", 10, 229);
     let dir = tempfile::tempdir().expect("tempdir");
@@ -127,13 +138,15 @@ async fn modules_built_against_0_1_0_0_1_1_and_0_2_serve_side_by_side() {
     let modules = format!(
         "{}
 {}
+{}
 {}",
         legacy("@MODULES@/wit_0_1_0.wasm"),
         legacy(&as_011.display().to_string()).replace(
             "name = \"legacy\"",
             "name = \"legacy-011\"\nresource-domain = \"old.example\""
         ),
-        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
+        generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#),
+        WIT_0_2_0
     );
     let agent = node.start_agent(&modules).await;
     assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
@@ -141,6 +154,7 @@ async fn modules_built_against_0_1_0_0_1_1_and_0_2_serve_side_by_side() {
         "devicelet.io/legacy",
         "old.example/legacy",
         "devicelet.io/fuse",
+        "devicelet.io/fuse02",
     ] {
         node.kubelet
             .wait_until(resource, WAIT, |r| r.allocatable == 1)
@@ -160,6 +174,14 @@ async fn modules_built_against_0_1_0_0_1_1_and_0_2_serve_side_by_side() {
         .map(|m| format!("{}={}", m.name, m.version))
         .collect();
     versions.sort();
-    assert_eq!(versions, ["generic-dev=0.1.0", "legacy-011=", "legacy="]);
+    assert_eq!(
+        versions,
+        [
+            "built-02=0.2.0-built",
+            "generic-dev=0.1.0",
+            "legacy-011=",
+            "legacy="
+        ]
+    );
     agent.shutdown().await;
 }

@@ -1,5 +1,5 @@
 //! The host/guest seam: the WIT world's generated bindings, one module per line of the WIT
-//! package (`v0_1`, `v0_2`), each converting into the host's own types, and [`Plugin`], the one
+//! package (`v0_1`, `v0_2`, `v0_3`), each converting into the host's own types, and [`Plugin`], the one
 //! type the rest of the host calls a module through. A new line gets a sibling module here and a
 //! variant in `plugin.rs`; nothing else in the host matches on versions.
 
@@ -53,6 +53,16 @@ macro_rules! edits_and_errors_from {
 mod plugin;
 pub mod v0_1;
 pub mod v0_2;
+pub mod v0_3;
+
+/// A module's own version as operators are shown it: printable ASCII, bounded.
+fn printable_version(version: String) -> String {
+    if version.len() <= 64 && version.bytes().all(|b| b.is_ascii_graphic()) {
+        version
+    } else {
+        "(not printable)".to_owned()
+    }
+}
 
 pub use plugin::{Answer, Plugin, PluginPre};
 
@@ -78,6 +88,8 @@ pub mod imports {
         /// Optional exports, since 0.2.0.
         Release,
         Config,
+        /// Optional export, since 0.3.0.
+        Claims,
     }
 
     /// Why a `devicelet:plugin` name is not one this host provides.
@@ -185,6 +197,7 @@ pub mod imports {
             "plugin" => Ok(Interface::Plugin),
             "release" => Ok(Interface::Release),
             "config" => Ok(Interface::Config),
+            "claims" => Ok(Interface::Claims),
             _ => Err(Unsupported::Interface),
         })
     }
@@ -206,7 +219,16 @@ pub mod imports {
             );
             // 0.1.7 is semver-compatible with 0.1.1 but newer than anything this host speaks:
             // refused here, by name, rather than by wasmtime's link error later.
-            for version in ["0.1.7", "0.2.1", "0.3.0", "1.0.0", "0.1.1-rc.1", "", "0.1"] {
+            for version in [
+                "0.1.7",
+                "0.2.1",
+                "0.3.1",
+                "0.4.0",
+                "1.0.0",
+                "0.1.1-rc.1",
+                "",
+                "0.1",
+            ] {
                 assert_eq!(
                     ours(&format!("devicelet:plugin/sysfs@{version}")),
                     Some(Err(Unsupported::Version(version.into()))),
@@ -230,17 +252,29 @@ pub mod imports {
                 ours("devicelet:plugin/release@0.2.0"),
                 Some(Ok(Interface::Release))
             );
-            assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0");
+            assert_eq!(
+                ours("devicelet:plugin/claims@0.3.0"),
+                Some(Ok(Interface::Claims))
+            );
+            assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0, 0.3.0");
             assert_eq!(
                 host_names("nvml"),
-                ["devicelet:plugin/nvml@0.1.2", "devicelet:plugin/nvml@0.2.0"]
+                [
+                    "devicelet:plugin/nvml@0.1.2",
+                    "devicelet:plugin/nvml@0.2.0",
+                    "devicelet:plugin/nvml@0.3.0"
+                ]
             );
         }
 
         /// Each line's bindings come from its newest frozen folder.
         #[test]
         fn bindings_are_generated_from_each_lines_newest_frozen_folder() {
-            let sources = [include_str!("v0_1.rs"), include_str!("v0_2.rs")];
+            let sources = [
+                include_str!("v0_1.rs"),
+                include_str!("v0_2.rs"),
+                include_str!("v0_3.rs"),
+            ];
             for (_, newest) in lines() {
                 let path = format!("path: \"../wit/v{newest}\"");
                 assert!(sources.iter().any(|s| s.contains(&path)), "{path}");
@@ -269,6 +303,10 @@ pub mod imports {
                 (
                     "0.2.0",
                     "6b46bf739c470938674c58617cc89d6ac747e612cf36de5552966aae460ae267",
+                ),
+                (
+                    "0.3.0",
+                    "602a7ed76abf0fbf159af2c3d52466b3f430b6d02cb3609b101f9e1e47592e48",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");

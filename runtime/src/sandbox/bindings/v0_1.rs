@@ -20,6 +20,8 @@ impl From<wit::ResourceInfo> for ResourceInfo {
             name: r.name,
             prestart: r.prestart,
             preferred_allocation: r.preferred_allocation,
+            one_share_per_container: false,
+            prepares_claims: false,
         }
     }
 }

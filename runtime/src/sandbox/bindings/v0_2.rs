@@ -1,5 +1,5 @@
 //! `devicelet:plugin@0.2`: bindings generated from `wit/v0.2.0/`, and the conversions between
-//! them and the host's types. The host interfaces are 0.1.2's, unchanged, so they are not
+//! them and the host's types (0.3's additions left empty: no taints, shares or counters). The host interfaces are 0.1.2's, unchanged, so they are not
 //! generated again: the host defines them once, under both lines' names.
 
 wasmtime::component::bindgen!({
@@ -27,14 +27,8 @@ pub const CONFIG: &str = "devicelet:plugin/config@0.2.0";
 
 impl From<wit::ModuleInfo> for ModuleInfo {
     fn from(m: wit::ModuleInfo) -> Self {
-        // Shown to operators: printable ASCII, bounded.
-        let printable = m.version.len() <= 64 && m.version.bytes().all(|b| b.is_ascii_graphic());
         ModuleInfo {
-            version: if printable {
-                m.version
-            } else {
-                "(not printable)".to_owned()
-            },
+            version: super::printable_version(m.version),
             resources: m
                 .resources
                 .into_iter()
@@ -42,6 +36,8 @@ impl From<wit::ModuleInfo> for ModuleInfo {
                     name: r.name,
                     prestart: r.prestart,
                     preferred_allocation: r.preferred_allocation,
+                    one_share_per_container: false,
+                    prepares_claims: false,
                 })
                 .collect(),
         }
@@ -87,7 +83,6 @@ impl From<wit::Device> for Device {
             wit::Health::Unhealthy => Health::Unhealthy,
         };
         Device {
-            id: d.id,
             health,
             health_reason: d.health_reason.filter(|_| health == Health::Unhealthy),
             numa_nodes: d.numa_nodes,
@@ -104,7 +99,7 @@ impl From<wit::Device> for Device {
             group: d.group,
             exclusive: d.exclusive,
             edits: d.edits.map(ContainerEdits::from),
-            pcie_root: None,
+            ..Device::new(d.id, health)
         }
     }
 }
