@@ -31,7 +31,7 @@ fi
 DEVICELET_KUBECTL="$PWD/$venv/bin/kubectl"
 export DEVICELET_KUBECTL
 cargo fmt --all -- --check
-guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0 -p wit-0-2-0)
+guests=(-p devicelet-sdk -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci -p misbehaving -p hostile -p wit-0-1-0 -p wit-0-2-0 -p partitions)
 # Clippy lints each workspace crate as it is compiled (clippy-driver as the workspace's rustc
 # wrapper, as `cargo clippy` runs it over `cargo check`; CLIPPY_ARGS is how `cargo clippy -- -D
 # warnings` hands it the flag), so the dependency tree is built once instead of checked and then

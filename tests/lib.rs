@@ -80,6 +80,8 @@ pub fn module_dir() -> &'static Path {
                 "wit-0-1-0",
                 "-p",
                 "wit-0-2-0",
+                "-p",
+                "partitions",
             ])
             .status()
             .expect("running cargo to build the guest modules");

@@ -8,6 +8,7 @@ pub const USER_AGENT: &str = concat!("devicelet/", env!("CARGO_PKG_VERSION"));
 
 pub mod authority;
 pub mod names;
+pub mod quantity;
 pub mod serve;
 pub mod timestamp;
 pub mod uds;

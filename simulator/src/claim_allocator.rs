@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
 
-use crate::quantity;
+use devicelet_api::quantity;
 
 /// What one claim's request asks for.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -49,7 +49,7 @@ mod endpoint;
 mod error;
 mod events;
 mod podresources;
-pub mod quantity;
+pub use devicelet_api::quantity;
 mod registration;
 mod scheduler;
 mod server;

@@ -95,6 +95,7 @@ fn policy_alone(s: &Settings) -> Row {
             .filter(|d| held(d))
             .map(|d| (physical_id(&d.id), 1))
             .collect(),
+        one_per_device: false,
     };
     let must = vec![available[3].clone()];
     let calls = s.n(10_000);

@@ -39,6 +39,13 @@
 //!   `[module.sharing]` rule that would give them replicas (WIT 0.2).
 //! - `together` (default false): all the group's nodes are allocated together or not at all (one
 //!   device group, WIT 0.2): the agent refuses a request for part of them.
+//! - `capacity` (WIT 0.3): `{ name = "bandwidth", value = "10G", default = "1G", step = "1G" }`
+//!   makes each node an amount of something several Dynamic Resource Allocation claims share
+//!   (shared by capacity): each claim holds part of `value` (`default` when it asks nothing,
+//!   rounded up to a multiple of `step` from `min`, default `step`), the scheduler and the agent
+//!   keep the count, and the container gets `GENERIC_DEV_<NAME>` (upper case, `-` as `_`) set to
+//!   `<device>=<amount held>` for each of its devices. Not with `exclusive`, `together` or
+//!   `own-edits`.
 //!
 //! # Device IDs
 //!
@@ -50,7 +57,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use devicelet_sdk::{
-    ContainerEdits, Device, FsError, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
+    ContainerEdits, Device, FsError, Plugin, PluginError, Request, RequestPolicy, ResourceInfo,
+    devnodes, export_plugin,
 };
 use serde::Deserialize;
 
@@ -84,6 +92,25 @@ struct RawGroup {
     exclusive: bool,
     #[serde(default)]
     together: bool,
+    #[serde(default)]
+    capacity: Option<SharedCapacity>,
+}
+
+/// An amount each node has, which claims share (WIT 0.3 shared by capacity).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct SharedCapacity {
+    /// A DNS label: `bandwidth`.
+    name: String,
+    /// A Kubernetes quantity: `10G`.
+    value: String,
+    /// What a claim that asks nothing holds.
+    default: String,
+    /// Claims hold multiples of it (from `min`).
+    step: String,
+    /// The least a claim holds; default `step`.
+    #[serde(default)]
+    min: Option<String>,
 }
 
 fn default_permissions() -> String {
@@ -104,6 +131,8 @@ struct GroupSpec {
     exclusive: bool,
     /// Every node of the group is one device group: allocated together or not at all.
     together: bool,
+    /// Each node shared by capacity (WIT 0.3).
+    capacity: Option<SharedCapacity>,
 }
 
 /// Parses and validates the module's config JSON.
@@ -144,6 +173,15 @@ fn parse_config(config: &str) -> Result<Vec<GroupSpec>, String> {
             ));
         }
         validate_permissions(&group.permissions).map_err(|e| format!("{at}.permissions: {e}"))?;
+        if let Some(c) = &group.capacity {
+            validate_capacity(c).map_err(|e| format!("{at}.capacity: {e}"))?;
+            if group.exclusive || group.together || group.own_edits {
+                return Err(format!(
+                    "{at}.capacity: a node shared by capacity cannot be `exclusive`, \
+                     `together` or have `own-edits`"
+                ));
+            }
+        }
         specs.push(GroupSpec {
             name: group.name,
             paths: group.paths,
@@ -152,9 +190,48 @@ fn parse_config(config: &str) -> Result<Vec<GroupSpec>, String> {
             own_edits: group.own_edits,
             exclusive: group.exclusive,
             together: group.together,
+            capacity: group.capacity,
         });
     }
     Ok(specs)
+}
+
+/// A DNS-label name and Kubernetes quantities (digits, an optional `.`, a suffix).
+fn validate_capacity(c: &SharedCapacity) -> Result<(), String> {
+    let label = !c.name.is_empty()
+        && c.name.len() <= 63
+        && c.name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !c.name.starts_with('-')
+        && !c.name.ends_with('-');
+    if !label {
+        return Err(format!("name {:?} must be a DNS label", c.name));
+    }
+    let quantity = |q: &str| {
+        let end = q
+            .find(|ch: char| !(ch.is_ascii_digit() || ch == '.'))
+            .unwrap_or(q.len());
+        let (number, suffix) = q.split_at(end);
+        number.bytes().any(|b| b.is_ascii_digit())
+            && [
+                "", "m", "k", "M", "G", "T", "P", "E", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei",
+            ]
+            .contains(&suffix)
+    };
+    for (key, q) in [
+        ("value", c.value.as_str()),
+        ("default", c.default.as_str()),
+        ("step", c.step.as_str()),
+        ("min", c.min.as_deref().unwrap_or("1")),
+    ] {
+        if !quantity(q) {
+            return Err(format!(
+                "{key} {q:?} is not a Kubernetes quantity (`10G`, `500m`)"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `[a-z0-9]([-a-z0-9.]*[a-z0-9])?`, at most 63 characters.
@@ -414,6 +491,14 @@ impl Plugin for GenericDev {
                 if spec.together {
                     device = device.group(spec.name.clone());
                 }
+                if let Some(c) = &spec.capacity {
+                    let min = c.min.as_deref().unwrap_or(&c.step);
+                    device = device.shared_by_capacity().shared_capacity(
+                        c.name.clone(),
+                        c.value.clone(),
+                        RequestPolicy::range(&c.default, min, Some(&c.step), Some(&c.value)),
+                    );
+                }
                 device
             })
             .collect())
@@ -427,6 +512,25 @@ impl Plugin for GenericDev {
             edits = edits.device(path.clone(), path, group.spec.permissions.clone());
         }
         Ok(edits)
+    }
+
+    /// With a shared capacity, the container also learns how much of each device it holds.
+    fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
+        let edits =
+            self.allocate_with_config(&request.resource_name, &request.ids, &request.config)?;
+        let Some(c) = self.group(&request.resource_name)?.spec.capacity.clone() else {
+            return Ok(edits);
+        };
+        let held: Vec<String> = request
+            .ids
+            .iter()
+            .filter_map(|id| Some(format!("{id}={}", request.consumed(id, &c.name)?)))
+            .collect();
+        if held.is_empty() {
+            return Ok(edits);
+        }
+        let key = format!("GENERIC_DEV_{}", c.name.to_uppercase().replace('-', "_"));
+        Ok(edits.env(key, held.join(",")))
     }
 
     fn prestart(&mut self, resource: &str, ids: &[String]) -> Result<(), PluginError> {
@@ -542,6 +646,40 @@ mod tests {
         assert_eq!(node_id("/dev/net/tun"), "net-tun");
         assert_eq!(node_id("/dev/snd/pcmC0D0p"), "snd-pcmC0D0p");
         assert_eq!(node_id("/dev/a b:c"), "a_b_c");
+    }
+
+    #[test]
+    fn a_shared_capacity_makes_each_node_shared_with_a_range_policy() {
+        let config = r#"{"groups": [{"name": "fuse", "paths": ["/dev/fuse"],
+            "capacity": {"name": "bandwidth", "value": "10G", "default": "1G", "step": "1G"}}]}"#;
+        let groups = parse_config(config).expect("valid");
+        assert_eq!(
+            groups[0].capacity.as_ref().map(|c| c.name.as_str()),
+            Some("bandwidth")
+        );
+        for (bad, says) in [
+            (
+                r#""name": "Band width", "value": "10G", "default": "1G", "step": "1G""#,
+                "DNS label",
+            ),
+            (
+                r#""name": "bandwidth", "value": "lots", "default": "1G", "step": "1G""#,
+                "not a Kubernetes quantity",
+            ),
+        ] {
+            let config = format!(
+                r#"{{"groups": [{{"name": "fuse", "paths": ["/dev/fuse"], "capacity": {{{bad}}}}}]}}"#
+            );
+            let e = parse_config(&config).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
+        let config = r#"{"groups": [{"name": "fuse", "paths": ["/dev/fuse"], "exclusive": true,
+            "capacity": {"name": "bandwidth", "value": "10G", "default": "1G", "step": "1G"}}]}"#;
+        assert!(
+            parse_config(config)
+                .unwrap_err()
+                .contains("cannot be `exclusive`")
+        );
     }
 }
 

@@ -18,6 +18,8 @@ const MAX_CONFIGS: usize = 64;
 const MAX_OPAQUE_PARAMETERS: usize = 10 << 10;
 /// Tolerations copied into one allocation result (`DeviceTolerationsMaxLength`).
 const MAX_TOLERATIONS: usize = 16;
+/// Capacities one share can consume: a device has at most 32 attributes and capacities.
+const MAX_CONSUMED: usize = 32;
 
 /// Devices of one request (its base name: a subrequest `gpu/large` counts as `gpu`) and the
 /// config that applies to them.
@@ -34,6 +36,19 @@ pub struct RequestWanted {
     /// The tolerations the scheduler allocated each device with (those that have any): a
     /// device tainted unhealthy is prepared only for a claim that tolerates its taint.
     pub tolerations: BTreeMap<String, Vec<DeviceToleration>>,
+    /// The shares of devices shared by capacity (`allowMultipleAllocations`) the request
+    /// holds, in the order allocated: (device name, share ID, consumed capacity).
+    pub shares: Vec<WantedShare>,
+}
+
+/// One share of a device several claims hold: the scheduler's `shareID` and what it counted
+/// the claim as consuming.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WantedShare {
+    pub device: String,
+    pub share_id: String,
+    /// (capacity, quantity), as the allocation result says.
+    pub consumed: Vec<(String, String)>,
 }
 
 /// This driver's part of `claim`, which the kubelet asked for as `uid`; `pool` is this node's.
@@ -127,10 +142,14 @@ fn wanted_by(
         }
         let request = base(&result.request).to_string();
         let admin = result.admin_access == Some(true);
+        let share = share_of(&at, result)?;
         let w = match wanted.iter().position(|w| w.request == request) {
             Some(i) => {
                 let w = &mut wanted[i];
-                w.devices.push(result.device.clone());
+                // A second share of one device adds a share, not a device.
+                if share.is_none() || !w.devices.contains(&result.device) {
+                    w.devices.push(result.device.clone());
+                }
                 w.admin &= admin;
                 w
             }
@@ -145,6 +164,7 @@ fn wanted_by(
                     devices: vec![result.device.clone()],
                     admin,
                     tolerations: BTreeMap::new(),
+                    shares: Vec::new(),
                 });
                 let last = wanted.len() - 1;
                 &mut wanted[last]
@@ -153,22 +173,67 @@ fn wanted_by(
         if !tolerations.is_empty() {
             w.tolerations.insert(result.device.clone(), tolerations);
         }
+        w.shares.extend(share);
     }
     if wanted.is_empty() {
         return Err(format!("{at} has no devices of driver {driver}"));
     }
     // One device allocated twice in a claim, by one request or by two: never from a real
-    // scheduler, and the module would be asked for it twice.
+    // scheduler but as shares (each with its own share ID), and the module would be asked
+    // for it twice.
     let mut named = std::collections::BTreeSet::new();
-    for device in wanted.iter().flat_map(|w| &w.devices) {
-        if !named.insert(device) {
-            return Err(format!(
-                "{at}: device {:?} is allocated twice",
-                crate::text::cut(device, 64)
-            ));
+    let mut shares = std::collections::BTreeSet::new();
+    for w in &wanted {
+        for device in &w.devices {
+            let shared = w.shares.iter().any(|s| &s.device == device);
+            if !shared && !named.insert(device) {
+                return Err(format!(
+                    "{at}: device {:?} is allocated twice",
+                    crate::text::cut(device, 64)
+                ));
+            }
+        }
+    }
+    for w in &wanted {
+        for share in &w.shares {
+            if named.contains(&share.device) || !shares.insert((&share.device, &share.share_id)) {
+                return Err(format!(
+                    "{at}: device {:?} is allocated twice (share {:?})",
+                    crate::text::cut(&share.device, 64),
+                    crate::text::cut(&share.share_id, 64)
+                ));
+            }
         }
     }
     Ok(wanted)
+}
+
+/// The share an allocation result holds of a device shared by capacity: Some when the scheduler
+/// gave it a `shareID`. Its consumed capacity must be quantities, and few.
+fn share_of(
+    at: &str,
+    result: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+) -> Result<Option<WantedShare>, String> {
+    let Some(share_id) = &result.share_id else {
+        return Ok(None);
+    };
+    let consumed = result.consumed_capacity.clone().unwrap_or_default();
+    let bad = consumed
+        .iter()
+        .find(|(_, q)| devicelet_api::quantity::parse(&q.0).is_none_or(|v| v < 0));
+    if share_id.is_empty() || share_id.len() > 64 || consumed.len() > MAX_CONSUMED || bad.is_some()
+    {
+        return Err(format!(
+            "{at}: device {}'s share {:?} has an invalid ID or consumed capacity",
+            crate::text::cut(&result.device, 64),
+            crate::text::cut(share_id, 64)
+        ));
+    }
+    Ok(Some(WantedShare {
+        device: result.device.clone(),
+        share_id: share_id.clone(),
+        consumed: consumed.into_iter().map(|(k, q)| (k, q.0)).collect(),
+    }))
 }
 
 /// `gpu` of `gpu/large`.
@@ -240,6 +305,7 @@ mod tests {
                     config: r#"{"mode":"claim"}"#.into(),
                     admin: false,
                     tolerations: BTreeMap::new(),
+                    shares: Vec::new(),
                 },
                 RequestWanted {
                     request: "other".into(),
@@ -247,6 +313,7 @@ mod tests {
                     config: r#"{"mode":"class"}"#.into(),
                     admin: false,
                     tolerations: BTreeMap::new(),
+                    shares: Vec::new(),
                 },
             ]
         );
@@ -326,6 +393,47 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("is not a DNS label"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn shares_of_one_device_are_one_device_with_each_share_and_a_repeated_share_is_refused() {
+        let share = |request: &str, id: &str, memory: &str| {
+            let mut r = result(request, "gpu.example.com", "node-a", "gpu-0");
+            r["shareID"] = serde_json::json!(id);
+            r["consumedCapacity"] = serde_json::json!({"memory": memory});
+            r
+        };
+        let c = claim(
+            serde_json::json!([share("gpu", "s-1", "10Gi"), share("gpu", "s-2", "5Gi")]),
+            serde_json::json!([]),
+        );
+        let two = wanted(&c, "u-1", "gpu.example.com", "node-a").expect("two shares");
+        assert_eq!(two[0].devices, ["gpu-0"]);
+        assert_eq!(
+            two[0]
+                .shares
+                .iter()
+                .map(|s| (s.share_id.as_str(), s.consumed[0].1.as_str()))
+                .collect::<Vec<_>>(),
+            [("s-1", "10Gi"), ("s-2", "5Gi")]
+        );
+        for results in [
+            serde_json::json!([share("gpu", "s-1", "1Gi"), share("gpu", "s-1", "1Gi")]),
+            serde_json::json!([
+                result("a", "gpu.example.com", "node-a", "gpu-0"),
+                share("b", "s-1", "1Gi")
+            ]),
+            serde_json::json!([share("gpu", "s-1", "-1Gi")]),
+        ] {
+            let c = claim(results, serde_json::json!([]));
+            let e = wanted(&c, "u-1", "gpu.example.com", "node-a")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("allocated twice") || e.contains("invalid ID or consumed capacity"),
+                "{e}"
+            );
         }
     }
 }

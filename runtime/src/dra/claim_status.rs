@@ -120,36 +120,73 @@ async fn work(
 
 /// The `status.devices` entries for prepared claim `record`: one per device name, Ready, with
 /// the module's IDs of the device (a group's every member) and the CDI devices of its request.
+/// A device shared by capacity gets one entry per share (with its `shareID`), and the module's
+/// own status data (WIT 0.3 `prepare`) goes into `data` beside the host's keys.
 fn entries(driver: &str, pool: &str, record: &ClaimRecord, now: &str) -> Vec<Value> {
-    let mut out: Vec<(String, Vec<String>, Vec<String>, String)> = Vec::new();
+    struct One<'a> {
+        device: &'a str,
+        share: Option<&'a str>,
+        ids: Vec<&'a str>,
+        request: &'a crate::ledger::PreparedRequest,
+    }
+    let mut out: Vec<One> = Vec::new();
     for request in &record.requests {
         for (device, id) in &request.devices {
-            match out.iter_mut().find(|(d, ..)| d == device) {
-                Some((_, ids, ..)) => ids.push(id.clone()),
-                None => out.push((
-                    device.clone(),
-                    vec![id.clone()],
-                    request.cdi_ids.clone(),
-                    request.request.clone(),
-                )),
+            let shares: Vec<Option<&str>> = match request
+                .shares
+                .iter()
+                .filter(|s| &s.device == id)
+                .map(|s| Some(s.share_id.as_str()))
+                .collect::<Vec<_>>()
+            {
+                none if none.is_empty() => vec![None],
+                some => some,
+            };
+            for share in shares {
+                match out
+                    .iter_mut()
+                    .find(|o| o.device == device && o.share == share)
+                {
+                    Some(one) => one.ids.push(id),
+                    None => out.push(One {
+                        device,
+                        share,
+                        ids: vec![id],
+                        request,
+                    }),
+                }
             }
         }
     }
     out.into_iter()
-        .map(|(device, ids, cdi, request)| {
-            json!({
+        .map(|one| {
+            let mut data = serde_json::Map::new();
+            for (id, own) in &one.request.status {
+                if one.ids.contains(&id.as_str())
+                    && let Ok(Value::Object(own)) = serde_json::from_str::<Value>(own)
+                {
+                    data.extend(own);
+                }
+            }
+            data.insert("deviceIDs".into(), json!(one.ids));
+            data.insert("cdiDeviceIDs".into(), json!(one.request.cdi_ids));
+            let mut entry = json!({
                 "driver": driver,
                 "pool": pool,
-                "device": device,
+                "device": one.device,
                 "conditions": [{
                     "type": "Ready",
                     "status": "True",
                     "reason": "Prepared",
-                    "message": format!("prepared for request {request}"),
+                    "message": format!("prepared for request {}", one.request.request),
                     "lastTransitionTime": now,
                 }],
-                "data": {"deviceIDs": ids, "cdiDeviceIDs": cdi},
-            })
+                "data": data,
+            });
+            if let Some(share) = one.share {
+                entry["shareID"] = json!(share);
+            }
+            entry
         })
         .collect()
 }
@@ -170,6 +207,8 @@ mod tests {
             config: String::new(),
             cdi_ids: vec![cdi.into()],
             admin: false,
+            shares: Vec::new(),
+            status: Vec::new(),
         };
         let record = ClaimRecord {
             driver: "gpu.example.com".into(),
@@ -190,6 +229,7 @@ mod tests {
                 ),
             ],
             spec_file: None,
+            preparing: false,
         };
         let entries = entries("gpu.example.com", "node-a", &record, "2026-11-28T19:00:00Z");
         assert_eq!(entries.len(), 2);

@@ -158,6 +158,12 @@ pub fn start<B: DeviceBackend>(
         let claims = claims.clone();
         tokio::task::spawn_blocking(move || claims.remove_stale_specs());
     }
+    {
+        // Claims a module was preparing when the agent stopped: undone before anything else
+        // is asked of them (a kubelet retry waits behind this, claim by claim).
+        let claims = claims.clone();
+        tokio::spawn(async move { claims.recover().await });
+    }
     let republish = Arc::new(Notify::new());
     let served = server::serve(
         claims.clone(),

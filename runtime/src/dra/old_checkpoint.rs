@@ -89,9 +89,12 @@ pub fn adopt(
                         config: r.config,
                         cdi_ids: r.cdi_ids,
                         admin: false,
+                        shares: Vec::new(),
+                        status: Vec::new(),
                     })
                     .collect(),
                 spec_file: c.spec_file,
+                preparing: false,
             };
             (uid, record)
         })

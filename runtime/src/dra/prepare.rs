@@ -37,8 +37,10 @@ use super::claim;
 use super::claim_status::StatusWriter;
 use super::events::{DraEvent, DraEvents};
 use super::units::units;
-use crate::device::{ContainerEdits, Request};
-use crate::ledger::{ClaimRecord, Conflict, Ledger, LedgerError, PreparedRequest};
+use crate::device::{ContainerEdits, Prepared, Request, Share};
+use crate::ledger::{
+    Budget, ClaimRecord, Conflict, HeldShare, Ledger, LedgerError, PreparedRequest,
+};
 use crate::resource::backend::{BackendError, DeviceBackend};
 use crate::resource::snapshot::Snapshot;
 
@@ -82,7 +84,7 @@ pub enum ClaimError {
     #[error("{0}")]
     Refused(String),
     #[error(transparent)]
-    Held(#[from] Conflict),
+    Held(Box<Conflict>),
     #[error("request {request:?}{again}: {source}", again = if *.again { ", prepared again" } else { "" })]
     Module {
         request: String,
@@ -95,6 +97,12 @@ pub enum ClaimError {
     Ledger(#[from] LedgerError),
     #[error("the claim's task failed: {0}")]
     Task(String),
+}
+
+impl From<Conflict> for ClaimError {
+    fn from(conflict: Conflict) -> Self {
+        ClaimError::Held(Box::new(conflict))
+    }
 }
 
 /// A pool's DRA device names, each with its members' module IDs.
@@ -126,6 +134,8 @@ pub struct Claims<B> {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The last snapshot's units by DRA name ([`Claims::names_in`]).
     names: Mutex<Option<(Snapshot, Arc<NameTable>)>>,
+    /// The last snapshot's budget of shared capacity and counters ([`Claims::budget_of`]).
+    budget: Mutex<Option<(Snapshot, Arc<Budget>)>>,
     /// Writes prepared claims' `status.devices` (with an API server).
     status: Option<StatusWriter>,
 }
@@ -178,6 +188,7 @@ impl<B: DeviceBackend> Claims<B> {
             retiring: Default::default(),
             locks: Mutex::default(),
             names: Mutex::default(),
+            budget: Mutex::default(),
         }
     }
 
@@ -278,6 +289,65 @@ impl<B: DeviceBackend> Claims<B> {
         crate::cdi::claim::remove_stale(&self.cdi_dir, &self.driver, &known);
     }
 
+    /// Undoes every claim of this driver recorded as being prepared by its module (WIT 0.3
+    /// `claims`) when the agent stopped: the module's `unprepare` for each request, then the
+    /// record goes. One whose `unprepare` fails stays recorded, and is tried again at the
+    /// claim's next prepare or the next start.
+    pub async fn recover(self: &Arc<Self>) {
+        let preparing: Vec<(String, ClaimRecord)> = self
+            .ledger
+            .claims_of(&self.driver)
+            .into_iter()
+            .filter(|(_, c)| c.preparing)
+            .collect();
+        for (uid, record) in preparing {
+            let undone = self
+                .serialized(&uid, async {
+                    match self.ledger.claim(&uid) {
+                        Some(r) if r.preparing => self.undo_preparing(&uid, &r).await,
+                        _ => Ok(()),
+                    }
+                })
+                .await;
+            match undone {
+                Ok(()) => tracing::info!(
+                    driver = self.driver,
+                    claim = uid,
+                    "undid claim {}/{}, which the module was preparing when the agent stopped",
+                    record.namespace,
+                    record.name
+                ),
+                Err(e) => tracing::warn!(driver = self.driver, claim = uid, "{e}"),
+            }
+        }
+    }
+
+    /// The module's `unprepare` for each request of `record`, recorded as being prepared; then
+    /// the record goes, durably. On a failed `unprepare` the record stays.
+    async fn undo_preparing(&self, uid: &str, record: &ClaimRecord) -> Result<(), ClaimError> {
+        for request in &record.requests {
+            self.backend
+                .unprepare(self.request(uid, request))
+                .await
+                .map_err(|source| ClaimError::Module {
+                    request: request.request.clone(),
+                    again: false,
+                    source,
+                })?;
+        }
+        self.ledger.drop_claim(uid);
+        self.persist().await
+    }
+
+    /// Writes the ledger's pending changes, on the blocking pool.
+    async fn persist(&self) -> Result<(), ClaimError> {
+        let ledger = self.ledger.clone();
+        tokio::task::spawn_blocking(move || ledger.persist())
+            .await
+            .map_err(|e| ClaimError::Task(e.to_string()))?
+            .map_err(ClaimError::from)
+    }
+
     /// Runs `work` while no other call for claim `uid` runs.
     async fn serialized<T>(&self, uid: &str, work: impl Future<Output = T>) -> T {
         let lock = self
@@ -300,6 +370,10 @@ impl<B: DeviceBackend> Claims<B> {
     }
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        if let Some(half) = self.ledger.claim(&claim.uid).filter(|c| c.preparing) {
+            // Left by an agent stopped in the module's `prepare`: undone, then prepared afresh.
+            self.undo_preparing(&claim.uid, &half).await?;
+        }
         if let Some(done) = self.ledger.claim(&claim.uid) {
             let spec_gone = done.spec_file.as_ref().is_some_and(|f| !f.exists());
             if !spec_gone {
@@ -324,16 +398,33 @@ impl<B: DeviceBackend> Claims<B> {
         for want in &wanted {
             check_names(&claim.uid, &want.request)?;
         }
+        let snapshot = self.devices.borrow().clone();
         let mut requests = Vec::with_capacity(wanted.len());
         for want in wanted {
+            let devices = self.ids_of(&snapshot, &want.devices, &want.tolerations)?;
+            let shares = want
+                .shares
+                .into_iter()
+                .filter_map(|s| {
+                    let (_, id) = devices.iter().find(|(name, _)| *name == s.device)?;
+                    Some(HeldShare {
+                        device: id.clone(),
+                        share_id: s.share_id,
+                        consumed: s.consumed,
+                    })
+                })
+                .collect();
             requests.push(PreparedRequest {
-                devices: self.ids_of(&want.devices, &want.tolerations)?,
+                devices,
                 request: want.request,
                 config: want.config,
                 cdi_ids: Vec::new(),
                 admin: want.admin,
+                shares,
+                status: Vec::new(),
             });
         }
+        let prepares = self.backend.prepares_claims(&self.resource);
         let mut record = ClaimRecord {
             driver: self.driver.clone(),
             resource: self.served.clone(),
@@ -341,25 +432,44 @@ impl<B: DeviceBackend> Claims<B> {
             name: claim.name.clone(),
             requests,
             spec_file: None,
+            preparing: prepares,
         };
-        self.ledger.reserve_claim(&claim.uid, record.clone())?;
+        let budget = self.budget_of(&snapshot);
+        self.ledger
+            .reserve_claim_within(&claim.uid, record.clone(), &budget)?;
+        if prepares {
+            // The write-ahead record: whatever the module creates from here on, a restart
+            // finds the claim and has it undone.
+            self.ledger.prepare_claim(&claim.uid, record.clone());
+            if let Err(e) = self.persist().await {
+                self.ledger.drop_claim(&claim.uid);
+                return Err(e);
+            }
+        }
         let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
         for (done, request) in record.requests.iter_mut().enumerate() {
-            match self
-                .backend
-                .allocate_request(self.request(&claim.uid, request))
-                .await
-            {
-                Ok(edits) => {
-                    request.cdi_ids = edits.cdi_devices.clone();
+            match self.prepare_request(&claim.uid, request, prepares).await {
+                Ok(prepared) => {
+                    request.cdi_ids = prepared.edits.cdi_devices.clone();
+                    request.status = prepared.status;
                     answers.insert(
                         format!("{}-{}", claim.uid, request.request),
-                        Arc::new(edits),
+                        Arc::new(prepared.edits),
                     );
                 }
                 Err(source) => {
                     let request = request.request.clone();
-                    self.give_back(&claim.uid, &record.requests[..done]).await;
+                    // A module's `prepare` may have created part of what failed: every
+                    // request is unprepared then; `allocate` leaves nothing to release.
+                    let undo = if prepares {
+                        record.requests.len()
+                    } else {
+                        done
+                    };
+                    self.give_back(&claim.uid, &record.requests[..undo]).await;
+                    if prepares && let Err(e) = self.persist().await {
+                        tracing::warn!(driver = self.driver, claim = claim.uid, "{e}");
+                    }
                     return Err(ClaimError::Module {
                         request,
                         again: false,
@@ -368,17 +478,52 @@ impl<B: DeviceBackend> Claims<B> {
                 }
             }
         }
+        record.preparing = false;
         self.finish(&claim.uid, record, answers).await
     }
 
-    /// What the module is asked for `request` of claim `uid`.
+    /// One request prepared: by the module's `prepare` for a resource that `prepares`,
+    /// otherwise by `allocate` (no status of its own).
+    async fn prepare_request(
+        &self,
+        uid: &str,
+        request: &PreparedRequest,
+        prepares: bool,
+    ) -> Result<Prepared, BackendError> {
+        let asked = self.request(uid, request);
+        if prepares {
+            self.backend.prepare(asked).await
+        } else {
+            Ok(Prepared {
+                edits: self.backend.allocate_request(asked).await?,
+                status: Vec::new(),
+            })
+        }
+    }
+
+    /// What the module is asked for `request` of claim `uid`: each device once, and the
+    /// request's shares of devices shared by capacity.
     fn request(&self, uid: &str, request: &PreparedRequest) -> Request {
+        let mut ids: Vec<String> = Vec::with_capacity(request.devices.len());
+        for (_, id) in &request.devices {
+            if !ids.contains(id) {
+                ids.push(id.clone());
+            }
+        }
         Request {
             resource: self.resource.clone(),
-            ids: request.devices.iter().map(|(_, id)| id.clone()).collect(),
+            ids,
             config: request.config.clone(),
             key: format!("{uid}/{}", request.request),
-            shares: Vec::new(),
+            shares: request
+                .shares
+                .iter()
+                .map(|s| Share {
+                    id: s.device.clone(),
+                    share_id: s.share_id.clone(),
+                    consumed: s.consumed.clone(),
+                })
+                .collect(),
         }
     }
 
@@ -416,17 +561,20 @@ impl<B: DeviceBackend> Claims<B> {
         done: ClaimRecord,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let mut answers = BTreeMap::new();
+        let prepares = self.backend.prepares_claims(&self.resource);
         for request in &done.requests {
-            let edits = self
-                .backend
-                .allocate_request(self.request(uid, request))
-                .await
-                .map_err(|source| ClaimError::Module {
-                    request: request.request.clone(),
-                    again: true,
-                    source,
-                })?;
-            answers.insert(format!("{uid}-{}", request.request), Arc::new(edits));
+            let prepared =
+                self.prepare_request(uid, request, prepares)
+                    .await
+                    .map_err(|source| ClaimError::Module {
+                        request: request.request.clone(),
+                        again: true,
+                        source,
+                    })?;
+            answers.insert(
+                format!("{uid}-{}", request.request),
+                Arc::new(prepared.edits),
+            );
         }
         let (record, spec) = self.with_spec(uid, done, &answers);
         let answer = self.devices_of(&record);
@@ -552,6 +700,19 @@ impl<B: DeviceBackend> Claims<B> {
         names
     }
 
+    /// The budget of `snapshot`'s shared devices and partitions, made once per snapshot.
+    fn budget_of(&self, snapshot: &Snapshot) -> Arc<Budget> {
+        let mut cached = self.budget.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((of, budget)) = cached.as_ref()
+            && Arc::ptr_eq(of, snapshot)
+        {
+            return budget.clone();
+        }
+        let budget = Arc::new(Budget::of(snapshot, &snapshot.counter_sets));
+        *cached = Some((snapshot.clone(), budget.clone()));
+        budget
+    }
+
     /// (name, module ID) of each device name's members (a group's every device), from the
     /// current snapshot; each must be published and held by no device-plugin container, and
     /// healthy unless the claim tolerates its health taint (`tolerations`, by name). Work in the
@@ -559,11 +720,11 @@ impl<B: DeviceBackend> Claims<B> {
     /// by ID.
     fn ids_of(
         &self,
+        snapshot: &Snapshot,
         names: &[String],
         tolerations: &BTreeMap<String, Vec<DeviceToleration>>,
     ) -> Result<Vec<(String, String)>, ClaimError> {
-        let snapshot = self.devices.borrow().clone();
-        let table = self.names_in(&snapshot);
+        let table = self.names_in(snapshot);
         let refused = |m: String| Err(ClaimError::Refused(m));
         let mut out: Vec<(String, String)> = Vec::new();
         let mut held = None;
@@ -573,7 +734,7 @@ impl<B: DeviceBackend> Claims<B> {
             }
             let Some(members) = table.get(name).map(|ids| {
                 ids.iter()
-                    .filter_map(|id| crate::resource::snapshot::find(&snapshot, id))
+                    .filter_map(|id| crate::resource::snapshot::find(snapshot, id))
                     .collect::<Vec<_>>()
             }) else {
                 return refused(format!("device {name:?} is not one this driver publishes"));
@@ -617,9 +778,18 @@ impl<B: DeviceBackend> Claims<B> {
         self.ledger.drop_claim(uid);
     }
 
+    /// The module's `unprepare` for each request of a resource that prepares claims, its
+    /// `release` otherwise.
     async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) {
+        let prepares = self.backend.prepares_claims(&self.resource);
         for request in requests {
-            if let Err(e) = self.backend.release(self.request(uid, request)).await {
+            let asked = self.request(uid, request);
+            let done = if prepares {
+                self.backend.unprepare(asked).await
+            } else {
+                self.backend.release(asked).await
+            };
+            if let Err(e) = done {
                 tracing::warn!(
                     driver = self.driver,
                     claim = uid,

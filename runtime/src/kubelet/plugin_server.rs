@@ -33,6 +33,9 @@ pub struct Watches {
     pub preferred: watch::Receiver<Preferred>,
     /// Whether the devices are replicas (`<id>::<n>`) of shared physical devices.
     pub shared: bool,
+    /// A container gets at most one replica of a physical device (WIT 0.3
+    /// `one-share-per-container`: MPS clients).
+    pub one_share: bool,
     /// How Allocate names devices by CDI, when the resource's strategy uses CDI.
     pub cdi: Option<Naming>,
     /// Where the backend lives: its version (prepared answers of an older one are stale) and
@@ -58,6 +61,7 @@ pub struct ResourcePlugin<B> {
     prepared: Prepared,
     preferred: watch::Receiver<Preferred>,
     shared: bool,
+    one_share: bool,
     cdi: Option<Naming>,
     upkeep: Arc<dyn Upkeep>,
 }
@@ -76,6 +80,7 @@ impl<B: Clone> Clone for ResourcePlugin<B> {
             prepared: self.prepared.clone(),
             preferred: self.preferred.clone(),
             shared: self.shared,
+            one_share: self.one_share,
             cdi: self.cdi.clone(),
             upkeep: self.upkeep.clone(),
         }
@@ -100,6 +105,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
         if self.shared {
             holders = self.ledger.holders(&self.resource);
             usage.physical = Some(physical_id);
+            usage.one_per_device = self.one_share;
             for (id, _) in &holders {
                 *usage.in_use.entry(physical_id(id)).or_default() += 1;
             }
@@ -120,6 +126,25 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             chosen,
             size,
         )
+    }
+
+    /// Refuses a request naming two replicas of one physical device for a resource that gives
+    /// a container one share at most (WIT 0.3): the module never sees it.
+    fn one_share_each(&self, ids: &[String]) -> Result<(), Status> {
+        if !(self.shared && self.one_share) {
+            return Ok(());
+        }
+        let mut seen = std::collections::HashSet::new();
+        match ids.iter().find(|id| !seen.insert(physical_id(id))) {
+            Some(twice) => Err(Status::invalid_argument(format!(
+                "{}: a container gets one share of a device at most, and this request names \
+                 two of {} ({})",
+                self.resource,
+                physical_id(twice),
+                ids.join(", ")
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Refuses a request that would split a device group (WIT 0.2), as the kubelet's error:
@@ -196,6 +221,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             prepared,
             preferred,
             shared,
+            one_share,
             cdi,
             upkeep,
         } = watches;
@@ -211,6 +237,7 @@ impl<B: DeviceBackend> ResourcePlugin<B> {
             prepared,
             preferred,
             shared,
+            one_share,
             cdi,
             upkeep,
         }
@@ -395,6 +422,7 @@ impl<B: DeviceBackend> api::device_plugin_server::DevicePlugin for ResourcePlugi
         for c in &requests {
             self.known(&c.devices_ids)?;
             self.whole_groups(&c.devices_ids)?;
+            self.one_share_each(&c.devices_ids)?;
             if let Some(conflict) = self.ledger.claimed_of(&self.resource, &c.devices_ids) {
                 return Err(Status::failed_precondition(conflict.to_string()));
             }
@@ -534,6 +562,7 @@ mod tests {
                 prepared: Prepared::default(),
                 preferred: watch::channel(Preferred::Module).1,
                 shared: false,
+                one_share: false,
                 cdi: None,
                 upkeep: Arc::new(crate::resource::backend::Unkept),
             },

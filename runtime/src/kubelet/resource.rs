@@ -317,6 +317,7 @@ pub fn serve<B: DeviceBackend>(
             prepared: prepared.clone(),
             preferred,
             shared,
+            one_share: info.one_share_per_container,
             cdi: cdi.as_ref().map(|c| c.naming.clone()),
             upkeep: upkeep.clone(),
         },

@@ -27,6 +27,10 @@ pub struct ClaimRecord {
     pub requests: Vec<PreparedRequest>,
     /// The claim's CDI spec file; None when no request needed one.
     pub spec_file: Option<PathBuf>,
+    /// Recorded before the module's `prepare` (WIT 0.3 `claims`) was called, and not yet known
+    /// prepared: after a restart its requests are unprepared, whatever the module created.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preparing: bool,
 }
 
 /// One request of a prepared claim.
@@ -42,15 +46,56 @@ pub struct PreparedRequest {
     /// Allocated with admin access (monitoring a device others use): holds nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub admin: bool,
+    /// Its parts of devices shared by capacity (WIT 0.3): such a device is held by share, not
+    /// exclusively.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<HeldShare>,
+    /// What the module's `prepare` said for the claim's status: (device ID, JSON object).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub status: Vec<(String, String)>,
+}
+
+/// A part of a device shared by capacity that one request holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldShare {
+    /// The module's device ID.
+    pub device: String,
+    /// The scheduler's `shareID`.
+    pub share_id: String,
+    /// (capacity, quantity).
+    pub consumed: Vec<(String, String)>,
+}
+
+impl PreparedRequest {
+    /// Whether it holds device `id` by share.
+    fn shares_device(&self, id: &str) -> bool {
+        self.shares.iter().any(|s| s.device == id)
+    }
 }
 
 impl ClaimRecord {
-    /// The module device IDs it holds exclusively (admin requests hold none).
-    fn held(&self) -> impl Iterator<Item = &str> {
+    /// The module device IDs it holds exclusively (admin requests hold none; a shared device
+    /// is held by share).
+    pub(crate) fn held(&self) -> impl Iterator<Item = &str> {
+        self.requests.iter().filter(|r| !r.admin).flat_map(|r| {
+            r.devices
+                .iter()
+                .map(|(_, id)| id.as_str())
+                .filter(|id| !r.shares_device(id))
+        })
+    }
+
+    /// Its shares of devices shared by capacity (admin requests hold none).
+    pub(crate) fn shares(&self) -> impl Iterator<Item = &HeldShare> {
         self.requests
             .iter()
             .filter(|r| !r.admin)
-            .flat_map(|r| r.devices.iter().map(|(_, id)| id.as_str()))
+            .flat_map(|r| &r.shares)
+    }
+
+    /// Every device it holds, exclusively or by share.
+    fn holds(&self) -> impl Iterator<Item = &str> {
+        self.held().chain(self.shares().map(|s| s.device.as_str()))
     }
 }
 
@@ -78,6 +123,30 @@ pub enum Conflict {
     },
     #[error("ResourceClaim UID {uid} is being prepared already")]
     Busy { uid: String },
+    #[error(
+        "device {device:?} of {resource} is allocated as a share, but its module does not share it by capacity"
+    )]
+    NotShared { resource: String, device: String },
+    #[error(
+        "device {device:?} of {resource}: the claim's share asks {asked} of its {capacity}, and {left} is left"
+    )]
+    Capacity {
+        resource: String,
+        device: String,
+        capacity: String,
+        asked: String,
+        left: String,
+    },
+    #[error(
+        "device {device:?} of {resource} would take counter {counter} of set {counter_set} past its {total}, with the partitions other claims hold"
+    )]
+    Counters {
+        resource: String,
+        device: String,
+        counter_set: String,
+        counter: String,
+        total: String,
+    },
 }
 
 /// A claim and whether it is prepared yet.
@@ -108,33 +177,57 @@ impl Claims {
         Ok(claims)
     }
 
-    /// The first device `record` asks for that another claim holds.
+    /// The first device `record` asks for that another claim holds: exclusively, or (for a
+    /// device `record` wants whole) by share.
     pub fn conflict(&self, uid: &str, record: &ClaimRecord) -> Option<Conflict> {
-        for id in record.held() {
+        let found = |id: &str, other: &String, held: &ClaimRecord| Conflict::Claim {
+            resource: record.resource.clone(),
+            device: id.to_owned(),
+            namespace: held.namespace.clone(),
+            name: held.name.clone(),
+            uid: other.clone(),
+        };
+        for id in record.holds() {
             let key = (record.resource.clone(), id.to_owned());
             if let Some(other) = self.index.get(&key).filter(|o| *o != uid)
                 && let Some(held) = self.by_uid.get(other)
             {
-                return Some(Conflict::Claim {
-                    resource: record.resource.clone(),
-                    device: id.to_owned(),
-                    namespace: held.record.namespace.clone(),
-                    name: held.record.name.clone(),
-                    uid: other.clone(),
-                });
+                return Some(found(id, other, &held.record));
+            }
+        }
+        for id in record.held() {
+            if let Some((other, held)) = self.sharing(&record.resource, id).find(|(o, _)| *o != uid)
+            {
+                return Some(found(id, other, held));
             }
         }
         None
+    }
+
+    /// The claims holding shares of device `id` of `resource`, and their records.
+    pub fn sharing<'a>(
+        &'a self,
+        resource: &str,
+        id: &str,
+    ) -> impl Iterator<Item = (&'a String, &'a ClaimRecord)> + use<'a> {
+        let (resource, id) = (resource.to_owned(), id.to_owned());
+        self.by_uid
+            .iter()
+            .filter(move |(_, c)| {
+                c.record.resource == resource && c.record.shares().any(|s| s.device == id)
+            })
+            .map(|(uid, c)| (uid, &c.record))
     }
 
     /// The claim holding device `id` (a module ID, or a replica of one) of `resource` as the
     /// device-plugin front end serves it (its own name, or the `.shared` one).
     pub fn holder_of(&self, resource: &str, id: &str) -> Option<(&String, &ClaimRecord)> {
         let base = resource.strip_suffix(RENAMED_SUFFIX).unwrap_or(resource);
-        let uid = self
-            .index
-            .get(&(base.to_owned(), physical_id(id).to_owned()))?;
-        self.by_uid.get(uid).map(|c| (uid, &c.record))
+        let id = physical_id(id);
+        match self.index.get(&(base.to_owned(), id.to_owned())) {
+            Some(uid) => self.by_uid.get(uid).map(|c| (uid, &c.record)),
+            None => self.sharing(base, id).next(),
+        }
     }
 
     /// The first of `ids` (as the device-plugin front end serves `resource`) a claim holds.
@@ -151,12 +244,18 @@ impl Claims {
         })
     }
 
-    /// Module IDs of `resource` that claims hold.
+    /// Module IDs of `resource` that claims hold, exclusively or by share.
     pub fn held_ids(&self, resource: &str) -> std::collections::BTreeSet<String> {
+        let shared = self
+            .by_uid
+            .values()
+            .filter(|c| c.record.resource == resource)
+            .flat_map(|c| c.record.shares().map(|s| s.device.clone()));
         self.index
             .keys()
             .filter(|(r, _)| r == resource)
             .map(|(_, id)| id.clone())
+            .chain(shared)
             .collect()
     }
 
@@ -194,7 +293,7 @@ impl Claims {
 /// shared and renamed), as a conflict.
 pub(crate) fn container_holding(entries: &[Entry], record: &ClaimRecord) -> Option<Conflict> {
     let shared = format!("{}{RENAMED_SUFFIX}", record.resource);
-    for id in record.held() {
+    for id in record.holds() {
         let holding = entries.iter().rev().find(|e| {
             (e.resource == record.resource || e.resource == shared)
                 && e.device_ids.iter().any(|d| physical_id(d) == id)

@@ -139,6 +139,7 @@ mod tests {
             name: name.into(),
             requests: Vec::new(),
             spec_file: None,
+            preparing: false,
         }
     }
 

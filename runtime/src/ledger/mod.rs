@@ -17,6 +17,7 @@
 //! `checkpoint` (the file format), `reconcile` (the attribution rules), `error`. The ledger names
 //! no kubelet wire type: the device-plugin front end converts at its edge.
 
+mod budget;
 mod checkpoint;
 mod claims;
 mod entry;
@@ -35,8 +36,9 @@ use std::time::{Duration, SystemTime};
 use checkpoint::Store;
 use state::State;
 
+pub use budget::Budget;
 pub use checkpoint::{FILE_NAME, VERSION, check_file as check_trusted_file};
-pub use claims::{ClaimRecord, Conflict, PreparedRequest};
+pub use claims::{ClaimRecord, Conflict, HeldShare, PreparedRequest};
 pub use entry::{Entry, Holder};
 pub use error::LedgerError;
 pub use reconcile::{Held, ReconcileReport};
@@ -201,6 +203,17 @@ impl Ledger {
     /// reserved, not yet written: [`prepare_claim`](Self::prepare_claim) makes it durable,
     /// [`drop_claim`](Self::drop_claim) gives the devices back.
     pub fn reserve_claim(&self, uid: &str, record: ClaimRecord) -> Result<(), Conflict> {
+        self.reserve_claim_within(uid, record, &Budget::default())
+    }
+
+    /// [`reserve_claim`](Self::reserve_claim), also checking that the claim's shares and
+    /// partitions fit `budget` beside every other claim's, in the same step.
+    pub fn reserve_claim_within(
+        &self,
+        uid: &str,
+        record: ClaimRecord,
+        budget: &Budget,
+    ) -> Result<(), Conflict> {
         let mut locked = self.lock();
         let state = &mut locked.state;
         if state.claims.by_uid.contains_key(uid) {
@@ -215,6 +228,7 @@ impl Ledger {
         {
             return Err(conflict);
         }
+        budget.check(&state.claims, uid, &record)?;
         state.claims.insert(uid.to_owned(), record, false);
         drop(locked);
         self.claims_moved();

@@ -624,8 +624,11 @@ fn claim_of(resource: &str, name: &str, devices: &[&str], admin: bool) -> ClaimR
             config: String::new(),
             cdi_ids: Vec::new(),
             admin,
+            shares: Vec::new(),
+            status: Vec::new(),
         }],
         spec_file: None,
+        preparing: false,
     }
 }
 
@@ -772,4 +775,88 @@ fn a_claims_change_costs_one_journal_line_and_survives_a_restart_without_a_check
     again.flush().unwrap();
     assert_eq!(fs::read(tmp.path().join("ledger.journal")).unwrap(), b"");
     assert!(Ledger::open(tmp.path()).unwrap().claim("b").is_some());
+}
+
+/// `claim_of`, holding `device` by a share that consumes `memory`.
+fn share_of(name: &str, device: &str, memory: &str) -> ClaimRecord {
+    let mut record = claim_of(GPU, name, &[device], false);
+    record.requests[0].shares = vec![HeldShare {
+        device: device.into(),
+        share_id: format!("{name}-share"),
+        consumed: vec![("memory".into(), memory.into())],
+    }];
+    record
+}
+
+#[test]
+fn shares_of_a_device_fit_its_capacity_and_a_whole_claim_or_container_waits_for_them() {
+    use crate::device::{CounterSet, CounterUse, Device, Health, Shared};
+    let mut gpu = Device::new("gpu-0", Health::Healthy);
+    gpu.capacities = vec![("memory".into(), "40Gi".into())];
+    gpu.shared = Some(Shared::default());
+    let budget = Budget::of(&[gpu], &[]);
+    let ledger = Ledger::in_memory();
+    for (i, memory) in ["10Gi", "10Gi", "10Gi", "10Gi"].iter().enumerate() {
+        let name = format!("s{i}");
+        ledger
+            .reserve_claim_within(&name, share_of(&name, "gpu-0", memory), &budget)
+            .unwrap_or_else(|e| panic!("share {i}: {e}"));
+    }
+    let e = ledger
+        .reserve_claim_within("s4", share_of("s4", "gpu-0", "1Gi"), &budget)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "device \"gpu-0\" of vendor.com/gpu: the claim's share asks 1Gi of its memory, and 0 is left"
+    );
+    // Whole, it waits for every share to go; so does a container of the device plugin.
+    let e = ledger
+        .reserve_claim_within("whole", claim_of(GPU, "whole", &["gpu-0"], false), &budget)
+        .unwrap_err();
+    assert!(e.to_string().contains("team/s"), "{e}");
+    assert!(ledger.claimed(GPU).contains("gpu-0"));
+    ledger.drop_claim("s0");
+    ledger
+        .reserve_claim_within("s5", share_of("s5", "gpu-0", "10Gi"), &budget)
+        .expect("room again");
+    // A share of a device the module does not share is refused by name.
+    let e = ledger
+        .reserve_claim_within("odd", share_of("odd", "gpu-9", "1Gi"), &budget)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("does not share it by capacity"),
+        "{e}"
+    );
+
+    // Partitions: two halves and a whole draw on one set of 2 memory slices.
+    let part = |id: &str, slices: &str| {
+        let mut d = Device::new(id, Health::Healthy);
+        d.consumes = vec![CounterUse {
+            counter_set: "gpu-1".into(),
+            counters: vec![("memory-slices".into(), slices.into())],
+        }];
+        d
+    };
+    let set = CounterSet {
+        name: "gpu-1".into(),
+        counters: vec![("memory-slices".into(), "2".into())],
+    };
+    let budget = Budget::of(
+        &[part("half-a", "1"), part("half-b", "1"), part("whole", "2")],
+        &[set],
+    );
+    let ledger = Ledger::in_memory();
+    ledger
+        .reserve_claim_within("a", claim_of(GPU, "a", &["half-a"], false), &budget)
+        .expect("a half");
+    let e = ledger
+        .reserve_claim_within("w", claim_of(GPU, "w", &["whole"], false), &budget)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "device \"whole\" of vendor.com/gpu would take counter memory-slices of set gpu-1 past its 2, with the partitions other claims hold"
+    );
+    ledger
+        .reserve_claim_within("b", claim_of(GPU, "b", &["half-b"], false), &budget)
+        .expect("the other half");
 }

@@ -36,6 +36,9 @@ pub struct Usage<'a> {
     pub physical: Option<fn(&str) -> &str>,
     /// Replicas held per physical device.
     pub in_use: HashMap<&'a str, usize>,
+    /// A container gets one replica of a physical device at most (WIT 0.3
+    /// `one-share-per-container`).
+    pub one_per_device: bool,
 }
 
 impl Usage<'_> {
@@ -91,6 +94,13 @@ pub fn choose(
         if !taken.insert(id) {
             continue;
         }
+        if usage.one_per_device
+            && chosen
+                .iter()
+                .any(|c| usage.physical(c) == usage.physical(id))
+        {
+            continue;
+        }
         if let Some(d) = device(id).filter(|d| d.health == Health::Healthy) {
             candidates.push((d, mask_of(d)));
         }
@@ -114,6 +124,12 @@ pub fn choose(
             .iter()
             .copied()
             .filter(|(d, _)| !chosen.contains(&d.id))
+            .filter(|(d, _)| {
+                !usage.one_per_device
+                    || !chosen
+                        .iter()
+                        .any(|c| usage.physical(c) == usage.physical(&d.id))
+            })
             .collect();
         let missing = size - chosen.len();
         chosen.extend(pick(rest, missing, spread, usage, &mut held));
@@ -236,6 +252,10 @@ fn pick(
         };
         let Some((at, _)) = best else { break };
         let (device, mask) = pool.swap_remove(at);
+        if usage.one_per_device {
+            let physical = usage.physical(&device.id);
+            pool.retain(|(d, _)| usage.physical(&d.id) != physical);
+        }
         *taken_from.entry(mask).or_default() += 1;
         *held
             .entry(usage.physical(&device.id).to_owned())
@@ -408,6 +428,30 @@ mod tests {
         Usage {
             physical: Some(crate::policy::sharing::physical_id),
             in_use: in_use.iter().copied().collect(),
+            one_per_device: false,
+        }
+    }
+
+    #[test]
+    fn one_share_per_container_never_picks_two_replicas_of_one_device() {
+        let snapshot = replicas();
+        let all = ids(&snapshot);
+        let usage = Usage {
+            one_per_device: true,
+            ..shared(&[])
+        };
+        for spread in [Spread::Packed, Spread::Distributed] {
+            let two = choose(&snapshot, &all, &[], 2, spread, &usage);
+            let gpus: HashSet<&str> = two
+                .iter()
+                .map(|id| crate::policy::sharing::physical_id(id))
+                .collect();
+            assert_eq!((two.len(), gpus.len()), (2, 2), "{spread:?}: {two:?}");
+            // Three cannot be had without two of one device: two is the answer.
+            let three = choose(&snapshot, &all, &[], 3, spread, &usage);
+            assert_eq!(three.len(), 2, "{spread:?}: {three:?}");
+            let with = choose(&snapshot, &all, &strings(&["gpu-0::1"]), 2, spread, &usage);
+            assert_eq!(with, strings(&["gpu-0::1", "gpu-1::0"]), "{spread:?}");
         }
     }
 

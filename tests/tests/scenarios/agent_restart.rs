@@ -806,3 +806,79 @@ async fn an_edit_reverted_while_its_compile_is_stalled_leaves_the_running_versio
     agent.kill().expect("SIGKILL");
     agent.wait().expect("reaped");
 }
+
+/// A module that creates something for each claim (WIT 0.3 `claims`, here the test module
+/// `partitions`) has the agent's guarantee of `unprepare`: an agent killed with SIGKILL after
+/// the module created an instance, before the claim was recorded prepared, undoes it when it
+/// starts again, and the kubelet's retry prepares the claim afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_inside_a_modules_prepare_has_it_undone_after_restart() {
+    use devicelet_tests::dra::{DraNode, registered, wire_claim};
+    const DRIVER: &str = "acc.devicelet.io";
+    let dra = DraNode::new().await;
+    let registry = dra.node.registry(
+        r#"[[module]]
+name = "partitions"
+path = "@MODULES@/partitions.wasm"
+health-interval = "100ms"
+front-end = "dra"
+"#,
+    );
+    let state = dra.node.state_dir();
+    let log = |n: usize| dra.node.dir.path().join(format!("agent-{n}.log"));
+    let spawn = |n: usize| {
+        spawn_dra_agent_logging(
+            &dra,
+            &registry,
+            &state,
+            &[],
+            Stdio::from(std::fs::File::create(log(n)).expect("log file")),
+        )
+    };
+    let mut first = spawn(1);
+    registered(&dra.kubelet, 1).await;
+    devicelet_tests::eventually("the partitions and their counters published", || {
+        dra.api
+            .list(devicelet_simulator::apiserver::Kind::ResourceSlice)
+            .len()
+            == 2
+    })
+    .await;
+    let slow = serde_json::json!([{
+        "source": "FromClaim",
+        "requests": [],
+        "opaque": {"driver": DRIVER, "parameters": {"slow": true}}
+    }]);
+    let uid = dra.claim(DRIVER, "half", &["acc-0-2s-0"], slow);
+    let kubelet = dra.kubelet.clone();
+    let asked = {
+        let uid = uid.clone();
+        tokio::spawn(async move {
+            kubelet
+                .node_prepare_resources(DRIVER, vec![wire_claim("half", &uid)])
+                .await
+        })
+    };
+    let created = format!("created instance {uid}/acc");
+    devicelet_tests::eventually("the module created its instance", || {
+        std::fs::read_to_string(log(1)).is_ok_and(|t| t.contains(&created))
+    })
+    .await;
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    asked.abort();
+
+    let mut second = spawn(2);
+    registered(&dra.kubelet, 2).await;
+    let destroyed = format!("destroyed instance {uid}/acc");
+    devicelet_tests::eventually("the restarted agent undid the instance", || {
+        std::fs::read_to_string(log(2)).is_ok_and(|t| t.contains(&destroyed))
+    })
+    .await;
+    // The claim, asked for again (without the slow config), is prepared afresh.
+    let uid2 = dra.claim(DRIVER, "again", &["acc-0-2s-0"], serde_json::json!([]));
+    let prepared = dra.prepare(DRIVER, "again", &uid2).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    second.kill().expect("SIGKILL");
+    second.wait().expect("reaped");
+}

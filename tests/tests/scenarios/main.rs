@@ -11,6 +11,7 @@ mod container_image;
 mod deploy_manifests;
 mod documentation;
 mod dra;
+mod dra_advanced;
 mod dra_modules;
 mod hostile_modules;
 mod lifecycle;

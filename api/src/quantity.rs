@@ -58,8 +58,9 @@ pub fn parse(q: &str) -> Option<i128> {
     Some(if negative { -scaled } else { scaled })
 }
 
-/// `nano` nano-units as a quantity: the largest binary suffix that divides it (`10Gi`), a whole
-/// number, or a decimal with up to nine fraction digits.
+/// `nano` nano-units as a quantity: with the largest binary suffix that divides it (`10Gi`),
+/// else the largest decimal one (`3G`), else a whole number, or a decimal with up to nine
+/// fraction digits.
 pub fn format(nano: i128) -> String {
     if nano % NANO == 0 {
         let units = nano / NANO;
@@ -73,6 +74,19 @@ pub fn format(nano: i128) -> String {
         ] {
             if units != 0 && units % (1i128 << shift) == 0 {
                 return format!("{}{suffix}", units >> shift);
+            }
+        }
+        for (power, suffix) in [
+            (18, "E"),
+            (15, "P"),
+            (12, "T"),
+            (9, "G"),
+            (6, "M"),
+            (3, "k"),
+        ] {
+            let scale = 10i128.pow(power);
+            if units != 0 && units % scale == 0 {
+                return format!("{}{suffix}", units / scale);
             }
         }
         return units.to_string();
@@ -101,6 +115,8 @@ mod tests {
         assert_eq!(format(parse("10Gi").unwrap()), "10Gi");
         assert_eq!(format(parse("1536Mi").unwrap()), "1536Mi");
         assert_eq!(format(parse("7").unwrap()), "7");
+        assert_eq!(format(parse("3000M").unwrap()), "3G");
+        assert_eq!(format(parse("2500M").unwrap()), "2500M");
         assert_eq!(format(parse("0").unwrap()), "0");
         assert_eq!(format(parse("0.25").unwrap()), "0.25");
     }

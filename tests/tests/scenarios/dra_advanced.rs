@@ -1,0 +1,230 @@
+//! DRA's advanced model from WIT 0.3 modules, against the simulator's API server and its
+//! scheduler (which allocates counters and consumable capacity as the upstream structured
+//! allocator does): a device shared by capacity (the reference generic-dev's `capacity`),
+//! partitions drawing on counters and a module that prepares its claims (the test module
+//! `partitions`), each also checked by the agent's own ledger at prepare.
+
+use devicelet_simulator::DeviceRequest;
+use devicelet_simulator::apiserver::Kind;
+use devicelet_tests::cdi::resolve;
+use devicelet_tests::dra::{DraNode, NODE, published, registered};
+use serde_json::{Value, json};
+
+const FUSE: &str = "fuse.devicelet.io";
+const ACC: &str = "acc.devicelet.io";
+
+async fn serving(dra: &DraNode, modules: &str) -> devicelet::agent::Agent {
+    let agent = dra.agent(modules).await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    registered(&dra.kubelet, 1).await;
+    agent
+}
+
+fn asking(bandwidth: Option<&str>) -> DeviceRequest {
+    DeviceRequest {
+        count: 1,
+        capacity: bandwidth
+            .map(|b| [("bandwidth".to_owned(), b.to_owned())].into())
+            .unwrap_or_default(),
+        ..DeviceRequest::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_claims_share_a_device_by_capacity_and_a_fifth_that_would_exceed_it_is_not_allocated()
+{
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        &devicelet_tests::generic_dev(
+            r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], capacity = { name = "bandwidth", value = "10G", default = "1G", step = "1G" } }]"#,
+        )
+        .replacen("[module.grants]", "front-end = \"dra\"\n\n[module.grants]", 1),
+    )
+    .await;
+    let slice = published(&dra.api).await;
+    let device = &slice["spec"]["devices"][0];
+    assert_eq!(device["allowMultipleAllocations"], true, "{device}");
+    let policy = &device["capacity"]["bandwidth"]["requestPolicy"];
+    assert_eq!(policy["default"], "1G", "{device}");
+    assert_eq!(policy["validRange"]["step"], "1G", "{device}");
+
+    // 3G, 2500M (rounded up to 3G), 3G and the default 1G: 10G, all of it.
+    let scheduler = dra.api.handle();
+    let mut uids = Vec::new();
+    for (i, ask) in [Some("3G"), Some("2500M"), Some("3G"), None]
+        .into_iter()
+        .enumerate()
+    {
+        let name = format!("share-{i}");
+        let claim = scheduler
+            .allocate_claim_with("team-a", &name, FUSE, NODE, &asking(ask))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let uid = claim["metadata"]["uid"].as_str().expect("uid").to_owned();
+        let prepared = dra.prepare(FUSE, &name, &uid).await;
+        assert_eq!(prepared.error, "", "{name}: {prepared:?}");
+        let container = resolve(
+            &dra.node.dir.path().join("cdi"),
+            &prepared.devices[0].cdi_device_ids,
+        );
+        // As the API server wrote the claim's consumed capacity (in whatever spelling).
+        let held = container.envs.get("GENERIC_DEV_BANDWIDTH").cloned();
+        let amount = held
+            .as_deref()
+            .and_then(|h| h.strip_prefix("fuse="))
+            .and_then(devicelet_simulator::quantity::parse);
+        let want = ["3G", "3G", "3G", "1G"][i];
+        assert_eq!(
+            amount,
+            devicelet_simulator::quantity::parse(want),
+            "{name}: {held:?}"
+        );
+        uids.push((name, uid));
+    }
+    let refused = scheduler
+        .allocate_claim_with("team-a", "fifth", FUSE, NODE, &asking(Some("1G")))
+        .unwrap_err();
+    assert!(refused.contains("without the capacity"), "{refused}");
+
+    // A claim the scheduler did not count (a stale or hostile allocation) is refused by the
+    // agent's own count.
+    let created = dra
+        .api
+        .create(
+            Kind::ResourceClaim,
+            "team-a",
+            json!({
+                "metadata": {"name": "stray"},
+                "spec": {"devices": {"requests": [{"name": "fuse", "exactly": {"deviceClassName": FUSE}}]}},
+                "status": {"allocation": {"devices": {"results": [{
+                    "request": "fuse", "driver": FUSE, "pool": NODE, "device": "fuse",
+                    "shareID": "0b5e6a2c-9d1f-4e2a-8c3b-7f6e5d4c3b2a",
+                    "consumedCapacity": {"bandwidth": "1G"}
+                }]}}}
+            }),
+        )
+        .expect("the claim");
+    let stray = created["metadata"]["uid"].as_str().expect("uid");
+    let refused = dra.prepare(FUSE, "stray", stray).await;
+    assert!(
+        refused
+            .error
+            .contains("asks 1G of its bandwidth, and 0 is left"),
+        "{refused:?}"
+    );
+    agent.shutdown().await;
+}
+
+/// The claim's `status.devices` entry for `device`, once written.
+async fn status_of(dra: &DraNode, name: &str, device: &str) -> Value {
+    devicelet_tests::eventually_some("the claim's status", || {
+        let claim = dra.api.get(Kind::ResourceClaim, "team-a", name)?;
+        claim["status"]["devices"]
+            .as_array()?
+            .iter()
+            .find(|d| d["device"] == device)
+            .cloned()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_instance() {
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        r#"[[module]]
+name = "partitions"
+path = "@MODULES@/partitions.wasm"
+health-interval = "100ms"
+front-end = "dra"
+"#,
+    )
+    .await;
+    // The counter set in a slice of its own, the seven partitions consuming from it.
+    let slices = devicelet_tests::eventually_some("two slices", || {
+        let slices = dra.api.list(Kind::ResourceSlice);
+        (slices.len() == 2).then_some(slices)
+    })
+    .await;
+    let counters = slices
+        .iter()
+        .find(|s| s["spec"]["sharedCounters"].is_array())
+        .expect("a counters slice");
+    assert_eq!(
+        counters["spec"]["sharedCounters"][0]["counters"]["slices"]["value"],
+        "4"
+    );
+    assert!(counters["spec"]["devices"].is_null(), "{counters}");
+    let devices = slices
+        .iter()
+        .find_map(|s| s["spec"]["devices"].as_array())
+        .expect("a devices slice");
+    assert_eq!(devices.len(), 7);
+    let whole = devices
+        .iter()
+        .find(|d| d["name"] == "acc-0-4s-0")
+        .expect("the whole partition");
+    assert_eq!(
+        whole["consumesCounters"][0]["counters"]["slices"]["value"],
+        "4"
+    );
+
+    // Four claims of one partition each take the four slices; a fifth overlaps them all.
+    let scheduler = dra.api.handle();
+    let mut names = Vec::new();
+    for i in 0..4 {
+        let name = format!("part-{i}");
+        let claim = scheduler
+            .allocate_claim_with("team-a", &name, ACC, NODE, &asking(None))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let uid = claim["metadata"]["uid"].as_str().expect("uid").to_owned();
+        let device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+            .as_str()
+            .expect("a device")
+            .to_owned();
+        let prepared = dra.prepare(ACC, &name, &uid).await;
+        assert_eq!(prepared.error, "", "{name}: {prepared:?}");
+        let container = resolve(
+            &dra.node.dir.path().join("cdi"),
+            &prepared.devices[0].cdi_device_ids,
+        );
+        let instance = format!("{uid}/acc");
+        assert_eq!(
+            container.envs.get("ACC_INSTANCE").map(String::as_str),
+            Some(instance.as_str())
+        );
+        // The module's status data beside the host's.
+        let status = status_of(&dra, &name, &device).await;
+        assert_eq!(status["data"]["instance"], instance.as_str(), "{status}");
+        assert_eq!(status["data"]["deviceIDs"], json!([device]), "{status}");
+        names.push((name, uid, device));
+    }
+    let refused = scheduler
+        .allocate_claim_with("team-a", "fifth", ACC, NODE, &asking(None))
+        .unwrap_err();
+    assert!(refused.contains("cannot allocate"), "{refused}");
+
+    // A partition the scheduler did not count is refused by the agent's own count.
+    let stray = dra.claim(ACC, "stray", &["acc-0-4s-0"], json!([]));
+    let refused = dra.prepare(ACC, "stray", &stray).await;
+    assert!(
+        refused
+            .error
+            .contains("would take counter slices of set acc-0 past its 4"),
+        "{refused:?}"
+    );
+
+    // Unprepared, its slices are free again: the whole partition fits once all four go.
+    for (name, uid, _) in &names {
+        let unprepared = dra
+            .kubelet
+            .node_unprepare_resources(ACC, vec![devicelet_tests::dra::wire_claim(name, uid)])
+            .await
+            .expect("answered");
+        assert_eq!(unprepared.claims[uid].error, "");
+    }
+    let prepared = dra.prepare(ACC, "stray", &stray).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    agent.shutdown().await;
+}
