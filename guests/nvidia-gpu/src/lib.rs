@@ -481,7 +481,12 @@ impl Plugin for NvidiaGpu {
             .into_iter()
             .map(|name| {
                 let preferred = whole_gpus && name == module.config.resource;
-                ResourceInfo::new(name).with_preferred_allocation(preferred)
+                // As NVIDIA's plugin: under MPS a container is one client of one GPU, so
+                // never two shares of one GPU (the agent refuses them before asking).
+                let mps = module.config.mps_pipe_directory.is_some();
+                ResourceInfo::new(name)
+                    .with_preferred_allocation(preferred)
+                    .with_one_share_per_container(mps)
             })
             .collect();
         Ok((module, infos))

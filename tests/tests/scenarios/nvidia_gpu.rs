@@ -524,6 +524,43 @@ async fn mps_shares_each_gpu_four_ways_with_a_quarter_each_and_one_share_per_con
     );
 }
 
+/// Under MPS without `fail-requests-greater-than-one`, two shares for one container land on two
+/// GPUs (the agent's preferred allocation never picks two of one), and a request for two shares
+/// of one GPU (a node with one GPU left) is refused by the agent before the module is asked,
+/// as NVIDIA's plugin refuses it: one container is one MPS client of one GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mps_a_container_never_gets_two_shares_of_one_gpu() {
+    let one = json!({ "driver-version": "550.54.15", "gpus": [gpu(0)] });
+    let (node, gpus) = gpu_node(&one).await;
+    for dir in ["/run/nvidia/mps", "/run/nvidia/mps-shm"] {
+        std::fs::create_dir_all(node.tree.path(dir)).expect("the MPS directories");
+    }
+    let sharing = "[module.sharing]\nreplicas = 4\nrename = true\n";
+    let config = "mps-pipe-directory = \"/run/nvidia/mps\"\nmps-shm-directory = \"/run/nvidia/mps-shm\"\n\
+                  mps-replicas = 4";
+    let _agent = start(&node, &gpus, &registry("1h", config, sharing)).await;
+    node.kubelet
+        .wait_until("nvidia.com/gpu.shared", WAIT, |r| r.allocatable == 4)
+        .await
+        .expect("four replicas of one GPU");
+    let two = node
+        .kubelet
+        .allocate("nvidia.com/gpu.shared", 2)
+        .await
+        .expect_err("two shares of one GPU")
+        .to_string();
+    // The agent's refusal (InvalidArgument), not the module's.
+    assert!(
+        two.contains("a container gets one share of a device at most")
+            && two.contains("InvalidArgument"),
+        "{two}"
+    );
+    node.kubelet
+        .allocate("nvidia.com/gpu.shared", 1)
+        .await
+        .expect("one share");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cdi_names_for_the_nvidia_toolkit() {
     let (node, gpus) = gpu_node(&eight_gpus()).await;
