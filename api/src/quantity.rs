@@ -58,38 +58,39 @@ pub fn parse(q: &str) -> Option<i128> {
     Some(if negative { -scaled } else { scaled })
 }
 
-/// `nano` nano-units as a quantity: with the largest binary suffix that divides it (`10Gi`),
-/// else the largest decimal one (`3G`), else a whole number, or a decimal with up to nine
-/// fraction digits.
+/// `nano` nano-units as a quantity: the shortest of the largest binary suffix that divides it
+/// (`10Gi`), the largest decimal one (`3G`) and the whole number (binary first on a tie), or a
+/// decimal with up to nine fraction digits.
 pub fn format(nano: i128) -> String {
     if nano % NANO == 0 {
         let units = nano / NANO;
-        for (shift, suffix) in [
+        let binary = [
             (60, "Ei"),
             (50, "Pi"),
             (40, "Ti"),
             (30, "Gi"),
             (20, "Mi"),
             (10, "Ki"),
-        ] {
-            if units != 0 && units % (1i128 << shift) == 0 {
-                return format!("{}{suffix}", units >> shift);
-            }
-        }
-        for (power, suffix) in [
+        ]
+        .into_iter()
+        .find(|(shift, _)| units != 0 && units % (1i128 << shift) == 0)
+        .map(|(shift, suffix)| format!("{}{suffix}", units >> shift));
+        let decimal = [
             (18, "E"),
             (15, "P"),
             (12, "T"),
             (9, "G"),
             (6, "M"),
             (3, "k"),
-        ] {
-            let scale = 10i128.pow(power);
-            if units != 0 && units % scale == 0 {
-                return format!("{}{suffix}", units / scale);
-            }
-        }
-        return units.to_string();
+        ]
+        .into_iter()
+        .find(|(power, _)| units != 0 && units % 10i128.pow(*power) == 0)
+        .map(|(power, suffix)| format!("{}{suffix}", units / 10i128.pow(power)));
+        return [binary, decimal, Some(units.to_string())]
+            .into_iter()
+            .flatten()
+            .min_by_key(String::len)
+            .unwrap_or_default();
     }
     let sign = if nano < 0 { "-" } else { "" };
     let (whole, fraction) = (nano.abs() / NANO, nano.abs() % NANO);
@@ -117,6 +118,8 @@ mod tests {
         assert_eq!(format(parse("7").unwrap()), "7");
         assert_eq!(format(parse("3000M").unwrap()), "3G");
         assert_eq!(format(parse("2500M").unwrap()), "2500M");
+        assert_eq!(format(parse("10G").unwrap()), "10G");
+        assert_eq!(format(parse("1Gi").unwrap()), "1Gi");
         assert_eq!(format(parse("0").unwrap()), "0");
         assert_eq!(format(parse("0.25").unwrap()), "0.25");
     }

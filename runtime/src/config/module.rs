@@ -351,7 +351,7 @@ fn front_end_of(node: &Node<'_>) -> Result<bool, RegistryError> {
             "one front end per module: serving a module through the device plugin and DRA at once \
              would advertise every device twice (as an extended resource and in a ResourceSlice), \
              and the scheduler could give one device to two pods; run it under one front end per \
-             node (README \"DRA\")",
+             node (docs/dra.md)",
         ));
     }
     match node.str()? {

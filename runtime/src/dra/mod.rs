@@ -1,7 +1,7 @@
 //! The Dynamic Resource Allocation front end: the same modules serving ResourceClaims through
 //! the kubelet's DRA plugin API, with ResourceSlices published to the API server. One driver
 //! per served resource (`driver.rs`), built on the resource core like the device-plugin front
-//! end. The README's DRA section says what works today and what does not yet.
+//! end. `docs/dra.md` says what works today and what does not yet.
 
 pub mod advanced;
 pub mod api;

@@ -4,7 +4,7 @@
 //! the state directory (`store.rs`), every read capped and under a deadline (`reader.rs`),
 //! pulling by digest with every byte checked (`pull.rs`),
 //! vendor signatures (`signature.rs`) and pushing a module as a wasm component artifact
-//! (`push.rs`). The README's "Modules from OCI registries" says what works; `docs/design/oci.md`
+//! (`push.rs`). `docs/oci.md` says what works; `docs/design/oci.md`
 //! the facts behind it.
 
 pub mod access;
