@@ -194,7 +194,9 @@ pub enum Command {
     Node(NodeCommand),
     /// Run the built-in kubelet simulator, for trying a module locally.
     Simulate(simulate::SimulateArgs),
-    /// The agent with the reference modules against the simulator and a fixture device tree.
+    /// The reference module against the simulator and a fixture device tree: through the device
+    /// plugin, through DRA, and pulled as a signed OCI artifact from a local `docker-registry`
+    /// (skipped when it is not installed).
     Demo(demo::DemoArgs),
     /// One module against a fixture node and the simulator: registration, snapshots, an
     /// allocation, then the fixture watched for changes.

@@ -561,8 +561,10 @@ async fn every_socket_answers_whatever_authority_the_client_sends() {
 }
 
 /// `devicelet demo`, the README's first command: the reference module through the device-plugin
-/// API (registration, allocations, a hot-unplug) and then through DRA (a driver, its slice, a
-/// claim prepared with its CDI devices and status, then unprepared).
+/// API (registration, allocations, a hot-unplug), then through DRA (a driver, its slice, a
+/// claim prepared with its CDI devices and status, then unprepared), then as a signed OCI
+/// artifact in a local registry, pulled by digest and served (the tests install Debian's
+/// docker-registry, as the demo does).
 #[test]
 fn the_demo_shows_the_module_through_both_kubelet_apis() {
     let out = std::process::Command::new(devicelet_tests::devicelet_bin())
@@ -586,6 +588,10 @@ fn the_demo_shows_the_module_through_both_kubelet_apis() {
         "prepared by serial.devicelet.io",
         "Ready=True",
         "unprepared: its CDI spec removed",
+        "pushed ",
+        "signed it with ",
+        "checked its signature against ",
+        "allocated 1 × devicelet.io/fuse from the pulled module",
         "\ndone",
     ] {
         assert!(text.contains(step), "{step:?} in:\n{text}");

@@ -2,7 +2,10 @@
 //! simulator, all in one process, showing registration, devices, allocations and a hot-unplug
 //! through the device-plugin API; then the same module through Dynamic Resource Allocation: a
 //! driver registered, its ResourceSlice published, a claim allocated by the scheduler's rules,
-//! prepared (CDI devices, the claim's status) and unprepared.
+//! prepared (CDI devices, the claim's status) and unprepared; then the module pushed to a local
+//! OCI registry, signed, and pulled by digest with its signature checked (`oci.rs`).
+
+mod oci;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -144,6 +147,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     })
     .await
     .context("the DRA part")?;
+    let oci = work.path().join("oci");
+    std::fs::create_dir_all(&oci)?;
+    oci::run(&oci, &module_dir, tree.root())
+        .await
+        .context("the OCI part")?;
     println!("\ndone");
     Ok(())
 }
