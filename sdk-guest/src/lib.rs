@@ -127,6 +127,9 @@ pub mod bindings {
     });
 }
 
+mod vanished;
+pub use vanished::Vanished;
+
 use bindings::devicelet::plugin::types as wit_types;
 use bindings::exports::devicelet::plugin::plugin::Guest;
 
@@ -325,6 +328,16 @@ pub trait Plugin: Sized + 'static {
     ) -> Result<Vec<String>, PluginError> {
         let _ = resource;
         Ok(default_preferred(available, must_include, size))
+    }
+}
+
+/// `Ok` when `resource` is the one resource a module serves (`served`), else the error the host
+/// expects for a name it does not serve: the check a one-resource module starts each call with.
+pub fn serves(resource: &str, served: &str) -> Result<(), PluginError> {
+    if resource == served {
+        Ok(())
+    } else {
+        Err(PluginError::UnknownResource(resource.to_owned()))
     }
 }
 
@@ -733,6 +746,19 @@ impl ContainerEdits {
         self
     }
 
+    /// Makes each of `nodes` available in the container at the same path, with `permissions`.
+    pub fn nodes<S: Into<String>>(
+        mut self,
+        nodes: impl IntoIterator<Item = S>,
+        permissions: &str,
+    ) -> Self {
+        for node in nodes {
+            let node = node.into();
+            self = self.device(node.clone(), node, permissions);
+        }
+        self
+    }
+
     /// Bind-mounts a host path into the container.
     pub fn mount(
         mut self,
@@ -991,6 +1017,11 @@ pub mod devnodes {
     /// Kind, major/minor numbers and permission bits of a node.
     pub fn stat(path: &str) -> Result<NodeInfo, FsError> {
         host::stat(path)
+    }
+
+    /// Whether a granted device node exists at `path`.
+    pub fn exists(path: &str) -> bool {
+        host::stat(path).is_ok()
     }
 }
 

@@ -7,7 +7,7 @@
 //! links. [`bound_to`] lists a driver's devices from `/sys/bus/pci/drivers/<driver>/` (grant
 //! `/sys/bus/pci/drivers/*` for it).
 
-use crate::{FsError, sysfs};
+use crate::{Device, FsError, Health, sysfs};
 
 /// Where the kernel lists PCI devices.
 pub const DEVICES: &str = "/sys/bus/pci/devices";
@@ -101,6 +101,32 @@ impl PciDevice {
     /// One of its attributes as text, trimmed (`current_compute_partition`, `mem_info_vram_total`).
     pub fn attribute(&self, name: &str) -> Result<String, FsError> {
         sysfs::read_to_string(&format!("{}/{name}", self.path()))
+    }
+
+    /// The devicelet device for it, with `health`: its ID the PCI address, its NUMA node, and
+    /// the attributes every PCI module publishes (`pci-address`, which the agent also reads
+    /// for topology, and `device-id` as `0x740f`). Add your own with [`Device::attribute`] or
+    /// [`PciDevice::attributes_onto`].
+    pub fn device(&self, health: Health) -> Device {
+        let mut device = Device::new(self.address.clone(), health)
+            .attribute("pci-address", self.address.clone())
+            .attribute("device-id", format!("{:#06x}", self.device));
+        if let Some(node) = self.numa_node {
+            device = device.numa_node(node);
+        }
+        device
+    }
+
+    /// `device` with each of these sysfs attributes the PCI device has, as text attributes
+    /// named with `-` for `_` (`current_compute_partition` → `current-compute-partition`); one
+    /// the device lacks is left out.
+    pub fn attributes_onto(&self, mut device: Device, names: &[&str]) -> Device {
+        for name in names {
+            if let Ok(value) = self.attribute(name) {
+                device = device.attribute(name.replace('_', "-"), value);
+            }
+        }
+        device
     }
 
     /// Whether the device is still there (a GPU that fell off the bus is not).

@@ -25,11 +25,10 @@
 //! resource = "gpu"   # the default
 //! ```
 
-use std::collections::BTreeMap;
-
-use devicelet_sdk::pci::{self, Filter, PciDevice};
+use devicelet_sdk::pci::{self, Filter};
 use devicelet_sdk::{
-    ContainerEdits, Device, Health, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
+    ContainerEdits, Device, Health, Plugin, PluginError, ResourceInfo, Vanished, devnodes,
+    export_plugin, serves,
 };
 use serde::Deserialize;
 
@@ -52,23 +51,7 @@ fn default_resource() -> String {
 /// One instance's state: the GPUs it has seen, so one that vanishes is reported Unhealthy.
 pub struct AmdGpu {
     resource: String,
-    seen: BTreeMap<String, Option<i64>>,
-}
-
-fn gpus() -> Result<Vec<PciDevice>, PluginError> {
-    Ok(pci::scan(
-        &Filter::any().vendor(AMD).class(0x03).class(0x12),
-    )?)
-}
-
-impl AmdGpu {
-    fn check(&self, resource: &str) -> Result<(), PluginError> {
-        if resource == self.resource {
-            Ok(())
-        } else {
-            Err(PluginError::UnknownResource(resource.into()))
-        }
-    }
+    vanished: Vanished,
 }
 
 impl Plugin for AmdGpu {
@@ -76,54 +59,32 @@ impl Plugin for AmdGpu {
         let config: Config =
             serde_json::from_str(config).map_err(|e| PluginError::InvalidConfig(e.to_string()))?;
         let info = ResourceInfo::new(config.resource.clone());
-        let plugin = AmdGpu {
-            resource: config.resource,
-            seen: BTreeMap::new(),
-        };
-        Ok((plugin, vec![info]))
+        let vanished = Vanished::default();
+        let resource = config.resource;
+        Ok((AmdGpu { resource, vanished }, vec![info]))
     }
 
     fn enumerate(&mut self, resource: &str) -> Result<Vec<Device>, PluginError> {
-        self.check(resource)?;
-        let kfd = devnodes::stat(KFD).is_ok();
+        serves(resource, &self.resource)?;
+        let kfd = devnodes::exists(KFD);
         let mut devices = Vec::new();
-        for gpu in gpus()? {
-            let render = gpu.render_node();
-            let usable = kfd && render.is_some_and(|node| devnodes::stat(&node).is_ok());
-            let health = if usable {
+        for gpu in pci::scan(&Filter::any().vendor(AMD).class(0x03).class(0x12))? {
+            let render = gpu
+                .render_node()
+                .is_some_and(|node| devnodes::exists(&node));
+            let health = if kfd && render {
                 Health::Healthy
             } else {
                 Health::Unhealthy
             };
-            let mut device = Device::new(gpu.address.clone(), health)
-                .attribute("pci-address", gpu.address.clone())
-                .attribute("device-id", format!("{:#06x}", gpu.device));
-            for name in PARTITIONS {
-                if let Ok(mode) = gpu.attribute(name) {
-                    device = device.attribute(name.replace('_', "-"), mode);
-                }
-            }
-            if let Some(node) = gpu.numa_node {
-                device = device.numa_node(node);
-            }
-            self.seen.insert(gpu.address, gpu.numa_node);
-            devices.push(device);
+            devices.push(gpu.attributes_onto(gpu.device(health), &PARTITIONS));
         }
-        for (address, node) in &self.seen {
-            if !devices.iter().any(|d| d.id == *address) {
-                let mut gone =
-                    Device::unhealthy(address.clone()).attribute("pci-address", address.clone());
-                if let Some(node) = node {
-                    gone = gone.numa_node(*node);
-                }
-                devices.push(gone);
-            }
-        }
+        self.vanished.keep(&mut devices, "its PCI device is gone");
         Ok(devices)
     }
 
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
-        self.check(resource)?;
+        serves(resource, &self.resource)?;
         let mut edits = ContainerEdits::default().device(KFD, KFD, "rw");
         for id in ids {
             let gpu = pci::read(id).map_err(|e| PluginError::Failed(format!("GPU {id}: {e}")))?;
@@ -133,9 +94,7 @@ impl Plugin for AmdGpu {
                     "GPU {id} has no DRM nodes (is the amdgpu driver bound?)"
                 )));
             }
-            for node in nodes {
-                edits = edits.device(node.clone(), node, "rw");
-            }
+            edits = edits.nodes(nodes, "rw");
         }
         Ok(edits)
     }
