@@ -459,16 +459,20 @@ impl<B: DeviceBackend> Claims<B> {
                 }
                 Err(source) => {
                     let request = request.request.clone();
-                    // A module's `prepare` may have created part of what failed: every
-                    // request is unprepared then; `allocate` leaves nothing to release.
-                    let undo = if prepares {
-                        record.requests.len()
+                    if prepares {
+                        // The module's `prepare` may have created part of what failed: every
+                        // request is unprepared, and if that fails too the write-ahead record
+                        // stays, so the kubelet's retry (or the next start) undoes it again.
+                        if let Err(e) = self.undo_preparing(&claim.uid, &record).await {
+                            tracing::warn!(
+                                driver = self.driver,
+                                claim = claim.uid,
+                                "undoing a failed prepare: {e}; tried again at the claim's next \
+                                 prepare or the agent's next start"
+                            );
+                        }
                     } else {
-                        done
-                    };
-                    self.give_back(&claim.uid, &record.requests[..undo]).await;
-                    if prepares && let Err(e) = self.persist().await {
-                        tracing::warn!(driver = self.driver, claim = claim.uid, "{e}");
+                        self.give_back(&claim.uid, &record.requests[..done]).await;
                     }
                     return Err(ClaimError::Module {
                         request,
