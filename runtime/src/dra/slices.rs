@@ -220,19 +220,24 @@ fn policies(d: &ApiDevice) -> Vec<(String, PolicyValues)> {
 /// Named counter sets (consumed or shared), their counters by value.
 type CountersByValue = Vec<(String, Vec<(String, Option<f64>)>)>;
 
+/// One set's counters by value.
+fn by_value(
+    name: &str,
+    counters: &BTreeMap<String, k8s_openapi::api::resource::v1::Counter>,
+) -> (String, Vec<(String, Option<f64>)>) {
+    let values = counters
+        .iter()
+        .map(|(n, v)| (n.clone(), value_of(&v.value)))
+        .collect();
+    (name.to_owned(), values)
+}
+
 /// What a device consumes, by value.
 fn consumed(d: &ApiDevice) -> CountersByValue {
     d.consumes_counters
         .iter()
         .flatten()
-        .map(|c| {
-            let counters = c
-                .counters
-                .iter()
-                .map(|(n, v)| (n.clone(), value_of(&v.value)))
-                .collect();
-            (c.counter_set.clone(), counters)
-        })
+        .map(|c| by_value(&c.counter_set, &c.counters))
         .collect()
 }
 
@@ -242,14 +247,7 @@ fn same_counters(have: &ResourceSliceSpec, want: &ResourceSliceSpec) -> bool {
         s.shared_counters
             .iter()
             .flatten()
-            .map(|c| {
-                let counters = c
-                    .counters
-                    .iter()
-                    .map(|(n, v)| (n.clone(), value_of(&v.value)))
-                    .collect();
-                (c.name.clone(), counters)
-            })
+            .map(|c| by_value(&c.name, &c.counters))
             .collect()
     };
     sets(have) == sets(want)
