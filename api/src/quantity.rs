@@ -24,32 +24,33 @@ pub fn parse(q: &str) -> Option<i128> {
     {
         return None;
     }
+    // Checked throughout: a quantity from outside (a claim's consumed capacity) may be huge.
     let mut nano: i128 = if whole.is_empty() {
         0
     } else {
-        whole.parse::<i128>().ok()? * NANO
+        whole.parse::<i128>().ok()?.checked_mul(NANO)?
     };
     if !fraction.is_empty() {
         let digits: i128 = fraction.parse().ok()?;
-        nano += digits * 10i128.pow(9 - fraction.len() as u32);
+        nano = nano.checked_add(digits * 10i128.pow(9 - fraction.len() as u32))?;
     }
     let scaled = match suffix {
         "" => nano,
         "n" => nano / NANO,
         "u" => nano / 1_000_000,
         "m" => nano / 1_000,
-        "k" => nano * 1_000,
-        "M" => nano * 1_000_000,
-        "G" => nano * 1_000_000_000,
-        "T" => nano * 1_000_000_000_000,
-        "P" => nano * 1_000_000_000_000_000,
-        "E" => nano * 1_000_000_000_000_000_000,
-        "Ki" => nano << 10,
-        "Mi" => nano << 20,
-        "Gi" => nano << 30,
-        "Ti" => nano << 40,
-        "Pi" => nano << 50,
-        "Ei" => nano << 60,
+        "k" => nano.checked_mul(1_000)?,
+        "M" => nano.checked_mul(1_000_000)?,
+        "G" => nano.checked_mul(1_000_000_000)?,
+        "T" => nano.checked_mul(1_000_000_000_000)?,
+        "P" => nano.checked_mul(1_000_000_000_000_000)?,
+        "E" => nano.checked_mul(1_000_000_000_000_000_000)?,
+        "Ki" => nano.checked_mul(1 << 10)?,
+        "Mi" => nano.checked_mul(1 << 20)?,
+        "Gi" => nano.checked_mul(1 << 30)?,
+        "Ti" => nano.checked_mul(1 << 40)?,
+        "Pi" => nano.checked_mul(1 << 50)?,
+        "Ei" => nano.checked_mul(1 << 60)?,
         s if s.starts_with(['e', 'E']) => {
             nano.checked_mul(10i128.checked_pow(s[1..].parse().ok()?)?)?
         }
@@ -110,7 +111,14 @@ mod tests {
         assert_eq!(parse("1.5G"), parse("1500M"));
         assert_eq!(parse("1e3"), parse("1k"));
         assert_eq!(parse("-2"), Some(-2 * NANO));
-        for bad in ["", "Gi", "1.2.3", "12 GB", "1x"] {
+        for bad in [
+            "",
+            "Gi",
+            "1.2.3",
+            "12 GB",
+            "1x",
+            "1000000000000000000000000000000Ei",
+        ] {
             assert_eq!(parse(bad), None, "{bad}");
         }
         assert_eq!(format(parse("10Gi").unwrap()), "10Gi");

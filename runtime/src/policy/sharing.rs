@@ -90,9 +90,14 @@ fn expand(inventory: Inventory, rule: &ShareRule, module: &str) -> Result<Invent
             )));
         }
         let replicas = rule.replicas_of(&d.id);
-        if (d.exclusive || d.group.is_some()) && replicas > 1 {
+        let whole_only = d.exclusive || d.group.is_some() || d.shared.is_some();
+        if (whole_only || !d.consumes.is_empty()) && replicas > 1 {
             let why = if d.exclusive {
                 "exclusive (never shared)".to_owned()
+            } else if d.shared.is_some() {
+                "shared by capacity (replicas would multiply its capacity)".to_owned()
+            } else if !d.consumes.is_empty() {
+                "a partition drawing on counters (replicas would multiply them)".to_owned()
             } else {
                 "in a device group (allocated whole, never shared)".to_owned()
             };
@@ -438,6 +443,24 @@ mod tests {
         }];
         let e = expand(long.into(), &rule(12), "m").unwrap_err();
         assert!(e.to_string().contains("at most 128"), "{e}");
+    }
+
+    #[test]
+    fn a_device_shared_by_capacity_or_a_partition_is_never_replicated() {
+        let mut shared = Device::new("gpu-0", Health::Healthy);
+        shared.shared = Some(crate::device::Shared::default());
+        let e = expand(vec![shared].into(), &rule(2), "m").unwrap_err();
+        assert!(e.to_string().contains("shared by capacity"), "{e}");
+        let mut part = Device::new("gpu-0", Health::Healthy);
+        part.consumes = vec![crate::device::CounterUse {
+            counter_set: "gpu-0".into(),
+            counters: vec![("slices".into(), "1".into())],
+        }];
+        let e = expand(vec![part].into(), &rule(2), "m").unwrap_err();
+        assert!(
+            e.to_string().contains("a partition drawing on counters"),
+            "{e}"
+        );
     }
 
     #[test]
