@@ -132,15 +132,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
 async fn sign(args: SignArgs) -> anyhow::Result<()> {
     let source =
         crate::config::oci_source::parse(&args.reference).map_err(|e| anyhow::anyhow!(e))?;
-    let access = args.registries.access()?;
-    let client = access
-        .client(&source.registry)
-        .await
-        .map_err(anyhow::Error::msg)?;
-    let reader = access
-        .reader(&source.registry)
-        .map_err(anyhow::Error::msg)?;
-    crate::oci::signature::sign(&source, &args.key, (&reader, &client))
+    sign_with(&source, &args.key, &args.registries.access()?)
         .await
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
     println!(
@@ -151,21 +143,44 @@ async fn sign(args: SignArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn push(args: PushArgs) -> anyhow::Result<()> {
-    let bytes = crate::files::read_regular(&args.file, crate::files::MAX_MODULE)
-        .with_context(|| format!("reading {}", args.file.display()))?;
+/// Signs `source` with the private key at `key`, as `devicelet module sign` does.
+pub(super) async fn sign_with(
+    source: &crate::config::OciSource,
+    key: &std::path::Path,
+    access: &crate::oci::access::Access,
+) -> anyhow::Result<()> {
+    let client = access
+        .client(&source.registry)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let reader = access
+        .reader(&source.registry)
+        .map_err(anyhow::Error::msg)?;
+    crate::oci::signature::sign(source, key, (&reader, &client))
+        .await
+        .map(drop)
+        .map_err(anyhow::Error::msg)
+}
+
+/// Pushes the module at `file` to `target`, as `devicelet module push` does.
+pub(super) async fn push_file(
+    file: &std::path::Path,
+    target: &str,
+    access: &crate::oci::access::Access,
+) -> anyhow::Result<crate::config::OciSource> {
+    let bytes = crate::files::read_regular(file, crate::files::MAX_MODULE)
+        .with_context(|| format!("reading {}", file.display()))?;
     // Only a valid component is pushed: its imports and exports go in the config.
     let interface = tokio::task::spawn_blocking(move || crate::sandbox::loader::interface(&bytes))
         .await?
-        .map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;
-    let source = crate::oci::push::push(
-        &args.file,
-        &args.target,
-        interface,
-        &args.registries.access()?,
-    )
-    .await
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    crate::oci::push::push(file, target, interface, access)
+        .await
+        .map_err(anyhow::Error::msg)
+}
+
+async fn push(args: PushArgs) -> anyhow::Result<()> {
+    let source = push_file(&args.file, &args.target, &args.registries.access()?).await?;
     println!("pushed {} as sha256:{}", args.file.display(), source.digest);
     println!("registry line: source = \"{source}\"");
     Ok(())

@@ -108,31 +108,15 @@ async fn push_sign_pull(
     let access = crate::oci::access::Access::load(vec![addr.to_string()], None, None)
         .map_err(anyhow::Error::msg)?;
     let file = module_dir.join("generic_dev.wasm");
-    let bytes = crate::files::read_regular(&file, crate::files::MAX_MODULE)
-        .with_context(|| format!("reading {}", file.display()))?;
-    let interface = tokio::task::spawn_blocking(move || crate::sandbox::loader::interface(&bytes))
-        .await?
-        .map_err(anyhow::Error::msg)?;
     let target = format!("oci://{addr}/devicelet/generic-dev:0.1.0");
-    let source = crate::oci::push::push(&file, &target, interface, &access)
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let source = super::super::module::push_file(&file, &target, &access).await?;
     println!(
         "pushed {} (devicelet module push)\n  source = \"{source}\"",
         file.display()
     );
 
     let (key, public) = key_pair(work)?;
-    let client = access
-        .client(&source.registry)
-        .await
-        .map_err(anyhow::Error::msg)?;
-    let reader = access
-        .reader(&source.registry)
-        .map_err(anyhow::Error::msg)?;
-    crate::oci::signature::sign(&source, &key, (&reader, &client))
-        .await
-        .map_err(anyhow::Error::msg)?;
+    super::super::module::sign_with(&source, &key, &access).await?;
     println!(
         "signed it with {} (devicelet module sign); a node's registry pins it by digest with \
          verify-key = \"{}\"",
