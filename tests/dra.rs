@@ -172,6 +172,21 @@ impl DraNode {
     }
 }
 
+impl DraNode {
+    /// What claim `team-a/name`'s status says of `device`, once it says anything.
+    pub async fn device_status(&self, name: &str, device: &str) -> serde_json::Value {
+        crate::eventually_some("the claim's status", || {
+            let claim = self.api.get(Kind::ResourceClaim, "team-a", name)?;
+            claim["status"]["devices"]
+                .as_array()?
+                .iter()
+                .find(|d| d["device"] == device)
+                .cloned()
+        })
+        .await
+    }
+}
+
 /// The one slice of the API server, once it lists a device.
 pub async fn published(api: &ApiServer) -> serde_json::Value {
     crate::eventually_some("a published slice with the device", || {

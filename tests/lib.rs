@@ -179,6 +179,17 @@ impl FakeGpus {
         FakeGpus { library, control }
     }
 
+    /// The MIG instances GPU `gpu` holds now, as the fake keeps them between processes (a GPU
+    /// instance whose compute instance is not made yet has `"bare": true`).
+    pub fn instances(&self, gpu: usize) -> Vec<serde_json::Value> {
+        let file = self.library.with_file_name("nvml.mig.json");
+        let Ok(text) = std::fs::read(&file) else {
+            return Vec::new();
+        };
+        let saved: serde_json::Value = serde_json::from_slice(&text).expect("the fake's MIG state");
+        saved["gpus"][gpu].as_array().cloned().unwrap_or_default()
+    }
+
     /// Appends a control line (`xid 3 79`, `lost 3`, `hang`, ...; see `tests/fake-nvml`).
     pub fn inject(&self, line: &str) {
         use std::io::Write;
@@ -188,6 +199,56 @@ impl FakeGpus {
             .expect("opening the control file");
         writeln!(file, "{line}").expect("writing the control file");
     }
+}
+
+/// The reference nvidia-gpu with `mig-strategy = "dynamic"`, served through DRA and granted
+/// what it needs to make MIG instances.
+pub const DYNAMIC_MIG: &str = r#"[[module]]
+name = "nvidia-gpu"
+path = "@MODULES@/nvidia_gpu.wasm"
+resource-domain = "nvidia.com"
+health-interval = "100ms"
+front-end = "dra"
+
+[module.grants]
+dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
+libraries = ["nvml", "nvml-mig"]
+
+[module.config]
+mig-strategy = "dynamic"
+"#;
+
+/// An H100 80GB in MIG mode with no instances, as NVML describes it: its GPU instance profiles
+/// (`nvidia-smi mig -lgip`'s IDs, sizes and placements), for the fake NVML.
+pub fn h100_with_mig() -> serde_json::Value {
+    // (profile index, NVML's ID, compute slices, memory MiB, memory slices, placement starts)
+    let profiles = [
+        (0, 19, 1, 9856, 1, vec![0, 1, 2, 3, 4, 5, 6]),
+        (9, 15, 1, 19968, 2, vec![0, 2, 4, 6]),
+        (1, 14, 2, 19968, 2, vec![0, 2, 4]),
+        (2, 9, 3, 40192, 4, vec![0, 4]),
+        (3, 5, 4, 40192, 4, vec![0]),
+        (4, 0, 7, 80384, 8, vec![0]),
+    ];
+    let profiles: Vec<serde_json::Value> = profiles
+        .into_iter()
+        .map(|(index, id, slices, memory, size, starts)| {
+            serde_json::json!({"index": index, "id": id, "slices": slices, "memory-mib": memory,
+                "size": size, "starts": starts})
+        })
+        .collect();
+    serde_json::json!({
+        "driver-version": "550.54.15",
+        "gpus": [{
+            "uuid": "GPU-0c2d9e6a-0000-4000-8000-000000000000",
+            "name": "NVIDIA H100 80GB HBM3",
+            "minor": 0,
+            "pci-bus-id": "00000000:07:00.0",
+            "memory-mib": 81559,
+            "numa-node": 0,
+            "mig": {"enabled": true, "profiles": profiles}
+        }]
+    })
 }
 
 /// A fixture node: its `/` tree, its kubelet (the simulator) and a scratch directory.
@@ -215,6 +276,26 @@ impl Node {
         self.tree
             .add_node(path, NodeType::Char, major, minor)
             .expect("creating a fixture device node");
+    }
+
+    /// GPU 0's device nodes and the driver's MIG capability table for every GPU instance an
+    /// H100 can have (`/proc/driver/nvidia-caps/mig-minors`, static on a real node), with the
+    /// `nvidia-caps` nodes it names.
+    pub fn add_mig_gpu(&self) {
+        self.add_char("/dev/nvidiactl", 195, 255);
+        self.add_char("/dev/nvidia-uvm", 510, 0);
+        self.add_char("/dev/nvidia0", 195, 0);
+        let mut table = String::from("config 1\nmonitor 2\n");
+        for gi in 1..=14u32 {
+            let (gi_minor, ci_minor) = (10 + gi * 2, 11 + gi * 2);
+            table += &format!("gpu0/gi{gi}/access {gi_minor}\ngpu0/gi{gi}/ci0/access {ci_minor}\n");
+            for minor in [gi_minor, ci_minor] {
+                self.add_char(&format!("/dev/nvidia-caps/nvidia-cap{minor}"), 511, minor);
+            }
+        }
+        self.tree
+            .write_file("/proc/driver/nvidia-caps/mig-minors", &table)
+            .expect("mig-minors");
     }
 
     /// Writes a registry whose `host-root` is this node's tree and whose module paths are

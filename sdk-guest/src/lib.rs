@@ -122,7 +122,7 @@ pub mod bindings {
         runtime_path: "devicelet_sdk::__private::wit_bindgen::rt",
         additional_derives: [PartialEq, Eq],
         additional_type_attributes: {
-            "devicelet:plugin/types@0.3.0/container-edits": [#[derive(Default)]],
+            "devicelet:plugin/types@0.3.1/container-edits": [#[derive(Default)]],
         },
     });
 }
@@ -1274,6 +1274,7 @@ macro_rules! export_plugin {
     };
 }
 
+pub mod mig;
 pub mod nvml;
 pub mod pci;
 #[cfg(not(target_arch = "wasm32"))]

@@ -25,6 +25,10 @@ pub struct DeviceRequest {
     pub tolerations: Vec<Value>,
     /// `capacity.requests`: name → quantity.
     pub capacity: BTreeMap<String, String>,
+    /// Selectors: attribute name → the value it must have, as a CEL selector
+    /// `device.attributes["<driver>"].<name> == "<value>"` selects (a string, integer, bool or
+    /// version attribute, compared as written).
+    pub attributes: BTreeMap<String, String>,
 }
 
 /// (pool, device).
@@ -122,6 +126,9 @@ pub fn allocate(
     let mut usable: Vec<(Candidate, Option<Value>)> = Vec::new();
     for c in candidates {
         if allocated.whole.contains(&c.key) || (!c.multiple && allocated.holds(&c.key)) {
+            continue;
+        }
+        if !selected(&c.device, &request.attributes) {
             continue;
         }
         if untolerated(&c.device, &request.tolerations) {
@@ -301,6 +308,29 @@ fn amounts(counters: &Value) -> BTreeMap<String, i128> {
             (name.clone(), value)
         })
         .collect()
+}
+
+/// Whether `device` has every attribute `wanted` names, with that value.
+fn selected(device: &Value, wanted: &BTreeMap<String, String>) -> bool {
+    let Some(attributes) = device["attributes"].as_object() else {
+        return wanted.is_empty();
+    };
+    wanted.iter().all(|(name, value)| {
+        attributes.iter().any(|(key, typed)| {
+            let short = key.rsplit('/').next().unwrap_or(key);
+            short == name && written(typed).as_deref() == Some(value.as_str())
+        })
+    })
+}
+
+/// A typed attribute value as written: `1g.10gb`, `3`, `true`.
+fn written(typed: &Value) -> Option<String> {
+    typed["string"]
+        .as_str()
+        .or(typed["version"].as_str())
+        .map(str::to_owned)
+        .or_else(|| typed["int"].as_i64().map(|i| i.to_string()))
+        .or_else(|| typed["bool"].as_bool().map(|b| b.to_string()))
 }
 
 /// Whether `device` has a `NoSchedule`/`NoExecute` taint none of `tolerations` tolerates.

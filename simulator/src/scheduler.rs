@@ -55,7 +55,8 @@ impl ApiHandle {
     /// Allocates devices of `driver` on `node` for `request` to a new ResourceClaim
     /// `namespace/name`, as the structured allocator does (`claim_allocator`): the claim has one
     /// request named after the driver's first label (`gpu` for `gpu.example.com`) for the
-    /// DeviceClass named after the driver, with the request's tolerations and capacity, and its
+    /// DeviceClass named after the driver, with the request's tolerations, capacity and
+    /// attribute selectors (as CEL expressions), and its
     /// allocation results in `status` (the tolerations copied in; a shared device's `shareID`
     /// and `consumedCapacity`). Err says why nothing could be allocated.
     pub fn allocate_claim_with(
@@ -117,6 +118,17 @@ impl ApiHandle {
         }
         if !request.capacity.is_empty() {
             exactly["capacity"] = json!({"requests": request.capacity});
+        }
+        if !request.attributes.is_empty() {
+            let selectors: Vec<Value> = request
+                .attributes
+                .iter()
+                .map(|(name, value)| {
+                    json!({"cel": {"expression":
+                        format!("device.attributes[{driver:?}].{name} == {value:?}")}})
+                })
+                .collect();
+            exactly["selectors"] = json!(selectors);
         }
         store
             .create(

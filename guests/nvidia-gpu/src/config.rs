@@ -28,6 +28,9 @@ pub enum MigStrategy {
     None,
     Single,
     Mixed,
+    /// Every placement of every profile published as a partition for DRA; instances made at
+    /// prepare.
+    Dynamic,
 }
 
 #[derive(Debug, Deserialize)]

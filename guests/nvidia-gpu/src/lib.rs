@@ -4,6 +4,10 @@
 //! - **Devices.** Each GPU by UUID (or by index), with its NUMA node, name, memory and PCI
 //!   address. With `mig-strategy = "single"` a GPU in MIG mode is served as its MIG devices under
 //!   the same resource; with `"mixed"` each MIG profile is a resource of its own (`mig-1g.10gb`).
+//!   With `"dynamic"` (Dynamic Resource Allocation only; grants `libraries = ["nvml",
+//!   "nvml-mig"]`) a GPU in MIG mode is every placement of every profile, each consuming the
+//!   GPU's memory slices and compute slices from its counter set, and a claim's `prepare` makes
+//!   the instance (its UUID in the claim's status) that `unprepare` destroys (`dynamic.rs`).
 //! - **Allocate.** `NVIDIA_VISIBLE_DEVICES` (the default) or CDI names for the specs NVIDIA's
 //!   container toolkit generates (`nvidia.com/gpu=<id>`), the device nodes (`/dev/nvidia<minor>`,
 //!   and those of `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools` and `nvidia-modeset` present, and
@@ -27,7 +31,7 @@
 //!
 //! [module.grants]
 //! dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
-//! libraries = ["nvml"]
+//! libraries = ["nvml"]                  # ["nvml", "nvml-mig"] with mig-strategy = "dynamic"
 //! mounts = ["/run/nvidia/mps"]          # only with mps-pipe-directory
 //!
 //! [module.config]
@@ -35,7 +39,7 @@
 //! device-id-strategy = "uuid"           # or "index"
 //! visible-devices = "envvar"            # or "cdi"
 //! cdi-kind = "nvidia.com/gpu"           # names for visible-devices = "cdi"
-//! mig-strategy = "none"                 # or "single", "mixed"
+//! mig-strategy = "none"                 # or "single", "mixed", "dynamic" (DRA)
 //! ignored-xids = [13, 31, 43, 45, 68, 109]
 //! quiet-period = "5m"                   # Healthy again after this long without a critical event
 //! mps-pipe-directory = "/run/nvidia/mps"  # optional: containers share GPUs through MPS
@@ -43,15 +47,20 @@
 //! ```
 
 mod config;
+mod dynamic;
 mod preferred;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use devicelet_sdk::mig::{self, MigLayout};
 use devicelet_sdk::nvml::{self, EventKind, Gpu, MigDevice, NvmlError};
 use devicelet_sdk::{
-    ContainerEdits, Device, Health, Plugin, PluginError, ResourceInfo, devnodes, export_plugin,
+    ContainerEdits, CounterSet, Device, DeviceStatus, Health, Plugin, PluginError, Prepared,
+    Request, ResourceInfo, devnodes, export_plugin,
 };
+
+use dynamic::Partition;
 
 use config::{Config, MigStrategy, Visible};
 
@@ -65,13 +74,15 @@ const CONTROL_NODES: [&str; 4] = [
     "/dev/nvidia-modeset",
 ];
 
-/// One schedulable unit: a whole GPU, or one MIG device of it.
+/// One schedulable unit: a whole GPU, one MIG device of it, or (`dynamic`) one placement a
+/// MIG instance can be made at.
 #[derive(Debug, Clone)]
 struct Unit {
     id: String,
     resource: String,
     gpu: Gpu,
     mig: Option<MigDevice>,
+    partition: Option<Partition>,
     /// NVML could not answer for its GPU (lost); listed from what was seen before.
     lost: bool,
 }
@@ -84,9 +95,10 @@ impl Unit {
     /// The product name as NVML gives it for the unit: a MIG device's is its GPU's with the
     /// profile (`NVIDIA A100-SXM4-80GB MIG 1g.10gb`).
     fn name(&self) -> String {
-        match &self.mig {
-            None => self.gpu.name.clone(),
-            Some(mig) => format!("{} MIG {}", self.gpu.name, mig.profile),
+        match (&self.mig, &self.partition) {
+            (Some(mig), _) => format!("{} MIG {}", self.gpu.name, mig.profile),
+            (None, Some(p)) => format!("{} MIG {}", self.gpu.name, p.profile),
+            (None, None) => self.gpu.name.clone(),
         }
     }
 }
@@ -98,6 +110,8 @@ pub struct NvidiaGpu {
     /// The last answer NVML gave for each GPU index, and its MIG devices: a GPU that is lost
     /// later is still listed, as Unhealthy, under the same IDs.
     seen: BTreeMap<u32, (Gpu, Vec<MigDevice>)>,
+    /// With `mig-strategy = "dynamic"`, each MIG GPU's geometry and placements, as last read.
+    layouts: BTreeMap<u32, (MigLayout, Vec<Partition>)>,
     /// The GPU indexes the last scan found lost: Allocate refuses them without asking NVML.
     lost: BTreeSet<u32>,
     /// Where the next event read starts.
@@ -180,13 +194,27 @@ impl NvidiaGpu {
         for index in indexes {
             let (gpu, migs, lost) = match nvml::device(index) {
                 Ok(gpu) => {
-                    let listed = if gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None
-                    {
-                        nvml::mig_devices(index)
-                    } else {
-                        Ok(Vec::new())
+                    let listed = match self.config.mig_strategy {
+                        MigStrategy::Dynamic if gpu.mig_enabled => {
+                            dynamic::partitions(index).map(|layout| {
+                                self.layouts.insert(index, layout);
+                                Vec::new()
+                            })
+                        }
+                        MigStrategy::None => Ok(Vec::new()),
+                        _ if gpu.mig_enabled => nvml::mig_devices(index),
+                        _ => Ok(Vec::new()),
                     };
                     match listed {
+                        // Without the grant to make instances, dynamic MIG cannot serve at all:
+                        // said at once, naming the grant, rather than as a sick GPU.
+                        Err(NvmlError::Unavailable(why))
+                            if self.config.mig_strategy == MigStrategy::Dynamic =>
+                        {
+                            return Err(PluginError::Failed(format!(
+                                "mig-strategy \"dynamic\": {why}"
+                            )));
+                        }
                         Ok(migs) => {
                             self.seen.insert(index, (gpu.clone(), migs.clone()));
                             (gpu, migs, false)
@@ -212,6 +240,7 @@ impl NvidiaGpu {
                             resource: self.config.resource.clone(),
                             gpu: unknown_gpu(index),
                             mig: None,
+                            partition: None,
                             lost: true,
                         });
                         continue;
@@ -232,6 +261,20 @@ impl NvidiaGpu {
 
     /// The units one GPU is served as: itself, or its MIG devices.
     fn push_units(&self, units: &mut Vec<Unit>, gpu: Gpu, migs: Vec<MigDevice>, lost: bool) {
+        if gpu.mig_enabled && self.config.mig_strategy == MigStrategy::Dynamic {
+            let partitions = self.layouts.get(&gpu.index).map(|(_, p)| p.as_slice());
+            for p in partitions.unwrap_or_default() {
+                units.push(Unit {
+                    id: p.id(),
+                    resource: self.config.resource.clone(),
+                    gpu: gpu.clone(),
+                    mig: None,
+                    partition: Some(p.clone()),
+                    lost,
+                });
+            }
+            return;
+        }
         let mig_mode = gpu.mig_enabled && self.config.mig_strategy != MigStrategy::None;
         if !mig_mode {
             units.push(Unit {
@@ -239,6 +282,7 @@ impl NvidiaGpu {
                 resource: self.config.resource.clone(),
                 gpu,
                 mig: None,
+                partition: None,
                 lost,
             });
             return;
@@ -253,6 +297,7 @@ impl NvidiaGpu {
                 resource,
                 gpu: gpu.clone(),
                 mig: Some(mig),
+                partition: None,
                 lost,
             });
         }
@@ -386,6 +431,79 @@ impl NvidiaGpu {
         }
     }
 
+    /// The units of `resource` with these IDs, as this instance last saw them when it saw them
+    /// all there (the kubelet's path asks NVML nothing then), else as NVML shows them now.
+    fn chosen(&mut self, resource: &str, ids: &[String]) -> Result<Vec<Unit>, PluginError> {
+        // Asked again only for a GPU this instance never saw, or one it last saw lost (it may
+        // be back: the instance that watches health is another one).
+        let seen = self.seen_units(resource);
+        let known = ids
+            .iter()
+            .all(|id| seen.iter().any(|u| &u.id == id && !u.lost));
+        let units = if known {
+            seen
+        } else {
+            self.units_of(resource)?
+        };
+        let mut chosen = Vec::new();
+        for id in ids {
+            let unit = units
+                .iter()
+                .find(|u| &u.id == id)
+                .ok_or_else(|| PluginError::UnknownDevice(id.clone()))?;
+            if unit.lost {
+                return Err(PluginError::Failed(format!("GPU {id} is lost")));
+            }
+            chosen.push(unit.clone());
+        }
+        Ok(chosen)
+    }
+
+    /// What a container needs for these units, named to the NVIDIA stack as `names` (their
+    /// IDs, or a made MIG instance's UUID).
+    fn edits(&self, names: Vec<String>, chosen: &[&Unit]) -> Result<ContainerEdits, PluginError> {
+        let mut edits = ContainerEdits::default();
+        match self.config.visible {
+            Visible::Envvar => {
+                edits = edits.env("NVIDIA_VISIBLE_DEVICES", names.join(","));
+                edits = device_nodes(edits, chosen)?;
+            }
+            Visible::Cdi => {
+                for name in &names {
+                    edits = edits.cdi(format!("{}={name}", self.config.cdi_kind));
+                }
+            }
+        }
+        if let Some(dir) = &self.config.mps_pipe_directory {
+            edits = edits
+                .env("CUDA_MPS_PIPE_DIRECTORY", dir.clone())
+                .mount(dir, dir, false);
+            // The container's share, as NVIDIA's MPS daemon sets it for each client: the
+            // client's own limits, which MPS enforces (the GPU is device 0 in the container).
+            if let (Some(replicas), Some(unit)) = (self.config.mps_replicas, chosen.first()) {
+                let memory_mib = unit
+                    .mig
+                    .as_ref()
+                    .map_or(unit.gpu.memory_bytes, |m| m.memory_bytes)
+                    >> 20;
+                edits = edits
+                    .env(
+                        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                        (100 / replicas).max(1).to_string(),
+                    )
+                    .env(
+                        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                        format!("0={}M", memory_mib / u64::from(replicas)),
+                    );
+            }
+        }
+        if let Some(shm) = &self.config.mps_shm_directory {
+            // The MPS daemon's shared memory, where its clients expect it.
+            edits = edits.mount(shm, "/dev/shm", false);
+        }
+        Ok(edits)
+    }
+
     fn units_of(&mut self, resource: &str) -> Result<Vec<Unit>, PluginError> {
         if !self.resources.iter().any(|r| r == resource) {
             return Err(PluginError::UnknownResource(resource.into()));
@@ -414,6 +532,7 @@ impl Plugin for NvidiaGpu {
             quiet,
             resources: Vec::new(),
             seen: BTreeMap::new(),
+            layouts: BTreeMap::new(),
             lost: BTreeSet::new(),
             cursor: 0,
             critical: HashMap::new(),
@@ -484,9 +603,12 @@ impl Plugin for NvidiaGpu {
                 // As NVIDIA's plugin: under MPS a container is one client of one GPU, so
                 // never two shares of one GPU (the agent refuses them before asking).
                 let mps = module.config.mps_pipe_directory.is_some();
+                // Dynamic MIG makes each instance when its claim is prepared.
+                let dynamic = module.config.mig_strategy == MigStrategy::Dynamic;
                 ResourceInfo::new(name)
                     .with_preferred_allocation(preferred)
                     .with_one_share_per_container(mps)
+                    .with_prepares_claims(dynamic)
             })
             .collect();
         Ok((module, infos))
@@ -507,6 +629,15 @@ impl Plugin for NvidiaGpu {
                     .attribute("lost", "true");
                 }
                 let (health, why) = self.health(unit);
+                if let Some(p) = &unit.partition {
+                    let mut device = p.device(&unit.gpu, Device::new(unit.id.clone(), health));
+                    device.health_reason = why;
+                    device = device.attribute("name", unit.name());
+                    if let Some(node) = unit.gpu.numa_node {
+                        device = device.numa_node(node);
+                    }
+                    return device;
+                }
                 let mut device = Device::new(unit.id.clone(), health)
                     .attribute("uuid", unit.uuid())
                     .attribute("index", unit.gpu.index.to_string())
@@ -536,6 +667,19 @@ impl Plugin for NvidiaGpu {
         Ok(devices)
     }
 
+    fn counter_sets(&mut self, resource: &str) -> Result<Vec<CounterSet>, PluginError> {
+        if self.config.mig_strategy != MigStrategy::Dynamic || resource != self.config.resource {
+            return Ok(Vec::new());
+        }
+        // Every MIG GPU's, lost ones too: their partitions stay listed (Unhealthy).
+        Ok(self
+            .layouts
+            .iter()
+            .filter(|(index, _)| self.seen.get(index).is_some_and(|(g, _)| g.mig_enabled))
+            .map(|(index, (layout, _))| dynamic::counters(*index, layout))
+            .collect())
+    }
+
     fn allocate(&mut self, resource: &str, ids: &[String]) -> Result<ContainerEdits, PluginError> {
         // As NVIDIA's plugin forces for MPS: a container is one MPS client of one GPU.
         if self.config.mps_pipe_directory.is_some() && ids.len() > 1 {
@@ -545,68 +689,91 @@ impl Plugin for NvidiaGpu {
                 ids.len()
             )));
         }
-        // Asked again only for a GPU this instance never saw, or one it last saw lost (it may
-        // be back: the instance that watches health is another one).
-        let seen = self.seen_units(resource);
-        let known = ids
-            .iter()
-            .all(|id| seen.iter().any(|u| &u.id == id && !u.lost));
-        let units = if known {
-            seen
-        } else {
-            self.units_of(resource)?
-        };
-        let mut chosen = Vec::new();
-        for id in ids {
-            let unit = units
-                .iter()
-                .find(|u| &u.id == id)
-                .ok_or_else(|| PluginError::UnknownDevice(id.clone()))?;
-            if unit.lost {
-                return Err(PluginError::Failed(format!("GPU {id} is lost")));
-            }
-            chosen.push(unit);
+        let units = self.chosen(resource, ids)?;
+        if let Some(p) = units.iter().find_map(|u| u.partition.as_ref()) {
+            return Err(PluginError::Failed(format!(
+                "{} is a MIG placement (mig-strategy \"dynamic\"): its instance is made when a \
+                 Dynamic Resource Allocation claim is prepared, which the device-plugin API \
+                 cannot do",
+                p.id()
+            )));
         }
-        let mut edits = ContainerEdits::default();
-        match self.config.visible {
-            Visible::Envvar => {
-                edits = edits.env("NVIDIA_VISIBLE_DEVICES", ids.join(","));
-                edits = device_nodes(edits, &chosen)?;
-            }
-            Visible::Cdi => {
-                for id in ids {
-                    edits = edits.cdi(format!("{}={id}", self.config.cdi_kind));
-                }
+        let chosen: Vec<&Unit> = units.iter().collect();
+        self.edits(ids.to_vec(), &chosen)
+    }
+
+    fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+        let resource = &request.resource_name;
+        let units = self.chosen(resource, &request.ids)?;
+        let mut names = Vec::new();
+        let mut made_units = Vec::new();
+        let mut status = Vec::new();
+        for unit in units {
+            let Some(p) = &unit.partition else {
+                names.push(unit.id.clone());
+                made_units.push(unit);
+                continue;
+            };
+            // Made here, destroyed by `unprepare`: the agent calls it after a failed prepare
+            // too, and after a restart, so an instance made before a failure is not leaked.
+            let made = mig::create(p.gpu, &p.profile, p.start).map_err(|e| {
+                failed(
+                    &format!("making MIG instance {} on GPU {}", p.profile, p.gpu),
+                    e,
+                )
+            })?;
+            devicelet_sdk::info!(
+                "made MIG instance {} ({}) at slice {} of GPU {} for {}",
+                made.uuid,
+                p.profile,
+                p.start,
+                p.gpu,
+                request.key
+            );
+            status.push(DeviceStatus {
+                id: unit.id.clone(),
+                data: p.status(&made, &unit.gpu),
+            });
+            names.push(made.uuid.clone());
+            made_units.push(Unit {
+                mig: Some(made),
+                ..unit
+            });
+        }
+        let chosen: Vec<&Unit> = made_units.iter().collect();
+        Ok(Prepared {
+            edits: self.edits(names, &chosen)?,
+            status,
+        })
+    }
+
+    fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
+        for id in &request.ids {
+            let Some(index) = dynamic::gpu_of(id) else {
+                continue;
+            };
+            let (_, partitions) = dynamic::partitions(index)
+                .map_err(|e| failed(&format!("reading GPU {index}'s MIG placements"), e))?;
+            let Some(p) = partitions.iter().find(|p| &p.id() == id) else {
+                continue;
+            };
+            let destroyed = mig::destroy(p.gpu, &p.profile, p.start).map_err(|e| {
+                failed(
+                    &format!("destroying MIG instance {} on GPU {}", p.profile, p.gpu),
+                    e,
+                )
+            })?;
+            if destroyed {
+                devicelet_sdk::info!(
+                    "destroyed MIG instance {} at slice {} of GPU {} for {}",
+                    p.profile,
+                    p.start,
+                    p.gpu,
+                    request.key
+                );
             }
         }
-        if let Some(dir) = &self.config.mps_pipe_directory {
-            edits = edits
-                .env("CUDA_MPS_PIPE_DIRECTORY", dir.clone())
-                .mount(dir, dir, false);
-            // The container's share, as NVIDIA's MPS daemon sets it for each client: the
-            // client's own limits, which MPS enforces (the GPU is device 0 in the container).
-            if let (Some(replicas), Some(unit)) = (self.config.mps_replicas, chosen.first()) {
-                let memory_mib = unit
-                    .mig
-                    .as_ref()
-                    .map_or(unit.gpu.memory_bytes, |m| m.memory_bytes)
-                    >> 20;
-                edits = edits
-                    .env(
-                        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-                        (100 / replicas).max(1).to_string(),
-                    )
-                    .env(
-                        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-                        format!("0={}M", memory_mib / u64::from(replicas)),
-                    );
-            }
-        }
-        if let Some(shm) = &self.config.mps_shm_directory {
-            // The MPS daemon's shared memory, where its clients expect it.
-            edits = edits.mount(shm, "/dev/shm", false);
-        }
-        Ok(edits)
+        Ok(())
     }
 
     fn preferred(

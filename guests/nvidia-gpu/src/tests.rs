@@ -498,3 +498,118 @@ fn bad_config_is_clear_and_without_nvml_the_gpu_resource_waits_with_no_devices()
     assert_eq!(names, ["gpu"]);
     assert!(waiting.enumerate("gpu").unwrap().is_empty());
 }
+
+/// An H100's geometry as NVML gives it: 8 memory slices, 7 compute slices, and the placements
+/// of `1g.10gb` (7), `3g.40gb` (2) and `7g.80gb` (1).
+fn h100_layout() -> devicelet_sdk::mig::MigLayout {
+    use devicelet_sdk::mig::{MigLayout, MigPlacement};
+    let placement = |profile: &str, start, size, compute_slices, gib: u64| MigPlacement {
+        profile: profile.into(),
+        start,
+        size,
+        compute_slices,
+        memory_bytes: gib << 30,
+    };
+    let mut placements: Vec<MigPlacement> =
+        (0..7).map(|s| placement("1g.10gb", s, 1, 1, 10)).collect();
+    placements.push(placement("3g.40gb", 0, 4, 3, 40));
+    placements.push(placement("3g.40gb", 4, 4, 3, 40));
+    placements.push(placement("7g.80gb", 0, 8, 7, 80));
+    MigLayout {
+        memory_slices: 8,
+        compute_slices: 7,
+        placements,
+    }
+}
+
+fn claim(ids: &[&str]) -> devicelet_sdk::Request {
+    devicelet_sdk::Request {
+        resource_name: "gpu".into(),
+        ids: ids.iter().map(|s| s.to_string()).collect(),
+        config: String::new(),
+        key: "uid-1/gpu".into(),
+        shares: Vec::new(),
+    }
+}
+
+#[test]
+fn dynamic_mig_publishes_placements_on_counters_and_makes_each_instance_at_prepare() {
+    let mut h100 = gpu(0);
+    h100.mig_enabled = true;
+    let nvml = FakeNvml::new()
+        .with_gpu(h100)
+        .with_gpu(gpu(1))
+        .with_mig_layout(0, h100_layout());
+    let host = node(nvml)
+        .char_device("/dev/nvidia-caps/nvidia-cap11", 511, 11)
+        .char_device("/dev/nvidia-caps/nvidia-cap12", 511, 12);
+    let mut gpus = Harness::<NvidiaGpu>::init(host, r#"{"mig-strategy": "dynamic"}"#).unwrap();
+    assert!(gpus.resources()[0].prepares_claims);
+    let devices = gpus.enumerate("gpu").unwrap();
+    // Ten placements of GPU 0, and GPU 1 whole.
+    assert_eq!(devices.len(), 11);
+    let large = devices
+        .iter()
+        .find(|d| d.id == "gpu-0-mig-3g-40gb-4")
+        .expect("the second 3g.40gb placement");
+    assert_eq!(large.consumes[0].counter_set, "gpu-0");
+    let counters: Vec<(&str, &str)> = large.consumes[0]
+        .counters
+        .iter()
+        .map(|a| (a.name.as_str(), a.value.as_str()))
+        .collect();
+    assert_eq!(
+        counters,
+        [
+            ("memory-slice-4", "1"),
+            ("memory-slice-5", "1"),
+            ("memory-slice-6", "1"),
+            ("memory-slice-7", "1"),
+            ("compute-slices", "3")
+        ]
+    );
+    assert!(
+        devices
+            .iter()
+            .any(|d| d.id == uuid(1) && d.consumes.is_empty())
+    );
+    let sets = gpus.counter_sets("gpu").unwrap();
+    assert_eq!(sets.len(), 1);
+    assert_eq!(sets[0].counters.len(), 9);
+
+    // The device plugin cannot make an instance.
+    let refused = gpus.allocate("gpu", &["gpu-0-mig-1g-10gb-0"]).unwrap_err();
+    assert!(
+        format!("{refused:?}").contains("is made when"),
+        "{refused:?}"
+    );
+
+    let prepared = gpus.prepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
+    let made = gpus.host().mig_instances(0);
+    assert_eq!(made.len(), 1);
+    let status = &prepared.status[0];
+    assert_eq!(status.id, "gpu-0-mig-1g-10gb-0");
+    let data: serde_json::Value = serde_json::from_str(&status.data).unwrap();
+    let uuid = data["uuid"].as_str().unwrap();
+    assert!(uuid.starts_with("MIG-"), "{data}");
+    assert!(
+        prepared
+            .edits
+            .envs
+            .contains(&("NVIDIA_VISIBLE_DEVICES".to_owned(), uuid.to_owned())),
+        "{:?}",
+        prepared.edits.envs
+    );
+    // Its slice is taken: the 7g.80gb cannot be made while it lives.
+    let overlapping = gpus.prepare(&claim(&["gpu-0-mig-7g-80gb-0"])).unwrap_err();
+    assert!(
+        format!("{overlapping:?}").contains("insufficient resources"),
+        "{overlapping:?}"
+    );
+
+    gpus.unprepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
+    assert!(gpus.host().mig_instances(0).is_empty());
+    // Again, as after an agent restart: nothing to undo, and no error.
+    gpus.unprepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
+    gpus.prepare(&claim(&["gpu-0-mig-7g-80gb-0"])).unwrap();
+}

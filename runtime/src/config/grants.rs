@@ -25,10 +25,14 @@ pub struct Grants {
 
 /// NVIDIA's management library, behind the `nvml` host interface.
 pub const NVML: &str = "nvml";
+/// The same library's functions that change a GPU (making and destroying MIG instances, the
+/// `mig` host interface): a grant of their own, beside [`NVML`], since a module that only reads
+/// GPUs should not be able to repartition them.
+pub const NVML_MIG: &str = "nvml-mig";
 
 /// The vendor libraries this devicelet can expose to modules through typed host interfaces. A
 /// registry naming another library is refused.
-pub const VENDOR_LIBRARIES: &[&str] = &[NVML];
+pub const VENDOR_LIBRARIES: &[&str] = &[NVML, NVML_MIG];
 
 impl Grants {
     /// Whether the vendor library `name` is granted.
@@ -64,7 +68,8 @@ pub(super) fn parse(node: &Node<'_>) -> Result<Grants, RegistryError> {
 }
 
 fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
-    node.array("an array of vendor library names")?
+    let names = node
+        .array("an array of vendor library names")?
         .iter()
         .map(|item| {
             let name = item.str()?;
@@ -79,7 +84,14 @@ fn libraries(node: &Node<'_>) -> Result<Vec<String>, RegistryError> {
                 Err(item.error_in_str(0, format!("unknown vendor library {name:?} ({known})")))
             }
         })
-        .collect()
+        .collect::<Result<Vec<String>, RegistryError>>()?;
+    if names.iter().any(|n| n == NVML_MIG) && !names.iter().any(|n| n == NVML) {
+        return Err(node.error(format!(
+            "{NVML_MIG:?} needs {NVML:?} granted too: it makes MIG instances through the same \
+             library, and the module finds the GPUs through `nvml`"
+        )));
+    }
+    Ok(names)
 }
 
 /// Host trees no device module may hand to a container, nor any directory above one: the

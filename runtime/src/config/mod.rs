@@ -58,7 +58,9 @@ mod tests;
 
 pub use choices::{AllocationPolicy, DeviceListStrategy};
 pub use error::RegistryError;
-pub use grants::{FORBIDDEN_MOUNTS, Grants, NVML, forbidden_by_path, forbidden_by_path_in};
+pub use grants::{
+    FORBIDDEN_MOUNTS, Grants, NVML, NVML_MIG, forbidden_by_path, forbidden_by_path_in,
+};
 pub use limits::{
     CALL_DEADLINE_MAX, CALL_DEADLINE_MIN, DEFAULT_CALL_DEADLINE, DEFAULT_HEALTH_INTERVAL,
     DEFAULT_HOST_ROOT, DEFAULT_MEMORY_LIMIT, DEFAULT_RESOURCE_DOMAIN, HEALTH_INTERVAL_MAX,

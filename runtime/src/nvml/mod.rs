@@ -15,6 +15,7 @@
 mod asker;
 mod caps;
 pub mod events;
+mod mig;
 mod profile;
 
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use nvml_wrapper::enum_wrappers::device::TopologyLevel as NvTopology;
 use nvml_wrapper::error::NvmlError as Nv;
 
 pub use events::{Event, EventKind, Events, Subscription};
+pub use mig::{Layout, Placement};
 
 /// Where NVML is loaded from unless `--nvml-library` says otherwise: the dynamic loader finds it
 /// where the NVIDIA driver installed it (or where the container toolkit mounted it).

@@ -4,6 +4,10 @@
 //! prepared, their driver answering until they are unprepared): those devices stay out of
 //! ListAndWatch, so the kubelet never counts or hands them out, and each comes back once its
 //! claim is unprepared.
+//!
+//! Partitions (devices that draw on counter sets, as MIG placements do) are never advertised
+//! to the kubelet: it counts devices, not counters, and would hand out two placements that
+//! overlap. Only DRA's scheduler can choose among them.
 
 use std::sync::Arc;
 
@@ -15,9 +19,10 @@ use crate::device::Inventory;
 use crate::ledger::Ledger;
 use crate::policy::sharing::physical_id;
 
-/// `devices` without the ones DRA claims hold of `resource` (its name before any `.shared`), as
-/// a snapshot that changes when either does; unchanged snapshots pass through as they are (no
-/// copy, no extra message) while no claim holds anything.
+/// `devices` without partitions and without the ones DRA claims hold of `resource` (its name
+/// before any `.shared`), as a snapshot that changes when either does; unchanged snapshots pass
+/// through as they are (no copy, no extra message) while no claim holds anything and no device
+/// is a partition.
 pub fn without_claimed(
     devices: watch::Receiver<Snapshot>,
     ledger: Ledger,
@@ -32,13 +37,13 @@ pub fn without_claimed(
     let mut devices = devices;
     let filter = move |snapshot: &Snapshot| -> Snapshot {
         let claimed = ledger.claimed(&resource);
-        if claimed.is_empty() {
+        if claimed.is_empty() && snapshot.iter().all(|d| d.consumes.is_empty()) {
             return snapshot.clone();
         }
         Arc::new(Inventory {
             devices: snapshot
                 .iter()
-                .filter(|d| !claimed.contains(physical_id(&d.id)))
+                .filter(|d| d.consumes.is_empty() && !claimed.contains(physical_id(&d.id)))
                 .cloned()
                 .collect(),
             counter_sets: snapshot.counter_sets.clone(),

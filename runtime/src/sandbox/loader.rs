@@ -224,6 +224,8 @@ pub fn check_names(
             Some(Ok(imports::Interface::Sysfs)) => !spec.grants.sysfs.is_empty(),
             Some(Ok(imports::Interface::Devnodes)) => !spec.grants.dev.is_empty(),
             Some(Ok(imports::Interface::Nvml)) => spec.grants.has_library(crate::config::NVML),
+            // Linked with `nvml`; its calls check `nvml-mig` themselves.
+            Some(Ok(imports::Interface::Mig)) => spec.grants.has_library(crate::config::NVML),
             Some(Err(imports::Unsupported::Version(v))) => return Err(unsupported(&v)),
             None if name.starts_with("wasi:") => true,
             Some(Ok(
@@ -268,6 +270,7 @@ fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<HostState
     }
     if grants.has_library(crate::config::NVML) {
         Nvml::add_to_linker(&mut linker, |s| &mut s.nvml)?;
+        super::host::add_mig_to_linker(&mut linker, |s| &mut s.nvml)?;
     }
     Ok(linker)
 }

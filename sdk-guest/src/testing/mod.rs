@@ -56,7 +56,10 @@ use std::rc::Rc;
 use devicelet_rules::grants::{Denied, Pattern, WALK, granted, leads_to_grant};
 
 use crate::ResourceInfo;
-use crate::{ContainerEdits, Device, FsError, Level, NodeInfo, NodeKind, Plugin, PluginError};
+use crate::{
+    ContainerEdits, CounterSet, Device, FsError, Level, NodeInfo, NodeKind, Plugin, PluginError,
+    Prepared, Request,
+};
 
 /// Most symlinks followed in one path, as Linux's.
 const MAX_LINKS: usize = 40;
@@ -138,6 +141,15 @@ impl FakeHost {
     /// and forgets it.
     pub fn take_recheck(&self) -> Option<std::time::Duration> {
         self.recheck.take()
+    }
+
+    /// The MIG instances the module made through [`crate::mig`] on GPU `index` and has not
+    /// destroyed: what a test checks after `unprepare`.
+    pub fn mig_instances(&self, index: u32) -> Vec<crate::mig::MigPlacement> {
+        self.nvml
+            .borrow()
+            .as_ref()
+            .map_or(Vec::new(), |nvml| nvml.made_instances(index))
     }
 
     /// Makes every query on the GPU with this index fail with `GpuLost` (it fell off the bus),
@@ -598,26 +610,43 @@ pub(crate) fn recheck_after(after: std::time::Duration) {
     }
 }
 
+/// The SDK's MIG calls on the host target land here: they change the fake GPU.
+pub(crate) fn current_nvml_mut<T>(
+    f: impl FnOnce(&mut FakeNvml) -> Result<T, crate::nvml::NvmlError>,
+) -> Result<T, crate::nvml::NvmlError> {
+    let host = nvml_host()?;
+    let mut nvml = host.nvml.borrow_mut();
+    match nvml.as_mut() {
+        Some(nvml) => f(nvml),
+        None => Err(not_granted()),
+    }
+}
+
 /// The SDK's NVML calls on the host target land here.
 pub(crate) fn current_nvml<T>(
     f: impl FnOnce(&FakeNvml) -> Result<T, crate::nvml::NvmlError>,
 ) -> Result<T, crate::nvml::NvmlError> {
-    use crate::nvml::NvmlError;
-    let host = HOST.with(|h| h.borrow().clone());
-    let Some(host) = host else {
-        return Err(NvmlError::Unavailable(
-            "no host: on the host target, call the module through devicelet_sdk::testing::Harness \
-             (or testing::with_host)"
-                .into(),
-        ));
-    };
+    let host = nvml_host()?;
     let nvml = host.nvml.borrow();
     match nvml.as_ref() {
         Some(nvml) => f(nvml),
-        None => Err(NvmlError::Unavailable(
-            "nvml is not granted: FakeHost::grant_nvml".into(),
-        )),
+        None => Err(not_granted()),
     }
+}
+
+/// The installed host, or the error an NVML call answers without one.
+fn nvml_host() -> Result<Rc<FakeHost>, crate::nvml::NvmlError> {
+    HOST.with(|h| h.borrow().clone()).ok_or_else(|| {
+        crate::nvml::NvmlError::Unavailable(
+            "no host: on the host target, call the module through devicelet_sdk::testing::Harness \
+             (or testing::with_host)"
+                .into(),
+        )
+    })
+}
+
+fn not_granted() -> crate::nvml::NvmlError {
+    crate::nvml::NvmlError::Unavailable("nvml is not granted: FakeHost::grant_nvml".into())
 }
 
 /// Logs land in the installed host, or on stderr without one.
@@ -754,6 +783,11 @@ impl<P: Plugin> Harness<P> {
                 self.plugin.allocate_with_config(resource, &ids, "")
             })?,
         };
+        self.checked(edits)
+    }
+
+    /// `edits` if the agent would take them: no variable set twice, every device node there.
+    fn checked(&self, edits: ContainerEdits) -> Result<ContainerEdits, PluginError> {
         if let Some((name, first, second)) = devicelet_rules::edits::env_set_twice(&edits.envs) {
             return Err(PluginError::Failed(format!(
                 "the agent would refuse this answer: env {name} is set twice, to {first:?} and \
@@ -769,6 +803,51 @@ impl<P: Plugin> Harness<P> {
             })?;
         }
         Ok(edits)
+    }
+
+    /// `counter_sets`, as the agent asks right after `enumerate`.
+    pub fn counter_sets(&mut self, resource: &str) -> Result<Vec<CounterSet>, PluginError> {
+        with_host(&self.host, || self.plugin.counter_sets(resource))
+    }
+
+    /// `prepare`, for a DRA claim's request, with its answer checked as the agent checks it:
+    /// the devices from the resource's last enumeration, the edits as for
+    /// [`Harness::allocate`], status data only for the request's devices, each a JSON object
+    /// of at most 10 KiB.
+    pub fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+        let snapshot = self.snapshot(&request.resource_name)?;
+        if let Some(unknown) = request
+            .ids
+            .iter()
+            .find(|id| !snapshot.iter().any(|d| &&d.id == id))
+        {
+            return Err(PluginError::Failed(format!(
+                "the agent would refuse this request (the module not called): {unknown:?} is \
+                 not a device of {}'s last enumeration",
+                request.resource_name
+            )));
+        }
+        let prepared = with_host(&self.host, || self.plugin.prepare(request))?;
+        for status in &prepared.status {
+            let object =
+                status.data.trim_start().starts_with('{') && status.data.trim_end().ends_with('}');
+            if !request.ids.contains(&status.id) || !object || status.data.len() > 10 * 1024 {
+                return Err(PluginError::Failed(format!(
+                    "the agent would refuse this answer: status for {:?} is not a JSON object \
+                     of at most 10 KiB about one of the request's devices",
+                    status.id
+                )));
+            }
+        }
+        Ok(Prepared {
+            edits: self.checked(prepared.edits)?,
+            status: prepared.status,
+        })
+    }
+
+    /// `unprepare`.
+    pub fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
+        with_host(&self.host, || self.plugin.unprepare(request))
     }
 
     /// The resource's last enumeration; without one, one made as the agent makes it, by an

@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use crate::mig::{MigLayout, MigPlacement};
 use crate::nvml::{
     Event, EventBatch, EventKind, Gpu, Link, MigDevice, MigInstance, NvmlError, TopologyLevel,
 };
@@ -18,6 +19,10 @@ pub struct FakeNvml {
     /// The MIG instance of events raised in one, by sequence number.
     instances: BTreeMap<u64, MigInstance>,
     lost: BTreeSet<u32>,
+    /// Each GPU's MIG geometry, for [`crate::mig`]; a GPU without one cannot make instances.
+    layouts: BTreeMap<u32, MigLayout>,
+    /// Instances made through [`crate::mig::create`]: (GPU, placement) by GPU instance ID.
+    made: BTreeMap<(u32, u32), MigPlacement>,
 }
 
 impl FakeNvml {
@@ -44,6 +49,15 @@ impl FakeNvml {
     /// Adds a MIG device to the GPU with index `gpu` (which should have `mig_enabled`).
     pub fn with_mig_device(mut self, gpu: u32, device: MigDevice) -> FakeNvml {
         self.mig.entry(gpu).or_default().push(device);
+        self
+    }
+
+    /// Lets the GPU with index `gpu` make MIG instances through [`crate::mig`], with this
+    /// geometry. Made instances appear among its MIG devices (it should have `mig_enabled`);
+    /// one overlapping another's memory slices, or more compute slices than the GPU has, fails
+    /// as NVML does.
+    pub fn with_mig_layout(mut self, gpu: u32, layout: MigLayout) -> FakeNvml {
+        self.layouts.insert(gpu, layout);
         self
     }
 
@@ -133,6 +147,92 @@ impl FakeNvml {
             age_ms: 0,
         };
         self.events.push((event, Instant::now()));
+    }
+
+    pub(crate) fn mig_layout(&self, index: u32) -> Result<MigLayout, NvmlError> {
+        if !self.check(index)?.mig_enabled {
+            return Err(NvmlError::NotSupported);
+        }
+        self.layouts
+            .get(&index)
+            .cloned()
+            .ok_or(NvmlError::NotSupported)
+    }
+
+    pub(crate) fn mig_create(
+        &mut self,
+        index: u32,
+        profile: &str,
+        start: u32,
+    ) -> Result<MigDevice, NvmlError> {
+        let layout = self.mig_layout(index)?;
+        let placement = layout
+            .placements
+            .iter()
+            .find(|p| p.profile == profile && p.start == start)
+            .cloned()
+            .ok_or(NvmlError::NotFound)?;
+        let mine: Vec<(&u32, &MigPlacement)> = self
+            .made
+            .iter()
+            .filter(|((gpu, _), _)| *gpu == index)
+            .map(|((_, gi), p)| (gi, p))
+            .collect();
+        let overlaps = mine.iter().any(|(_, p)| {
+            p.start < placement.start + placement.size && placement.start < p.start + p.size
+        });
+        let compute: u32 = mine.iter().map(|(_, p)| p.compute_slices).sum();
+        if overlaps || compute + placement.compute_slices > layout.compute_slices {
+            return Err(NvmlError::Failed(
+                "insufficient resources: the placement's slices are taken by another instance"
+                    .into(),
+            ));
+        }
+        let gi = (1..)
+            .find(|gi| !mine.iter().any(|(used, _)| *used == gi))
+            .unwrap_or(1);
+        let device = MigDevice {
+            index: self.mig.get(&index).map_or(0, |m| m.len() as u32),
+            uuid: format!("MIG-{index:08x}-{gi:04x}-4000-8000-{start:012x}"),
+            gpu_instance_id: gi,
+            compute_instance_id: 0,
+            profile: placement.profile.clone(),
+            memory_bytes: placement.memory_bytes,
+            caps_minors: vec![gi * 10 + 1, gi * 10 + 2],
+        };
+        self.made.insert((index, gi), placement);
+        self.mig.entry(index).or_default().push(device.clone());
+        Ok(device)
+    }
+
+    pub(crate) fn mig_destroy(
+        &mut self,
+        index: u32,
+        profile: &str,
+        start: u32,
+    ) -> Result<bool, NvmlError> {
+        self.mig_layout(index)?;
+        let found = self
+            .made
+            .iter()
+            .find(|((gpu, _), p)| *gpu == index && p.profile == profile && p.start == start)
+            .map(|(key, _)| *key);
+        let Some((gpu, gi)) = found else {
+            return Ok(false);
+        };
+        self.made.remove(&(gpu, gi));
+        if let Some(devices) = self.mig.get_mut(&gpu) {
+            devices.retain(|d| d.gpu_instance_id != gi);
+        }
+        Ok(true)
+    }
+
+    pub(crate) fn made_instances(&self, index: u32) -> Vec<MigPlacement> {
+        self.made
+            .iter()
+            .filter(|((gpu, _), _)| *gpu == index)
+            .map(|(_, p)| p.clone())
+            .collect()
     }
 
     pub(crate) fn set_lost(&mut self, index: u32, lost: bool) {

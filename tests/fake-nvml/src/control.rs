@@ -26,6 +26,11 @@ pub enum Command {
     /// `hang`: device queries block until `unhang`.
     Hang,
     Unhang,
+    /// `hang-after-create`: until `create-returns`, each compute instance made (its MIG device
+    /// exists, and is kept) blocks its caller, as when an agent is killed between making an
+    /// instance and recording it.
+    HangAfterCreate,
+    CreateReturns,
 }
 
 /// Parses one line against a node of `gpus` GPUs; `None` when it is not a command.
@@ -45,6 +50,8 @@ pub fn parse(line: &str, gpus: usize) -> Option<Command> {
         ["found", index] => Some(Command::Found(gpu(index)?)),
         ["hang"] => Some(Command::Hang),
         ["unhang"] => Some(Command::Unhang),
+        ["hang-after-create"] => Some(Command::HangAfterCreate),
+        ["create-returns"] => Some(Command::CreateReturns),
         _ => None,
     }
 }
@@ -103,6 +110,10 @@ mod tests {
         assert_eq!(parse("found 1", 2), Some(Command::Found(1)));
         assert_eq!(parse("hang", 2), Some(Command::Hang));
         assert_eq!(parse("unhang", 2), Some(Command::Unhang));
+        assert_eq!(
+            parse("hang-after-create", 2),
+            Some(Command::HangAfterCreate)
+        );
         for bad in ["xid 2 79", "xid 0", "xid 0 x", "lost", "hang 1", "reboot"] {
             assert_eq!(parse(bad, 2), None, "{bad:?}");
         }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// More MIG devices than an A100/H100 can be partitioned into; also what
 /// `nvmlDeviceGetMaxMigDeviceCount` reports.
@@ -67,11 +67,37 @@ pub struct Gpu {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct Mig {
     pub enabled: bool,
+    /// The instances the GPU has when the fake first starts (see `mig.rs` for how created ones
+    /// outlive the process).
     #[serde(default)]
     pub devices: Vec<MigDevice>,
+    /// The GPU instance profiles NVML offers (an H100's `1g.10gb` ... `7g.80gb`); without any,
+    /// creating instances is not supported.
+    #[serde(default)]
+    pub profiles: Vec<Profile>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One GPU instance profile, as `nvmlDeviceGetGpuInstanceProfileInfo` and
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` report it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Profile {
+    /// `NVML_GPU_INSTANCE_PROFILE_*`, what it is asked for by (0: one slice, 1: two, 2: three,
+    /// 3: four, 4: seven, 9: one slice with two memory slices, ...).
+    pub index: u32,
+    /// The ID NVML answers for it and takes everywhere else (`nvidia-smi mig -lgip`'s: 19 for
+    /// an H100's `1g.10gb`).
+    pub id: u32,
+    /// Compute slices (`sliceCount`).
+    pub slices: u32,
+    pub memory_mib: u64,
+    /// Memory slices each placement takes.
+    pub size: u32,
+    /// The memory slices its placements start at.
+    pub starts: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct MigDevice {
     pub uuid: String,
@@ -80,6 +106,15 @@ pub struct MigDevice {
     pub gi_slices: u32,
     pub ci_slices: u32,
     pub memory_mib: u64,
+    /// The GPU instance's profile and placement, for instances made through the API (and
+    /// fixture ones that say): only these count when placements are checked for overlap.
+    #[serde(default)]
+    pub profile: Option<u32>,
+    #[serde(default)]
+    pub start: Option<u32>,
+    /// A GPU instance whose compute instance is not made yet (or was destroyed): no MIG device.
+    #[serde(default)]
+    pub bare: bool,
 }
 
 impl Fixture {
@@ -104,12 +139,9 @@ impl Fixture {
 }
 
 impl Gpu {
-    /// The MIG devices NVML exposes: none unless MIG mode is enabled.
-    pub fn mig_devices(&self) -> &[MigDevice] {
-        match &self.mig {
-            Some(mig) if mig.enabled => &mig.devices,
-            _ => &[],
-        }
+    /// Whether MIG mode is enabled now.
+    pub fn mig_enabled(&self) -> bool {
+        self.mig.as_ref().is_some_and(|m| m.enabled)
     }
 }
 

@@ -18,6 +18,7 @@
 
 mod control;
 mod fixture;
+mod mig;
 mod state;
 
 use std::ffi::{CStr, c_char, c_uint, c_ulong, c_ulonglong};
@@ -59,6 +60,8 @@ pub unsafe extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char 
         code::TIMEOUT => c"Timeout",
         code::GPU_IS_LOST => c"GPU is lost",
         code::ARGUMENT_VERSION_MISMATCH => c"Argument version mismatch",
+        code::IN_USE => c"In use by another client",
+        code::INSUFFICIENT_RESOURCES => c"Insufficient resources",
         _ => c"Unknown Error",
     };
     text.as_ptr()
@@ -292,7 +295,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
         if index >= MAX_MIG_DEVICES {
             return Err(code::INVALID_ARGUMENT);
         }
-        if index >= s.gpu(dev).mig_devices().len() {
+        if index >= s.mig_devices(dev.gpu).count() {
             return Err(code::NOT_FOUND);
         }
         let mig = state::Dev {

@@ -31,6 +31,9 @@ pub mod code {
     pub const ARGUMENT_VERSION_MISMATCH: nvmlReturn_t =
         nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     pub const UNKNOWN: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+    pub const IN_USE: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_IN_USE;
+    pub const INSUFFICIENT_RESOURCES: nvmlReturn_t =
+        nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
 }
 
 /// What an entry point's body returns; `Err` carries the NVML error code.
@@ -121,6 +124,10 @@ pub struct State {
     control: Control,
     lost: Vec<bool>,
     hung: bool,
+    /// Each GPU's MIG instances now, and where they are kept between processes (see `mig.rs`).
+    pub migs: crate::mig::Instances,
+    /// Set by `hang-after-create`: the next compute instance made blocks its caller afterwards.
+    pub hang_after_create: bool,
     /// Every event injected since `nvmlInit`; sets keep their own cursors into it.
     log: Vec<Event>,
     sets: HashMap<usize, EventSet>,
@@ -144,8 +151,8 @@ pub fn init() -> nvmlReturn_t {
         state.poll();
         return code::SUCCESS;
     }
-    let Some(fixture) = configured(FIXTURE_ENV, FIXTURE_FILE).and_then(|p| Fixture::load(&p))
-    else {
+    let path = configured(FIXTURE_ENV, FIXTURE_FILE);
+    let Some(fixture) = path.as_deref().and_then(Fixture::load) else {
         return code::DRIVER_NOT_LOADED;
     };
     match fixture.init {
@@ -167,6 +174,7 @@ pub fn init() -> nvmlReturn_t {
     *state = State {
         refs: 1,
         lost: vec![false; fixture.gpus.len()],
+        migs: crate::mig::Instances::load(path.as_deref(), &fixture),
         fixture: Some(fixture),
         control: Control::new(configured(CONTROL_ENV, CONTROL_FILE)),
         ..State::default()
@@ -212,6 +220,19 @@ pub fn device_call(body: impl FnOnce(&mut State) -> Result) -> nvmlReturn_t {
     }
 }
 
+/// Blocks (without the lock, applying control lines) while `until_not` holds.
+pub fn wait_while(until_not: impl Fn(&State) -> bool) {
+    loop {
+        let mut state = lock();
+        state.poll();
+        if !until_not(&state) {
+            return;
+        }
+        drop(state);
+        std::thread::sleep(POLL);
+    }
+}
+
 fn result(r: Result) -> nvmlReturn_t {
     r.err().unwrap_or(code::SUCCESS)
 }
@@ -244,6 +265,8 @@ impl State {
                 Some(Command::Found(gpu)) => self.lost[gpu] = false,
                 Some(Command::Hang) => self.hung = true,
                 Some(Command::Unhang) => self.hung = false,
+                Some(Command::HangAfterCreate) => self.hang_after_create = true,
+                Some(Command::CreateReturns) => self.hang_after_create = false,
                 None => eprintln!("fake-nvml: ignoring control line {line:?}"),
             }
         }
@@ -286,10 +309,7 @@ impl State {
             0 => None,
             slot => Some(slot - 1),
         };
-        let exists = self
-            .gpus()
-            .get(gpu)
-            .is_some_and(|g| mig.is_none_or(|m| m < g.mig_devices().len()));
+        let exists = gpu < self.count() && mig.is_none_or(|m| m < self.mig_devices(gpu).count());
         if !exists {
             return Err(code::INVALID_ARGUMENT);
         }
@@ -317,7 +337,14 @@ impl State {
     }
 
     pub fn mig(&self, dev: Dev) -> Option<&MigDevice> {
-        dev.mig.map(|m| &self.gpu(dev).mig_devices()[m])
+        self.mig_devices(dev.gpu).nth(dev.mig?)
+    }
+
+    /// The MIG devices NVML exposes for GPU `gpu`: none unless MIG mode is enabled, and only
+    /// instances with a compute instance.
+    pub fn mig_devices(&self, gpu: usize) -> impl Iterator<Item = &MigDevice> {
+        let enabled = self.gpus().get(gpu).is_some_and(Gpu::mig_enabled);
+        self.migs.of(gpu).iter().filter(move |m| enabled && !m.bare)
     }
 
     /// Finds a GPU or MIG device by UUID.
@@ -326,7 +353,7 @@ impl State {
             if g.uuid == uuid {
                 return self.reachable(Dev { gpu, mig: None });
             }
-            if let Some(m) = g.mig_devices().iter().position(|m| m.uuid == uuid) {
+            if let Some(m) = self.mig_devices(gpu).position(|m| m.uuid == uuid) {
                 return self.reachable(Dev { gpu, mig: Some(m) });
             }
         }

@@ -371,6 +371,103 @@ fn spawn_dra_agent_resyncing(
     )
 }
 
+/// Issue 36's "Done when": an agent killed after NVML made a claim's MIG instance and before
+/// it recorded the claim prepared leaves no orphan: the restarted agent finds the write-ahead
+/// record and the module's `unprepare` destroys the instance, so the placement can be made
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_killed_between_making_a_mig_instance_and_recording_it_leaves_no_orphan() {
+    use devicelet_tests::dra::{DraNode, registered};
+    const DRIVER: &str = "gpu.nvidia.com";
+    let dra = DraNode::new().await;
+    dra.node.add_mig_gpu();
+    let gpus =
+        devicelet_tests::FakeGpus::new(dra.node.dir.path(), &devicelet_tests::h100_with_mig());
+    let registry = dra.node.registry(devicelet_tests::DYNAMIC_MIG);
+    let state = dra.node.state_dir();
+    let library = gpus.library.to_string_lossy().into_owned();
+    let log = |n: usize| dra.node.dir.path().join(format!("agent-{n}.log"));
+    let spawn = |n: usize| {
+        spawn_dra_agent_logging(
+            &dra,
+            &registry,
+            &state,
+            &["--nvml-library", &library],
+            Stdio::from(std::fs::File::create(log(n)).expect("log file")),
+        )
+    };
+    let made = || {
+        gpus.instances(0)
+            .iter()
+            .filter(|m| m["bare"] != true)
+            .count()
+    };
+    // NVML makes the instance, then does not return: the agent is killed in between.
+    gpus.inject("hang-after-create");
+    let mut first = spawn(1);
+    registered(&dra.kubelet, 1).await;
+    devicelet_tests::eventually("the placements and their counters published", || {
+        dra.api
+            .list(devicelet_simulator::apiserver::Kind::ResourceSlice)
+            .len()
+            == 2
+    })
+    .await;
+    let uid = dra.claim(
+        DRIVER,
+        "half",
+        &["gpu-0-mig-3g-40gb-0"],
+        serde_json::json!([]),
+    );
+    let asked = preparing(&dra.kubelet, DRIVER, "half", &uid);
+    devicelet_tests::eventually("NVML made the instance", || made() == 1).await;
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    asked.abort();
+    assert_eq!(made(), 1, "the instance outlives the agent, as on a GPU");
+
+    gpus.inject("create-returns");
+    let mut second = spawn(2);
+    registered(&dra.kubelet, 2).await;
+    devicelet_tests::eventually("the restarted agent destroyed the orphan", || {
+        gpus.instances(0).is_empty()
+    })
+    .await;
+    // The placement is free: the claim, asked for again, makes its instance afresh.
+    let uid2 = dra.claim(
+        DRIVER,
+        "again",
+        &["gpu-0-mig-3g-40gb-0"],
+        serde_json::json!([]),
+    );
+    let prepared = dra.prepare(DRIVER, "again", &uid2).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    assert_eq!(made(), 1);
+    second.kill().expect("SIGKILL");
+    second.wait().expect("reaped");
+}
+
+/// The kubelet's NodePrepareResources for claim `team-a/name`, left running: the agent may be
+/// killed before it answers.
+fn preparing(
+    kubelet: &devicelet_simulator::Simulator,
+    driver: &'static str,
+    name: &'static str,
+    uid: &str,
+) -> tokio::task::JoinHandle<
+    Result<
+        devicelet::kubelet::api::dra::v1::NodePrepareResourcesResponse,
+        devicelet_simulator::SimError,
+    >,
+> {
+    let (kubelet, uid) = (kubelet.clone(), uid.to_owned());
+    tokio::spawn(async move {
+        kubelet
+            .node_prepare_resources(driver, vec![devicelet_tests::dra::wire_claim(name, &uid)])
+            .await
+    })
+}
+
 /// As [`spawn_dra_agent`], with `extra` arguments, its log (stderr) going to `log`.
 fn spawn_dra_agent_logging(
     dra: &devicelet_tests::dra::DraNode,
@@ -813,7 +910,7 @@ async fn an_edit_reverted_while_its_compile_is_stalled_leaves_the_running_versio
 /// starts again, and the kubelet's retry prepares the claim afresh.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_inside_a_modules_prepare_has_it_undone_after_restart() {
-    use devicelet_tests::dra::{DraNode, registered, wire_claim};
+    use devicelet_tests::dra::{DraNode, registered};
     const DRIVER: &str = "acc.devicelet.io";
     let dra = DraNode::new().await;
     let registry = dra.node.registry(
@@ -850,15 +947,7 @@ front-end = "dra"
         "opaque": {"driver": DRIVER, "parameters": {"slow": true}}
     }]);
     let uid = dra.claim(DRIVER, "half", &["acc-0-2s-0"], slow);
-    let kubelet = dra.kubelet.clone();
-    let asked = {
-        let uid = uid.clone();
-        tokio::spawn(async move {
-            kubelet
-                .node_prepare_resources(DRIVER, vec![wire_claim("half", &uid)])
-                .await
-        })
-    };
+    let asked = preparing(&dra.kubelet, DRIVER, "half", &uid);
     let created = format!("created instance {uid}/acc");
     devicelet_tests::eventually("the module created its instance", || {
         std::fs::read_to_string(log(1)).is_ok_and(|t| t.contains(&created))

@@ -8,7 +8,7 @@ use devicelet_simulator::DeviceRequest;
 use devicelet_simulator::apiserver::Kind;
 use devicelet_tests::cdi::resolve;
 use devicelet_tests::dra::{DraNode, NODE, published, registered};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const FUSE: &str = "fuse.devicelet.io";
 const ACC: &str = "acc.devicelet.io";
@@ -116,18 +116,6 @@ async fn four_claims_share_a_device_by_capacity_and_a_fifth_that_would_exceed_it
 }
 
 /// The claim's `status.devices` entry for `device`, once written.
-async fn status_of(dra: &DraNode, name: &str, device: &str) -> Value {
-    devicelet_tests::eventually_some("the claim's status", || {
-        let claim = dra.api.get(Kind::ResourceClaim, "team-a", name)?;
-        claim["status"]["devices"]
-            .as_array()?
-            .iter()
-            .find(|d| d["device"] == device)
-            .cloned()
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_instance() {
     let dra = DraNode::new().await;
@@ -195,7 +183,7 @@ front-end = "dra"
             Some(instance.as_str())
         );
         // The module's status data beside the host's.
-        let status = status_of(&dra, &name, &device).await;
+        let status = dra.device_status(&name, &device).await;
         assert_eq!(status["data"]["instance"], instance.as_str(), "{status}");
         assert_eq!(status["data"]["deviceIDs"], json!([device]), "{status}");
         names.push((name, uid, device));

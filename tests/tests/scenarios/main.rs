@@ -20,6 +20,7 @@ mod metrics;
 mod misbehaving_modules;
 mod module_cells;
 mod nvidia_gpu;
+mod nvidia_mig_dra;
 mod oci_modules;
 mod plugin_watcher;
 mod registry_errors;

@@ -87,9 +87,9 @@ async fn a_pushed_module_is_served_by_digest_and_from_the_store_with_the_registr
     let (ok, shown) = registry.inspect(reference);
     assert!(ok, "{shown}");
     for needle in [
-        "implements devicelet:plugin@0.3.0",
+        "implements devicelet:plugin@0.3.1",
         "layer: application/wasm",
-        "devicelet:plugin/devnodes@0.3.0",
+        "devicelet:plugin/devnodes@0.3.1",
         "a node would pull and load it",
     ] {
         assert!(shown.contains(needle), "{needle:?} in:\n{shown}");
@@ -227,7 +227,7 @@ async fn what_the_digest_does_not_pin_or_is_not_a_wasm_component_is_refused_by_n
         .await;
     devicelet_tests::eventually("refused from its config", || {
         refused.load_errors().iter().any(|e| {
-            e.contains("devicelet:plugin/devnodes@0.3.0")
+            e.contains("devicelet:plugin/devnodes@0.3.1")
                 && e.contains("registry grants do not allow")
                 && e.contains("refused before fetching the module")
         })

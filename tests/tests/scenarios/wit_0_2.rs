@@ -125,7 +125,7 @@ async fn validate_shows_typed_facts_groups_and_the_modules_version() {
     let file = node.registry(&serial_with("together"));
     let (ok, text) = devicelet_tests::validate_registry(&file, &[]);
     assert!(ok, "{text}");
-    assert!(text.contains("implements devicelet:plugin@0.3.0"), "{text}");
+    assert!(text.contains("implements devicelet:plugin@0.3.1"), "{text}");
     assert!(text.contains("module version 0.1.0"), "{text}");
     assert!(
         text.contains("ttyUSB0 Healthy {path=/dev/ttyUSB0, dev=188:0} group serial"),

@@ -6,44 +6,105 @@
 //! `{"instance": "<key>"}`; `unprepare` logs `destroyed instance <key>`. A request whose config
 //! is `{"slow":true}` spins in `prepare` after the log line, so a test can stop the agent
 //! between the creation and the record of it. It needs no grants.
+//!
+//! Built straight from the frozen `wit/v0.3.0/` text (no SDK), as SDK 0.3.0 built modules: the
+//! scenarios that use it prove that today's agent, whose 0.3 bindings come from 0.3.1, still
+//! finds and calls a 0.3.0 module's `claims` export and its counter sets.
 
-use devicelet_sdk::{
-    ContainerEdits, CounterSet, Device, DeviceStatus, Plugin, PluginError, Prepared, Request,
-    ResourceInfo, export_plugin,
+wit_bindgen::generate!({
+    path: "../../../wit/v0.3.0",
+    world: "device-plugin-full",
+});
+
+use devicelet::plugin::log::{Level, log};
+use devicelet::plugin::types::{
+    Amount, ContainerEdits, CounterSet, CounterUse, Device, DeviceStatus, Health, InitContext,
+    Inventory, ModuleInfo, PluginError, Prepared, Request, ResourceInfo,
 };
+use exports::devicelet::plugin::{claims, config, plugin, release};
 
 struct Partitions;
 
 const SLOW: &str = r#"{"slow":true}"#;
 
-impl Plugin for Partitions {
-    fn init(_config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
-        Ok((
-            Partitions,
-            vec![ResourceInfo::new("acc").with_prepares_claims(true)],
-        ))
+fn amount(name: &str, value: &str) -> Amount {
+    Amount {
+        name: name.into(),
+        value: value.into(),
+    }
+}
+
+impl plugin::Guest for Partitions {
+    fn init(_context: InitContext) -> Result<ModuleInfo, PluginError> {
+        Ok(ModuleInfo {
+            version: "0.3.0-built".into(),
+            resources: vec![ResourceInfo {
+                name: "acc".into(),
+                prestart: false,
+                preferred_allocation: false,
+                one_share_per_container: false,
+                prepares_claims: true,
+            }],
+        })
     }
 
-    fn enumerate(&mut self, _resource: &str) -> Result<Vec<Device>, PluginError> {
+    fn enumerate(_resource: String) -> Result<Inventory, PluginError> {
         let mut devices = Vec::new();
         for (size, starts) in [(1, &[0, 1, 2, 3][..]), (2, &[0, 2]), (4, &[0])] {
             for start in starts {
-                let slices = size.to_string();
-                devices.push(
-                    Device::healthy(format!("acc-0-{size}s-{start}"))
-                        .attribute("profile", format!("{size}s"))
-                        .consumes("acc-0", &[("slices", slices.as_str())]),
-                );
+                devices.push(Device {
+                    id: format!("acc-0-{size}s-{start}"),
+                    health: Health::Healthy,
+                    health_reason: None,
+                    numa_nodes: Vec::new(),
+                    attributes: vec![devicelet::plugin::types::Attribute {
+                        name: "profile".into(),
+                        value: devicelet::plugin::types::AttributeValue::Text(format!("{size}s")),
+                    }],
+                    capacities: Vec::new(),
+                    group: None,
+                    exclusive: false,
+                    edits: None,
+                    taints: Vec::new(),
+                    shared_by_capacity: false,
+                    consumes: vec![CounterUse {
+                        counter_set: "acc-0".into(),
+                        counters: vec![amount("slices", &size.to_string())],
+                    }],
+                });
             }
         }
-        Ok(devices)
+        Ok(Inventory {
+            devices,
+            counter_sets: vec![CounterSet {
+                name: "acc-0".into(),
+                counters: vec![amount("slices", "4")],
+            }],
+        })
     }
 
-    fn counter_sets(&mut self, _resource: &str) -> Result<Vec<CounterSet>, PluginError> {
-        Ok(vec![CounterSet::new("acc-0", &[("slices", "4")])])
+    fn allocate(_request: Request) -> Result<ContainerEdits, PluginError> {
+        Err(PluginError::Failed(
+            "acc is prepared per claim (claims.prepare)".into(),
+        ))
     }
 
-    fn validate_config(&mut self, _resource: &str, config: &str) -> Result<(), PluginError> {
+    fn prestart(_resource: String, _ids: Vec<String>) -> Result<(), PluginError> {
+        Ok(())
+    }
+
+    fn preferred(
+        _resource: String,
+        available: Vec<String>,
+        _must_include: Vec<String>,
+        size: u32,
+    ) -> Result<Vec<String>, PluginError> {
+        Ok(available.into_iter().take(size as usize).collect())
+    }
+}
+
+impl config::Guest for Partitions {
+    fn validate_config(_resource: String, config: String) -> Result<(), PluginError> {
         match config.trim() {
             "" | SLOW => Ok(()),
             other => Err(PluginError::InvalidConfig(format!(
@@ -51,17 +112,34 @@ impl Plugin for Partitions {
             ))),
         }
     }
+}
 
-    fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+impl release::Guest for Partitions {
+    fn release(_request: Request) -> Result<(), PluginError> {
+        Ok(())
+    }
+}
+
+impl claims::Guest for Partitions {
+    fn prepare(request: Request) -> Result<Prepared, PluginError> {
         let key = &request.key;
-        devicelet_sdk::info!("created instance {key} on {}", request.ids.join(","));
+        log(
+            Level::Info,
+            &format!("created instance {key} on {}", request.ids.join(",")),
+        );
         if request.config.trim() == SLOW {
             loop {
                 std::hint::spin_loop();
             }
         }
         Ok(Prepared {
-            edits: ContainerEdits::default().env("ACC_INSTANCE", key.clone()),
+            edits: ContainerEdits {
+                envs: vec![("ACC_INSTANCE".into(), key.clone())],
+                mounts: Vec::new(),
+                devices: Vec::new(),
+                annotations: Vec::new(),
+                cdi_devices: Vec::new(),
+            },
             status: request
                 .ids
                 .iter()
@@ -73,10 +151,10 @@ impl Plugin for Partitions {
         })
     }
 
-    fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
-        devicelet_sdk::info!("destroyed instance {}", request.key);
+    fn unprepare(request: Request) -> Result<(), PluginError> {
+        log(Level::Info, &format!("destroyed instance {}", request.key));
         Ok(())
     }
 }
 
-export_plugin!(Partitions);
+export!(Partitions);

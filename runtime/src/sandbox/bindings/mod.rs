@@ -83,6 +83,8 @@ pub mod imports {
         Nvml,
         /// Added in 0.1.2; every module may import it.
         Schedule,
+        /// Added in 0.3.1: making and destroying MIG instances.
+        Mig,
         /// The export every module must have.
         Plugin,
         /// Optional exports, since 0.2.0.
@@ -178,15 +180,27 @@ pub mod imports {
             .collect()
     }
 
+    /// The version that added `mig`: the host defines it on that line only.
+    const MIG_SINCE: Version = Version::new(0, 3, 1);
+
+    /// Like [`host_names`], for `mig`: only the lines that have it.
+    pub fn mig_host_names() -> Vec<String> {
+        lines()
+            .into_iter()
+            .filter(|(_, newest)| line(newest) == line(&MIG_SINCE) && *newest >= MIG_SINCE)
+            .map(|(_, newest)| format!("devicelet:plugin/mig@{newest}"))
+            .collect()
+    }
+
     /// Which of our interfaces `name` (an import or export name) is: None when it is not a
     /// `devicelet:plugin` name at all.
     pub fn ours(name: &str) -> Option<Result<Interface, Unsupported>> {
         let rest = name.strip_prefix("devicelet:plugin/")?;
         let (interface, version) = rest.split_once('@').unwrap_or((rest, ""));
-        match Version::parse(version) {
-            Ok(v) if supported(&v) => {}
+        let parsed = match Version::parse(version) {
+            Ok(v) if supported(&v) => v,
             _ => return Some(Err(Unsupported::Version(version.to_owned()))),
-        }
+        };
         Some(match interface {
             "log" => Ok(Interface::Log),
             "types" => Ok(Interface::Types),
@@ -194,6 +208,7 @@ pub mod imports {
             "devnodes" => Ok(Interface::Devnodes),
             "nvml" => Ok(Interface::Nvml),
             "schedule" => Ok(Interface::Schedule),
+            "mig" if line(&parsed) == line(&MIG_SINCE) && parsed >= MIG_SINCE => Ok(Interface::Mig),
             "plugin" => Ok(Interface::Plugin),
             "release" => Ok(Interface::Release),
             "config" => Ok(Interface::Config),
@@ -222,7 +237,7 @@ pub mod imports {
             for version in [
                 "0.1.7",
                 "0.2.1",
-                "0.3.1",
+                "0.3.2",
                 "0.4.0",
                 "1.0.0",
                 "0.1.1-rc.1",
@@ -256,15 +271,25 @@ pub mod imports {
                 ours("devicelet:plugin/claims@0.3.0"),
                 Some(Ok(Interface::Claims))
             );
-            assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0, 0.3.0");
+            assert_eq!(speaks(), "0.1.0 to 0.1.2, 0.2.0, 0.3.0 to 0.3.1");
             assert_eq!(
                 host_names("nvml"),
                 [
                     "devicelet:plugin/nvml@0.1.2",
                     "devicelet:plugin/nvml@0.2.0",
-                    "devicelet:plugin/nvml@0.3.0"
+                    "devicelet:plugin/nvml@0.3.1"
                 ]
             );
+            // `mig` exists from 0.3.1 on, on its line only.
+            assert_eq!(mig_host_names(), ["devicelet:plugin/mig@0.3.1"]);
+            assert_eq!(ours("devicelet:plugin/mig@0.3.1"), Some(Ok(Interface::Mig)));
+            for older in ["0.3.0", "0.2.0", "0.1.2"] {
+                assert_eq!(
+                    ours(&format!("devicelet:plugin/mig@{older}")),
+                    Some(Err(Unsupported::Interface)),
+                    "{older}"
+                );
+            }
         }
 
         /// Each line's bindings come from its newest frozen folder.
@@ -307,6 +332,10 @@ pub mod imports {
                 (
                     "0.3.0",
                     "602a7ed76abf0fbf159af2c3d52466b3f430b6d02cb3609b101f9e1e47592e48",
+                ),
+                (
+                    "0.3.1",
+                    "ef92e13553c9a5e85a74c8fd36eadbba2aaf81449d067ddb326b2b9f1ab6d33c",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");

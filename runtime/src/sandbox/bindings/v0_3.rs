@@ -1,9 +1,10 @@
-//! `devicelet:plugin@0.3`: bindings generated from `wit/v0.3.0/`, and the conversions between
-//! them and the host's types. The host interfaces are 0.1.2's, unchanged, so they are not
-//! generated again: the host defines them once, under every line's names.
+//! `devicelet:plugin@0.3`: bindings generated from the line's newest frozen copy,
+//! `wit/v0.3.1/` (a 0.3.0 module links against them by semver), and the conversions between
+//! them and the host's types. The host interfaces but `mig` (0.3.1's) are 0.1.2's, unchanged,
+//! so they are not generated again: the host defines them once, under every line's names.
 
 wasmtime::component::bindgen!({
-    path: "../wit/v0.3.0",
+    path: "../wit/v0.3.1",
     world: "device-plugin",
     exports: { default: async },
     with: {
@@ -23,10 +24,10 @@ use crate::device::{
     ValidAmounts,
 };
 
-/// The optional exports' names.
-pub const RELEASE: &str = "devicelet:plugin/release@0.3.0";
-pub const CONFIG: &str = "devicelet:plugin/config@0.3.0";
-pub const CLAIMS: &str = "devicelet:plugin/claims@0.3.0";
+/// The optional exports' names (a 0.3.0 module's are found under them by semver).
+pub const RELEASE: &str = "devicelet:plugin/release@0.3.1";
+pub const CONFIG: &str = "devicelet:plugin/config@0.3.1";
+pub const CLAIMS: &str = "devicelet:plugin/claims@0.3.1";
 
 impl From<wit::ModuleInfo> for ModuleInfo {
     fn from(m: wit::ModuleInfo) -> Self {

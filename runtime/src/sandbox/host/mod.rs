@@ -4,6 +4,7 @@
 
 mod devnodes;
 mod log;
+mod mig;
 mod nvml;
 mod output;
 pub mod paths;
@@ -13,6 +14,7 @@ mod sysfs;
 
 pub use devnodes::Devnodes;
 pub use log::Log;
+pub use mig::add_to_linker as add_mig_to_linker;
 pub use nvml::Nvml;
 pub use output::OutputAllowance;
 pub use schedule::Schedule;

@@ -36,24 +36,43 @@ fn error(e: E) -> NvmlError {
     }
 }
 
+pub(super) fn mig_device(m: nvml::MigDevice) -> MigDevice {
+    MigDevice {
+        index: m.index,
+        uuid: m.uuid,
+        gpu_instance_id: m.gpu_instance_id,
+        compute_instance_id: m.compute_instance_id,
+        profile: m.profile,
+        memory_bytes: m.memory_bytes,
+        caps_minors: m.caps_minors,
+    }
+}
+
 /// Everything `nvml` can touch: the node's NVML (present only for a module granted it), and the
 /// host root, where MIG devices' caps nodes are looked up.
 pub struct Nvml {
-    host_root: Arc<PathBuf>,
+    pub(super) host_root: Arc<PathBuf>,
     node: Option<Arc<nvml::NvmlNode>>,
     /// Queries made during the current call wait for NVML until then at most.
     until: Instant,
     /// Set when a query of the current call stalled: what NVML did.
     stalled: Option<String>,
+    /// Whether `mig`'s calls (which change a GPU) are granted (`"nvml-mig"`).
+    pub(super) mig_granted: bool,
 }
 
 impl Nvml {
-    pub(super) fn new(host_root: Arc<PathBuf>, node: Option<Arc<nvml::NvmlNode>>) -> Self {
+    pub(super) fn new(
+        host_root: Arc<PathBuf>,
+        node: Option<Arc<nvml::NvmlNode>>,
+        mig_granted: bool,
+    ) -> Self {
         Nvml {
             host_root,
             node,
             until: Instant::now(),
             stalled: None,
+            mig_granted,
         }
     }
 
@@ -72,7 +91,7 @@ impl Nvml {
     }
 
     /// Runs `query` on the NVML thread under the call's deadline.
-    fn ask<T, F>(&mut self, query: F) -> Result<T, NvmlError>
+    pub(super) fn ask<T, F>(&mut self, query: F) -> Result<T, NvmlError>
     where
         T: Send + 'static,
         F: FnOnce(&nvml::NvmlNode) -> Result<T, E> + Send + 'static,
@@ -133,15 +152,7 @@ impl Host for Nvml {
         Ok(self
             .ask(move |n| n.mig_devices(index, &root))?
             .into_iter()
-            .map(|m| MigDevice {
-                index: m.index,
-                uuid: m.uuid,
-                gpu_instance_id: m.gpu_instance_id,
-                compute_instance_id: m.compute_instance_id,
-                profile: m.profile,
-                memory_bytes: m.memory_bytes,
-                caps_minors: m.caps_minors,
-            })
+            .map(mig_device)
             .collect())
     }
 

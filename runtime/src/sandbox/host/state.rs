@@ -51,7 +51,11 @@ impl HostState {
             log: super::log::Log::new(module, log_gate),
             sysfs: super::sysfs::Sysfs::new(host_root.clone(), grants.sysfs.clone()),
             devnodes: super::devnodes::Devnodes::new(host_root.clone(), grants.dev.clone()),
-            nvml: super::nvml::Nvml::new(host_root, nvml),
+            nvml: super::nvml::Nvml::new(
+                host_root,
+                nvml,
+                grants.has_library(crate::config::NVML_MIG),
+            ),
             schedule: super::schedule::Schedule::default(),
             wasi: wasi.build(),
             table: {
