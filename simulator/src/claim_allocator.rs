@@ -29,6 +29,9 @@ pub struct DeviceRequest {
     /// `device.attributes["<driver>"].<name> == "<value>"` selects (a string, integer, bool or
     /// version attribute, compared as written).
     pub attributes: BTreeMap<String, String>,
+    /// Opaque parameters for the driver (`devices.config[].opaque.parameters`), copied into
+    /// the allocation as the scheduler copies a claim's config.
+    pub config: Option<Value>,
 }
 
 /// (pool, device).

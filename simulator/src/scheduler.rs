@@ -130,15 +130,31 @@ impl ApiHandle {
                 .collect();
             exactly["selectors"] = json!(selectors);
         }
+        let config: Vec<Value> = request
+            .config
+            .iter()
+            .map(|parameters| {
+                json!({"requests": [label], "opaque": {"driver": driver, "parameters": parameters}})
+            })
+            .collect();
+        let allocated_config: Vec<Value> = config
+            .iter()
+            .map(|c| {
+                let mut c = c.clone();
+                c["source"] = json!("FromClaim");
+                c
+            })
+            .collect();
         store
             .create(
                 Kind::ResourceClaim,
                 namespace,
                 json!({
                     "metadata": {"name": name},
-                    "spec": {"devices": {"requests": [{"name": label, "exactly": exactly}]}},
+                    "spec": {"devices": {"requests": [{"name": label, "exactly": exactly}],
+                        "config": config}},
                     "status": {"allocation": {
-                        "devices": {"results": results},
+                        "devices": {"results": results, "config": allocated_config},
                         "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
                             {"key": "metadata.name", "operator": "In", "values": [node]}
                         ]}]}

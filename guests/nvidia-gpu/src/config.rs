@@ -59,6 +59,9 @@ pub struct Config {
     /// replicas`): each gets 1/N of the GPU's threads and memory, as NVIDIA's MPS daemon sets
     /// per client.
     pub mps_replicas: Option<u32>,
+    /// Through DRA, whole GPUs shared by their memory (`sharing.rs`).
+    #[serde(default)]
+    pub dra_memory_sharing: bool,
 }
 
 /// MPS clients per GPU on Volta and later.

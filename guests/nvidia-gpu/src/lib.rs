@@ -8,6 +8,8 @@
 //!   "nvml-mig"]`) a GPU in MIG mode is every placement of every profile, each consuming the
 //!   GPU's memory slices and compute slices from its counter set, and a claim's `prepare` makes
 //!   the instance (its UUID in the claim's status) that `unprepare` destroys (`dynamic.rs`).
+//!   With `dra-memory-sharing = true` whole GPUs are shared by their memory through DRA, each
+//!   claim choosing time-slicing or MPS in NVIDIA's `GpuConfig` (`sharing.rs`).
 //! - **Allocate.** `NVIDIA_VISIBLE_DEVICES` (the default) or CDI names for the specs NVIDIA's
 //!   container toolkit generates (`nvidia.com/gpu=<id>`), the device nodes (`/dev/nvidia<minor>`,
 //!   and those of `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools` and `nvidia-modeset` present, and
@@ -44,11 +46,13 @@
 //! quiet-period = "5m"                   # Healthy again after this long without a critical event
 //! mps-pipe-directory = "/run/nvidia/mps"  # optional: containers share GPUs through MPS
 //! mps-shm-directory = "/run/nvidia/mps/shm"  # optional: the MPS daemon's /dev/shm
+//! dra-memory-sharing = false            # DRA: whole GPUs shared by memory, per claim
 //! ```
 
 mod config;
 mod dynamic;
 mod preferred;
+mod sharing;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -57,7 +61,7 @@ use devicelet_sdk::mig::{self, MigLayout};
 use devicelet_sdk::nvml::{self, EventKind, Gpu, MigDevice, NvmlError};
 use devicelet_sdk::{
     ContainerEdits, CounterSet, Device, DeviceStatus, Health, Plugin, PluginError, Prepared,
-    Request, ResourceInfo, devnodes, export_plugin,
+    Request, RequestPolicy, ResourceInfo, devnodes, export_plugin,
 };
 
 use dynamic::Partition;
@@ -459,6 +463,27 @@ impl NvidiaGpu {
         Ok(chosen)
     }
 
+    /// What a container needs for these devices (never a MIG placement: its instance is made
+    /// at prepare), and the units they are.
+    fn allocate_units(
+        &mut self,
+        resource: &str,
+        ids: &[String],
+    ) -> Result<(ContainerEdits, Vec<Unit>), PluginError> {
+        let units = self.chosen(resource, ids)?;
+        if let Some(p) = units.iter().find_map(|u| u.partition.as_ref()) {
+            return Err(PluginError::Failed(format!(
+                "{} is a MIG placement (mig-strategy \"dynamic\"): its instance is made when a \
+                 Dynamic Resource Allocation claim is prepared, which the device-plugin API \
+                 cannot do",
+                p.id()
+            )));
+        }
+        let chosen: Vec<&Unit> = units.iter().collect();
+        let edits = self.edits(ids.to_vec(), &chosen)?;
+        Ok((edits, units))
+    }
+
     /// What a container needs for these units, named to the NVIDIA stack as `names` (their
     /// IDs, or a made MIG instance's UUID).
     fn edits(&self, names: Vec<String>, chosen: &[&Unit]) -> Result<ContainerEdits, PluginError> {
@@ -646,9 +671,18 @@ impl Plugin for NvidiaGpu {
                 device.health_reason = why;
                 match &unit.mig {
                     None => {
+                        let memory_mib = unit.gpu.memory_bytes >> 20;
                         device = device
-                            .attribute("memory-mib", (unit.gpu.memory_bytes >> 20).to_string())
+                            .attribute("memory-mib", memory_mib.to_string())
                             .attribute("mig-enabled", unit.gpu.mig_enabled.to_string());
+                        if self.config.dra_memory_sharing {
+                            // Any amount; a claim that asks none holds it all.
+                            device = device.shared_by_capacity().shared_capacity(
+                                sharing::MEMORY,
+                                format!("{memory_mib}Mi"),
+                                RequestPolicy::any(None),
+                            );
+                        }
                     }
                     Some(mig) => {
                         device = device
@@ -689,20 +723,23 @@ impl Plugin for NvidiaGpu {
                 ids.len()
             )));
         }
-        let units = self.chosen(resource, ids)?;
-        if let Some(p) = units.iter().find_map(|u| u.partition.as_ref()) {
-            return Err(PluginError::Failed(format!(
-                "{} is a MIG placement (mig-strategy \"dynamic\"): its instance is made when a \
-                 Dynamic Resource Allocation claim is prepared, which the device-plugin API \
-                 cannot do",
-                p.id()
-            )));
-        }
-        let chosen: Vec<&Unit> = units.iter().collect();
-        self.edits(ids.to_vec(), &chosen)
+        self.allocate_units(resource, ids).map(|(edits, _)| edits)
+    }
+
+    fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
+        let claim = sharing::ClaimConfig::parse(&request.config)?;
+        let (edits, units) = self.allocate_units(&request.resource_name, &request.ids)?;
+        let gpus = whole_gpus(&units);
+        let pipe = self.config.mps_pipe_directory.as_deref();
+        sharing::edits(edits, &claim, request, &gpus, pipe)
+    }
+
+    fn validate_config(&mut self, _resource: &str, config: &str) -> Result<(), PluginError> {
+        sharing::ClaimConfig::parse(config).map(|_| ())
     }
 
     fn prepare(&mut self, request: &Request) -> Result<Prepared, PluginError> {
+        let claim = sharing::ClaimConfig::parse(&request.config)?;
         let resource = &request.resource_name;
         let units = self.chosen(resource, &request.ids)?;
         let mut names = Vec::new();
@@ -741,8 +778,11 @@ impl Plugin for NvidiaGpu {
             });
         }
         let chosen: Vec<&Unit> = made_units.iter().collect();
+        let edits = self.edits(names, &chosen)?;
+        let gpus = whole_gpus(&made_units);
+        let pipe = self.config.mps_pipe_directory.as_deref();
         Ok(Prepared {
-            edits: self.edits(names, &chosen)?,
+            edits: sharing::edits(edits, &claim, request, &gpus, pipe)?,
             status,
         })
     }
@@ -811,6 +851,17 @@ impl Plugin for NvidiaGpu {
             },
         ))
     }
+}
+
+/// The whole GPUs among `units`: each its position among the container's GPUs, its ID and its
+/// memory in MiB (what a claim sharing it may hold).
+fn whole_gpus(units: &[Unit]) -> Vec<(usize, String, u64)> {
+    units
+        .iter()
+        .enumerate()
+        .filter(|(_, u)| u.mig.is_none() && u.partition.is_none())
+        .map(|(i, u)| (i, u.id.clone(), u.gpu.memory_bytes >> 20))
+        .collect()
 }
 
 /// The device nodes a container needs for these units: the control nodes, each GPU's own, and a

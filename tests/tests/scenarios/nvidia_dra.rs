@@ -1,8 +1,9 @@
-//! MIG through Dynamic Resource Allocation: the NVIDIA reference module with
-//! `mig-strategy = "dynamic"` on a fake H100 in MIG mode (the fake NVML models profiles,
-//! placements, instance creation and overlap as NVML does), against the simulator's API server
-//! and scheduler, which allocate partitions by counters as the upstream structured allocator
-//! does.
+//! NVIDIA GPUs through Dynamic Resource Allocation's advanced model, against the simulator's
+//! API server and scheduler (which allocate partitions by counters and shared devices by
+//! capacity as the upstream structured allocator does): MIG with `mig-strategy = "dynamic"` on
+//! a fake H100 in MIG mode (the fake NVML models profiles, placements, instance creation and
+//! overlap as NVML does), and whole GPUs shared by their memory, each claim choosing its
+//! sharing in its config as with NVIDIA's DRA driver.
 
 use devicelet_simulator::DeviceRequest;
 use devicelet_simulator::apiserver::Kind;
@@ -230,5 +231,111 @@ async fn dynamic_mig_without_the_nvml_mig_grant_is_refused_naming_it() {
         "{errors:?}"
     );
     assert!(gpus.instances(0).is_empty());
+    agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_claims_share_a_gpus_memory_a_fifth_is_not_allocated_and_mps_limits_each_to_its_share()
+{
+    let dra = DraNode::new().await;
+    dra.node.add_mig_gpu();
+    std::fs::create_dir_all(dra.node.tree.path("/run/nvidia/mps")).expect("the MPS directory");
+    let mut fixture = h100_with_mig();
+    fixture["gpus"][0]["mig"] = serde_json::json!({"enabled": false});
+    let gpus = FakeGpus::new(dra.node.dir.path(), &fixture);
+    let library = gpus.library.clone();
+    let modules = DYNAMIC_MIG
+        .replace(
+            r#"libraries = ["nvml", "nvml-mig"]"#,
+            "libraries = [\"nvml\"]\nmounts = [\"/run/nvidia/mps\"]",
+        )
+        .replace(
+            r#"mig-strategy = "dynamic""#,
+            "dra-memory-sharing = true\nmps-pipe-directory = \"/run/nvidia/mps\"",
+        );
+    let agent = dra
+        .agent_with(&modules, move |o| o.libraries.nvml = library)
+        .await;
+    assert!(agent.load_errors().is_empty(), "{:?}", agent.load_errors());
+    registered(&dra.kubelet, 1).await;
+    let gpu = devicelet_tests::eventually_some("the GPU published shared", || {
+        let slices = dra.api.list(Kind::ResourceSlice);
+        let device = slices.first()?["spec"]["devices"].get(0)?.clone();
+        (device["allowMultipleAllocations"] == true).then_some(device)
+    })
+    .await;
+    assert_eq!(gpu["capacity"]["memory"]["value"], "81559Mi", "{gpu}");
+    let name = gpu["name"].as_str().expect("a name").to_owned();
+
+    // A config the module does not take fails the claim with the module's words.
+    let bad = dra.claim(
+        GPU,
+        "bad",
+        &[&name],
+        serde_json::json!([{"source": "FromClaim", "requests": [],
+            "opaque": {"driver": GPU, "parameters": {"sharing": {"strategy": "Spatial"}}}}]),
+    );
+    let refused = dra.prepare(GPU, "bad", &bad).await;
+    assert!(refused.error.contains("Spatial"), "{refused:?}");
+    assert!(dra.api.delete(Kind::ResourceClaim, "team-a", "bad"));
+
+    // Four claims of 20000Mi fit its 81559Mi; the first time-slices, the second is an MPS
+    // client limited to its share.
+    let scheduler = dra.api.handle();
+    let mps = serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS"}});
+    for i in 0..4 {
+        let claim_name = format!("share-{i}");
+        let request = DeviceRequest {
+            count: 1,
+            capacity: [("memory".to_owned(), "20000Mi".to_owned())].into(),
+            config: (i == 1).then(|| mps.clone()),
+            ..DeviceRequest::default()
+        };
+        let claim = scheduler
+            .allocate_claim_with("team-a", &claim_name, GPU, NODE, &request)
+            .unwrap_or_else(|e| panic!("{claim_name}: {e}"));
+        let result = &claim["status"]["allocation"]["devices"]["results"][0];
+        assert_eq!(result["device"], name.as_str(), "{claim}");
+        assert_eq!(result["consumedCapacity"]["memory"], "20000Mi", "{claim}");
+        let uid = claim["metadata"]["uid"].as_str().expect("uid");
+        let prepared = dra.prepare(GPU, &claim_name, uid).await;
+        assert_eq!(prepared.error, "", "{claim_name}: {prepared:?}");
+        let container = resolve(
+            &dra.node.dir.path().join("cdi"),
+            &prepared.devices[0].cdi_device_ids,
+        );
+        let limit = container.envs.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
+        if i == 1 {
+            assert_eq!(limit.map(String::as_str), Some("0=20000M"), "{container:?}");
+            // 20000 of 81559 MiB: a 24% share of the GPU's threads.
+            assert_eq!(
+                container
+                    .envs
+                    .get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+                    .map(String::as_str),
+                Some("24")
+            );
+            assert_eq!(
+                container
+                    .envs
+                    .get("CUDA_MPS_PIPE_DIRECTORY")
+                    .map(String::as_str),
+                Some("/run/nvidia/mps")
+            );
+        } else {
+            assert_eq!(limit, None, "{claim_name}: time-slicing sets no limit");
+        }
+    }
+    let fifth = DeviceRequest {
+        count: 1,
+        capacity: [("memory".to_owned(), "20000Mi".to_owned())].into(),
+        ..DeviceRequest::default()
+    };
+    let refused = scheduler
+        .allocate_claim_with("team-a", "fifth", GPU, NODE, &fifth)
+        .unwrap_err();
+    assert!(refused.contains("cannot allocate"), "{refused}");
+
     agent.shutdown().await;
 }
