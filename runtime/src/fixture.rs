@@ -73,8 +73,10 @@ impl FixtureTree {
         Ok(())
     }
 
-    /// Makes this tree the node a fixture directory describes: `sys/` copied (files and
-    /// symlinks as they are), and exactly the device nodes its `dev.list` lists (one per line,
+    /// Makes this tree the node a fixture directory describes: `sys/` and `proc/` copied (files
+    /// and symlinks as they are; `proc/` for the driver tables modules rely on, such as
+    /// NVIDIA's `proc/driver/nvidia-caps/mig-minors`), and exactly the device nodes its
+    /// `dev.list` lists (one per line,
     /// `c <major>:<minor> /dev/<path>`, `b` for block; `#` comments), since a repository cannot
     /// hold device nodes. Run again after the fixture changed, it brings the tree in line:
     /// `sys/` is swapped for a fresh copy in one rename, and only the device nodes that changed
@@ -91,19 +93,8 @@ impl FixtureTree {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(e),
         };
-        let fresh = self.root.join(".sys.new");
-        let _ = std::fs::remove_dir_all(&fresh);
-        std::fs::create_dir(&fresh)?;
-        let from = fixture.join("sys");
-        if from.is_dir() {
-            copy_tree(&from, &fresh)?;
-        }
-        let sys = self.root.join("sys");
-        let old = self.root.join(".sys.old");
-        let _ = std::fs::remove_dir_all(&old);
-        std::fs::rename(&sys, &old)?;
-        std::fs::rename(&fresh, &sys)?;
-        std::fs::remove_dir_all(&old)?;
+        self.swap_in(fixture, "sys")?;
+        self.swap_in(fixture, "proc")?;
 
         let mut present = Vec::new();
         self.device_nodes(&self.root.join("dev"), "/dev", &mut present)?;
@@ -123,6 +114,29 @@ impl FixtureTree {
             {
                 self.add_node(&node.path, node.kind, node.major, node.minor)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Replaces the tree's `name/` with a fresh copy of the fixture's (empty when it has none),
+    /// in one rename.
+    fn swap_in(&self, fixture: &Path, name: &str) -> io::Result<()> {
+        let fresh = self.root.join(format!(".{name}.new"));
+        let _ = std::fs::remove_dir_all(&fresh);
+        std::fs::create_dir(&fresh)?;
+        let from = fixture.join(name);
+        if from.is_dir() {
+            copy_tree(&from, &fresh)?;
+        }
+        let current = self.root.join(name);
+        let old = self.root.join(format!(".{name}.old"));
+        let _ = std::fs::remove_dir_all(&old);
+        if current.exists() {
+            std::fs::rename(&current, &old)?;
+        }
+        std::fs::rename(&fresh, &current)?;
+        if old.exists() {
+            std::fs::remove_dir_all(&old)?;
         }
         Ok(())
     }

@@ -109,6 +109,77 @@ async fn try_dra_publishes_the_devices_and_prepares_and_unprepares_a_claim() {
     );
 }
 
+/// Issue 36's "Done when", through `try --dra`: the NVIDIA module with dynamic MIG on a fake
+/// H100 publishes its placements on counters, the claim `try` allocates is prepared by making a
+/// MIG instance whose UUID the claim's status shows, and unpreparing it destroys the instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_dra_on_a_fake_h100_makes_a_mig_instance_for_the_claim_and_destroys_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = dir.path().join("node");
+    let mut nodes = String::from("c 195:255 /dev/nvidiactl\nc 195:0 /dev/nvidia0\n");
+    let mut table = String::from("config 1\nmonitor 2\n");
+    for gi in 1..=14u32 {
+        let (gi_minor, ci_minor) = (10 + gi * 2, 11 + gi * 2);
+        table += &format!("gpu0/gi{gi}/access {gi_minor}\ngpu0/gi{gi}/ci0/access {ci_minor}\n");
+        for minor in [gi_minor, ci_minor] {
+            nodes += &format!("c 511:{minor} /dev/nvidia-caps/nvidia-cap{minor}\n");
+        }
+    }
+    std::fs::create_dir_all(fixture.join("proc/driver/nvidia-caps")).unwrap();
+    std::fs::create_dir_all(fixture.join("sys")).unwrap();
+    std::fs::write(fixture.join("proc/driver/nvidia-caps/mig-minors"), table).unwrap();
+    std::fs::write(fixture.join("dev.list"), nodes).unwrap();
+    let gpus = devicelet_tests::FakeGpus::new(dir.path(), &devicelet_tests::h100_with_mig());
+    let config = dir.path().join("nvidia.toml");
+    std::fs::write(
+        &config,
+        r#"resource-domain = "nvidia.com"
+[module.grants]
+dev = ["/dev/nvidia*", "/dev/nvidia-caps/*"]
+libraries = ["nvml", "nvml-mig"]
+[module.config]
+mig-strategy = "dynamic"
+"#,
+    )
+    .unwrap();
+    let out = Command::new(devicelet_bin())
+        .arg("try")
+        .arg("--module")
+        .arg(module_dir().join("nvidia_gpu.wasm"))
+        .arg("--fixture")
+        .arg(&fixture)
+        .arg("--config")
+        .arg(&config)
+        .arg("--nvml-library")
+        .arg(&gpus.library)
+        .args(["--log", "warn", "--dra", "--allocate", "1", "--once"])
+        .output()
+        .await
+        .expect("running devicelet try --dra");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let placement = text
+        .lines()
+        .find(|l| l.starts_with("  gpu-0-mig-3g-40gb-4 "))
+        .unwrap_or_else(|| panic!("the second 3g.40gb placement in {text}"));
+    assert!(
+        placement.ends_with(
+            "CONSUMES gpu-0{compute-slices=3 memory-slice-4=1 memory-slice-5=1 \
+             memory-slice-6=1 memory-slice-7=1}"
+        ),
+        "{placement}"
+    );
+    assert!(text.contains("COUNTERS gpu-0: compute-slices=7"), "{text}");
+    assert!(text.contains("\"uuid\":\"MIG-"), "{text}");
+    assert!(text.contains("env NVIDIA_VISIBLE_DEVICES=MIG-"), "{text}");
+    assert!(text.contains("unprepared"), "{text}");
+    assert!(gpus.instances(0).is_empty(), "{:?}", gpus.instances(0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn try_says_what_is_wrong_and_where() {
     let dir = tempfile::tempdir().unwrap();
