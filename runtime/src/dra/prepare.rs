@@ -91,6 +91,16 @@ pub enum ClaimError {
         again: bool,
         source: BackendError,
     },
+    /// A module that prepares claims could not undo one: what it made (a MIG instance) is
+    /// still there, so the claim stays recorded for the kubelet's next NodeUnprepareResources.
+    #[error(
+        "request {request:?}: the module's unprepare failed; the claim stays prepared until an \
+         unprepare succeeds: {source}"
+    )]
+    Unprepare {
+        request: String,
+        source: BackendError,
+    },
     #[error("writing the claim's CDI spec {}: {message}", path.display())]
     Spec { path: PathBuf, message: String },
     #[error(transparent)]
@@ -407,10 +417,14 @@ impl<B: DeviceBackend> Claims<B> {
                 .into_iter()
                 .filter_map(|s| {
                     let (_, id) = devices.iter().find(|(name, _)| *name == s.device)?;
+                    let device = crate::resource::snapshot::find(&snapshot, id);
                     Some(HeldShare {
                         device: id.clone(),
                         share_id: s.share_id,
-                        consumed: s.consumed,
+                        consumed: match device {
+                            Some(d) => consumed_by_name(d, s.consumed),
+                            None => s.consumed,
+                        },
                     })
                 })
                 .collect();
@@ -543,7 +557,19 @@ impl<B: DeviceBackend> Claims<B> {
         let answer = self.devices_of(&record);
         if let Err(e) = self.make_durable(uid, &record, spec).await {
             self.remove_spec(&record).await;
-            self.give_back(uid, &record.requests).await;
+            if self.backend.prepares_claims(&self.resource) {
+                // Undone under its write-ahead record again, which stays if that fails.
+                let undo = ClaimRecord {
+                    preparing: true,
+                    ..record
+                };
+                self.ledger.prepare_claim(uid, undo.clone());
+                if let Err(u) = self.undo_preparing(uid, &undo).await {
+                    tracing::warn!(driver = self.driver, claim = uid, "undoing a claim: {u}");
+                }
+            } else {
+                self.give_back(uid, &record.requests).await;
+            }
             // Its end reaches the journal with the next write.
             return Err(e);
         }
@@ -641,7 +667,7 @@ impl<B: DeviceBackend> Claims<B> {
         let Some(prepared) = self.ledger.claim(uid) else {
             return Ok(());
         };
-        self.release_all(uid, &prepared.requests).await;
+        self.release_all(uid, &prepared.requests).await?;
         self.ledger.drop_claim(uid);
         // A claim recorded before names were kept (an older checkpoint) has none to write to.
         if let Some(status) = self.status.as_ref().filter(|_| !prepared.name.is_empty()) {
@@ -778,22 +804,28 @@ impl<B: DeviceBackend> Claims<B> {
 
     /// Releases what the module allocated for `requests` and frees the claim's reservation.
     async fn give_back(&self, uid: &str, requests: &[PreparedRequest]) {
-        self.release_all(uid, requests).await;
+        if let Err(e) = self.release_all(uid, requests).await {
+            tracing::warn!(driver = self.driver, claim = uid, "{e}");
+        }
         self.ledger.drop_claim(uid);
     }
 
-    /// The module's `unprepare` for each request of a resource that prepares claims, its
-    /// `release` otherwise.
-    async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) {
+    /// The module's `unprepare` for each request of a resource that prepares claims (the
+    /// first failure returned, after every request was tried: each may come again), its
+    /// `release` otherwise (a failure logged: `release` undoes only host-side setup).
+    async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) -> Result<(), ClaimError> {
         let prepares = self.backend.prepares_claims(&self.resource);
+        let mut first = None;
         for request in requests {
             let asked = self.request(uid, request);
-            let done = if prepares {
-                self.backend.unprepare(asked).await
-            } else {
-                self.backend.release(asked).await
-            };
-            if let Err(e) = done {
+            if prepares {
+                if let Err(source) = self.backend.unprepare(asked).await {
+                    first.get_or_insert(ClaimError::Unprepare {
+                        request: request.request.clone(),
+                        source,
+                    });
+                }
+            } else if let Err(e) = self.backend.release(asked).await {
                 tracing::warn!(
                     driver = self.driver,
                     claim = uid,
@@ -802,6 +834,7 @@ impl<B: DeviceBackend> Claims<B> {
                 );
             }
         }
+        first.map_or(Ok(()), Err)
     }
 
     async fn remove_spec(&self, claim: &ClaimRecord) {
@@ -843,9 +876,76 @@ fn check_names(uid: &str, request: &str) -> Result<(), ClaimError> {
     Ok(())
 }
 
+/// What a share consumed, under the module's names for the device's capacities (the API's
+/// spelling turns `-` and `.` into `_`), and every capacity the allocation left out counted as
+/// the scheduler counts one a claim asks nothing of: its policy's default, else all of it. So
+/// neither the module nor the ledger sees a capacity under a name it does not know, and an
+/// allocation that omits one cannot hold it for nothing.
+fn consumed_by_name(
+    device: &crate::device::Device,
+    consumed: Vec<(String, String)>,
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = consumed
+        .into_iter()
+        .map(|(published, q)| {
+            let name = device
+                .capacities
+                .iter()
+                .find(|(n, _)| {
+                    *n == published
+                        || super::slices::attribute_name(n).as_deref() == Some(&published)
+                })
+                .map_or(published, |(n, _)| n.clone());
+            (name, q)
+        })
+        .collect();
+    for (name, value) in &device.capacities {
+        if out.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        let default = device.shared.as_ref().and_then(|s| {
+            s.policies
+                .iter()
+                .find(|(n, _)| n == name)
+                .and_then(|(_, p)| p.default.clone())
+        });
+        out.push((name.clone(), default.unwrap_or_else(|| value.clone())));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_share_is_read_under_the_modules_names_and_what_it_omits_counts_whole_or_default() {
+        use crate::device::{Device, Health, RequestPolicy, Shared, ValidAmounts};
+        let mut d = Device::new("gpu0", Health::Healthy);
+        d.capacities = vec![
+            ("memory-mib".into(), "80Gi".into()),
+            ("threads".into(), "100".into()),
+            ("engines".into(), "8".into()),
+        ];
+        d.shared = Some(Shared {
+            policies: vec![(
+                "engines".into(),
+                RequestPolicy {
+                    default: Some("1".into()),
+                    valid: ValidAmounts::Any,
+                },
+            )],
+        });
+        let consumed = consumed_by_name(&d, vec![("memory_mib".into(), "10Gi".into())]);
+        assert_eq!(
+            consumed,
+            [
+                ("memory-mib".to_owned(), "10Gi".to_owned()),
+                ("threads".to_owned(), "100".to_owned()),
+                ("engines".to_owned(), "1".to_owned()),
+            ]
+        );
+    }
 
     #[test]
     fn uids_and_requests_that_make_no_cdi_name_are_refused_by_name() {

@@ -216,3 +216,52 @@ front-end = "dra"
     assert_eq!(prepared.error, "", "{prepared:?}");
     agent.shutdown().await;
 }
+
+/// What a module that prepares claims made stays made until its `unprepare` succeeds: one that
+/// fails leaves the claim recorded (and its partition held), the kubelet is told, and its next
+/// NodeUnprepareResources undoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_unprepare_keeps_the_claim_until_the_kubelets_retry_succeeds() {
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        r#"[[module]]
+name = "partitions"
+path = "@MODULES@/partitions.wasm"
+health-interval = "100ms"
+front-end = "dra"
+"#,
+    )
+    .await;
+    devicelet_tests::eventually("the partitions and their counters published", || {
+        dra.api.list(Kind::ResourceSlice).len() == 2
+    })
+    .await;
+    let stuck = json!([{"source": "FromClaim", "requests": [],
+        "opaque": {"driver": ACC, "parameters": {"stuck": true}}}]);
+    let uid = dra.claim(ACC, "stuck", &["acc-0-4s-0"], stuck);
+    let prepared = dra.prepare(ACC, "stuck", &uid).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    let unprepare = || {
+        dra.kubelet
+            .node_unprepare_resources(ACC, vec![devicelet_tests::dra::wire_claim("stuck", &uid)])
+    };
+    let first = unprepare().await.expect("answered");
+    let error = &first.claims[&uid].error;
+    assert!(
+        error.contains("unprepare failed") && error.contains("busy"),
+        "{error}"
+    );
+    assert!(agent.ledger().claim(&uid).is_some(), "the claim stays");
+    // Its slices are still held: a partition overlapping them is refused by the agent's count.
+    let overlapping = dra.claim(ACC, "overlapping", &["acc-0-2s-2"], json!([]));
+    let refused = dra.prepare(ACC, "overlapping", &overlapping).await;
+    assert!(refused.error.contains("counter slices"), "{refused:?}");
+
+    let second = unprepare().await.expect("answered");
+    assert_eq!(second.claims[&uid].error, "");
+    assert!(agent.ledger().claim(&uid).is_none());
+    let prepared = dra.prepare(ACC, "overlapping", &overlapping).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    agent.shutdown().await;
+}

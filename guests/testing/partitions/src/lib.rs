@@ -5,7 +5,9 @@
 //! `created instance <key> on <ids>`), answers `ACC_INSTANCE=<key>` and the claim's status
 //! `{"instance": "<key>"}`; `unprepare` logs `destroyed instance <key>`. A request whose config
 //! is `{"slow":true}` spins in `prepare` after the log line, so a test can stop the agent
-//! between the creation and the record of it. It needs no grants.
+//! between the creation and the record of it; one whose config is `{"stuck":true}` fails its
+//! first `unprepare` (in this instance), as an instance busy a little longer. It needs no
+//! grants.
 //!
 //! Built straight from the frozen `wit/v0.3.0/` text (no SDK), as SDK 0.3.0 built modules: the
 //! scenarios that use it prove that today's agent, whose 0.3 bindings come from 0.3.1, still
@@ -26,6 +28,10 @@ use exports::devicelet::plugin::{claims, config, plugin, release};
 struct Partitions;
 
 const SLOW: &str = r#"{"slow":true}"#;
+const STUCK: &str = r#"{"stuck":true}"#;
+
+/// Whether a `{"stuck":true}` unprepare has failed once already.
+static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn amount(name: &str, value: &str) -> Amount {
     Amount {
@@ -106,9 +112,9 @@ impl plugin::Guest for Partitions {
 impl config::Guest for Partitions {
     fn validate_config(_resource: String, config: String) -> Result<(), PluginError> {
         match config.trim() {
-            "" | SLOW => Ok(()),
+            "" | SLOW | STUCK => Ok(()),
             other => Err(PluginError::InvalidConfig(format!(
-                "expected no config or {SLOW}, got {other}"
+                "expected no config, {SLOW} or {STUCK}, got {other}"
             ))),
         }
     }
@@ -152,6 +158,14 @@ impl claims::Guest for Partitions {
     }
 
     fn unprepare(request: Request) -> Result<(), PluginError> {
+        if request.config.trim() == STUCK
+            && !REFUSED.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(PluginError::Failed(format!(
+                "instance {} is busy; not destroyed yet",
+                request.key
+            )));
+        }
         log(Level::Info, &format!("destroyed instance {}", request.key));
         Ok(())
     }
