@@ -107,6 +107,8 @@ pub(crate) struct Store {
     ignore_selectors: bool,
     /// The DRADeviceTaints feature is off ([`ApiServer::drop_device_taints`]).
     taints_off: bool,
+    /// The DRAConsumableCapacity feature is off ([`ApiServer::drop_consumable_capacity`]).
+    consumable_off: bool,
     /// Every `User-Agent` clients sent ([`ApiServer::user_agents`]).
     user_agents: std::collections::BTreeSet<String>,
     /// Which field manager owns each `status.devices` entry of a claim, by (driver, pool,
@@ -230,6 +232,37 @@ impl Store {
                 .any(|d| d.get("taints").is_some_and(|t| !t.is_null()))
         };
         let drop = self.taints_off && !old.is_some_and(has_taints);
+        // As dropDisabledFields: with DRAConsumableCapacity off, a device's
+        // allowMultipleAllocations and its capacities' request policies go, unless the stored
+        // slice already used them.
+        let shares = |slice: &Value| {
+            slice["spec"]["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|d| {
+                    d.get("allowMultipleAllocations")
+                        .is_some_and(|a| !a.is_null())
+                })
+        };
+        if self.consumable_off && !old.is_some_and(shares) {
+            for device in object["spec"]["devices"]
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+            {
+                let Some(device) = device.as_object_mut() else {
+                    continue;
+                };
+                device.remove("allowMultipleAllocations");
+                let capacities = device.get_mut("capacity").and_then(Value::as_object_mut);
+                for capacity in capacities.into_iter().flat_map(|c| c.values_mut()) {
+                    if let Some(capacity) = capacity.as_object_mut() {
+                        capacity.remove("requestPolicy");
+                    }
+                }
+            }
+        }
         let now = devicelet_api::timestamp::now_rfc3339();
         let devices = object["spec"]["devices"].as_array_mut();
         for device in devices.into_iter().flatten() {
@@ -536,6 +569,13 @@ impl ApiServer {
     /// slice already had some.
     pub fn drop_device_taints(&self) {
         lock(&self.store).taints_off = true;
+    }
+
+    /// From now on, as a server whose DRAConsumableCapacity feature is off (the default before
+    /// 1.36): `allowMultipleAllocations` and capacities' `requestPolicy` in a written
+    /// ResourceSlice are dropped without a word, unless the stored slice already had them.
+    pub fn drop_consumable_capacity(&self) {
+        lock(&self.store).consumable_off = true;
     }
 
     /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,

@@ -55,6 +55,12 @@ pub struct DraDriverStatus {
     /// The API server dropped device taints: unhealthy devices are withdrawn instead.
     #[serde(default)]
     pub taints_dropped: bool,
+    /// The API server dropped counters: partitions are withdrawn.
+    #[serde(default)]
+    pub counters_dropped: bool,
+    /// The API server dropped multiple allocations: shared devices are published whole.
+    #[serde(default)]
+    pub shared_dropped: bool,
     /// The pool's generation and slices last published; the writes made and API errors met.
     pub generation: i64,
     pub slices: usize,
@@ -140,6 +146,8 @@ pub(super) fn driver_status(
         healthy: units.iter().filter(|u| u.healthy()).count(),
         published: published.devices,
         taints_dropped: published.taints_dropped,
+        counters_dropped: published.counters_dropped,
+        shared_dropped: published.shared_dropped,
         generation: published.generation,
         slices: published.slices,
         api_writes: published.writes,

@@ -107,6 +107,14 @@ fn render(status: &Status) -> String {
             out += "  the API server drops device taints (DRADeviceTaints off): unhealthy devices \
                     are withdrawn from the pool instead of tainted\n";
         }
+        if d.counters_dropped {
+            out += "  the API server drops counters (DRAPartitionableDevices off): partitions are \
+                    withdrawn from the pool\n";
+        }
+        if d.shared_dropped {
+            out += "  the API server drops allowMultipleAllocations (DRAConsumableCapacity off): \
+                    devices shared by capacity are published whole, one claim each\n";
+        }
         if d.retiring {
             out += "  RETIRING: left the registry; answers only for the claims it prepared, until \
                     they are unprepared\n";

@@ -71,6 +71,10 @@ pub struct Published {
     /// so devices that consume counters are withdrawn, until the driver starts again: published
     /// without them, overlapping partitions would be allocated together.
     pub counters_dropped: bool,
+    /// The API server dropped `allowMultipleAllocations` (DRAConsumableCapacity off), so
+    /// devices shared by capacity are published whole, one claim each, until the driver starts
+    /// again: left as written, every resync would find them changed and write them again.
+    pub shared_dropped: bool,
 }
 
 /// What the publisher leaves out because the API server dropped it.
@@ -80,6 +84,8 @@ pub struct Features {
     pub taints: bool,
     /// Counters are kept: partitions are published.
     pub counters: bool,
+    /// Multiple allocations are kept: devices shared by capacity are published shared.
+    pub shared: bool,
 }
 
 impl Default for Features {
@@ -87,6 +93,7 @@ impl Default for Features {
         Features {
             taints: true,
             counters: true,
+            shared: true,
         }
     }
 }
@@ -110,6 +117,12 @@ pub fn api_devices(
         })
         .map(|u| {
             let mut device = api_device(u.first);
+            if !features.shared {
+                device.allow_multiple_allocations = None;
+                for capacity in device.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+                    capacity.request_policy = None;
+                }
+            }
             if !u.healthy() {
                 device
                     .taints
@@ -270,6 +283,12 @@ fn same_taints(have: &ApiDevice, want: &ApiDevice) -> bool {
 }
 
 /// Whether any of `devices` has a taint: such a slice holds at most 64 devices.
+fn shared(devices: &[ApiDevice]) -> bool {
+    devices
+        .iter()
+        .any(|d| d.allow_multiple_allocations == Some(true))
+}
+
 fn tainted(devices: &[ApiDevice]) -> bool {
     devices
         .iter()
@@ -567,6 +586,8 @@ struct Synced {
     taints_dropped: bool,
     /// A slice written with counters (consumed or shared) came back without them.
     counters_dropped: bool,
+    /// A slice written with shared devices came back without `allowMultipleAllocations`.
+    shared_dropped: bool,
 }
 
 /// Makes the API server hold the pool for `devices`.
@@ -637,6 +658,7 @@ async fn sync(
         };
         synced.counters_dropped |=
             (partitioned(sent) && !partitioned(kept)) || (sets(&slice) && !sets(&stored));
+        synced.shared_dropped |= shared(sent) && !shared(kept);
         synced.writes += 1;
     }
     for extra in existing.iter().skip(keep) {
@@ -723,6 +745,7 @@ pub async fn publish(
                 writes,
                 taints_dropped,
                 counters_dropped,
+                shared_dropped,
             }) => {
                 backoff.reset();
                 if writes > 0 {
@@ -745,6 +768,15 @@ pub async fn publish(
                     );
                     features.counters = false;
                 }
+                if shared_dropped {
+                    tracing::warn!(
+                        driver = pool.driver,
+                        "the API server dropped the devices' allowMultipleAllocations (its \
+                         DRAConsumableCapacity feature is off); devices shared by capacity are \
+                         published whole instead, one claim each"
+                    );
+                    features.shared = false;
+                }
                 published.send_modify(|p| {
                     p.generation = generation;
                     p.devices = want.len();
@@ -754,8 +786,9 @@ pub async fn publish(
                     p.last_error = None;
                     p.taints_dropped |= taints_dropped;
                     p.counters_dropped |= counters_dropped;
+                    p.shared_dropped |= shared_dropped;
                 });
-                if taints_dropped || counters_dropped {
+                if taints_dropped || counters_dropped || shared_dropped {
                     // Written again at once, without the sick devices.
                     continue;
                 }
@@ -831,6 +864,37 @@ mod tests {
     use crate::device::Health;
 
     #[test]
+    fn without_consumable_capacity_a_shared_device_is_published_whole() {
+        let mut gpu = Device::new("gpu-0", Health::Healthy);
+        gpu.capacities = vec![("memory".into(), "80Gi".into())];
+        gpu.shared = Some(crate::device::Shared {
+            policies: vec![("memory".into(), crate::device::RequestPolicy::default())],
+        });
+        let policy = |d: &ApiDevice| {
+            d.capacity
+                .as_ref()
+                .and_then(|c| c["memory"].request_policy.clone())
+        };
+        let shared = api_devices(
+            std::slice::from_ref(&gpu),
+            &BTreeSet::new(),
+            Features::default(),
+        );
+        assert_eq!(shared[0].allow_multiple_allocations, Some(true));
+        assert!(policy(&shared[0]).is_some());
+        let whole = api_devices(
+            &[gpu],
+            &BTreeSet::new(),
+            Features {
+                shared: false,
+                ..Features::default()
+            },
+        );
+        assert_eq!(whole[0].allow_multiple_allocations, None);
+        assert!(policy(&whole[0]).is_none());
+    }
+
+    #[test]
     fn typed_attributes_and_capacities_keep_their_kinds_and_names_become_identifiers() {
         let mut gpu = Device::new("0000:3b:00.0", Health::Healthy);
         gpu.attributes = vec![
@@ -857,7 +921,7 @@ mod tests {
             &BTreeSet::new(),
             Features {
                 taints: false,
-                counters: true,
+                ..Features::default()
             },
         );
         assert_eq!(

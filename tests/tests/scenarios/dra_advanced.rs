@@ -265,3 +265,53 @@ front-end = "dra"
     assert_eq!(prepared.error, "", "{prepared:?}");
     agent.shutdown().await;
 }
+
+/// An API server without DRAConsumableCapacity drops `allowMultipleAllocations` on write: the
+/// publisher sees it, says so, and publishes the shared device whole (one claim at a time)
+/// rather than rewriting the slice at every resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_consumable_capacity_a_shared_device_is_published_whole_and_left_alone() {
+    let dra = DraNode::new().await;
+    dra.api.drop_consumable_capacity();
+    let agent = serving(
+        &dra,
+        &devicelet_tests::generic_dev(
+            r#"groups = [{ name = "fuse", paths = ["/dev/fuse"], capacity = { name = "bandwidth", value = "10G", default = "1G", step = "1G" } }]"#,
+        )
+        .replacen("[module.grants]", "front-end = \"dra\"\n\n[module.grants]", 1),
+    )
+    .await;
+    devicelet_tests::eventually("the fallback said", || {
+        agent.status().dra_drivers[0].shared_dropped
+    })
+    .await;
+    let slice = published(&dra.api).await;
+    let device = &slice["spec"]["devices"][0];
+    assert!(device["allowMultipleAllocations"].is_null(), "{device}");
+    assert_eq!(device["capacity"]["bandwidth"]["value"], "10G", "{device}");
+    assert!(
+        device["capacity"]["bandwidth"]["requestPolicy"].is_null(),
+        "{device}"
+    );
+    // Three more resyncs (each lists the pool) write nothing.
+    let lists = || {
+        dra.api
+            .requests()
+            .iter()
+            .filter(|(verb, kind)| verb == "list" && *kind == Kind::ResourceSlice)
+            .count()
+    };
+    let (writes, seen) = (agent.status().dra_drivers[0].api_writes, lists());
+    devicelet_tests::eventually("three more resyncs", || lists() >= seen + 3).await;
+    assert_eq!(agent.status().dra_drivers[0].api_writes, writes);
+    // A claim gets the device whole, and a second none.
+    let scheduler = dra.api.handle();
+    scheduler
+        .allocate_claim_with("team-a", "whole", FUSE, NODE, &asking(None))
+        .expect("the device, whole");
+    let refused = scheduler
+        .allocate_claim_with("team-a", "second", FUSE, NODE, &asking(None))
+        .unwrap_err();
+    assert!(refused.contains("cannot allocate"), "{refused}");
+    agent.shutdown().await;
+}
