@@ -187,6 +187,25 @@ impl DraNode {
     }
 }
 
+/// Waits until the API server holds a complete pool of `slices` slices: each at the same
+/// generation, as many as each says the pool has. A publisher rewrites its slices one by one,
+/// and the scheduler skips a pool caught between two generations.
+pub async fn pool_complete(api: &ApiServer, slices: usize) {
+    crate::eventually("a complete pool", || {
+        let listed = api.list(Kind::ResourceSlice);
+        let generations: std::collections::BTreeSet<_> = listed
+            .iter()
+            .map(|s| s["spec"]["pool"]["generation"].as_i64())
+            .collect();
+        listed.len() == slices
+            && generations.len() == 1
+            && listed
+                .iter()
+                .all(|s| s["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(slices as u64))
+    })
+    .await;
+}
+
 /// The one slice of the API server, once it lists a device.
 pub async fn published(api: &ApiServer) -> serde_json::Value {
     crate::eventually_some("a published slice with the device", || {

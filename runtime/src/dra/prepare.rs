@@ -790,6 +790,25 @@ impl<B: DeviceBackend> Claims<B> {
                     "preparing an unhealthy device: the claim tolerates its taint ({reason})"
                 );
             }
+            // The module's own taints that keep claims away, as the scheduler reads them.
+            let untolerated = members
+                .iter()
+                .flat_map(|d| super::advanced::own_taints(d))
+                .find(|taint| {
+                    taint.effect != "None"
+                        && !tolerations
+                            .get(name)
+                            .is_some_and(|t| t.iter().any(|t| super::taints::tolerates(t, taint)))
+                });
+            if let Some(taint) = untolerated {
+                return refused(format!(
+                    "device {name:?} carries the module's taint {}={}:{}, which the claim does \
+                     not tolerate",
+                    taint.key,
+                    taint.value.as_deref().unwrap_or_default(),
+                    taint.effect
+                ));
+            }
             let held = held.get_or_insert_with(|| (self.held)());
             if members.iter().any(|d| held.contains(&d.id)) {
                 return refused(format!(

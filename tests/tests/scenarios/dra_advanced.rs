@@ -315,3 +315,71 @@ async fn without_consumable_capacity_a_shared_device_is_published_whole_and_left
     assert!(refused.contains("cannot allocate"), "{refused}");
     agent.shutdown().await;
 }
+
+/// A module's own taint keeps claims away in the scheduler and, for an allocation that ignored
+/// it, at prepare; a claim that tolerates it gets the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_modules_own_taint_admits_only_claims_that_tolerate_it() {
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        r#"[[module]]
+name = "partitions"
+path = "@MODULES@/partitions.wasm"
+health-interval = "100ms"
+front-end = "dra"
+
+[module.config]
+taint = "acc-0-4s-0"
+"#,
+    )
+    .await;
+    let whole = devicelet_tests::eventually_some("the tainted partition published", || {
+        let slices = dra.api.list(Kind::ResourceSlice);
+        slices
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .find(|d| d["name"] == "acc-0-4s-0")
+    })
+    .await;
+    assert_eq!(
+        whole["taints"][0]["key"], "example.com/maintenance",
+        "{whole}"
+    );
+    assert_eq!(whole["taints"][0]["effect"], "NoSchedule", "{whole}");
+
+    let scheduler = dra.api.handle();
+    let four = |tolerations: Vec<serde_json::Value>| DeviceRequest {
+        count: 1,
+        tolerations,
+        attributes: [("profile".to_owned(), "4s".to_owned())].into(),
+        ..DeviceRequest::default()
+    };
+    // Once the pool is complete (its counters and devices at one generation), the scheduler
+    // counts the partition as tainted, and allocates nothing.
+    devicelet_tests::eventually("the scheduler refuses it for its taint", || {
+        scheduler
+            .allocate_claim_with("team-a", "untolerating", ACC, NODE, &four(Vec::new()))
+            .is_err_and(|e| e.contains("1 more with taints the claim does not tolerate"))
+    })
+    .await;
+    // An allocation that ignored the taint is refused by the agent too.
+    let stray = dra.claim(ACC, "stray", &["acc-0-4s-0"], json!([]));
+    let refused = dra.prepare(ACC, "stray", &stray).await;
+    assert!(
+        refused.error.contains("example.com/maintenance")
+            && refused.error.contains("does not tolerate"),
+        "{refused:?}"
+    );
+    assert!(dra.api.delete(Kind::ResourceClaim, "team-a", "stray"));
+
+    let tolerating = json!({"key": "example.com/maintenance", "operator": "Exists",
+        "effect": "NoSchedule"});
+    let claim = scheduler
+        .allocate_claim_with("team-a", "tolerating", ACC, NODE, &four(vec![tolerating]))
+        .expect("a claim that tolerates the taint");
+    let uid = claim["metadata"]["uid"].as_str().expect("uid");
+    let prepared = dra.prepare(ACC, "tolerating", uid).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    agent.shutdown().await;
+}

@@ -82,6 +82,7 @@ async fn mig_on_an_h100_is_allocated_by_counters_and_each_prepare_makes_its_inst
     assert!(consumed["memory-slice-3"].is_null(), "{consumed}");
     assert_eq!(consumed["compute-slices"]["value"], "3");
 
+    devicelet_tests::dra::pool_complete(&dra.api, 2).await;
     // One claim per profile: the scheduler places each where the others leave room, and each
     // prepare makes its instance, whose UUID the container and the claim's status get.
     let scheduler = dra.api.handle();
@@ -265,6 +266,7 @@ async fn four_claims_share_a_gpus_memory_a_fifth_is_not_allocated_and_mps_limits
     })
     .await;
     assert_eq!(gpu["capacity"]["memory"]["value"], "81559Mi", "{gpu}");
+    devicelet_tests::dra::pool_complete(&dra.api, 1).await;
     let name = gpu["name"].as_str().expect("a name").to_owned();
 
     // A config the module does not take fails the claim with the module's words.

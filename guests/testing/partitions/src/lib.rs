@@ -6,8 +6,9 @@
 //! `{"instance": "<key>"}`; `unprepare` logs `destroyed instance <key>`. A request whose config
 //! is `{"slow":true}` spins in `prepare` after the log line, so a test can stop the agent
 //! between the creation and the record of it; one whose config is `{"stuck":true}` fails its
-//! first `unprepare` (in this instance), as an instance busy a little longer. It needs no
-//! grants.
+//! first `unprepare` (in this instance), as an instance busy a little longer. A registry config
+//! `{ taint = "<device>" }` gives that device the module's own taint
+//! `example.com/maintenance:NoSchedule`. It needs no grants.
 //!
 //! Built straight from the frozen `wit/v0.3.0/` text (no SDK), as SDK 0.3.0 built modules: the
 //! scenarios that use it prove that today's agent, whose 0.3 bindings come from 0.3.1, still
@@ -21,7 +22,7 @@ wit_bindgen::generate!({
 use devicelet::plugin::log::{Level, log};
 use devicelet::plugin::types::{
     Amount, ContainerEdits, CounterSet, CounterUse, Device, DeviceStatus, Health, InitContext,
-    Inventory, ModuleInfo, PluginError, Prepared, Request, ResourceInfo,
+    Inventory, ModuleInfo, PluginError, Prepared, Request, ResourceInfo, Taint, TaintEffect,
 };
 use exports::devicelet::plugin::{claims, config, plugin, release};
 
@@ -29,6 +30,9 @@ struct Partitions;
 
 const SLOW: &str = r#"{"slow":true}"#;
 const STUCK: &str = r#"{"stuck":true}"#;
+
+/// The device the registry's config taints, if any (`{"taint":"acc-0-4s-0"}`).
+static TAINTED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Whether a `{"stuck":true}` unprepare has failed once already.
 static REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -41,7 +45,19 @@ fn amount(name: &str, value: &str) -> Amount {
 }
 
 impl plugin::Guest for Partitions {
-    fn init(_context: InitContext) -> Result<ModuleInfo, PluginError> {
+    fn init(context: InitContext) -> Result<ModuleInfo, PluginError> {
+        let config = context.config.trim();
+        if !config.is_empty() && config != "{}" {
+            let device = config
+                .strip_prefix("{\"taint\":\"")
+                .and_then(|r| r.strip_suffix("\"}"))
+                .ok_or_else(|| {
+                    PluginError::InvalidConfig(format!(
+                        "expected {{ taint = \"<device>\" }}: {config}"
+                    ))
+                })?;
+            let _ = TAINTED.set(device.to_owned());
+        }
         Ok(ModuleInfo {
             version: "0.3.0-built".into(),
             resources: vec![ResourceInfo {
@@ -71,7 +87,17 @@ impl plugin::Guest for Partitions {
                     group: None,
                     exclusive: false,
                     edits: None,
-                    taints: Vec::new(),
+                    taints: if TAINTED.get().map(String::as_str)
+                        == Some(format!("acc-0-{size}s-{start}").as_str())
+                    {
+                        vec![Taint {
+                            key: "example.com/maintenance".into(),
+                            value: String::new(),
+                            effect: TaintEffect::NoSchedule,
+                        }]
+                    } else {
+                        Vec::new()
+                    },
                     shared_by_capacity: false,
                     consumes: vec![CounterUse {
                         counter_set: "acc-0".into(),
