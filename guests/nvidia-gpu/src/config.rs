@@ -102,6 +102,14 @@ impl Config {
         }
         let config: Config =
             serde_json::from_value(value).map_err(|e| PluginError::InvalidConfig(e.to_string()))?;
+        if config.mig_strategy == MigStrategy::Dynamic && config.visible == Visible::Cdi {
+            return Err(PluginError::InvalidConfig(
+                "mig-strategy \"dynamic\" needs visible-devices = \"envvar\": the NVIDIA \
+                 toolkit's CDI specs name the MIG devices that existed when they were generated, \
+                 never one made for a claim"
+                    .into(),
+            ));
+        }
         if !config.cdi_kind.contains('/') {
             return Err(PluginError::InvalidConfig(format!(
                 "cdi-kind {:?} is not of the form vendor.com/class",

@@ -15,7 +15,12 @@ const COMPUTE: &str = "compute-slices";
 /// One placement of one profile on one GPU: a device until a claim makes it an instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Partition {
+    /// The GPU's NVML index now.
     pub gpu: u32,
+    /// The GPU's PCI address as a label (`0000-07-00-0`): what its partitions are named by,
+    /// since an index can shift when a GPU drops off the bus, and a claim recorded before a
+    /// restart must undo its instance on the same GPU.
+    pub bus: String,
     pub profile: String,
     pub start: u32,
     pub size: u32,
@@ -24,20 +29,18 @@ pub struct Partition {
 }
 
 impl Partition {
-    /// A DNS label, as DRA device names must be: `gpu-0-mig-1g-10gb-3`.
+    /// A DNS label, as DRA device names must be: `mig-0000-07-00-0-1g-10gb-3`, the profile's
+    /// `+` spelled `-plus-` so `1g.10gb+me` and `1g.10gb-me` stay apart.
     pub fn id(&self) -> String {
-        let profile: String = self
-            .profile
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_lowercase()
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        format!("gpu-{}-mig-{profile}-{}", self.gpu, self.start)
+        let mut profile = String::new();
+        for c in self.profile.chars() {
+            match c {
+                '+' => profile.push_str("-plus-"),
+                c if c.is_ascii_alphanumeric() => profile.push(c.to_ascii_lowercase()),
+                _ => profile.push('-'),
+            }
+        }
+        format!("mig-{}-{profile}-{}", self.bus, self.start)
     }
 
     /// The partition as a device of the resource, drawing on its GPU's counter set.
@@ -81,14 +84,21 @@ pub fn counter_set(index: u32) -> String {
     format!("gpu-{index}")
 }
 
-/// Every placement of every profile of GPU `index`, by NVML.
-pub fn partitions(index: u32) -> Result<(MigLayout, Vec<Partition>), NvmlError> {
-    let layout = mig::layout(index)?;
+/// A GPU's PCI address as a label: `0000-07-00-0`.
+pub fn bus_label(gpu: &Gpu) -> String {
+    crate::short_bus_id(&gpu.pci_bus_id).replace([':', '.'], "-")
+}
+
+/// Every placement of every profile of `gpu`, by NVML.
+pub fn partitions(gpu: &Gpu) -> Result<(MigLayout, Vec<Partition>), NvmlError> {
+    let layout = mig::layout(gpu.index)?;
+    let bus = bus_label(gpu);
     let partitions = layout
         .placements
         .iter()
         .map(|p| Partition {
-            gpu: index,
+            gpu: gpu.index,
+            bus: bus.clone(),
             profile: p.profile.clone(),
             start: p.start,
             size: p.size,
@@ -108,11 +118,12 @@ pub fn counters(index: u32, layout: &MigLayout) -> CounterSet {
     CounterSet::new(counter_set(index), &counters)
 }
 
-/// The GPU index an ID names, if it is a partition's: what to ask NVML's layout of.
-pub fn gpu_of(id: &str) -> Option<u32> {
-    let rest = id.strip_prefix("gpu-")?;
-    let (index, rest) = rest.split_once('-')?;
-    rest.starts_with("mig-").then(|| index.parse().ok())?
+/// The GPU bus label an ID names, if it is a partition's: which GPU to ask NVML's layout of.
+pub fn bus_of(id: &str) -> Option<&str> {
+    let bus = id.strip_prefix("mig-")?.get(..12)?;
+    bus.bytes()
+        .all(|b| b == b'-' || b.is_ascii_hexdigit())
+        .then_some(bus)
 }
 
 #[cfg(test)]
@@ -121,17 +132,23 @@ mod tests {
 
     #[test]
     fn partition_ids_are_dns_labels_naming_their_gpu() {
-        let p = Partition {
+        let p = |profile: &str| Partition {
             gpu: 3,
-            profile: "1g.10gb+me".into(),
+            bus: "0000-8a-00-0".into(),
+            profile: profile.into(),
             start: 6,
             size: 1,
             compute_slices: 1,
             memory_bytes: 0,
         };
-        assert_eq!(p.id(), "gpu-3-mig-1g-10gb-me-6");
-        assert_eq!(gpu_of(&p.id()), Some(3));
-        assert_eq!(gpu_of("GPU-6c4a5f2e-0000"), None);
-        assert_eq!(gpu_of("gpu-x-mig-1g-10gb-0"), None);
+        assert_eq!(p("1g.10gb+me").id(), "mig-0000-8a-00-0-1g-10gb-plus-me-6");
+        assert_eq!(p("1g.10gb-me").id(), "mig-0000-8a-00-0-1g-10gb-me-6");
+        assert_eq!(
+            p("1g.10gb+me.all").id(),
+            "mig-0000-8a-00-0-1g-10gb-plus-me-all-6"
+        );
+        assert_eq!(bus_of(&p("1g.10gb").id()), Some("0000-8a-00-0"));
+        assert_eq!(bus_of("GPU-6c4a5f2e-0000"), None);
+        assert_eq!(bus_of("mig-zzzz-07-00-0-1g-10gb-0"), None);
     }
 }

@@ -200,7 +200,7 @@ impl NvidiaGpu {
                 Ok(gpu) => {
                     let listed = match self.config.mig_strategy {
                         MigStrategy::Dynamic if gpu.mig_enabled => {
-                            dynamic::partitions(index).map(|layout| {
+                            dynamic::partitions(&gpu).map(|layout| {
                                 self.layouts.insert(index, layout);
                                 Vec::new()
                             })
@@ -789,11 +789,36 @@ impl Plugin for NvidiaGpu {
 
     fn unprepare(&mut self, request: &Request) -> Result<(), PluginError> {
         for id in &request.ids {
-            let Some(index) = dynamic::gpu_of(id) else {
+            let Some(bus) = dynamic::bus_of(id) else {
                 continue;
             };
-            let (_, partitions) = dynamic::partitions(index)
-                .map_err(|e| failed(&format!("reading GPU {index}'s MIG placements"), e))?;
+            // The GPU at that address now: a GPU that is not there holds no instance; one NVML
+            // cannot read is asked again at the kubelet's next try.
+            let count = nvml::device_count().map_err(|e| failed("counting GPUs", e))?;
+            let mut gpu = None;
+            for index in 0..count {
+                let found =
+                    nvml::device(index).map_err(|e| failed(&format!("reading GPU {index}"), e))?;
+                if dynamic::bus_label(&found) == bus {
+                    gpu = Some(found);
+                    break;
+                }
+            }
+            let Some(gpu) = gpu else {
+                devicelet_sdk::warn!("{id}: no GPU at {bus} now; nothing of it to destroy");
+                continue;
+            };
+            let partitions = match dynamic::partitions(&gpu) {
+                Ok((_, partitions)) => partitions,
+                // No MIG mode any more: no instance either.
+                Err(NvmlError::NotSupported | NvmlError::NotFound) => continue,
+                Err(e) => {
+                    return Err(failed(
+                        &format!("reading GPU {}'s MIG placements", gpu.index),
+                        e,
+                    ));
+                }
+            };
             let Some(p) = partitions.iter().find(|p| &p.id() == id) else {
                 continue;
             };
@@ -899,7 +924,7 @@ fn device_nodes(mut edits: ContainerEdits, units: &[&Unit]) -> Result<ContainerE
 }
 
 /// NVML's `00000000:07:00.0` as sysfs names it, `0000:07:00.0`, lowercase.
-fn short_bus_id(bus_id: &str) -> String {
+pub(crate) fn short_bus_id(bus_id: &str) -> String {
     let id = bus_id.to_ascii_lowercase();
     match id.split_once(':') {
         Some((domain, rest)) if domain.len() > 4 => {

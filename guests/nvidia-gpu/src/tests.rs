@@ -550,7 +550,7 @@ fn dynamic_mig_publishes_placements_on_counters_and_makes_each_instance_at_prepa
     assert_eq!(devices.len(), 11);
     let large = devices
         .iter()
-        .find(|d| d.id == "gpu-0-mig-3g-40gb-4")
+        .find(|d| d.id == "mig-0000-07-00-0-3g-40gb-4")
         .expect("the second 3g.40gb placement");
     assert_eq!(large.consumes[0].counter_set, "gpu-0");
     let counters: Vec<(&str, &str)> = large.consumes[0]
@@ -578,17 +578,21 @@ fn dynamic_mig_publishes_placements_on_counters_and_makes_each_instance_at_prepa
     assert_eq!(sets[0].counters.len(), 9);
 
     // The device plugin cannot make an instance.
-    let refused = gpus.allocate("gpu", &["gpu-0-mig-1g-10gb-0"]).unwrap_err();
+    let refused = gpus
+        .allocate("gpu", &["mig-0000-07-00-0-1g-10gb-0"])
+        .unwrap_err();
     assert!(
         format!("{refused:?}").contains("is made when"),
         "{refused:?}"
     );
 
-    let prepared = gpus.prepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
+    let prepared = gpus
+        .prepare(&claim(&["mig-0000-07-00-0-1g-10gb-0"]))
+        .unwrap();
     let made = gpus.host().mig_instances(0);
     assert_eq!(made.len(), 1);
     let status = &prepared.status[0];
-    assert_eq!(status.id, "gpu-0-mig-1g-10gb-0");
+    assert_eq!(status.id, "mig-0000-07-00-0-1g-10gb-0");
     let data: serde_json::Value = serde_json::from_str(&status.data).unwrap();
     let uuid = data["uuid"].as_str().unwrap();
     assert!(uuid.starts_with("MIG-"), "{data}");
@@ -601,15 +605,32 @@ fn dynamic_mig_publishes_placements_on_counters_and_makes_each_instance_at_prepa
         prepared.edits.envs
     );
     // Its slice is taken: the 7g.80gb cannot be made while it lives.
-    let overlapping = gpus.prepare(&claim(&["gpu-0-mig-7g-80gb-0"])).unwrap_err();
+    let overlapping = gpus
+        .prepare(&claim(&["mig-0000-07-00-0-7g-80gb-0"]))
+        .unwrap_err();
     assert!(
         format!("{overlapping:?}").contains("insufficient resources"),
         "{overlapping:?}"
     );
 
-    gpus.unprepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
+    gpus.unprepare(&claim(&["mig-0000-07-00-0-1g-10gb-0"]))
+        .unwrap();
     assert!(gpus.host().mig_instances(0).is_empty());
     // Again, as after an agent restart: nothing to undo, and no error.
-    gpus.unprepare(&claim(&["gpu-0-mig-1g-10gb-0"])).unwrap();
-    gpus.prepare(&claim(&["gpu-0-mig-7g-80gb-0"])).unwrap();
+    gpus.unprepare(&claim(&["mig-0000-07-00-0-1g-10gb-0"]))
+        .unwrap();
+    gpus.prepare(&claim(&["mig-0000-07-00-0-7g-80gb-0"]))
+        .unwrap();
+}
+
+#[test]
+fn dynamic_mig_with_cdi_names_is_refused_naming_why() {
+    let config = r#"{"mig-strategy": "dynamic", "visible-devices": "cdi"}"#;
+    let Err(e) = Harness::<NvidiaGpu>::init(node(eight()), config) else {
+        panic!("dynamic MIG with CDI names started");
+    };
+    assert!(
+        format!("{e:?}").contains("visible-devices = \\\"envvar\\\""),
+        "{e:?}"
+    );
 }

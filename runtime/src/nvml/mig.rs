@@ -153,8 +153,22 @@ impl NvmlNode {
         let (gi_id, ci_id) = match made {
             Ok(ids) => ids,
             Err(e) => {
-                // SAFETY: the GPU instance just made, with no compute instance.
-                let _ = unsafe { nvml_sym(lib.nvmlGpuInstanceDestroy.as_ref()).map(|f| f(gi)) };
+                // Whatever was made goes, compute instances first (NVML refuses to destroy a
+                // GPU instance that has one); what cannot go is the module's `unprepare`'s to
+                // retry, by placement.
+                let undone = destroy_compute_instances(nvml, gi).and_then(|()| {
+                    // SAFETY: the GPU instance just made, its compute instances gone.
+                    nvml_try(unsafe { nvml_sym(lib.nvmlGpuInstanceDestroy.as_ref())?(gi) })
+                        .map_err(mig_error)
+                });
+                if let Err(undo) = undone {
+                    tracing::warn!(
+                        gpu = index,
+                        profile,
+                        start,
+                        "a MIG instance half made could not be destroyed: {undo}"
+                    );
+                }
                 return Err(e);
             }
         };
@@ -177,11 +191,18 @@ impl NvmlNode {
         let parent_bytes = device.memory_info()?.total;
         // SAFETY: as in `mig_layout`.
         let handle = unsafe { device.handle() };
-        let p = named(nvml, handle, parent_bytes, profile)?;
+        // A GPU that no longer offers the profile (MIG mode turned off) holds none of it.
+        let p = match named(nvml, handle, parent_bytes, profile) {
+            Ok(p) => p,
+            Err(NvmlError::NotFound | NvmlError::NotSupported) => return Ok(false),
+            Err(e) => return Err(e),
+        };
         let lib = nvml.lib();
-        let mut found = [std::ptr::null_mut(); MAX_INSTANCES];
+        // NVML fills as many as the profile can have (`instanceCount`); `count` says how many.
+        let room = (p.info.instanceCount as usize).clamp(1, MAX_INSTANCES);
+        let mut found = vec![std::ptr::null_mut(); room];
         let mut count: c_uint = 0;
-        // SAFETY: the array holds more instances than a profile has placements.
+        // SAFETY: the array holds the profile's `instanceCount`, as nvml.h asks.
         nvml_try(unsafe {
             nvml_sym(lib.nvmlDeviceGetGpuInstances.as_ref())?(
                 handle,
@@ -190,7 +211,7 @@ impl NvmlNode {
                 &mut count,
             )
         })?;
-        for &gi in found.iter().take((count as usize).min(MAX_INSTANCES)) {
+        for &gi in found.iter().take((count as usize).min(room)) {
             let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
             // SAFETY: a GPU instance handle NVML just listed; `info` outlives the call.
             nvml_try(unsafe { nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?(gi, &mut info) })?;
@@ -262,11 +283,17 @@ fn placements(
             .nvmlDeviceGetGpuInstancePossiblePlacements_v2
             .as_ref(),
     )?;
-    let mut found = [nvmlGpuInstancePlacement_t { start: 0, size: 0 }; MAX_PLACEMENTS];
-    let mut count = MAX_PLACEMENTS as c_uint;
+    // First how many (a null array asks only that), then that many.
+    let mut count: c_uint = 0;
+    // SAFETY: a live device handle; with a null array NVML only writes `count`.
+    nvml_try(unsafe { call(device, profile_id, std::ptr::null_mut(), &mut count) })?;
+    let room = (count as usize).min(MAX_PLACEMENTS);
+    let mut found = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; room];
+    let mut count = room as c_uint;
     // SAFETY: the array holds `count` placements; both outlive the call.
     nvml_try(unsafe { call(device, profile_id, found.as_mut_ptr(), &mut count) })?;
-    Ok(found[..(count as usize).min(MAX_PLACEMENTS)].to_vec())
+    found.truncate((count as usize).min(room));
+    Ok(found)
 }
 
 /// Makes the compute instance filling GPU instance `gi` of `slices` slices; answers the GPU
@@ -329,9 +356,10 @@ fn destroy_compute_instances(nvml: &Nvml, gi: nvmlGpuInstance_t) -> Result<(), N
             Err(Nv::NotSupported | Nv::InvalidArg | Nv::NotFound) => continue,
             Err(e) => return Err(e.into()),
         }
-        let mut found = [std::ptr::null_mut(); MAX_INSTANCES];
+        let room = (info.instanceCount as usize).clamp(1, MAX_INSTANCES);
+        let mut found = vec![std::ptr::null_mut(); room];
         let mut count: c_uint = 0;
-        // SAFETY: the array holds more compute instances than a GPU instance has slices.
+        // SAFETY: the array holds the profile's `instanceCount`, as nvml.h asks.
         nvml_try(unsafe {
             nvml_sym(lib.nvmlGpuInstanceGetComputeInstances.as_ref())?(
                 gi,
@@ -340,7 +368,7 @@ fn destroy_compute_instances(nvml: &Nvml, gi: nvmlGpuInstance_t) -> Result<(), N
                 &mut count,
             )
         })?;
-        for &ci in found.iter().take((count as usize).min(MAX_INSTANCES)) {
+        for &ci in found.iter().take((count as usize).min(room)) {
             // SAFETY: a compute instance NVML just listed.
             nvml_try(unsafe { nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref())?(ci) })
                 .map_err(mig_error)?;

@@ -416,7 +416,7 @@ async fn an_agent_killed_between_making_a_mig_instance_and_recording_it_leaves_n
     let uid = dra.claim(
         DRIVER,
         "half",
-        &["gpu-0-mig-3g-40gb-0"],
+        &["mig-0000-07-00-0-3g-40gb-0"],
         serde_json::json!([]),
     );
     let asked = preparing(&dra.kubelet, DRIVER, "half", &uid);
@@ -437,7 +437,7 @@ async fn an_agent_killed_between_making_a_mig_instance_and_recording_it_leaves_n
     let uid2 = dra.claim(
         DRIVER,
         "again",
-        &["gpu-0-mig-3g-40gb-0"],
+        &["mig-0000-07-00-0-3g-40gb-0"],
         serde_json::json!([]),
     );
     let prepared = dra.prepare(DRIVER, "again", &uid2).await;

@@ -73,7 +73,7 @@ async fn mig_on_an_h100_is_allocated_by_counters_and_each_prepare_makes_its_inst
     assert_eq!(devices.len(), 18, "{devices:?}");
     let large = devices
         .iter()
-        .find(|d| d["name"] == "gpu-0-mig-3g-40gb-4")
+        .find(|d| d["name"] == "mig-0000-07-00-0-3g-40gb-4")
         .expect("the second 3g.40gb placement");
     let consumed = &large["consumesCounters"][0]["counters"];
     for slice in 4..8 {
@@ -88,9 +88,9 @@ async fn mig_on_an_h100_is_allocated_by_counters_and_each_prepare_makes_its_inst
     let scheduler = dra.api.handle();
     let mut prepared_claims = Vec::new();
     for (name, wanted, device) in [
-        ("small", "1g.10gb", "gpu-0-mig-1g-10gb-0"),
-        ("medium", "2g.20gb", "gpu-0-mig-2g-20gb-2"),
-        ("large", "3g.40gb", "gpu-0-mig-3g-40gb-4"),
+        ("small", "1g.10gb", "mig-0000-07-00-0-1g-10gb-0"),
+        ("medium", "2g.20gb", "mig-0000-07-00-0-2g-20gb-2"),
+        ("large", "3g.40gb", "mig-0000-07-00-0-3g-40gb-4"),
     ] {
         let claim = scheduler
             .allocate_claim_with("team-a", name, GPU, NODE, &profile(wanted))

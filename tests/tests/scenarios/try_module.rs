@@ -164,7 +164,7 @@ mig-strategy = "dynamic"
     );
     let placement = text
         .lines()
-        .find(|l| l.starts_with("  gpu-0-mig-3g-40gb-4 "))
+        .find(|l| l.starts_with("  mig-0000-07-00-0-3g-40gb-4 "))
         .unwrap_or_else(|| panic!("the second 3g.40gb placement in {text}"));
     assert!(
         placement.ends_with(
