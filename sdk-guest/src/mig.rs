@@ -50,13 +50,15 @@ pub fn layout(index: u32) -> Result<MigLayout, NvmlError> {
 
 /// Makes a GPU instance of `profile` (`1g.10gb`) at memory slice `start` on the GPU with this
 /// index, and a compute instance filling it; answers the new MIG device (UUID, instance IDs,
-/// caps minors). `Failed` when its slices are taken.
+/// caps minors). `Failed` when its slices are taken, and outside [`crate::Plugin::prepare`]
+/// (the agent answers it only there).
 pub fn create(index: u32, profile: &str, start: u32) -> Result<MigDevice, NvmlError> {
     host::create(index, profile, start)
 }
 
 /// Destroys the GPU instance of `profile` at `start`, and its compute instances; `Ok(false)`
-/// when there was none.
+/// when there was none. The agent answers it only in [`crate::Plugin::prepare`] and
+/// [`crate::Plugin::unprepare`].
 pub fn destroy(index: u32, profile: &str, start: u32) -> Result<bool, NvmlError> {
     host::destroy(index, profile, start)
 }

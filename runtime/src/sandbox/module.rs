@@ -737,6 +737,7 @@ impl ModuleHandle {
             .call(deadline, move |i| {
                 Box::pin(async move {
                     i.store.data_mut().nvml.call_ends_at(end, deadline);
+                    i.store.data_mut().nvml.calling(kind);
                     // A recheck counts only when asked during this call.
                     i.store.data_mut().schedule.take();
                     let answer = tracing::Instrument::instrument(f(i), span).await;

@@ -335,7 +335,7 @@ pub mod imports {
                 ),
                 (
                     "0.3.1",
-                    "ef92e13553c9a5e85a74c8fd36eadbba2aaf81449d067ddb326b2b9f1ab6d33c",
+                    "c96d348cf1a635ba67d3ae3e467ca62fcce97db65a62779534c2256bfc79feb4",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");

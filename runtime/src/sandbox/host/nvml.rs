@@ -59,6 +59,9 @@ pub struct Nvml {
     stalled: Option<String>,
     /// Whether `mig`'s calls (which change a GPU) are granted (`"nvml-mig"`).
     pub(super) mig_granted: bool,
+    /// The export being called: `mig.create` only in `claims.prepare`, `mig.destroy` there and
+    /// in `claims.unprepare`, the only calls the host keeps a record of and undoes.
+    pub(super) calling: Option<crate::sandbox::error::CallKind>,
 }
 
 impl Nvml {
@@ -73,11 +76,17 @@ impl Nvml {
             until: Instant::now(),
             stalled: None,
             mig_granted,
+            calling: None,
         }
     }
 
     /// A call into the module starts that must end by `end`: its queries wait for NVML until a
     /// little before, so the module has time to return what it makes of the failure.
+    /// The export the next call is to: what `mig` allows depends on it.
+    pub fn calling(&mut self, kind: crate::sandbox::error::CallKind) {
+        self.calling = Some(kind);
+    }
+
     pub fn call_ends_at(&mut self, end: Instant, deadline: Duration) {
         self.until = end
             .checked_sub((deadline / 4).min(RETURN_MARGIN))
