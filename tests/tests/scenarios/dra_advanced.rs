@@ -12,6 +12,13 @@ use serde_json::json;
 
 const FUSE: &str = "fuse.devicelet.io";
 const ACC: &str = "acc.devicelet.io";
+/// The partitions test module, served through DRA.
+const PARTITIONS: &str = r#"[[module]]
+name = "partitions"
+path = "@MODULES@/partitions.wasm"
+health-interval = "100ms"
+front-end = "dra"
+"#;
 
 async fn serving(dra: &DraNode, modules: &str) -> devicelet::agent::Agent {
     let agent = dra.agent(modules).await;
@@ -119,16 +126,7 @@ async fn four_claims_share_a_device_by_capacity_and_a_fifth_that_would_exceed_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_instance() {
     let dra = DraNode::new().await;
-    let agent = serving(
-        &dra,
-        r#"[[module]]
-name = "partitions"
-path = "@MODULES@/partitions.wasm"
-health-interval = "100ms"
-front-end = "dra"
-"#,
-    )
-    .await;
+    let agent = serving(&dra, PARTITIONS).await;
     // The counter set in a slice of its own, the seven partitions consuming from it.
     let slices = devicelet_tests::eventually_some("two slices", || {
         let slices = dra.api.list(Kind::ResourceSlice);
@@ -223,16 +221,7 @@ front-end = "dra"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_unprepare_keeps_the_claim_until_the_kubelets_retry_succeeds() {
     let dra = DraNode::new().await;
-    let agent = serving(
-        &dra,
-        r#"[[module]]
-name = "partitions"
-path = "@MODULES@/partitions.wasm"
-health-interval = "100ms"
-front-end = "dra"
-"#,
-    )
-    .await;
+    let agent = serving(&dra, PARTITIONS).await;
     devicelet_tests::eventually("the partitions and their counters published", || {
         dra.api.list(Kind::ResourceSlice).len() == 2
     })
@@ -323,15 +312,7 @@ async fn a_modules_own_taint_admits_only_claims_that_tolerate_it() {
     let dra = DraNode::new().await;
     let agent = serving(
         &dra,
-        r#"[[module]]
-name = "partitions"
-path = "@MODULES@/partitions.wasm"
-health-interval = "100ms"
-front-end = "dra"
-
-[module.config]
-taint = "acc-0-4s-0"
-"#,
+        &format!("{PARTITIONS}\n[module.config]\ntaint = \"acc-0-4s-0\"\n"),
     )
     .await;
     let whole = devicelet_tests::eventually_some("the tainted partition published", || {
