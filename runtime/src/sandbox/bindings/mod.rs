@@ -335,7 +335,7 @@ pub mod imports {
                 ),
                 (
                     "0.3.1",
-                    "c96d348cf1a635ba67d3ae3e467ca62fcce97db65a62779534c2256bfc79feb4",
+                    "6d7325f29c4071389226e6953483b36a6de444f2558cb71ffd1014c0f489c672",
                 ),
             ];
             let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit");
