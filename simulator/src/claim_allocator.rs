@@ -111,6 +111,10 @@ pub fn allocate(
     mut share_id: impl FnMut() -> String,
 ) -> Result<Vec<(DeviceKey, Option<Value>)>, Shortfall> {
     let mut shortfall = Shortfall::default();
+    let driver = slices
+        .first()
+        .and_then(|s| s["spec"]["driver"].as_str())
+        .unwrap_or_default();
     let mut candidates = Vec::new();
     let mut available: BTreeMap<String, Counters> = BTreeMap::new();
     for (pool, current) in complete_pools(slices) {
@@ -131,8 +135,16 @@ pub fn allocate(
         if allocated.whole.contains(&c.key) || (!c.multiple && allocated.holds(&c.key)) {
             continue;
         }
-        if !selected(&c.device, &request.attributes) {
-            continue;
+        match selected(&c.device, driver, &request.attributes) {
+            Some(true) => {}
+            Some(false) => continue,
+            None => {
+                shortfall.invalid.push(format!(
+                    "{}: CEL runtime error: the selector's attribute is missing or not a string",
+                    c.key.1
+                ));
+                return Err(shortfall);
+            }
         }
         if untolerated(&c.device, &request.tolerations) {
             shortfall.tainted += 1;
@@ -313,27 +325,22 @@ fn amounts(counters: &Value) -> BTreeMap<String, i128> {
         .collect()
 }
 
-/// Whether `device` has every attribute `wanted` names, with that value.
-fn selected(device: &Value, wanted: &BTreeMap<String, String>) -> bool {
-    let Some(attributes) = device["attributes"].as_object() else {
-        return wanted.is_empty();
-    };
-    wanted.iter().all(|(name, value)| {
-        attributes.iter().any(|(key, typed)| {
-            let short = key.rsplit('/').next().unwrap_or(key);
-            short == name && written(typed).as_deref() == Some(value.as_str())
-        })
-    })
-}
-
-/// A typed attribute value as written: `1g.10gb`, `3`, `true`.
-fn written(typed: &Value) -> Option<String> {
-    typed["string"]
-        .as_str()
-        .or(typed["version"].as_str())
-        .map(str::to_owned)
-        .or_else(|| typed["int"].as_i64().map(|i| i.to_string()))
-        .or_else(|| typed["bool"].as_bool().map(|b| b.to_string()))
+/// Whether `device` has every attribute `wanted` names, with that value, as the CEL selectors
+/// `device.attributes["<driver>"].<name> == "<value>"` read it: the driver's own attributes
+/// only (unqualified, or under the driver's domain), compared as strings. None where CEL would
+/// fail at run time, which fails the whole claim upstream: a device without the attribute, or
+/// with one that is not a string.
+fn selected(device: &Value, driver: &str, wanted: &BTreeMap<String, String>) -> Option<bool> {
+    let empty = serde_json::Map::new();
+    let attributes = device["attributes"].as_object().unwrap_or(&empty);
+    let mut all = true;
+    for (name, value) in wanted {
+        let typed = attributes
+            .get(name)
+            .or_else(|| attributes.get(&format!("{driver}/{name}")))?;
+        all &= typed["string"].as_str()? == value;
+    }
+    Some(all)
 }
 
 /// Whether `device` has a `NoSchedule`/`NoExecute` taint none of `tolerations` tolerates.

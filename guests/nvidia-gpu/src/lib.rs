@@ -463,6 +463,13 @@ impl NvidiaGpu {
         Ok(chosen)
     }
 
+    fn mps_dirs(&self) -> sharing::MpsDirs<'_> {
+        sharing::MpsDirs {
+            pipe: self.config.mps_pipe_directory.as_deref(),
+            shm: self.config.mps_shm_directory.as_deref(),
+        }
+    }
+
     /// What a container needs for these devices (never a MIG placement: its instance is made
     /// at prepare), and the units they are.
     fn allocate_units(
@@ -729,9 +736,8 @@ impl Plugin for NvidiaGpu {
     fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
         let claim = sharing::ClaimConfig::parse(&request.config)?;
         let (edits, units) = self.allocate_units(&request.resource_name, &request.ids)?;
-        let gpus = whole_gpus(&units);
-        let pipe = self.config.mps_pipe_directory.as_deref();
-        sharing::edits(edits, &claim, request, &gpus, pipe)
+        let (gpus, partitions) = whole_gpus(&units);
+        sharing::edits(edits, &claim, request, gpus, partitions, self.mps_dirs())
     }
 
     fn validate_config(&mut self, _resource: &str, config: &str) -> Result<(), PluginError> {
@@ -779,10 +785,9 @@ impl Plugin for NvidiaGpu {
         }
         let chosen: Vec<&Unit> = made_units.iter().collect();
         let edits = self.edits(names, &chosen)?;
-        let gpus = whole_gpus(&made_units);
-        let pipe = self.config.mps_pipe_directory.as_deref();
+        let (gpus, partitions) = whole_gpus(&made_units);
         Ok(Prepared {
-            edits: sharing::edits(edits, &claim, request, &gpus, pipe)?,
+            edits: sharing::edits(edits, &claim, request, gpus, partitions, self.mps_dirs())?,
             status,
         })
     }
@@ -878,15 +883,19 @@ impl Plugin for NvidiaGpu {
     }
 }
 
-/// The whole GPUs among `units`: each its position among the container's GPUs, its ID and its
-/// memory in MiB (what a claim sharing it may hold).
-fn whole_gpus(units: &[Unit]) -> Vec<(usize, String, u64)> {
-    units
+/// The whole GPUs among `units` (what a claim sharing one may hold of it), and whether any of
+/// `units` is a MIG device.
+fn whole_gpus(units: &[Unit]) -> (Vec<sharing::WholeGpu>, bool) {
+    let whole = units
         .iter()
-        .enumerate()
-        .filter(|(_, u)| u.mig.is_none() && u.partition.is_none())
-        .map(|(i, u)| (i, u.id.clone(), u.gpu.memory_bytes >> 20))
-        .collect()
+        .filter(|u| u.mig.is_none() && u.partition.is_none())
+        .map(|u| sharing::WholeGpu {
+            id: u.id.clone(),
+            memory_mib: u.gpu.memory_bytes >> 20,
+            bus: short_bus_id(&u.gpu.pci_bus_id),
+        })
+        .collect();
+    (whole, units.iter().any(|u| u.mig.is_some()))
 }
 
 /// The device nodes a container needs for these units: the control nodes, each GPU's own, and a

@@ -60,6 +60,9 @@ pub enum Strategy {
 pub struct MpsConfig {
     #[serde(default)]
     pub default_active_thread_percentage: Option<u32>,
+    /// A cap below the claim's share (`10Gi`).
+    #[serde(default)]
+    pub default_pinned_device_memory_limit: Option<String>,
 }
 
 impl ClaimConfig {
@@ -128,37 +131,88 @@ pub fn mib(quantity: &str) -> Option<u64> {
     u64::try_from(bytes >> 20).ok()
 }
 
-/// `edits` for a claim holding whole GPUs `gpus` (each its position among the container's
-/// GPUs, its ID and its memory in MiB), as its sharing strategy makes them.
+/// The module's MPS directories: the control daemon's pipes, and its shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct MpsDirs<'a> {
+    pub pipe: Option<&'a str>,
+    pub shm: Option<&'a str>,
+}
+
+/// One whole GPU of a claim: its ID, its memory in MiB and its PCI address (CUDA numbers the
+/// container's GPUs by it under `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
+pub struct WholeGpu {
+    pub id: String,
+    pub memory_mib: u64,
+    pub bus: String,
+}
+
+/// `edits` for a claim holding the whole GPUs `gpus` (and, when `partitions`, MIG devices), as
+/// its sharing strategy makes them: MPS limits for an MPS claim, and nothing of MPS for any
+/// other (the module's own MPS settings are the device-plugin front end's).
 pub fn edits(
     mut edits: ContainerEdits,
     config: &ClaimConfig,
     request: &Request,
-    gpus: &[(usize, String, u64)],
-    mps_pipe_directory: Option<&str>,
+    mut gpus: Vec<WholeGpu>,
+    partitions: bool,
+    mps: MpsDirs<'_>,
 ) -> Result<ContainerEdits, PluginError> {
+    edits
+        .envs
+        .retain(|(name, _)| !name.starts_with("CUDA_MPS_"));
+    edits.mounts.retain(|m| {
+        Some(m.host_path.as_str()) != mps.pipe && Some(m.host_path.as_str()) != mps.shm
+    });
     if config.strategy() != Some(Strategy::Mps) {
         return Ok(edits);
     }
-    let Some(dir) = mps_pipe_directory else {
+    if partitions {
+        return Err(PluginError::InvalidConfig(
+            "MPS sharing is for whole GPUs; this claim holds MIG devices".into(),
+        ));
+    }
+    let Some(dir) = mps.pipe else {
         return Err(PluginError::InvalidConfig(
             "the claim asks for MPS sharing, but the module has no mps-pipe-directory (the MPS \
              control daemon's, which its clients reach)"
                 .into(),
         ));
     };
+    let cap = config
+        .sharing
+        .as_ref()
+        .and_then(|s| s.mps_config.as_ref())
+        .and_then(|m| m.default_pinned_device_memory_limit.as_deref())
+        .map(|q| {
+            mib(q).ok_or_else(|| {
+                PluginError::InvalidConfig(format!(
+                    "defaultPinnedDeviceMemoryLimit {q:?} is not a whole quantity such as 10Gi"
+                ))
+            })
+        })
+        .transpose()?;
+    gpus.sort_by(|a, b| a.bus.cmp(&b.bus));
     let mut limits = Vec::new();
     let mut share = 100;
-    for (i, id, whole) in gpus {
-        let held = match request.consumed(id, MEMORY) {
-            Some(amount) => mib(amount).ok_or_else(|| {
-                PluginError::Failed(format!("the agent gave {id} a share of {amount:?}"))
-            })?,
-            None => *whole,
-        };
-        limits.push(format!("{i}={held}M"));
-        if *whole > 0 {
-            share = share.min((held * 100 / whole).clamp(1, 100) as u32);
+    for (i, gpu) in gpus.iter().enumerate() {
+        // Every share the request holds of the GPU (none: all of it).
+        let mut held = None;
+        for s in request.shares.iter().filter(|s| s.id == gpu.id) {
+            for amount in s.consumed.iter().filter(|a| a.name == MEMORY) {
+                let mib = mib(&amount.value).ok_or_else(|| {
+                    PluginError::Failed(format!(
+                        "the agent gave {} a share of {:?}",
+                        gpu.id, amount.value
+                    ))
+                })?;
+                held = Some(held.unwrap_or(0) + mib);
+            }
+        }
+        let held = held.unwrap_or(gpu.memory_mib);
+        let limit = cap.map_or(held, |c| c.min(held)).max(1);
+        limits.push(format!("{i}={limit}M"));
+        if let Some(percent) = (held * 100).checked_div(gpu.memory_mib) {
+            share = share.min(percent.clamp(1, 100) as u32);
         }
     }
     let threads = config
@@ -167,20 +221,14 @@ pub fn edits(
         .and_then(|s| s.mps_config.as_ref())
         .and_then(|m| m.default_active_thread_percentage)
         .unwrap_or(share);
-    // The module's own MPS settings (for the device plugin) give way to the claim's.
-    edits
-        .envs
-        .retain(|(name, _)| name != THREADS && name != PINNED);
-    if !edits
-        .envs
-        .iter()
-        .any(|(name, _)| name == "CUDA_MPS_PIPE_DIRECTORY")
-    {
-        edits = edits
-            .env("CUDA_MPS_PIPE_DIRECTORY", dir.to_owned())
-            .mount(dir, dir, false);
+    edits = edits
+        .env("CUDA_MPS_PIPE_DIRECTORY", dir.to_owned())
+        .mount(dir, dir, false);
+    if let Some(shm) = mps.shm {
+        edits = edits.mount(shm, "/dev/shm", false);
     }
     Ok(edits
+        .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         .env(THREADS, threads.to_string())
         .env(PINNED, limits.join(",")))
 }

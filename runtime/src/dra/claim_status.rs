@@ -230,6 +230,7 @@ mod tests {
             ],
             spec_file: None,
             preparing: false,
+            by_module: false,
         };
         let entries = entries("gpu.example.com", "node-a", &record, "2026-11-28T19:00:00Z");
         assert_eq!(entries.len(), 2);

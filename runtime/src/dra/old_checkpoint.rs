@@ -95,6 +95,7 @@ pub fn adopt(
                     .collect(),
                 spec_file: c.spec_file,
                 preparing: false,
+                by_module: false,
             };
             (uid, record)
         })

@@ -447,6 +447,7 @@ impl<B: DeviceBackend> Claims<B> {
             requests,
             spec_file: None,
             preparing: prepares,
+            by_module: prepares,
         };
         let budget = self.budget_of(&snapshot);
         self.ledger
@@ -486,7 +487,11 @@ impl<B: DeviceBackend> Claims<B> {
                             );
                         }
                     } else {
-                        self.give_back(&claim.uid, &record.requests[..done]).await;
+                        let done = ClaimRecord {
+                            requests: record.requests[..done].to_vec(),
+                            ..record.clone()
+                        };
+                        self.give_back(&claim.uid, &done).await;
                     }
                     return Err(ClaimError::Module {
                         request,
@@ -557,7 +562,7 @@ impl<B: DeviceBackend> Claims<B> {
         let answer = self.devices_of(&record);
         if let Err(e) = self.make_durable(uid, &record, spec).await {
             self.remove_spec(&record).await;
-            if self.backend.prepares_claims(&self.resource) {
+            if record.by_module {
                 // Undone under its write-ahead record again, which stays if that fails.
                 let undo = ClaimRecord {
                     preparing: true,
@@ -568,7 +573,7 @@ impl<B: DeviceBackend> Claims<B> {
                     tracing::warn!(driver = self.driver, claim = uid, "undoing a claim: {u}");
                 }
             } else {
-                self.give_back(uid, &record.requests).await;
+                self.give_back(uid, &record).await;
             }
             // Its end reaches the journal with the next write.
             return Err(e);
@@ -591,7 +596,7 @@ impl<B: DeviceBackend> Claims<B> {
         done: ClaimRecord,
     ) -> Result<Vec<PreparedDevice>, ClaimError> {
         let mut answers = BTreeMap::new();
-        let prepares = self.backend.prepares_claims(&self.resource);
+        let prepares = done.by_module;
         for request in &done.requests {
             let prepared =
                 self.prepare_request(uid, request, prepares)
@@ -667,7 +672,26 @@ impl<B: DeviceBackend> Claims<B> {
         let Some(prepared) = self.ledger.claim(uid) else {
             return Ok(());
         };
-        self.release_all(uid, &prepared.requests).await?;
+        if let Err(e) = self.release_all(uid, &prepared).await {
+            // Some of it may be undone already: recorded as being prepared again, its spec gone,
+            // so no prepare answers from it and the next unprepare (or start) tries again.
+            if let Some(path) = &prepared.spec_file {
+                let path = path.clone();
+                let _ = tokio::task::spawn_blocking(move || crate::cdi::claim::remove(&path)).await;
+            }
+            self.ledger.prepare_claim(
+                uid,
+                ClaimRecord {
+                    preparing: true,
+                    spec_file: None,
+                    ..prepared
+                },
+            );
+            if let Err(p) = self.persist().await {
+                tracing::warn!(driver = self.driver, claim = uid, "{p}");
+            }
+            return Err(e);
+        }
         self.ledger.drop_claim(uid);
         // A claim recorded before names were kept (an older checkpoint) has none to write to.
         if let Some(status) = self.status.as_ref().filter(|_| !prepared.name.is_empty()) {
@@ -790,12 +814,14 @@ impl<B: DeviceBackend> Claims<B> {
                     "preparing an unhealthy device: the claim tolerates its taint ({reason})"
                 );
             }
-            // The module's own taints that keep claims away, as the scheduler reads them.
+            // The module's own NoExecute taints: a claim that does not tolerate one must not run
+            // on the device, however it was allocated (a NoSchedule taint only keeps new
+            // allocations away, which is the scheduler's business, and may postdate this one).
             let untolerated = members
                 .iter()
                 .flat_map(|d| super::advanced::own_taints(d))
                 .find(|taint| {
-                    taint.effect != "None"
+                    taint.effect == "NoExecute"
                         && !tolerations
                             .get(name)
                             .is_some_and(|t| t.iter().any(|t| super::taints::tolerates(t, taint)))
@@ -821,23 +847,22 @@ impl<B: DeviceBackend> Claims<B> {
         Ok(out)
     }
 
-    /// Releases what the module allocated for `requests` and frees the claim's reservation.
-    async fn give_back(&self, uid: &str, requests: &[PreparedRequest]) {
-        if let Err(e) = self.release_all(uid, requests).await {
+    /// Releases what the module allocated for `record` and frees the claim's reservation.
+    async fn give_back(&self, uid: &str, record: &ClaimRecord) {
+        if let Err(e) = self.release_all(uid, record).await {
             tracing::warn!(driver = self.driver, claim = uid, "{e}");
         }
         self.ledger.drop_claim(uid);
     }
 
-    /// The module's `unprepare` for each request of a resource that prepares claims (the
-    /// first failure returned, after every request was tried: each may come again), its
-    /// `release` otherwise (a failure logged: `release` undoes only host-side setup).
-    async fn release_all(&self, uid: &str, requests: &[PreparedRequest]) -> Result<(), ClaimError> {
-        let prepares = self.backend.prepares_claims(&self.resource);
+    /// The module's `unprepare` for each request of a claim its `prepare` prepared (the first
+    /// failure returned, after every request was tried: each may come again), its `release`
+    /// otherwise (a failure logged: `release` undoes only host-side setup).
+    async fn release_all(&self, uid: &str, record: &ClaimRecord) -> Result<(), ClaimError> {
         let mut first = None;
-        for request in requests {
+        for request in &record.requests {
             let asked = self.request(uid, request);
-            if prepares {
+            if record.by_module {
                 if let Err(source) = self.backend.unprepare(asked).await {
                     first.get_or_insert(ClaimError::Unprepare {
                         request: request.request.clone(),
@@ -919,7 +944,8 @@ fn consumed_by_name(
         })
         .collect();
     for (name, value) in &device.capacities {
-        if out.iter().any(|(n, _)| n == name) {
+        // Only what the slice published: the scheduler never saw a capacity the API refused.
+        if out.iter().any(|(n, _)| n == name) || super::slices::attribute_name(name).is_none() {
             continue;
         }
         let default = device.shared.as_ref().and_then(|s| {

@@ -111,12 +111,23 @@ pub fn api_devices(
     let mut devices: Vec<ApiDevice> = units(snapshot)
         .iter()
         .filter(|u| {
-            (features.taints || u.healthy())
+            // Without taints, a device the module taints is withdrawn as an unhealthy one is:
+            // published untainted it would be allocated to claims that do not tolerate it.
+            (features.taints || (u.healthy() && u.members.iter().all(|d| d.taints.is_empty())))
                 && (features.counters || u.first.consumes.is_empty())
                 && !u.members.iter().any(|d| held.contains(&d.id))
         })
         .map(|u| {
             let mut device = api_device(u.first);
+            // A group is published as its first member: it carries every member's taints.
+            for member in u.members.iter().skip(1) {
+                for taint in super::advanced::own_taints(member) {
+                    let taints = device.taints.get_or_insert_with(Vec::new);
+                    if !taints.contains(&taint) {
+                        taints.push(taint);
+                    }
+                }
+            }
             if !features.shared {
                 device.allow_multiple_allocations = None;
                 for capacity in device.capacity.iter_mut().flat_map(|c| c.values_mut()) {

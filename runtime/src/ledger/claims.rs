@@ -31,6 +31,10 @@ pub struct ClaimRecord {
     /// prepared: after a restart its requests are unprepared, whatever the module created.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub preparing: bool,
+    /// Prepared by the module's own `prepare` (WIT 0.3 `claims`), so undone by its `unprepare`
+    /// whatever the module (or a new version of it) says later.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub by_module: bool,
 }
 
 /// One request of a prepared claim.

@@ -140,6 +140,7 @@ mod tests {
             requests: Vec::new(),
             spec_file: None,
             preparing: false,
+            by_module: false,
         }
     }
 

@@ -629,6 +629,7 @@ fn claim_of(resource: &str, name: &str, devices: &[&str], admin: bool) -> ClaimR
         }],
         spec_file: None,
         preparing: false,
+        by_module: false,
     }
 }
 

@@ -36,8 +36,9 @@ struct Profile {
     info: nvmlGpuInstanceProfileInfo_t,
 }
 
-/// More placements than any profile has (seven 1g slices on an A100/H100).
-const MAX_PLACEMENTS: usize = 16;
+/// Far more placements than any profile has (seven 1g slices on an A100/H100): a driver
+/// answering more is refused rather than trusted with a buffer.
+const MAX_PLACEMENTS: usize = 64;
 /// More instances of one profile than a GPU can hold.
 const MAX_INSTANCES: usize = 16;
 
@@ -54,6 +55,18 @@ fn suffix(index: u32) -> &'static str {
         | NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX
         | NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX => "+gfx",
         _ => "",
+    }
+}
+
+/// The array NVML fills with a profile's instances: its `instanceCount`, which a real GPU keeps
+/// small; a driver answering more is refused rather than trusted with a buffer.
+fn instances_room(count: c_uint) -> Result<usize, NvmlError> {
+    match count as usize {
+        0 => Ok(1),
+        n if n <= MAX_INSTANCES => Ok(n),
+        n => Err(NvmlError::Failed(format!(
+            "NVML says a MIG profile has {n} instances; more than {MAX_INSTANCES} is not a GPU's"
+        ))),
     }
 }
 
@@ -199,7 +212,7 @@ impl NvmlNode {
         };
         let lib = nvml.lib();
         // NVML fills as many as the profile can have (`instanceCount`); `count` says how many.
-        let room = (p.info.instanceCount as usize).clamp(1, MAX_INSTANCES);
+        let room = instances_room(p.info.instanceCount)?;
         let mut found = vec![std::ptr::null_mut(); room];
         let mut count: c_uint = 0;
         // SAFETY: the array holds the profile's `instanceCount`, as nvml.h asks.
@@ -287,7 +300,10 @@ fn placements(
     let mut count: c_uint = 0;
     // SAFETY: a live device handle; with a null array NVML only writes `count`.
     nvml_try(unsafe { call(device, profile_id, std::ptr::null_mut(), &mut count) })?;
-    let room = (count as usize).min(MAX_PLACEMENTS);
+    let room = count as usize;
+    if room > MAX_PLACEMENTS {
+        return Err(Nv::Unknown);
+    }
     let mut found = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; room];
     let mut count = room as c_uint;
     // SAFETY: the array holds `count` placements; both outlive the call.
@@ -356,7 +372,7 @@ fn destroy_compute_instances(nvml: &Nvml, gi: nvmlGpuInstance_t) -> Result<(), N
             Err(Nv::NotSupported | Nv::InvalidArg | Nv::NotFound) => continue,
             Err(e) => return Err(e.into()),
         }
-        let room = (info.instanceCount as usize).clamp(1, MAX_INSTANCES);
+        let room = instances_room(info.instanceCount)?;
         let mut found = vec![std::ptr::null_mut(); room];
         let mut count: c_uint = 0;
         // SAFETY: the array holds the profile's `instanceCount`, as nvml.h asks.

@@ -305,8 +305,8 @@ async fn without_consumable_capacity_a_shared_device_is_published_whole_and_left
     agent.shutdown().await;
 }
 
-/// A module's own taint keeps claims away in the scheduler and, for an allocation that ignored
-/// it, at prepare; a claim that tolerates it gets the device.
+/// A module's own NoExecute taint keeps claims away in the scheduler and, for an allocation
+/// that ignored it, at prepare; a claim that tolerates it gets the device.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_modules_own_taint_admits_only_claims_that_tolerate_it() {
     let dra = DraNode::new().await;
@@ -327,7 +327,7 @@ async fn a_modules_own_taint_admits_only_claims_that_tolerate_it() {
         whole["taints"][0]["key"], "example.com/maintenance",
         "{whole}"
     );
-    assert_eq!(whole["taints"][0]["effect"], "NoSchedule", "{whole}");
+    assert_eq!(whole["taints"][0]["effect"], "NoExecute", "{whole}");
 
     let scheduler = dra.api.handle();
     let four = |tolerations: Vec<serde_json::Value>| DeviceRequest {
@@ -355,7 +355,7 @@ async fn a_modules_own_taint_admits_only_claims_that_tolerate_it() {
     assert!(dra.api.delete(Kind::ResourceClaim, "team-a", "stray"));
 
     let tolerating = json!({"key": "example.com/maintenance", "operator": "Exists",
-        "effect": "NoSchedule"});
+        "effect": "NoExecute"});
     let claim = scheduler
         .allocate_claim_with("team-a", "tolerating", ACC, NODE, &four(vec![tolerating]))
         .expect("a claim that tolerates the taint");

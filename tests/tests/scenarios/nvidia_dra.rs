@@ -325,8 +325,15 @@ async fn four_claims_share_a_gpus_memory_a_fifth_is_not_allocated_and_mps_limits
                     .map(String::as_str),
                 Some("/run/nvidia/mps")
             );
+            assert_eq!(
+                container.envs.get("CUDA_DEVICE_ORDER").map(String::as_str),
+                Some("PCI_BUS_ID")
+            );
         } else {
             assert_eq!(limit, None, "{claim_name}: time-slicing sets no limit");
+            // The module's mps-pipe-directory is the device plugin's; this claim is no client.
+            assert_eq!(container.envs.get("CUDA_MPS_PIPE_DIRECTORY"), None);
+            assert!(container.mounts.is_empty(), "{:?}", container.mounts);
         }
     }
     let fifth = DeviceRequest {

@@ -8,7 +8,7 @@
 //! between the creation and the record of it; one whose config is `{"stuck":true}` fails its
 //! first `unprepare` (in this instance), as an instance busy a little longer. A registry config
 //! `{ taint = "<device>" }` gives that device the module's own taint
-//! `example.com/maintenance:NoSchedule`. It needs no grants.
+//! `example.com/maintenance:NoExecute`. It needs no grants.
 //!
 //! Built straight from the frozen `wit/v0.3.0/` text (no SDK), as SDK 0.3.0 built modules: the
 //! scenarios that use it prove that today's agent, whose 0.3 bindings come from 0.3.1, still
@@ -93,7 +93,7 @@ impl plugin::Guest for Partitions {
                         vec![Taint {
                             key: "example.com/maintenance".into(),
                             value: String::new(),
-                            effect: TaintEffect::NoSchedule,
+                            effect: TaintEffect::NoExecute,
                         }]
                     } else {
                         Vec::new()
