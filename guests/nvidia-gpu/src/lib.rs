@@ -734,6 +734,11 @@ impl Plugin for NvidiaGpu {
     }
 
     fn allocate_request(&mut self, request: &Request) -> Result<ContainerEdits, PluginError> {
+        // The device-plugin front end's requests carry no key: its Allocate, MPS settings and
+        // all.
+        if request.key.is_empty() {
+            return self.allocate(&request.resource_name, &request.ids);
+        }
         let claim = sharing::ClaimConfig::parse(&request.config)?;
         let (edits, units) = self.allocate_units(&request.resource_name, &request.ids)?;
         let (gpus, partitions) = whole_gpus(&units);
