@@ -206,6 +206,26 @@ pub async fn pool_complete(api: &ApiServer, slices: usize) {
     .await;
 }
 
+/// A pool's two slices once both are published: the one holding its counter sets (the API
+/// allows them only in a slice without devices), and the devices of the other.
+pub async fn counters_and_devices(api: &ApiServer) -> (serde_json::Value, Vec<serde_json::Value>) {
+    let slices = crate::eventually_some("a counters slice and a devices slice", || {
+        let slices = api.list(Kind::ResourceSlice);
+        (slices.len() == 2).then_some(slices)
+    })
+    .await;
+    let counters = slices
+        .iter()
+        .find(|s| s["spec"]["sharedCounters"].is_array())
+        .cloned()
+        .expect("a counters slice");
+    let devices = slices
+        .iter()
+        .find_map(|s| s["spec"]["devices"].as_array().cloned())
+        .expect("a devices slice");
+    (counters, devices)
+}
+
 /// The one slice of the API server, once it lists a device.
 pub async fn published(api: &ApiServer) -> serde_json::Value {
     crate::eventually_some("a published slice with the device", || {

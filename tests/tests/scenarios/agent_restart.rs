@@ -406,13 +406,7 @@ async fn an_agent_killed_between_making_a_mig_instance_and_recording_it_leaves_n
     gpus.inject("hang-after-create");
     let mut first = spawn(1);
     registered(&dra.kubelet, 1).await;
-    devicelet_tests::eventually("the placements and their counters published", || {
-        dra.api
-            .list(devicelet_simulator::apiserver::Kind::ResourceSlice)
-            .len()
-            == 2
-    })
-    .await;
+    devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let uid = dra.claim(
         DRIVER,
         "half",
@@ -934,13 +928,7 @@ front-end = "dra"
     };
     let mut first = spawn(1);
     registered(&dra.kubelet, 1).await;
-    devicelet_tests::eventually("the partitions and their counters published", || {
-        dra.api
-            .list(devicelet_simulator::apiserver::Kind::ResourceSlice)
-            .len()
-            == 2
-    })
-    .await;
+    devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let slow = serde_json::json!([{
         "source": "FromClaim",
         "requests": [],

@@ -128,24 +128,12 @@ async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_insta
     let dra = DraNode::new().await;
     let agent = serving(&dra, PARTITIONS).await;
     // The counter set in a slice of its own, the seven partitions consuming from it.
-    let slices = devicelet_tests::eventually_some("two slices", || {
-        let slices = dra.api.list(Kind::ResourceSlice);
-        (slices.len() == 2).then_some(slices)
-    })
-    .await;
-    let counters = slices
-        .iter()
-        .find(|s| s["spec"]["sharedCounters"].is_array())
-        .expect("a counters slice");
+    let (counters, devices) = devicelet_tests::dra::counters_and_devices(&dra.api).await;
     assert_eq!(
         counters["spec"]["sharedCounters"][0]["counters"]["slices"]["value"],
         "4"
     );
     assert!(counters["spec"]["devices"].is_null(), "{counters}");
-    let devices = slices
-        .iter()
-        .find_map(|s| s["spec"]["devices"].as_array())
-        .expect("a devices slice");
     assert_eq!(devices.len(), 7);
     let whole = devices
         .iter()

@@ -46,15 +46,7 @@ async fn mig_on_an_h100_is_allocated_by_counters_and_each_prepare_makes_its_inst
     registered(&dra.kubelet, 1).await;
 
     // The GPU's budget in a slice of its own: each memory slice once, seven compute slices.
-    let slices = devicelet_tests::eventually_some("two slices", || {
-        let slices = dra.api.list(Kind::ResourceSlice);
-        (slices.len() == 2).then_some(slices)
-    })
-    .await;
-    let counters = slices
-        .iter()
-        .find(|s| s["spec"]["sharedCounters"].is_array())
-        .expect("a counters slice");
+    let (counters, devices) = devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let set = &counters["spec"]["sharedCounters"][0];
     assert_eq!(set["name"], "gpu-0", "{set}");
     assert_eq!(set["counters"]["compute-slices"]["value"], "7", "{set}");
@@ -66,10 +58,6 @@ async fn mig_on_an_h100_is_allocated_by_counters_and_each_prepare_makes_its_inst
         );
     }
     // Every placement of every profile: 7 + 4 + 3 + 2 + 1 + 1.
-    let devices = slices
-        .iter()
-        .find_map(|s| s["spec"]["devices"].as_array())
-        .expect("a devices slice");
     assert_eq!(devices.len(), 18, "{devices:?}");
     let large = devices
         .iter()
