@@ -218,6 +218,19 @@ libraries = ["nvml", "nvml-mig"]
 mig-strategy = "dynamic"
 "#;
 
+/// GPU 0's MIG capability table as the driver writes it, for every GPU instance an H100 can
+/// have (GI `g`: minor `10 + 2g`, its compute instance 0: `11 + 2g`), and the minors it names.
+pub fn mig_minors() -> (String, Vec<u32>) {
+    let mut table = String::from("config 1\nmonitor 2\n");
+    let mut minors = Vec::new();
+    for gi in 1..=14u32 {
+        let (gi_minor, ci_minor) = (10 + gi * 2, 11 + gi * 2);
+        table += &format!("gpu0/gi{gi}/access {gi_minor}\ngpu0/gi{gi}/ci0/access {ci_minor}\n");
+        minors.extend([gi_minor, ci_minor]);
+    }
+    (table, minors)
+}
+
 /// An H100 80GB in MIG mode with no instances, as NVML describes it: its GPU instance profiles
 /// (`nvidia-smi mig -lgip`'s IDs, sizes and placements), for the fake NVML.
 pub fn h100_with_mig() -> serde_json::Value {
@@ -285,13 +298,9 @@ impl Node {
         self.add_char("/dev/nvidiactl", 195, 255);
         self.add_char("/dev/nvidia-uvm", 510, 0);
         self.add_char("/dev/nvidia0", 195, 0);
-        let mut table = String::from("config 1\nmonitor 2\n");
-        for gi in 1..=14u32 {
-            let (gi_minor, ci_minor) = (10 + gi * 2, 11 + gi * 2);
-            table += &format!("gpu0/gi{gi}/access {gi_minor}\ngpu0/gi{gi}/ci0/access {ci_minor}\n");
-            for minor in [gi_minor, ci_minor] {
-                self.add_char(&format!("/dev/nvidia-caps/nvidia-cap{minor}"), 511, minor);
-            }
+        let (table, minors) = mig_minors();
+        for minor in minors {
+            self.add_char(&format!("/dev/nvidia-caps/nvidia-cap{minor}"), 511, minor);
         }
         self.tree
             .write_file("/proc/driver/nvidia-caps/mig-minors", &table)

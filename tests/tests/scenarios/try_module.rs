@@ -117,13 +117,9 @@ async fn try_dra_on_a_fake_h100_makes_a_mig_instance_for_the_claim_and_destroys_
     let dir = tempfile::tempdir().unwrap();
     let fixture = dir.path().join("node");
     let mut nodes = String::from("c 195:255 /dev/nvidiactl\nc 195:0 /dev/nvidia0\n");
-    let mut table = String::from("config 1\nmonitor 2\n");
-    for gi in 1..=14u32 {
-        let (gi_minor, ci_minor) = (10 + gi * 2, 11 + gi * 2);
-        table += &format!("gpu0/gi{gi}/access {gi_minor}\ngpu0/gi{gi}/ci0/access {ci_minor}\n");
-        for minor in [gi_minor, ci_minor] {
-            nodes += &format!("c 511:{minor} /dev/nvidia-caps/nvidia-cap{minor}\n");
-        }
+    let (table, minors) = devicelet_tests::mig_minors();
+    for minor in minors {
+        nodes += &format!("c 511:{minor} /dev/nvidia-caps/nvidia-cap{minor}\n");
     }
     std::fs::create_dir_all(fixture.join("proc/driver/nvidia-caps")).unwrap();
     std::fs::create_dir_all(fixture.join("sys")).unwrap();

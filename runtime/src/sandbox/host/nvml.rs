@@ -80,13 +80,13 @@ impl Nvml {
         }
     }
 
-    /// A call into the module starts that must end by `end`: its queries wait for NVML until a
-    /// little before, so the module has time to return what it makes of the failure.
     /// The export the next call is to: what `mig` allows depends on it.
     pub fn calling(&mut self, kind: crate::sandbox::error::CallKind) {
         self.calling = Some(kind);
     }
 
+    /// A call into the module starts that must end by `end`: its queries wait for NVML until a
+    /// little before, so the module has time to return what it makes of the failure.
     pub fn call_ends_at(&mut self, end: Instant, deadline: Duration) {
         self.until = end
             .checked_sub((deadline / 4).min(RETURN_MARGIN))
