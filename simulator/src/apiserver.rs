@@ -6,7 +6,7 @@
 //! an update that carries a stale one, `metadata.uid` and `generation` assigned, and
 //! `metav1.Status` errors with the real reasons and wording (NotFound, AlreadyExists, Conflict,
 //! Invalid with the field path). ResourceSlices are validated against the API's limits
-//! (`validation.rs`). Watches are not served (a client gets 405 saying so).
+//! (`validation.rs`). Watches are streamed as the real server streams them (`watch.rs`).
 //!
 //! It can be stopped and started again on the same address, for "the API server is down for a
 //! while" scenarios; what it holds survives.
@@ -27,6 +27,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::validation;
+
+mod watch;
 
 /// The kinds served, as their REST collections name them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -114,6 +116,8 @@ pub(crate) struct Store {
     /// Which field manager owns each `status.devices` entry of a claim, by (driver, pool,
     /// device): what server-side apply tracks in `managedFields`.
     pub(crate) status_owners: BTreeMap<Key, BTreeMap<(String, String, String), String>>,
+    /// Changes kept for watches, and the watches open.
+    pub(crate) watches: watch::Watches,
 }
 
 /// An API error as `metav1.Status`.
@@ -215,6 +219,7 @@ impl Store {
         }
         check(kind, &name, &object)?;
         object["metadata"]["resourceVersion"] = json!(self.next_version());
+        self.record(&key, "ADDED", &object);
         self.objects.insert(key, object.clone());
         Ok(object)
     }
@@ -346,6 +351,7 @@ impl Store {
         }
         check(kind, name, &object)?;
         object["metadata"]["resourceVersion"] = json!(self.next_version());
+        self.record(&key, "MODIFIED", &object);
         self.objects.insert(key, object.clone());
         Ok(object)
     }
@@ -533,15 +539,9 @@ impl ApiServer {
 
     /// Deletes an object, as `kubectl delete` would; true if it existed.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) -> bool {
-        let mut store = lock(&self.store);
-        let removed = store
-            .objects
+        lock(&self.store)
             .remove(&(kind, namespace.to_string(), name.to_string()))
-            .is_some();
-        if removed {
-            store.next_version();
-        }
-        removed
+            .is_some()
     }
 
     /// Holds the next `n` reads of a ResourceClaim until all `n` have arrived, then answers them
@@ -578,8 +578,19 @@ impl ApiServer {
         lock(&self.store).consumable_off = true;
     }
 
-    /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `create`, `update`,
-    /// `delete`, `deletecollection`.
+    /// From now on, watches are refused (403), as by a server whose RBAC grants the client no
+    /// `watch`; false: served again.
+    pub fn refuse_watches(&self, refused: bool) {
+        lock(&self.store).watches.refused = refused;
+    }
+
+    /// How many watches are being served now.
+    pub fn open_watches(&self) -> usize {
+        lock(&self.store).watches.open()
+    }
+
+    /// Requests answered so far, as `(verb, kind)`: `get`, `list`, `watch`, `create`,
+    /// `update`, `delete`, `deletecollection`.
     pub fn requests(&self) -> Vec<(String, Kind)> {
         lock(&self.store)
             .requests
@@ -649,7 +660,7 @@ const MAX_BODY: usize = 3 << 20;
 
 type Body = BoxBody<Bytes, Infallible>;
 
-async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<Body> {
+async fn respond(store: &Arc<Mutex<Store>>, request: Request<Incoming>) -> Response<Body> {
     let (parts, body) = request.into_parts();
     let agent = parts
         .headers
@@ -657,6 +668,10 @@ async fn respond(store: &Mutex<Store>, request: Request<Incoming>) -> Response<B
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .unwrap_or_default();
     lock(store).user_agents.insert(agent);
+    let query = parts.uri.query().unwrap_or("");
+    if parts.method == Method::GET && watch::asked(query) {
+        return watch::serve(store, parts.uri.path(), query);
+    }
     let claim_read = parts.method == Method::GET && parts.uri.path().contains("/resourceclaims/");
     if claim_read {
         let barrier = {
@@ -801,14 +816,6 @@ fn route(path: &str) -> Option<(Kind, String, Option<String>, Option<&'static st
 fn field_selector(query: &str) -> Result<Vec<(String, String)>, ApiError> {
     let mut selector = Vec::new();
     for (key, value) in query.split('&').filter_map(|kv| kv.split_once('=')) {
-        if key == "watch" && value == "true" {
-            return Err(ApiError {
-                code: 405,
-                reason: "MethodNotAllowed",
-                message: "the kubelet simulator's API server does not serve watches; list instead"
-                    .into(),
-            });
-        }
         if key != "fieldSelector" {
             continue;
         }
@@ -960,8 +967,7 @@ fn handle(
                     }
                 }
             }
-            store.objects.remove(&key);
-            store.next_version();
+            store.remove(&key);
             Ok((
                 StatusCode::OK,
                 json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
@@ -976,9 +982,8 @@ fn handle(
                     .as_str()
                     .unwrap_or("")
                     .to_string();
-                store.objects.remove(&(kind, namespace.clone(), name));
+                store.remove(&(kind, namespace.clone(), name));
             }
-            store.next_version();
             Ok((StatusCode::OK, list_of(kind, store.resource_version, gone)))
         }
         _ => Err(ApiError::bad_request(format!("{method} {path}"))),

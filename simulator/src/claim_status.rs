@@ -98,6 +98,7 @@ impl Store {
             claim["status"]["devices"] = json!(devices);
         }
         claim["metadata"]["resourceVersion"] = json!(self.next_version());
+        self.record(&key, "MODIFIED", &claim);
         self.objects.insert(key.clone(), claim.clone());
         self.status_owners.insert(key, owners);
         Ok(claim)

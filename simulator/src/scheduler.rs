@@ -14,17 +14,20 @@ impl ApiHandle {
     /// does; how many went.
     pub fn wipe_slices(&self, node: &str, driver: Option<&str>) -> usize {
         let mut store = self.lock();
-        let before = store.objects.len();
-        store.objects.retain(|(kind, _, _), object| {
-            !(*kind == Kind::ResourceSlice
-                && object["spec"]["nodeName"] == node
-                && driver.is_none_or(|d| object["spec"]["driver"] == d))
-        });
-        let wiped = before - store.objects.len();
-        if wiped > 0 {
-            store.next_version();
+        let wiped: Vec<_> = store
+            .objects
+            .iter()
+            .filter(|((kind, _, _), object)| {
+                *kind == Kind::ResourceSlice
+                    && object["spec"]["nodeName"] == node
+                    && driver.is_none_or(|d| object["spec"]["driver"] == d)
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in &wiped {
+            store.remove(key);
         }
-        wiped
+        wiped.len()
     }
 
     /// What claims leave of the counter sets and shared capacities of `driver`'s pools on

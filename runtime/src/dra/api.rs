@@ -7,7 +7,12 @@ use std::path::Path;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+/// What [`ApiClient::watch_slices`] streams.
+pub use kube::api::WatchEvent;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions, WatchParams,
+};
+use tokio_stream::StreamExt;
 
 /// The longest any one request to the API server may take, from its start to the last byte of
 /// the answer.
@@ -95,10 +100,17 @@ impl ApiError {
     }
 }
 
+/// How long one watch of a driver's slices runs before the server ends it and it is opened
+/// again from the last version seen.
+pub const WATCH_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A client of one API server.
 #[derive(Clone)]
 pub struct ApiClient {
     client: kube::Client,
+    /// The same server for watches, whose answers may rest silent for a whole
+    /// [`WATCH_WINDOW`].
+    watcher: kube::Client,
 }
 
 impl std::fmt::Debug for ApiClient {
@@ -143,11 +155,17 @@ impl ApiClient {
         let cap = tower::util::MapResponseLayer::new(|r: http::Response<_>| {
             r.map(|body| http_body_util::Limited::new(body, MAX_ANSWER))
         });
-        let client = kube::client::ClientBuilder::try_from(config)
-            .map_err(|e| ApiError::Config(format!("building the client: {e}")))?
-            .with_layer(&cap)
-            .build();
-        Ok(ApiClient { client })
+        let build = |config: kube::Config| {
+            kube::client::ClientBuilder::try_from(config)
+                .map_err(|e| ApiError::Config(format!("building the client: {e}")))
+                .map(|builder| builder.with_layer(&cap).build())
+        };
+        let client = build(config.clone())?;
+        // A watch's stream is capped the same way (it is then opened again), and may be quiet
+        // until the server ends it.
+        config.read_timeout = Some(WATCH_WINDOW + CALL_TIMEOUT);
+        let watcher = build(config)?;
+        Ok(ApiClient { client, watcher })
     }
 
     /// Makes `devices` (`AllocatedDeviceStatus` objects) the entries of ResourceClaim
@@ -214,6 +232,40 @@ impl ApiClient {
         )
         .await
         .map(|list| list.items)
+    }
+
+    /// The version of the API server's list of `driver`'s slices on `node`: where a watch of
+    /// them starts.
+    pub async fn slices_version(&self, driver: &str, node: &str) -> Result<String, ApiError> {
+        let params =
+            ListParams::default().fields(&format!("spec.driver={driver},spec.nodeName={node}"));
+        let api = self.slices_api();
+        let list = within(
+            || format!("listing the ResourceSlices of {driver} on {node}"),
+            api.list(&params),
+        )
+        .await?;
+        Ok(list.metadata.resource_version.unwrap_or_default())
+    }
+
+    /// Changes to `driver`'s slices on `node` after `version`, until the server ends the watch
+    /// (it is asked to after [`WATCH_WINDOW`]; the caller holds it to that).
+    pub async fn watch_slices(
+        &self,
+        driver: &str,
+        node: &str,
+        version: &str,
+    ) -> Result<
+        impl tokio_stream::Stream<Item = Result<WatchEvent<ResourceSlice>, ApiError>> + use<>,
+        ApiError,
+    > {
+        let what = format!("watching the ResourceSlices of {driver} on {node}");
+        let params = WatchParams::default()
+            .fields(&format!("spec.driver={driver},spec.nodeName={node}"))
+            .timeout(WATCH_WINDOW.as_secs() as u32);
+        let api = Api::<ResourceSlice>::all(self.watcher.clone());
+        let events = within(|| what.clone(), api.watch(&params, version)).await?;
+        Ok(events.map(move |event| event.map_err(|e| ApiError::of(what.clone(), e))))
     }
 
     pub async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {

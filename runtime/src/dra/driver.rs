@@ -16,6 +16,7 @@ use super::events::DraEvents;
 use super::prepare::{Claims, ClaimsSpec};
 use super::retire::Retirees;
 use super::server::{self, Registered};
+use super::slice_watch;
 use super::slices::{self, Pool, Published};
 use crate::resource::backend::{DeviceBackend, Upkeep};
 use crate::resource::core::{self, CoreSpec};
@@ -165,10 +166,11 @@ pub fn start<B: DeviceBackend>(
         tokio::spawn(async move { claims.recover().await });
     }
     let republish = Arc::new(Notify::new());
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let served = server::serve(
         claims.clone(),
         (&options.registry_dir, &options.plugins_dir),
-        republish.clone(),
+        (republish.clone(), watching.clone()),
         stopped.clone(),
     )
     .map_err(|source| DriverError::Serve {
@@ -183,7 +185,7 @@ pub fn start<B: DeviceBackend>(
     let mut tasks = core.tasks;
     tasks.extend(served.tasks);
     let publisher = options.api.as_ref().map(|api| {
-        tokio::spawn(slices::publish(
+        let publish = slices::publish(
             api.clone(),
             pool.clone(),
             core.devices.clone(),
@@ -192,8 +194,23 @@ pub fn start<B: DeviceBackend>(
             core.ready.clone(),
             options.resync,
             published_tx,
+            stopped.clone(),
+        );
+        let watch = slice_watch::watch_pool(
+            api.clone(),
+            pool.clone(),
+            republish.clone(),
+            watching,
             stopped,
-        ))
+        );
+        // One task: aborting the publisher stops the watch that wakes it, and the publisher's
+        // end (only stopping explains it) ends the watch.
+        tokio::spawn(async move {
+            tokio::select! {
+                () = publish => {}
+                () = watch => {}
+            }
+        })
     });
     tracing::info!(
         driver = spec.driver,

@@ -16,6 +16,7 @@ pub mod old_checkpoint;
 pub mod prepare;
 pub mod retire;
 pub mod server;
+pub mod slice_watch;
 pub mod slices;
 pub mod taints;
 pub mod units;

@@ -159,14 +159,16 @@ pub struct Served {
 }
 
 /// Serves `claims`' driver until `stop` flips, then removes both sockets.
-/// `republish` is woken right after each registration and a few times in the eight seconds
-/// after it: a kubelet before 1.34 wipes a driver's slices at once when its registration
-/// socket is replaced (an agent restarting after a SIGKILL replaces its predecessor's), in the
-/// background, so the wipe may land just before or just after the new registration.
+/// `republish` is woken right after each registration: a kubelet before 1.34 wipes a driver's
+/// slices at once when its registration socket is replaced (an agent restarting after a
+/// SIGKILL replaces its predecessor's), in the background, so the wipe may land just before or
+/// just after the new registration. The watch of the driver's slices sees such a wipe; while
+/// none is open (`watching`), the publisher is woken a few more times in the eight seconds
+/// after the registration instead.
 pub fn serve<B: DeviceBackend>(
     claims: Arc<Claims<B>>,
     (registry_dir, plugins_dir): (&Path, &Path),
-    republish: Arc<tokio::sync::Notify>,
+    (republish, watching): (Arc<tokio::sync::Notify>, Arc<AtomicBool>),
     stop: watch::Receiver<bool>,
 ) -> std::io::Result<Served> {
     let driver = claims.driver.clone();
@@ -203,11 +205,14 @@ pub fn serve<B: DeviceBackend>(
                 .store(status.plugin_registered, Ordering::Relaxed);
             if status.plugin_registered {
                 tracing::info!(driver, "registered with the kubelet as a DRA driver");
-                let republish = republish.clone();
+                let (republish, watching) = (republish.clone(), watching.clone());
                 tokio::spawn(async move {
                     let start = tokio::time::Instant::now();
                     for after_ms in REPUBLISH_AFTER_REGISTRATION_MS {
                         tokio::time::sleep_until(start + Duration::from_millis(after_ms)).await;
+                        if after_ms > 0 && watching.load(Ordering::Relaxed) {
+                            return;
+                        }
                         republish.notify_one();
                     }
                 });

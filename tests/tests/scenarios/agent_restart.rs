@@ -634,16 +634,22 @@ async fn an_agent_killed_between_check_and_record_holds_nothing_twice_after_rest
 /// Killed with SIGKILL and started again, the agent finds its slices current, then replaces its
 /// predecessor's registration socket: a kubelet before 1.34 wipes the driver's slices at once on
 /// that de-registration, 1.34 and later cancel the wipe when it registers again. Either way the
-/// pool is back long before the next resync (10 s, the default): republished right after the
-/// registration, not at the resync.
+/// pool is back long before the next resync (10 s, the default): the agent's watch of its
+/// slices sees the wipe, and where the server refuses it that watch, the publisher is woken
+/// again in the seconds after the registration.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_wiped_when_a_restarted_agent_replaces_its_socket_is_back_before_the_resync() {
     use devicelet_simulator::DraWipe;
     use devicelet_tests::dra::{DraNode, published, registered, slice_devices};
-    for wipe in [DraWipe::AtOnce, DraWipe::Delayed] {
+    for (wipe, watches) in [
+        (DraWipe::AtOnce, true),
+        (DraWipe::Delayed, true),
+        (DraWipe::AtOnce, false),
+    ] {
         // The kubelet's reconciler acts on the replaced socket half a second later, as its
         // once-a-second tick does on average: after the restarted agent found its slices current.
         let dra = DraNode::with_wipe(wipe, std::time::Duration::from_millis(500)).await;
+        dra.api.refuse_watches(!watches);
         let registry = dra.node.registry(
             &devicelet_tests::generic_dev(r#"groups = [{ name = "fuse", paths = ["/dev/fuse"] }]"#)
                 .replacen(
@@ -681,12 +687,12 @@ async fn a_pool_wiped_when_a_restarted_agent_replaces_its_socket_is_back_before_
         }
         assert!(
             missing_since.is_none(),
-            "{wipe:?}: the pool is still missing {:?} after the registration",
+            "{wipe:?} (watches {watches}): the pool is still missing {:?} after the registration",
             missing_since.map(|s: std::time::Instant| s.elapsed())
         );
         assert!(
             gap < std::time::Duration::from_secs(5),
-            "{wipe:?}: missing for {gap:?}, as long as waiting for the resync"
+            "{wipe:?} (watches {watches}): missing for {gap:?}, as long as waiting for the resync"
         );
         second.kill().expect("SIGKILL");
         second.wait().expect("reaped");

@@ -127,6 +127,90 @@ async fn the_agents_api_client_reads_claims_and_writes_slices_as_kube_does() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_watch_of_its_slices_sees_changes_after_a_list_and_must_list_again_when_too_old()
+{
+    use devicelet::dra::api::WatchEvent;
+    use tokio_stream::StreamExt;
+    let api = ApiServer::start().await.expect("API server");
+    let (_dir, client) = client(&api).await;
+    let version = client
+        .slices_version("gpu.example.com", "node-a")
+        .await
+        .expect("listed");
+    let events = client
+        .watch_slices("gpu.example.com", "node-a", &version)
+        .await
+        .expect("watching");
+    tokio::pin!(events);
+    let created = client
+        .create_slice(&slice("node-a", &["gpu-0"]))
+        .await
+        .expect("created");
+    // Another node's slice is not this watch's.
+    client
+        .create_slice(&slice("node-b", &["gpu-0"]))
+        .await
+        .expect("created");
+    client.delete_slice(&created).await.expect("deleted");
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let event = tokio::time::timeout(devicelet_tests::WAIT, events.next())
+            .await
+            .expect("an event in time")
+            .expect("the watch goes on")
+            .expect("an event");
+        seen.push(match event {
+            WatchEvent::Added(s) => ("added", s.spec.node_name),
+            WatchEvent::Deleted(s) => ("deleted", s.spec.node_name),
+            other => panic!("unexpected {other:?}"),
+        });
+    }
+    let node_a = Some("node-a".to_owned());
+    assert_eq!(seen, [("added", node_a.clone()), ("deleted", node_a)]);
+    assert_eq!(api.open_watches(), 1);
+
+    // Thousands of changes later, the first slice's version is older than the server keeps.
+    let version = created
+        .metadata
+        .resource_version
+        .clone()
+        .expect("a version");
+    for _ in 0..2100 {
+        let made = client
+            .create_slice(&slice("node-b", &["gpu-1"]))
+            .await
+            .expect("created");
+        client.delete_slice(&made).await.expect("deleted");
+    }
+    let old = client
+        .watch_slices("gpu.example.com", "node-a", &version)
+        .await
+        .expect("watching");
+    tokio::pin!(old);
+    let expired = tokio::time::timeout(devicelet_tests::WAIT, old.next())
+        .await
+        .expect("an answer in time")
+        .expect("an event")
+        .expect("an event");
+    match expired {
+        WatchEvent::Error(status) => assert_eq!(status.code, 410, "{status:?}"),
+        other => panic!("expected 410 Expired, got {other:?}"),
+    }
+
+    // A server whose RBAC grants no watch refuses it by name.
+    api.refuse_watches(true);
+    let refused = client
+        .watch_slices("gpu.example.com", "node-a", &version)
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        refused.to_string().contains("cannot watch resource"),
+        "{refused}"
+    );
+}
+
 /// A node with two FUSE devices served through DRA, both published.
 async fn two_fuses() -> (DraNode, devicelet::agent::Agent) {
     let dra = DraNode::new().await;
@@ -405,6 +489,40 @@ async fn slices_wiped_by_a_starting_kubelet_are_published_again() {
     .await;
     let agent = dra.agent(&fuse_dra()).await;
     published(&dra.api).await;
+    agent.shutdown().await;
+}
+
+/// Whenever the kubelet wipes the node's slices (its start may reach the API server long after
+/// the driver registered), or someone deletes them: the agent watches its own slices and puts
+/// the pool back at once, not at the next resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_deleted_long_after_registration_are_back_through_the_watch_not_the_resync() {
+    let dra = DraNode::new().await;
+    let agent = dra
+        .agent_with(&fuse_dra(), |o| {
+            if let Some(dra) = o.dra.as_mut() {
+                // Longer than the test waits: only the watch can bring the pool back.
+                dra.resync = std::time::Duration::from_secs(3600);
+            }
+        })
+        .await;
+    published(&dra.api).await;
+    devicelet_tests::eventually("the agent watching its slices", || {
+        dra.api.open_watches() == 1
+    })
+    .await;
+    for wipe in 0..3 {
+        let before = dra
+            .api
+            .list(Kind::ResourceSlice)
+            .first()
+            .map(|s| s["metadata"]["name"].clone());
+        let wiped = std::time::Instant::now();
+        assert_eq!(dra.api.handle().wipe_slices(NODE, None), 1);
+        let again = published(&dra.api).await;
+        eprintln!("wipe {wipe}: the pool was back after {:?}", wiped.elapsed());
+        assert_ne!(Some(again["metadata"]["name"].clone()), before);
+    }
     agent.shutdown().await;
 }
 
