@@ -8,8 +8,10 @@
 //! as on any warm start. Its resident memory after a cold start is what it is after a warm one,
 //! and a module built to make the compiler blow up takes down only the child. The child compiles
 //! untrusted input, so it runs with the least it needs: an empty environment, `no_new_privs`, no
-//! capabilities (its bounding set emptied, so exec as root grants none), and limits on address
-//! space, CPU time, open files and core dumps ([`harden`]). A child the kernel kills (out of
+//! capabilities (its bounding set emptied, so exec as root grants none), limits on address
+//! space, CPU time, open files and core dumps ([`harden`]), and a system-call filter it applies
+//! to itself before reading its input (`compile_filter.rs`: memory, threads, stdin and stdout,
+//! nothing else — no file, socket, exec or signal to another process). A child the kernel kills (out of
 //! memory under node pressure) is tried again after a pause and blamed on the module only when it
 //! dies the same way again. Where there is no
 //! child to run (the agent embedded in tests, `validate`, no usable cache), compiles run in a
@@ -296,6 +298,7 @@ fn attempt(exe: &Path, wasm: &[u8]) -> Attempt {
 /// The child's side: `devicelet compile-module`. Reads a component on stdin, writes its
 /// precompiled form on stdout; a component that does not compile is an error (exit 1).
 pub fn serve_child() -> anyhow::Result<()> {
+    super::compile_filter::confine()?;
     let mut wasm = Vec::new();
     std::io::stdin().take(MAX_WASM).read_to_end(&mut wasm)?;
     let engine = super::engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;

@@ -6,6 +6,7 @@ pub mod budget;
 pub mod cache;
 pub mod cell;
 pub mod checks;
+pub mod compile_filter;
 pub mod compiler;
 pub mod engine;
 pub mod error;
