@@ -640,6 +640,19 @@ impl Simulator {
         .map_err(SimError::Dra)
     }
 
+    /// [`node_prepare_resources`](Self::node_prepare_resources) with `deadline` as the call's
+    /// timeout instead of the kubelet's.
+    pub async fn node_prepare_resources_within(
+        &self,
+        driver: &str,
+        claims: Vec<devicelet_api::dra::v1::Claim>,
+        deadline: Duration,
+    ) -> Result<devicelet_api::dra::v1::NodePrepareResourcesResponse, SimError> {
+        dra::prepare(&self.inner, driver, claims, deadline)
+            .await
+            .map_err(SimError::Dra)
+    }
+
     /// `NodeUnprepareResources`, sent like [`node_prepare_resources`](Self::node_prepare_resources).
     pub async fn node_unprepare_resources(
         &self,

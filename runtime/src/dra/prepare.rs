@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::resource::v1::DeviceToleration;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::HeldElsewhere;
 use super::api::ApiClient;
@@ -68,9 +69,22 @@ pub struct PreparedDevice {
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
     #[error(
-        "more than {MAX_CLAIMS_PER_CALL} claims in one NodePrepareResources call; this one was not prepared"
+        "more than {MAX_CLAIMS_PER_CALL} claims in one call; this one was not prepared or unprepared"
     )]
     TooMany,
+    /// An earlier call for the same claim still runs (its API read, a module call) as this
+    /// call's deadline comes: answered now rather than after the kubelet stopped listening.
+    #[error(
+        "an earlier call for this claim is still running; this one was not started (the \
+         kubelet's next try finds it done)"
+    )]
+    Busy,
+    /// The call's deadline came before this request's turn: what was done is undone.
+    #[error(
+        "request {0:?} was not started: the call's deadline came first; the claim was undone \
+         and the kubelet's next try prepares it afresh"
+    )]
+    Deadline(String),
     #[error(
         "DRA driver {0} left this node's registry: it only answers for the claims it prepared \
          before, until they are unprepared"
@@ -213,6 +227,7 @@ impl<B: DeviceBackend> Claims<B> {
     pub async fn prepare(
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
+        deadline: Instant,
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>> {
         let mut jobs = Vec::with_capacity(claims.len().min(MAX_CLAIMS_PER_CALL));
         let mut answers = BTreeMap::new();
@@ -225,7 +240,9 @@ impl<B: DeviceBackend> Claims<B> {
             let me = self.clone();
             jobs.push(tokio::spawn(async move {
                 let started = std::time::Instant::now();
-                let answer = me.serialized(&claim.uid, me.prepare_one(&claim)).await;
+                let answer = me
+                    .serialized(&claim.uid, Some(deadline), me.prepare_one(&claim, deadline))
+                    .await;
                 if let Err(e) = &answer {
                     tracing::warn!(driver = me.driver, claim = claim.uid, "prepare: {e}");
                 }
@@ -255,12 +272,34 @@ impl<B: DeviceBackend> Claims<B> {
     }
 
     /// Unprepares each claim by UID, concurrently and each in its own task like
-    /// [`prepare`](Self::prepare); the answer has an entry for every UID asked.
+    /// [`prepare`](Self::prepare), at most [`MAX_CLAIMS_PER_CALL`]; the answer has an entry for
+    /// every UID asked.
     pub async fn unprepare(
         self: &Arc<Self>,
         uids: Vec<String>,
+        deadline: Instant,
     ) -> BTreeMap<String, Result<(), ClaimError>> {
+        let mut answers = BTreeMap::new();
+        let asked = uids.len();
+        if asked > MAX_CLAIMS_PER_CALL {
+            tracing::warn!(
+                driver = self.driver,
+                "a NodeUnprepareResources call asked for {asked} claims; the {} past the first \
+                 {MAX_CLAIMS_PER_CALL} were refused",
+                asked - MAX_CLAIMS_PER_CALL
+            );
+        }
         let jobs: Vec<_> = uids
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, uid)| {
+                if i >= MAX_CLAIMS_PER_CALL {
+                    answers.insert(uid, Err(ClaimError::TooMany));
+                    return None;
+                }
+                Some(uid)
+            })
+            .collect::<Vec<_>>()
             .into_iter()
             .map(|uid| {
                 let me = self.clone();
@@ -268,7 +307,9 @@ impl<B: DeviceBackend> Claims<B> {
                     uid.clone(),
                     tokio::spawn(async move {
                         let started = std::time::Instant::now();
-                        let answer = me.serialized(&uid, me.unprepare_one(&uid)).await;
+                        let answer = me
+                            .serialized(&uid, Some(deadline), me.unprepare_one(&uid))
+                            .await;
                         let (ok, took) = (answer.is_ok(), started.elapsed());
                         me.events
                             .emit(&me.driver, DraEvent::Unprepared { ok, took });
@@ -277,7 +318,6 @@ impl<B: DeviceBackend> Claims<B> {
                 )
             })
             .collect();
-        let mut answers = BTreeMap::new();
         for (uid, job) in jobs {
             let answer = job
                 .await
@@ -312,7 +352,7 @@ impl<B: DeviceBackend> Claims<B> {
             .collect();
         for (uid, record) in preparing {
             let undone = self
-                .serialized(&uid, async {
+                .serialized(&uid, None, async {
                     match self.ledger.claim(&uid) {
                         Some(r) if r.preparing => self.undo_preparing(&uid, &r).await,
                         _ => Ok(()),
@@ -358,8 +398,14 @@ impl<B: DeviceBackend> Claims<B> {
             .map_err(ClaimError::from)
     }
 
-    /// Runs `work` while no other call for claim `uid` runs.
-    async fn serialized<T>(&self, uid: &str, work: impl Future<Output = T>) -> T {
+    /// Runs `work` while no other call for claim `uid` runs; [`ClaimError::Busy`] if another
+    /// still runs when `until` comes.
+    async fn serialized<T>(
+        &self,
+        uid: &str,
+        until: Option<Instant>,
+        work: impl Future<Output = Result<T, ClaimError>>,
+    ) -> Result<T, ClaimError> {
         let lock = self
             .locks
             .lock()
@@ -367,9 +413,13 @@ impl<B: DeviceBackend> Claims<B> {
             .entry(uid.to_owned())
             .or_default()
             .clone();
-        let answer = {
-            let _held = lock.lock().await;
-            work.await
+        let held = match until {
+            Some(until) => tokio::time::timeout_at(until, lock.lock()).await.ok(),
+            None => Some(lock.lock().await),
+        };
+        let answer = match held {
+            Some(_held) => work.await,
+            None => Err(ClaimError::Busy),
         };
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
         // Only when no one else waits on it.
@@ -379,7 +429,11 @@ impl<B: DeviceBackend> Claims<B> {
         answer
     }
 
-    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+    async fn prepare_one(
+        &self,
+        claim: &ClaimRef,
+        deadline: Instant,
+    ) -> Result<Vec<PreparedDevice>, ClaimError> {
         if let Some(half) = self.ledger.claim(&claim.uid).filter(|c| c.preparing) {
             // Left by an agent stopped in the module's `prepare`: undone, then prepared afresh.
             self.undo_preparing(&claim.uid, &half).await?;
@@ -397,13 +451,22 @@ impl<B: DeviceBackend> Claims<B> {
             return Err(ClaimError::Retiring(self.driver.clone()));
         }
         let api = self.api.as_ref().ok_or(ClaimError::NoApi)?;
-        let object = api
-            .claim(&claim.namespace, &claim.name)
-            .await
-            .map_err(|e| {
-                self.events.emit(&self.driver, DraEvent::ApiError);
-                ClaimError::Api(e.to_string())
-            })?;
+        let object =
+            match tokio::time::timeout_at(deadline, api.claim(&claim.namespace, &claim.name)).await
+            {
+                Ok(object) => object.map_err(|e| {
+                    self.events.emit(&self.driver, DraEvent::ApiError);
+                    ClaimError::Api(e.to_string())
+                })?,
+                Err(_) => {
+                    self.events.emit(&self.driver, DraEvent::ApiError);
+                    return Err(ClaimError::Api(format!(
+                        "getting ResourceClaim {}/{}: no answer from the API server before the \
+                     call's deadline",
+                        claim.namespace, claim.name
+                    )));
+                }
+            };
         let wanted = claim::wanted(&object, &claim.uid, &self.driver, &self.pool)?;
         for want in &wanted {
             check_names(&claim.uid, &want.request)?;
@@ -463,7 +526,19 @@ impl<B: DeviceBackend> Claims<B> {
         }
         let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
         for (done, request) in record.requests.iter_mut().enumerate() {
-            match self.prepare_request(&claim.uid, request, prepares).await {
+            // Not started past the call's deadline: a module call runs to its own deadline.
+            let outcome = if Instant::now() >= deadline {
+                Err(ClaimError::Deadline(request.request.clone()))
+            } else {
+                self.prepare_request(&claim.uid, request, prepares)
+                    .await
+                    .map_err(|source| ClaimError::Module {
+                        request: request.request.clone(),
+                        again: false,
+                        source,
+                    })
+            };
+            match outcome {
                 Ok(prepared) => {
                     request.cdi_ids = prepared.edits.cdi_devices.clone();
                     request.status = prepared.status;
@@ -472,8 +547,7 @@ impl<B: DeviceBackend> Claims<B> {
                         Arc::new(prepared.edits),
                     );
                 }
-                Err(source) => {
-                    let request = request.request.clone();
+                Err(error) => {
                     if prepares {
                         // The module's `prepare` may have created part of what failed: every
                         // request is unprepared, and if that fails too the write-ahead record
@@ -493,11 +567,7 @@ impl<B: DeviceBackend> Claims<B> {
                         };
                         self.give_back(&claim.uid, &done).await;
                     }
-                    return Err(ClaimError::Module {
-                        request,
-                        again: false,
-                        source,
-                    });
+                    return Err(error);
                 }
             }
         }

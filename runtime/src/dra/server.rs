@@ -53,8 +53,48 @@ impl<B> Clone for Plugin<B> {
     }
 }
 
+/// Until when a call's claims may be worked on: nine tenths of the time the kubelet gave the
+/// call (its `grpc-timeout`; 45 s when it sends none, what the kubelet gives), so an answer,
+/// even a refusal, reaches it before it gives up.
+fn call_deadline<T>(request: &Request<T>) -> tokio::time::Instant {
+    let given = request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(grpc_timeout)
+        .unwrap_or(KUBELET_CALL_TIMEOUT)
+        .min(KUBELET_CALL_TIMEOUT);
+    tokio::time::Instant::now() + given.mul_f32(0.9)
+}
+
+/// The time the kubelet gives a DRA call.
+const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
+
+/// gRPC's `grpc-timeout`: at most eight digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
+fn grpc_timeout(text: &str) -> Option<Duration> {
+    let unit = text.chars().last()?;
+    let digits = &text[..text.len() - unit.len_utf8()];
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        'H' => Duration::from_secs(n.saturating_mul(3600)),
+        'M' => Duration::from_secs(n.saturating_mul(60)),
+        'S' => Duration::from_secs(n),
+        'm' => Duration::from_millis(n),
+        'u' => Duration::from_micros(n),
+        'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 impl<B: DeviceBackend> Plugin<B> {
-    async fn prepare(&self, claims: Vec<v1::Claim>) -> v1::NodePrepareResourcesResponse {
+    async fn prepare(
+        &self,
+        claims: Vec<v1::Claim>,
+        deadline: tokio::time::Instant,
+    ) -> v1::NodePrepareResourcesResponse {
         let refs = claims
             .into_iter()
             .map(|c| ClaimRef {
@@ -63,7 +103,7 @@ impl<B: DeviceBackend> Plugin<B> {
                 uid: c.uid,
             })
             .collect();
-        let answers = self.0.prepare(refs).await;
+        let answers = self.0.prepare(refs, deadline).await;
         let claims = answers
             .into_iter()
             .map(|(uid, answer)| {
@@ -83,10 +123,14 @@ impl<B: DeviceBackend> Plugin<B> {
         v1::NodePrepareResourcesResponse { claims }
     }
 
-    async fn unprepare(&self, claims: Vec<v1::Claim>) -> v1::NodeUnprepareResourcesResponse {
+    async fn unprepare(
+        &self,
+        claims: Vec<v1::Claim>,
+        deadline: tokio::time::Instant,
+    ) -> v1::NodeUnprepareResourcesResponse {
         let answers = self
             .0
-            .unprepare(claims.into_iter().map(|c| c.uid).collect())
+            .unprepare(claims.into_iter().map(|c| c.uid).collect(), deadline)
             .await;
         let claims = answers
             .into_iter()
@@ -115,8 +159,9 @@ impl<B: DeviceBackend> v1::dra_plugin_server::DraPlugin for Plugin<B> {
         &self,
         request: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let deadline = call_deadline(&request);
         Ok(Response::new(
-            self.prepare(request.into_inner().claims).await,
+            self.prepare(request.into_inner().claims, deadline).await,
         ))
     }
 
@@ -124,8 +169,9 @@ impl<B: DeviceBackend> v1::dra_plugin_server::DraPlugin for Plugin<B> {
         &self,
         request: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let deadline = call_deadline(&request);
         Ok(Response::new(
-            self.unprepare(request.into_inner().claims).await,
+            self.unprepare(request.into_inner().claims, deadline).await,
         ))
     }
 }
@@ -136,16 +182,22 @@ impl<B: DeviceBackend> v1beta1::dra_plugin_server::DraPlugin for Plugin<B> {
         &self,
         request: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let deadline = call_deadline(&request);
         let claims = request.into_inner().claims.into_iter().map(Into::into);
-        Ok(Response::new(self.prepare(claims.collect()).await.into()))
+        Ok(Response::new(
+            self.prepare(claims.collect(), deadline).await.into(),
+        ))
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let deadline = call_deadline(&request);
         let claims = request.into_inner().claims.into_iter().map(Into::into);
-        Ok(Response::new(self.unprepare(claims.collect()).await.into()))
+        Ok(Response::new(
+            self.unprepare(claims.collect(), deadline).await.into(),
+        ))
     }
 }
 
@@ -251,4 +303,20 @@ pub fn serve<B: DeviceBackend>(
         registered,
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_are_read_as_grpc_writes_them_and_nonsense_is_none() {
+        assert_eq!(grpc_timeout("44999m"), Some(Duration::from_millis(44_999)));
+        assert_eq!(grpc_timeout("45S"), Some(Duration::from_secs(45)));
+        assert_eq!(grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(grpc_timeout("250000u"), Some(Duration::from_millis(250)));
+        for bad in ["", "S", "123456789S", "12x", "-1S", "1.5S", "10s"] {
+            assert_eq!(grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -894,7 +894,7 @@ async fn ten_thousand_claims_in_one_call_get_an_answer_each_and_only_the_first_a
     let untried = answer
         .claims
         .values()
-        .filter(|c| c.error.contains("claims in one NodePrepareResources call"))
+        .filter(|c| c.error.contains("claims in one call"))
         .count();
     assert_eq!(untried, 10_000 - max);
     // Only the claims it tried were read from the API server.
@@ -908,6 +908,24 @@ async fn ten_thousand_claims_in_one_call_get_an_answer_each_and_only_the_first_a
     // The driver still answers at once.
     let again = dra.prepare(DRIVER, "real", &uid).await;
     assert_eq!(again.error, "");
+
+    // So for unprepare: the first claims are tried (the real one among them), the rest refused.
+    let mut claims = vec![wire_claim("real", &uid)];
+    claims.extend((1..10_000).map(|i| wire_claim(&format!("flood-{i}"), &format!("uid-{i}"))));
+    let answer = dra
+        .kubelet
+        .node_unprepare_resources(DRIVER, claims)
+        .await
+        .expect("answered within the kubelet's deadline");
+    assert_eq!(answer.claims.len(), 10_000, "an entry for every claim");
+    assert_eq!(answer.claims[&uid].error, "", "{:?}", answer.claims[&uid]);
+    let untried = answer
+        .claims
+        .values()
+        .filter(|c| c.error.contains("claims in one call"))
+        .count();
+    assert_eq!(untried, 10_000 - max);
+    assert_eq!(agent.status().dra_drivers[0].prepared_claims, 0);
     agent.shutdown().await;
 }
 
@@ -1433,7 +1451,36 @@ async fn a_claim_the_api_server_trickles_fails_at_the_deadline_and_its_retry_is_
     // Headers at once, then 40 bytes a second: the whole claim would take about a minute.
     dra.api.trickle_claim_reads(Some(40));
     let started = std::time::Instant::now();
-    let answer = dra.prepare(DRIVER, "slow", &uid).await;
+    let first = {
+        let kubelet = dra.kubelet.clone();
+        let claim = wire_claim("slow", &uid);
+        tokio::spawn(async move { kubelet.node_prepare_resources(DRIVER, vec![claim]).await })
+    };
+    devicelet_tests::eventually("the claim's read under way", || {
+        dra.api
+            .requests()
+            .contains(&("get".to_owned(), Kind::ResourceClaim))
+    })
+    .await;
+    // Another call for the claim meanwhile, with a second to answer: answered within it (the
+    // claim is busy), not held behind the first call's read.
+    let busy = dra
+        .kubelet
+        .node_prepare_resources_within(
+            DRIVER,
+            vec![wire_claim("slow", &uid)],
+            std::time::Duration::from_secs(1),
+        )
+        .await
+        .expect("answered within its deadline");
+    assert!(
+        busy.claims[&uid]
+            .error
+            .contains("an earlier call for this claim is still running"),
+        "{busy:?}"
+    );
+    let answer = first.await.expect("the first call").expect("answered");
+    let answer = &answer.claims[&uid];
     assert!(
         answer
             .error
