@@ -108,8 +108,22 @@ pub async fn start_module(
 }
 
 /// Which of a module's declared resources `run` serves, under which names, and why the others
-/// are not (each error names the module). `validate` shows the same plan.
+/// are not (each error names the module and where its registry entry is). `validate` shows the
+/// same plan.
 pub fn plan(
+    spec: &ModuleSpec,
+    declared: &[ResourceInfo],
+    taken: &BTreeMap<String, String>,
+) -> (Vec<(String, ResourceInfo)>, Vec<String>) {
+    let (served, errors) = plan_unplaced(spec, declared, taken);
+    let errors = errors
+        .into_iter()
+        .map(|e| format!("{}: {e}", spec.entry_at))
+        .collect();
+    (served, errors)
+}
+
+fn plan_unplaced(
     spec: &ModuleSpec,
     declared: &[ResourceInfo],
     taken: &BTreeMap<String, String>,
@@ -157,8 +171,8 @@ pub fn plan(
             ));
         } else if let Some(owner) = taken.get(&name) {
             errors.push(format!(
-                "{}: module `{}` declared {name}, which module `{owner}` already serves",
-                spec.entry_at, spec.name
+                "module `{}` declared {name}, which module `{owner}` already serves",
+                spec.name
             ));
         } else if served.iter().any(|(n, _)| *n == name) {
             errors.push(format!("module `{}` declared {name} twice", spec.name));

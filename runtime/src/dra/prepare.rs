@@ -471,6 +471,17 @@ impl<B: DeviceBackend> Claims<B> {
         for want in &wanted {
             check_names(&claim.uid, &want.request)?;
         }
+        // A request's config is the module's to judge before anything is reserved for it.
+        for want in wanted.iter().filter(|w| !w.config.is_empty()) {
+            self.backend
+                .validate_config(&self.resource, &want.config)
+                .await
+                .map_err(|source| ClaimError::Module {
+                    request: want.request.clone(),
+                    again: false,
+                    source,
+                })?;
+        }
         let snapshot = self.devices.borrow().clone();
         let mut requests = Vec::with_capacity(wanted.len());
         for want in wanted {

@@ -188,6 +188,10 @@ impl<B: DeviceBackend> DeviceBackend for Replicated<B> {
         self.inner.release(Request { ids, ..request }).await
     }
 
+    async fn validate_config(&self, resource: &str, config: &str) -> Result<(), BackendError> {
+        self.inner.validate_config(resource, config).await
+    }
+
     fn prepares_claims(&self, resource: &str) -> bool {
         self.inner.prepares_claims(resource)
     }

@@ -73,6 +73,18 @@ pub trait DeviceBackend: Clone + Send + Sync + 'static {
     /// The end of `request` (a DRA claim unprepared): what was set up for it may go.
     fn release(&self, request: Request) -> impl Future<Output = Result<(), BackendError>> + Send;
 
+    /// Checks a DRA request's opaque `config` before any device is reserved for it, so a bad
+    /// one fails the claim with the backend's words. A backend that takes any config (or none)
+    /// keeps this default.
+    fn validate_config(
+        &self,
+        resource: &str,
+        config: &str,
+    ) -> impl Future<Output = Result<(), BackendError>> + Send {
+        let _ = (resource, config);
+        async { Ok(()) }
+    }
+
     /// Whether the resource's DRA claims are prepared by [`prepare`](Self::prepare), which
     /// creates something [`unprepare`](Self::unprepare) must undo, even across a restart (WIT
     /// 0.3 `prepares-claims`); otherwise by `allocate_request` and `release`.

@@ -75,6 +75,8 @@ pub enum CallKind {
     /// A DRA claim's request prepared, or undone, through the `claims` export (0.3).
     Prepare,
     Unprepare,
+    /// A request's config checked (`config.validate-config`, 0.2 and later).
+    ValidateConfig,
 }
 
 impl std::fmt::Display for CallKind {
@@ -89,6 +91,7 @@ impl std::fmt::Display for CallKind {
             CallKind::Release => "release",
             CallKind::Prepare => "prepare",
             CallKind::Unprepare => "unprepare",
+            CallKind::ValidateConfig => "validate-config",
         })
     }
 }

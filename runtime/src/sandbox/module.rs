@@ -395,6 +395,29 @@ impl ModuleHandle {
         call.done(result)
     }
 
+    /// Checks a request's config (a DRA claim's parameters) with the module's
+    /// `validate-config`, in its kubelet lane; a module without that export takes no config.
+    pub async fn validate_config(&self, resource: &str, config: &str) -> Result<(), CallError> {
+        let call = self.observe(CallKind::ValidateConfig);
+        let (resource, config) = (resource.to_owned(), config.to_owned());
+        let result = self
+            .call(
+                &self.kubelet,
+                CallKind::ValidateConfig,
+                self.deadline,
+                move |i| {
+                    Box::pin(async move {
+                        i.plugin
+                            .validate_config(&mut i.store, &resource, &config)
+                            .await
+                    })
+                },
+                Ok,
+            )
+            .await;
+        call.done(result)
+    }
+
     /// Whether the resource's DRA claims are prepared through the module's `claims` export.
     pub fn prepares_claims(&self, resource: &str) -> bool {
         self.resources

@@ -93,6 +93,10 @@ impl DeviceBackend for ModuleSlot {
         DeviceBackend::release(&*self.current(), request).await
     }
 
+    async fn validate_config(&self, resource: &str, config: &str) -> Result<(), BackendError> {
+        DeviceBackend::validate_config(&*self.current(), resource, config).await
+    }
+
     fn prepares_claims(&self, resource: &str) -> bool {
         DeviceBackend::prepares_claims(&*self.current(), resource)
     }
@@ -188,6 +192,10 @@ impl DeviceBackend for ModuleHandle {
             ModuleHandle::release(self, request).await?;
         }
         Ok(())
+    }
+
+    async fn validate_config(&self, resource: &str, config: &str) -> Result<(), BackendError> {
+        Ok(ModuleHandle::validate_config(self, resource, config).await?)
     }
 
     fn prepares_claims(&self, resource: &str) -> bool {

@@ -203,6 +203,32 @@ async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_insta
     agent.shutdown().await;
 }
 
+/// A claim's config is the module's `validate-config`'s to judge before anything is reserved
+/// or made for it: one it refuses fails the claim with the module's words (the partitions
+/// module's `prepare` would take any), and the partition stays free for the next claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_the_modules_validate_config_refuses_fails_the_claim_before_anything_is_made() {
+    let dra = DraNode::new().await;
+    let agent = serving(&dra, PARTITIONS).await;
+    devicelet_tests::eventually("the partitions and their counters published", || {
+        dra.api.list(Kind::ResourceSlice).len() == 2
+    })
+    .await;
+    let colour = json!([{"source": "FromClaim", "requests": [],
+        "opaque": {"driver": ACC, "parameters": {"colour": "red"}}}]);
+    let uid = dra.claim(ACC, "red", &["acc-0-4s-0"], colour);
+    let refused = dra.prepare(ACC, "red", &uid).await;
+    assert!(
+        refused.error.contains("expected no config") && refused.error.contains("colour"),
+        "{refused:?}"
+    );
+    assert!(agent.ledger().claim(&uid).is_none(), "nothing recorded");
+    let plain = dra.claim(ACC, "plain", &["acc-0-4s-0"], json!([]));
+    let prepared = dra.prepare(ACC, "plain", &plain).await;
+    assert_eq!(prepared.error, "", "{prepared:?}");
+    agent.shutdown().await;
+}
+
 /// What a module that prepares claims made stays made until its `unprepare` succeeds: one that
 /// fails leaves the claim recorded (and its partition held), the kubelet is told, and its next
 /// NodeUnprepareResources undoes it.

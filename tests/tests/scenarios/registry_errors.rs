@@ -94,12 +94,15 @@ async fn validate_fails_wherever_run_would_refuse_something() {
         // A resource outside the module's domain: run serves nothing under it.
         (
             misbehaving("other", r#"resource = "example.com/gpu""#, "1s"),
-            &["module `other`", "outside its resource domain devicelet.io"],
+            &[
+                "registry.toml:3: module `other`",
+                "outside its resource domain devicelet.io",
+            ],
         ),
         // More than 64 resources: run serves the first 64.
         (
             misbehaving("many", "also-declare = 64", "1s"),
-            &["module `many` declared 65 resources; at most 64 are served"],
+            &["registry.toml:3: module `many` declared 65 resources; at most 64 are served"],
         ),
         // A resource two modules declare: run serves it from one only.
         (
@@ -354,7 +357,10 @@ async fn a_sharing_rule_for_a_resource_the_module_does_not_declare_is_refused() 
     assert_refused(
         &node,
         &typo,
-        &["[module.sharing.resources.fsue] names no resource it declares (it declares: fuse)"],
+        &[
+            "registry.toml:3: module `generic-dev`: [module.sharing.resources.fsue] names no \
+             resource it declares (it declares: fuse)",
+        ],
     );
 }
 
