@@ -284,10 +284,13 @@ pub trait Plugin: Sized + 'static {
         self.release(&request.resource_name, &request.ids, &request.config)
     }
 
-    /// Checks a request's config before any device is allocated for it. The default accepts
-    /// only none.
+    /// Checks a DRA request's config before anything is reserved for its claim: a refusal
+    /// fails the claim with your words, before any device is allocated. The default accepts
+    /// any, leaving the config to [`Plugin::allocate_with_config`] (or [`Plugin::prepare`]),
+    /// whose default refuses any.
     fn validate_config(&mut self, resource: &str, config: &str) -> Result<(), PluginError> {
-        no_config(resource, config)
+        let _ = (resource, config);
+        Ok(())
     }
 
     /// Told when an allocation ends, to undo on the host what [`Plugin::prestart`] set up:

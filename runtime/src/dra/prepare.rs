@@ -79,12 +79,18 @@ pub enum ClaimError {
          kubelet's next try finds it done)"
     )]
     Busy,
-    /// The call's deadline came before this request's turn: what was done is undone.
+    /// The call's deadline came before the claim's devices were reserved: nothing was done.
     #[error(
-        "request {0:?} was not started: the call's deadline came first; the claim was undone \
-         and the kubelet's next try prepares it afresh"
+        "the call's deadline came before the claim's devices were reserved; nothing was done \
+         (the kubelet's next try prepares it)"
     )]
-    Deadline(String),
+    Late,
+    /// The call's deadline came while the module still worked on the claim: the work goes on
+    /// to its end (a claim is never left half prepared), and the kubelet's next try finds it.
+    #[error(
+        "the claim is still being {0} as the call's deadline comes; the kubelet's next try finds it done"
+    )]
+    StillRunning(&'static str),
     #[error(
         "DRA driver {0} left this node's registry: it only answers for the claims it prepared \
          before, until they are unprepared"
@@ -238,18 +244,22 @@ impl<B: DeviceBackend> Claims<B> {
                 continue;
             }
             let me = self.clone();
-            jobs.push(tokio::spawn(async move {
-                let started = std::time::Instant::now();
-                let answer = me
-                    .serialized(&claim.uid, Some(deadline), me.prepare_one(&claim, deadline))
-                    .await;
-                if let Err(e) = &answer {
-                    tracing::warn!(driver = me.driver, claim = claim.uid, "prepare: {e}");
-                }
-                let (ok, took) = (answer.is_ok(), started.elapsed());
-                me.events.emit(&me.driver, DraEvent::Prepared { ok, took });
-                (claim.uid, answer)
-            }));
+            let uid = claim.uid.clone();
+            jobs.push((
+                uid,
+                tokio::spawn(async move {
+                    let started = std::time::Instant::now();
+                    let answer = me
+                        .serialized(&claim.uid, Some(deadline), me.prepare_one(&claim, deadline))
+                        .await;
+                    if let Err(e) = &answer {
+                        tracing::warn!(driver = me.driver, claim = claim.uid, "prepare: {e}");
+                    }
+                    let (ok, took) = (answer.is_ok(), started.elapsed());
+                    me.events.emit(&me.driver, DraEvent::Prepared { ok, took });
+                    answer
+                }),
+            ));
         }
         if asked > MAX_CLAIMS_PER_CALL {
             // One line for the call, not one per claim: the kubelet hears each in its answer.
@@ -260,13 +270,11 @@ impl<B: DeviceBackend> Claims<B> {
                 asked - MAX_CLAIMS_PER_CALL
             );
         }
-        for job in jobs {
-            match job.await {
-                Ok((uid, answer)) => {
-                    answers.insert(uid, answer);
-                }
-                Err(e) => tracing::error!(driver = self.driver, "a prepare task failed: {e}"),
-            }
+        // Answered a little after the work's deadline, still within the kubelet's: a claim
+        // whose lock wait ended at the deadline is answered "busy", not "still running".
+        let answer_at = deadline + deadline.saturating_duration_since(Instant::now()) / 18;
+        for (uid, job) in jobs {
+            answers.insert(uid, answer_by(answer_at, job, "prepared").await);
         }
         answers
     }
@@ -318,11 +326,9 @@ impl<B: DeviceBackend> Claims<B> {
                 )
             })
             .collect();
+        let answer_at = deadline + deadline.saturating_duration_since(Instant::now()) / 18;
         for (uid, job) in jobs {
-            let answer = job
-                .await
-                .unwrap_or_else(|e| Err(ClaimError::Task(e.to_string())));
-            answers.insert(uid, answer);
+            answers.insert(uid, answer_by(answer_at, job, "unprepared").await);
         }
         answers
     }
@@ -414,18 +420,23 @@ impl<B: DeviceBackend> Claims<B> {
             .or_default()
             .clone();
         let held = match until {
-            Some(until) => tokio::time::timeout_at(until, lock.lock()).await.ok(),
-            None => Some(lock.lock().await),
+            Some(until) => tokio::time::timeout_at(until, lock.clone().lock_owned())
+                .await
+                .ok(),
+            None => Some(lock.clone().lock_owned().await),
         };
         let answer = match held {
             Some(_held) => work.await,
             None => Err(ClaimError::Busy),
         };
         let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-        // Only when no one else waits on it.
+        // Only when no one else waits on it; this copy goes under the map's lock, so of two
+        // finishing at once the second sees the first gone.
         if Arc::strong_count(&lock) <= 2 {
             locks.remove(uid);
         }
+        drop(lock);
+        drop(locks);
         answer
     }
 
@@ -523,6 +534,11 @@ impl<B: DeviceBackend> Claims<B> {
             preparing: prepares,
             by_module: prepares,
         };
+        // Nothing is begun that the call could not answer for: once reserved, the claim is
+        // prepared to its end, whatever the kubelet's deadline (see `answer_by`).
+        if Instant::now() >= deadline {
+            return Err(ClaimError::Late);
+        }
         let budget = self.budget_of(&snapshot);
         self.ledger
             .reserve_claim_within(&claim.uid, record.clone(), &budget)?;
@@ -537,18 +553,14 @@ impl<B: DeviceBackend> Claims<B> {
         }
         let mut answers: BTreeMap<String, Arc<ContainerEdits>> = BTreeMap::new();
         for (done, request) in record.requests.iter_mut().enumerate() {
-            // Not started past the call's deadline: a module call runs to its own deadline.
-            let outcome = if Instant::now() >= deadline {
-                Err(ClaimError::Deadline(request.request.clone()))
-            } else {
-                self.prepare_request(&claim.uid, request, prepares)
-                    .await
-                    .map_err(|source| ClaimError::Module {
-                        request: request.request.clone(),
-                        again: false,
-                        source,
-                    })
-            };
+            let outcome = self
+                .prepare_request(&claim.uid, request, prepares)
+                .await
+                .map_err(|source| ClaimError::Module {
+                    request: request.request.clone(),
+                    again: false,
+                    source,
+                });
             match outcome {
                 Ok(prepared) => {
                     request.cdi_ids = prepared.edits.cdi_devices.clone();
@@ -978,6 +990,20 @@ fn is_uid(uid: &str) -> bool {
                 && g.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
+}
+
+/// A claim task's answer, or [`ClaimError::StillRunning`] when the call's `deadline` comes
+/// first: the task goes on to its end (dropping its handle does not stop it).
+async fn answer_by<T>(
+    deadline: Instant,
+    job: tokio::task::JoinHandle<Result<T, ClaimError>>,
+    doing: &'static str,
+) -> Result<T, ClaimError> {
+    match tokio::time::timeout_at(deadline, job).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(e)) => Err(ClaimError::Task(e.to_string())),
+        Err(_) => Err(ClaimError::StillRunning(doing)),
+    }
 }
 
 /// A claim's UID and request names become a CDI device name (`<uid>-<request>`) and a file name

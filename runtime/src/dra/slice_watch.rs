@@ -13,7 +13,7 @@ use kube::api::WatchEvent;
 use tokio::sync::{Notify, watch};
 use tokio_stream::StreamExt;
 
-use super::api::{ApiClient, CALL_TIMEOUT, WATCH_WINDOW};
+use super::api::{ApiClient, ApiError, CALL_TIMEOUT, WATCH_WINDOW};
 use super::slices::Pool;
 use crate::backoff::Backoff;
 
@@ -32,7 +32,8 @@ pub async fn watch_pool(
     watching: Arc<AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    // Up to five minutes apart while the server refuses or fails the watch.
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(300));
     let mut refused = false;
     'list: loop {
         watching.store(false, Ordering::Relaxed);
@@ -63,19 +64,25 @@ pub async fn watch_pool(
                 Err(e) => {
                     watching.store(false, Ordering::Relaxed);
                     if !refused {
+                        let hint = if matches!(e, ApiError::Status { code: 403, .. }) {
+                            "; `watch` on resourceslices is in deploy/dra/rbac.yaml"
+                        } else {
+                            ""
+                        };
                         tracing::warn!(
                             driver = pool.driver,
-                            "cannot watch the driver's own ResourceSlices ({e}): slices someone \
-                             else deletes (the kubelet at its start) are published again only \
-                             at the next resync; `watch` on resourceslices is in \
-                             deploy/dra/rbac.yaml"
+                            "cannot watch the driver's own ResourceSlices ({e}): until it can, \
+                             slices someone else deletes (the kubelet at its start) are \
+                             published again at the next resync{hint}"
                         );
                         refused = true;
                     }
+                    // Opened again from the same version; one too old by then is answered 410
+                    // and listed again.
                     if pause(backoff.failed(), &mut stop).await {
                         return;
                     }
-                    continue 'list;
+                    continue;
                 }
             };
             if refused {
@@ -95,7 +102,8 @@ pub async fn watch_pool(
                     Err(_) | Ok(None) => break false,
                     Ok(Some(Err(e))) => {
                         tracing::debug!(driver = pool.driver, "the watch ended: {e}");
-                        break false;
+                        // 410 as a bare Status line: the version is too old to resume from.
+                        break matches!(e, ApiError::Status { code: 410, .. });
                     }
                     Ok(Some(Ok(event))) => event,
                 };
@@ -110,7 +118,8 @@ pub async fn watch_pool(
                         version = slice.metadata.resource_version.unwrap_or(version);
                     }
                     WatchEvent::Bookmark(mark) => version = mark.metadata.resource_version,
-                    // 410: the version is too old to resume from.
+                    // 410 (the version is too old to resume from), or another error: listed
+                    // again.
                     WatchEvent::Error(status) => {
                         tracing::debug!(
                             driver = pool.driver,

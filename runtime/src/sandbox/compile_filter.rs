@@ -1,9 +1,11 @@
 //! The compile child's system-call filter. Cranelift compiling an untrusted component needs
 //! memory, threads, its input and its output, and nothing else: after the filter is applied the
-//! child cannot open a file, make a socket, run a program or signal another process — calls
-//! outside the list fail with `EPERM`, which the compiler never needs (the cgroup reads of
-//! `available_parallelism` fail quietly and it falls back to the CPU set). Applied by the child
-//! to itself before it reads a byte, with `no_new_privs` already set by [`super::compiler::harden`].
+//! child cannot open a file, make a socket, run a program, start a process or signal another
+//! one — calls outside the list fail with `EPERM`, which the compiler never needs (the cgroup
+//! reads of `available_parallelism` fail quietly and it falls back to the CPU set). `clone` is
+//! allowed for threads only (`CLONE_THREAD`); `clone3`, whose flags a filter cannot see, answers
+//! `ENOSYS`, on which glibc makes its threads with `clone`. Applied by the child to itself before
+//! it reads a byte, with `no_new_privs` already set by [`super::compiler::harden`].
 
 use std::collections::BTreeMap;
 
@@ -37,12 +39,13 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
-    libc::SYS_clone,
     libc::SYS_clone3,
     libc::SYS_set_robust_list,
     libc::SYS_rseq,
     libc::SYS_rt_sigprocmask,
     libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_restart_syscall,
     libc::SYS_sigaltstack,
     libc::SYS_getrandom,
     libc::SYS_gettid,
@@ -54,9 +57,10 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_exit_group,
 ];
 
-/// The filter for this machine's architecture; None where seccompiler knows none (the child
-/// then runs with its other limits only).
-pub fn filter() -> Result<Option<BpfProgram>, FilterError> {
+/// The filters for this machine's architecture, to be applied in this order (the kernel takes
+/// the strictest answer of all); None where seccompiler knows none (the child then runs with its other limits
+/// only).
+pub fn filters() -> Result<Option<[BpfProgram; 2]>, FilterError> {
     let Ok(arch) = TargetArch::try_from(std::env::consts::ARCH) else {
         return Ok(None);
     };
@@ -87,21 +91,42 @@ pub fn filter() -> Result<Option<BpfProgram>, FilterError> {
         libc::SYS_tgkill,
         vec![SeccompRule::new(vec![own]).map_err(build)?],
     );
-    let filter = SeccompFilter::new(
+    // A thread, never a process.
+    let thread = SeccompCondition::new(
+        0,
+        SeccompCmpArgLen::Qword,
+        SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
+        libc::CLONE_THREAD as u64,
+    )
+    .map_err(build)?;
+    rules.insert(
+        libc::SYS_clone,
+        vec![SeccompRule::new(vec![thread]).map_err(build)?],
+    );
+    let program = |filter: SeccompFilter| {
+        BpfProgram::try_from(filter).map_err(|e| FilterError::Build(e.to_string()))
+    };
+    let allowed = SeccompFilter::new(
         rules,
         SeccompAction::Errno(libc::EPERM as u32),
         SeccompAction::Allow,
         arch,
     )
     .map_err(build)?;
-    BpfProgram::try_from(filter)
-        .map(Some)
-        .map_err(|e| FilterError::Build(e.to_string()))
+    let no_clone3 = SeccompFilter::new(
+        [(libc::SYS_clone3, Vec::new())].into(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .map_err(build)?;
+    // `clone3` first: applying a filter takes `prctl` and `seccomp`, which the list refuses.
+    Ok(Some([program(no_clone3)?, program(allowed)?]))
 }
 
-/// Applies [`filter`] to every thread of this process, for good.
+/// Applies [`filters`] to every thread of this process, for good.
 pub fn confine() -> Result<(), FilterError> {
-    if let Some(program) = filter()? {
+    for program in filters()?.into_iter().flatten() {
         seccompiler::apply_filter_all_threads(&program)
             .map_err(|e| FilterError::Apply(e.to_string()))?;
     }
@@ -113,10 +138,10 @@ mod tests {
     use super::*;
 
     /// In a forked child (which calls only async-signal-safe functions after the fork): the
-    /// filter applied, what the compiler needs still works and everything else is refused.
+    /// filters applied, what the compiler needs still works and everything else is refused.
     #[test]
-    fn the_filter_leaves_memory_and_output_and_refuses_files_sockets_exec_and_signals() {
-        let Some(program) = filter().expect("the filter builds") else {
+    fn the_filters_leave_memory_and_output_and_refuse_files_sockets_exec_processes_and_signals() {
+        let Some([no_clone3, allowed]) = filters().expect("the filters build") else {
             return;
         };
         // SAFETY: the child applies the filter and makes raw system calls only, then _exits.
@@ -125,7 +150,9 @@ mod tests {
         if pid == 0 {
             let code = unsafe {
                 let errno = || *libc::__errno_location();
-                if seccompiler::apply_filter(&program).is_err() {
+                if seccompiler::apply_filter(&no_clone3).is_err()
+                    || seccompiler::apply_filter(&allowed).is_err()
+                {
                     10
                 } else if libc::mmap(
                     std::ptr::null_mut(),
@@ -156,6 +183,12 @@ mod tests {
                     16
                 } else if libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) != -1 {
                     17
+                } else if libc::fork() != -1 || errno() != libc::EPERM {
+                    18
+                } else if libc::syscall(libc::SYS_clone3, std::ptr::null::<u8>(), 0) != -1
+                    || errno() != libc::ENOSYS
+                {
+                    19
                 } else {
                     0
                 }
@@ -170,7 +203,8 @@ mod tests {
         assert_eq!(
             libc::WEXITSTATUS(status),
             0,
-            "10 apply, 11 mmap, 12 write, 13 open, 14 socket, 15 exec, 16 kill, 17 prctl"
+            "10 apply, 11 mmap, 12 write, 13 open, 14 socket, 15 exec, 16 kill, 17 prctl, 18 fork, \
+             19 clone3"
         );
     }
 }

@@ -229,6 +229,66 @@ async fn a_config_the_modules_validate_config_refuses_fails_the_claim_before_any
     agent.shutdown().await;
 }
 
+/// A module's prepare that outlasts the time the kubelet gave the call: the kubelet is
+/// answered within it ("still being prepared"), and the claim's work goes on to its end — here
+/// the module's call deadline, after which what it began stays recorded until an unprepare
+/// undoes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_outlasting_the_kubelets_deadline_is_answered_in_time_and_undone_after_it() {
+    let dra = DraNode::new().await;
+    let agent = serving(
+        &dra,
+        &PARTITIONS.replace("front-end", "call-deadline = \"8s\"\nfront-end"),
+    )
+    .await;
+    devicelet_tests::eventually("the partitions and their counters published", || {
+        dra.api.list(Kind::ResourceSlice).len() == 2
+    })
+    .await;
+    let slow = json!([{"source": "FromClaim", "requests": [],
+        "opaque": {"driver": ACC, "parameters": {"slow": true}}}]);
+    let uid = dra.claim(ACC, "slow", &["acc-0-4s-0"], slow);
+    let answer = dra
+        .kubelet
+        .node_prepare_resources_within(
+            ACC,
+            vec![devicelet_tests::dra::wire_claim("slow", &uid)],
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .expect("answered within the call's deadline");
+    let error = &answer.claims[&uid].error;
+    assert!(error.contains("still being prepared"), "{error}");
+    assert!(
+        agent.ledger().claim(&uid).is_some(),
+        "the claim is held while the module works on it"
+    );
+    devicelet_tests::eventually("the module's prepare cut off at its call deadline", || {
+        agent.status().modules[0].stats.deadlines == 1
+    })
+    .await;
+    // What the module began is held, recorded, until an unprepare undoes it: the kubelet's
+    // (here, once the pod is gone) or the next prepare's.
+    assert!(agent.ledger().claim(&uid).is_some_and(|c| c.preparing));
+    let mut tries = 0;
+    loop {
+        let answer = dra
+            .kubelet
+            .node_unprepare_resources(ACC, vec![devicelet_tests::dra::wire_claim("slow", &uid)])
+            .await
+            .expect("answered");
+        tries += 1;
+        if answer.claims[&uid].error.is_empty() {
+            break;
+        }
+        // The kubelet tries again (the module's cell may still be starting afresh).
+        assert!(tries < 50, "{answer:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(agent.ledger().claim(&uid).is_none(), "undone");
+    agent.shutdown().await;
+}
+
 /// What a module that prepares claims made stays made until its `unprepare` succeeds: one that
 /// fails leaves the claim recorded (and its partition held), the kubelet is told, and its next
 /// NodeUnprepareResources undoes it.

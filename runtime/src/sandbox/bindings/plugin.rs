@@ -348,8 +348,8 @@ impl Plugin {
         }
     }
 
-    /// The module's `validate-config`, when it exports one. A module without one takes no
-    /// request config at all.
+    /// The module's `validate-config`, when it exports one. Without it the config is left to
+    /// `allocate` (or `prepare`) to judge: the export is optional.
     pub async fn validate_config(
         &self,
         store: &mut Store<HostState>,
@@ -373,10 +373,7 @@ impl Plugin {
                     .await?;
                 Ok(answer.map_err(PluginError::from))
             }
-            _ if config.is_empty() => Ok(Ok(())),
-            _ => Ok(Err(PluginError::InvalidConfig(
-                "the module takes no request config (it does not export `config`)".into(),
-            ))),
+            _ => Ok(Ok(())),
         }
     }
 
