@@ -261,15 +261,7 @@ impl<B: DeviceBackend> Claims<B> {
                 }),
             ));
         }
-        if asked > MAX_CLAIMS_PER_CALL {
-            // One line for the call, not one per claim: the kubelet hears each in its answer.
-            tracing::warn!(
-                driver = self.driver,
-                "a NodePrepareResources call asked for {asked} claims; the {} past the first \
-                 {MAX_CLAIMS_PER_CALL} were refused",
-                asked - MAX_CLAIMS_PER_CALL
-            );
-        }
+        self.log_too_many("NodePrepareResources", asked);
         // Answered a little after the work's deadline, still within the kubelet's: a claim
         // whose lock wait ended at the deadline is answered "busy", not "still running".
         let answer_at = deadline + deadline.saturating_duration_since(Instant::now()) / 18;
@@ -289,14 +281,7 @@ impl<B: DeviceBackend> Claims<B> {
     ) -> BTreeMap<String, Result<(), ClaimError>> {
         let mut answers = BTreeMap::new();
         let asked = uids.len();
-        if asked > MAX_CLAIMS_PER_CALL {
-            tracing::warn!(
-                driver = self.driver,
-                "a NodeUnprepareResources call asked for {asked} claims; the {} past the first \
-                 {MAX_CLAIMS_PER_CALL} were refused",
-                asked - MAX_CLAIMS_PER_CALL
-            );
-        }
+        self.log_too_many("NodeUnprepareResources", asked);
         let jobs: Vec<_> = uids
             .into_iter()
             .enumerate()
@@ -402,6 +387,19 @@ impl<B: DeviceBackend> Claims<B> {
             .await
             .map_err(|e| ClaimError::Task(e.to_string()))?
             .map_err(ClaimError::from)
+    }
+
+    /// One line for a call past [`MAX_CLAIMS_PER_CALL`], not one per claim: the kubelet hears
+    /// each in its answer.
+    fn log_too_many(&self, call: &str, asked: usize) {
+        if asked > MAX_CLAIMS_PER_CALL {
+            tracing::warn!(
+                driver = self.driver,
+                "a {call} call asked for {asked} claims; the {} past the first \
+                 {MAX_CLAIMS_PER_CALL} were refused",
+                asked - MAX_CLAIMS_PER_CALL
+            );
+        }
     }
 
     /// Runs `work` while no other call for claim `uid` runs; [`ClaimError::Busy`] if another
