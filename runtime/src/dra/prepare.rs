@@ -460,6 +460,10 @@ impl<B: DeviceBackend> Claims<B> {
             return Err(ClaimError::Retiring(self.driver.clone()));
         }
         let api = self.api.as_ref().ok_or(ClaimError::NoApi)?;
+        // The lock may have come just before the deadline: not the API server's fault.
+        if Instant::now() >= deadline {
+            return Err(ClaimError::Late);
+        }
         let object =
             match tokio::time::timeout_at(deadline, api.claim(&claim.namespace, &claim.name)).await
             {

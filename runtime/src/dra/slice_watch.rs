@@ -77,10 +77,12 @@ pub async fn watch_pool(
                         );
                         refused = true;
                     }
-                    // Opened again from the same version; one too old by then is answered 410
-                    // and listed again.
                     if pause(backoff.failed(), &mut stop).await {
                         return;
+                    }
+                    // Opened again from the same version, unless that is too old (410).
+                    if matches!(e, ApiError::Status { code: 410, .. }) {
+                        continue 'list;
                     }
                     continue;
                 }

@@ -39,6 +39,8 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
+    // Allowed here so the other filter's ENOSYS is what the caller sees: of two filters both
+    // answering an error, the kernel takes the last installed one's.
     libc::SYS_clone3,
     libc::SYS_set_robust_list,
     libc::SYS_rseq,

@@ -42,6 +42,9 @@ const MAX_ERROR: u64 = 16 << 10;
 const CHILD_ADDRESS_SPACE: u64 = 4 << 30;
 /// Its open files: stdin, stdout, stderr and what the runtime opens itself.
 const CHILD_FILES: u64 = 64;
+/// How the child's stderr starts a line saying it runs without its system-call filter: the
+/// agent logs that line apart from any compile error.
+const UNFILTERED: &str = "warning (unfiltered): ";
 /// The pauses before trying a child the kernel killed again.
 const RETRY_PAUSES: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
 
@@ -274,16 +277,17 @@ fn attempt(exe: &Path, wasm: &[u8]) -> Attempt {
     };
     let _ = feeder.join();
     let bytes = reader.join();
-    let message = errors.join().unwrap_or_default().trim().to_owned();
+    let stderr = errors.join().unwrap_or_default();
+    let (unfiltered, message): (Vec<&str>, Vec<&str>) =
+        stderr.lines().partition(|l| l.starts_with(UNFILTERED));
+    for line in unfiltered {
+        tracing::warn!("the compiler process: {line}");
+    }
+    let message = message.join("\n").trim().to_owned();
     Attempt::Done(match status {
         Err(why) => ChildCompile::Refused(why),
         Ok(status) if status.success() => match bytes {
-            Ok(Ok(bytes)) => {
-                if !message.is_empty() {
-                    tracing::warn!("the compiler process: {message}");
-                }
-                ChildCompile::Compiled(bytes)
-            }
+            Ok(Ok(bytes)) => ChildCompile::Compiled(bytes),
             _ => ChildCompile::NotRun("its answer could not be read".into()),
         },
         Ok(status) if status.signal().is_some() => {
@@ -306,7 +310,7 @@ pub fn serve_child() -> anyhow::Result<()> {
     if let Err(e) = super::compile_filter::confine() {
         // A kernel without seccomp filters: the child's other limits still stand, and it is
         // still better confined than a compile in the agent. The agent logs this line.
-        eprintln!("warning: {e}; compiling without the system-call filter");
+        eprintln!("{UNFILTERED}{e}; compiling without the system-call filter");
     }
     let mut wasm = Vec::new();
     std::io::stdin().take(MAX_WASM).read_to_end(&mut wasm)?;
