@@ -812,6 +812,15 @@ fn route(path: &str) -> Option<(Kind, String, Option<String>, Option<&'static st
     }
 }
 
+/// The raw value of query parameter `name`.
+fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+}
+
 /// `fieldSelector=a=b,c=d` (also `==`); other query parameters are ignored.
 fn field_selector(query: &str) -> Result<Vec<(String, String)>, ApiError> {
     let mut selector = Vec::new();
@@ -926,11 +935,8 @@ fn handle(
             Ok((StatusCode::OK, list_of(kind, store.resource_version, items)))
         }
         ("patch", Some(name)) => {
-            let manager = query
-                .split('&')
-                .filter_map(|kv| kv.split_once('='))
-                .find(|(k, _)| *k == "fieldManager")
-                .map(|(_, v)| percent_decode(v))
+            let manager = param(query, "fieldManager")
+                .map(percent_decode)
                 .ok_or_else(|| ApiError::bad_request("fieldManager is required for apply patch"))?;
             store
                 .apply_claim_status(&namespace, &name, &manager, parse()?)

@@ -104,6 +104,11 @@ impl ApiError {
 /// again from the last version seen.
 pub const WATCH_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// The field selector of `driver`'s slices on `node`, as the kubelet-plugin helper selects them.
+fn pool_selector(driver: &str, node: &str) -> String {
+    format!("spec.driver={driver},spec.nodeName={node}")
+}
+
 /// A client of one API server.
 #[derive(Clone)]
 pub struct ApiClient {
@@ -223,8 +228,7 @@ impl ApiClient {
 
     /// The slices of `driver` on `node`, as the kubelet-plugin helper selects them.
     pub async fn slices(&self, driver: &str, node: &str) -> Result<Vec<ResourceSlice>, ApiError> {
-        let params =
-            ListParams::default().fields(&format!("spec.driver={driver},spec.nodeName={node}"));
+        let params = ListParams::default().fields(&pool_selector(driver, node));
         let api = self.slices_api();
         within(
             || format!("listing the ResourceSlices of {driver} on {node}"),
@@ -237,8 +241,7 @@ impl ApiClient {
     /// The version of the API server's list of `driver`'s slices on `node`: where a watch of
     /// them starts.
     pub async fn slices_version(&self, driver: &str, node: &str) -> Result<String, ApiError> {
-        let params =
-            ListParams::default().fields(&format!("spec.driver={driver},spec.nodeName={node}"));
+        let params = ListParams::default().fields(&pool_selector(driver, node));
         let api = self.slices_api();
         let list = within(
             || format!("listing the ResourceSlices of {driver} on {node}"),
@@ -261,7 +264,7 @@ impl ApiClient {
     > {
         let what = format!("watching the ResourceSlices of {driver} on {node}");
         let params = WatchParams::default()
-            .fields(&format!("spec.driver={driver},spec.nodeName={node}"))
+            .fields(&pool_selector(driver, node))
             .timeout(WATCH_WINDOW.as_secs() as u32);
         let api = Api::<ResourceSlice>::all(self.watcher.clone());
         let events = within(|| what.clone(), api.watch(&params, version)).await?;

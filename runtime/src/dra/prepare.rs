@@ -129,6 +129,17 @@ pub enum ClaimError {
     Task(String),
 }
 
+impl ClaimError {
+    /// The module failed `request` (the first time it was asked).
+    fn module(request: &str, source: BackendError) -> ClaimError {
+        ClaimError::Module {
+            request: request.to_owned(),
+            again: false,
+            source,
+        }
+    }
+}
+
 impl From<Conflict> for ClaimError {
     fn from(conflict: Conflict) -> Self {
         ClaimError::Held(Box::new(conflict))
@@ -262,9 +273,7 @@ impl<B: DeviceBackend> Claims<B> {
             ));
         }
         self.log_too_many("NodePrepareResources", asked);
-        // Answered a little after the work's deadline, still within the kubelet's: a claim
-        // whose lock wait ended at the deadline is answered "busy", not "still running".
-        let answer_at = deadline + deadline.saturating_duration_since(Instant::now()) / 18;
+        let answer_at = answer_time(deadline);
         for (uid, job) in jobs {
             answers.insert(uid, answer_by(answer_at, job, "prepared").await);
         }
@@ -279,20 +288,14 @@ impl<B: DeviceBackend> Claims<B> {
         uids: Vec<String>,
         deadline: Instant,
     ) -> BTreeMap<String, Result<(), ClaimError>> {
-        let mut answers = BTreeMap::new();
-        let asked = uids.len();
-        self.log_too_many("NodeUnprepareResources", asked);
-        let jobs: Vec<_> = uids
+        self.log_too_many("NodeUnprepareResources", uids.len());
+        let mut uids = uids;
+        let refused = uids.split_off(uids.len().min(MAX_CLAIMS_PER_CALL));
+        let mut answers: BTreeMap<String, Result<(), ClaimError>> = refused
             .into_iter()
-            .enumerate()
-            .filter_map(|(i, uid)| {
-                if i >= MAX_CLAIMS_PER_CALL {
-                    answers.insert(uid, Err(ClaimError::TooMany));
-                    return None;
-                }
-                Some(uid)
-            })
-            .collect::<Vec<_>>()
+            .map(|uid| (uid, Err(ClaimError::TooMany)))
+            .collect();
+        let jobs: Vec<_> = uids
             .into_iter()
             .map(|uid| {
                 let me = self.clone();
@@ -311,7 +314,7 @@ impl<B: DeviceBackend> Claims<B> {
                 )
             })
             .collect();
-        let answer_at = deadline + deadline.saturating_duration_since(Instant::now()) / 18;
+        let answer_at = answer_time(deadline);
         for (uid, job) in jobs {
             answers.insert(uid, answer_by(answer_at, job, "unprepared").await);
         }
@@ -370,11 +373,7 @@ impl<B: DeviceBackend> Claims<B> {
             self.backend
                 .unprepare(self.request(uid, request))
                 .await
-                .map_err(|source| ClaimError::Module {
-                    request: request.request.clone(),
-                    again: false,
-                    source,
-                })?;
+                .map_err(|source| ClaimError::module(&request.request, source))?;
         }
         self.ledger.drop_claim(uid);
         self.persist().await
@@ -489,11 +488,7 @@ impl<B: DeviceBackend> Claims<B> {
             self.backend
                 .validate_config(&self.resource, &want.config)
                 .await
-                .map_err(|source| ClaimError::Module {
-                    request: want.request.clone(),
-                    again: false,
-                    source,
-                })?;
+                .map_err(|source| ClaimError::module(&want.request, source))?;
         }
         let snapshot = self.devices.borrow().clone();
         let mut requests = Vec::with_capacity(wanted.len());
@@ -558,11 +553,7 @@ impl<B: DeviceBackend> Claims<B> {
             let outcome = self
                 .prepare_request(&claim.uid, request, prepares)
                 .await
-                .map_err(|source| ClaimError::Module {
-                    request: request.request.clone(),
-                    again: false,
-                    source,
-                });
+                .map_err(|source| ClaimError::module(&request.request, source));
             match outcome {
                 Ok(prepared) => {
                     request.cdi_ids = prepared.edits.cdi_devices.clone();
@@ -992,6 +983,13 @@ fn is_uid(uid: &str) -> bool {
                 && g.bytes()
                     .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
+}
+
+/// When a call whose work ends at `deadline` (nine tenths of the kubelet's time) is answered:
+/// a little after, still within the kubelet's time, so a claim whose lock wait ended at the
+/// deadline is answered "busy", not "still running".
+fn answer_time(deadline: Instant) -> Instant {
+    deadline + deadline.saturating_duration_since(Instant::now()) / 18
 }
 
 /// A claim task's answer, or [`ClaimError::StillRunning`] when the call's `deadline` comes

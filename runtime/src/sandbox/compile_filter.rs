@@ -69,41 +69,37 @@ pub fn filters() -> Result<Option<[BpfProgram; 2]>, FilterError> {
     let build = |e: seccompiler::BackendError| FilterError::Build(e.to_string());
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         ALLOWED.iter().map(|&call| (call, Vec::new())).collect();
+    // Allowed only when the call's first argument compares so.
+    let first_arg = |len, op, value| -> Result<Vec<SeccompRule>, FilterError> {
+        let condition = SeccompCondition::new(0, len, op, value).map_err(build)?;
+        Ok(vec![SeccompRule::new(vec![condition]).map_err(build)?])
+    };
     // A thread names itself (std does, for the engine's epoch thread); no other prctl.
-    let set_name = SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::Eq,
-        libc::PR_SET_NAME as u64,
-    )
-    .map_err(build)?;
     rules.insert(
         libc::SYS_prctl,
-        vec![SeccompRule::new(vec![set_name]).map_err(build)?],
+        first_arg(
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            libc::PR_SET_NAME as u64,
+        )?,
     );
-    // abort(): a signal to itself only (tgkill to its own pid is checked below by pid).
-    let own = SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::Eq,
-        std::process::id().into(),
-    )
-    .map_err(build)?;
+    // abort(): a signal to its own process only.
     rules.insert(
         libc::SYS_tgkill,
-        vec![SeccompRule::new(vec![own]).map_err(build)?],
+        first_arg(
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            std::process::id().into(),
+        )?,
     );
     // A thread, never a process.
-    let thread = SeccompCondition::new(
-        0,
-        SeccompCmpArgLen::Qword,
-        SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
-        libc::CLONE_THREAD as u64,
-    )
-    .map_err(build)?;
     rules.insert(
         libc::SYS_clone,
-        vec![SeccompRule::new(vec![thread]).map_err(build)?],
+        first_arg(
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
+            libc::CLONE_THREAD as u64,
+        )?,
     );
     let program = |filter: SeccompFilter| {
         BpfProgram::try_from(filter).map_err(|e| FilterError::Build(e.to_string()))

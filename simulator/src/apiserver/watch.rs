@@ -15,7 +15,7 @@ use hyper::Response;
 use hyper::body::{Bytes, Frame};
 use serde_json::{Value, json};
 
-use super::{ApiError, Body, Key, Store, field_selector, field_value, lock, reply, route};
+use super::{ApiError, Body, Key, Store, field_selector, field_value, lock, param, reply, route};
 
 /// The most changes kept for watches to resume from.
 const HISTORY: usize = 4096;
@@ -86,14 +86,6 @@ impl Store {
 /// Whether the request asks for a watch.
 pub(super) fn asked(query: &str) -> bool {
     param(query, "watch").is_some_and(|v| v == "true" || v == "1")
-}
-
-fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
-    query
-        .split('&')
-        .filter_map(|kv| kv.split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v)
 }
 
 /// Answers a watch of the collection at `path`.

@@ -210,10 +210,7 @@ async fn partitions_are_allocated_by_counters_and_each_prepare_creates_its_insta
 async fn a_config_the_modules_validate_config_refuses_fails_the_claim_before_anything_is_made() {
     let dra = DraNode::new().await;
     let agent = serving(&dra, PARTITIONS).await;
-    devicelet_tests::eventually("the partitions and their counters published", || {
-        dra.api.list(Kind::ResourceSlice).len() == 2
-    })
-    .await;
+    devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let colour = json!([{"source": "FromClaim", "requests": [],
         "opaque": {"driver": ACC, "parameters": {"colour": "red"}}}]);
     let uid = dra.claim(ACC, "red", &["acc-0-4s-0"], colour);
@@ -241,10 +238,7 @@ async fn a_prepare_outlasting_the_kubelets_deadline_is_answered_in_time_and_undo
         &PARTITIONS.replace("front-end", "call-deadline = \"8s\"\nfront-end"),
     )
     .await;
-    devicelet_tests::eventually("the partitions and their counters published", || {
-        dra.api.list(Kind::ResourceSlice).len() == 2
-    })
-    .await;
+    devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let slow = json!([{"source": "FromClaim", "requests": [],
         "opaque": {"driver": ACC, "parameters": {"slow": true}}}]);
     let uid = dra.claim(ACC, "slow", &["acc-0-4s-0"], slow);
@@ -297,10 +291,7 @@ async fn a_prepare_outlasting_the_kubelets_deadline_is_answered_in_time_and_undo
 async fn a_failed_unprepare_keeps_the_claim_until_the_kubelets_retry_succeeds() {
     let dra = DraNode::new().await;
     let agent = serving(&dra, PARTITIONS).await;
-    devicelet_tests::eventually("the partitions and their counters published", || {
-        dra.api.list(Kind::ResourceSlice).len() == 2
-    })
-    .await;
+    devicelet_tests::dra::counters_and_devices(&dra.api).await;
     let stuck = json!([{"source": "FromClaim", "requests": [],
         "opaque": {"driver": ACC, "parameters": {"stuck": true}}}]);
     let uid = dra.claim(ACC, "stuck", &["acc-0-4s-0"], stuck);
