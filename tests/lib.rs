@@ -46,6 +46,34 @@ fn target_dir() -> PathBuf {
 fn cargo() -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.current_dir(workspace_root());
+    without_test_env(&mut cmd);
+    cmd
+}
+
+/// Clears what `cargo test` sets for the test binary from a command that runs cargo. Inherited,
+/// it reaches build scripts: `ring`'s asks to be run again when `CARGO_MANIFEST_DIR` changes,
+/// so a cargo started here with the tests' value rebuilds ring and everything above it (the
+/// agent itself, over a minute on two cores while the scenarios wait), and the next plain
+/// `cargo build` rebuilds them back.
+pub fn without_test_env(cmd: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        let set_for_tests = matches!(
+            key,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_TARGET_TMPDIR"
+                | "CARGO_RUSTC_CURRENT_DIR"
+                | "OUT_DIR"
+        ) || key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_BIN_");
+        if set_for_tests {
+            cmd.env_remove(key);
+        }
+    }
     cmd
 }
 
@@ -134,7 +162,10 @@ pub fn fake_nvml_lib() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let status = cargo()
-            .args(["build", "--quiet", "-p", "fake-nvml"])
+            // Every default member's library, not `-p fake-nvml`: alone, its serde and
+            // serde_json would resolve other features than in `cargo test`'s build, and the
+            // two builds would take turns rebuilding it.
+            .args(["build", "--quiet", "--lib"])
             .status()
             .expect("running cargo to build the fake NVML");
         assert!(status.success(), "building the fake NVML failed");

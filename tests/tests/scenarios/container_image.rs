@@ -128,7 +128,7 @@ fn prebuilt_image_holds_the_agent_its_libraries_and_the_modules() {
         &std::env::var_os("PATH").unwrap_or_default(),
     ));
     let built = stdout(
-        Command::new(script("image.sh"))
+        devicelet_tests::without_test_env(&mut Command::new(script("image.sh")))
             .args([
                 "--engine",
                 "podman",
