@@ -262,13 +262,18 @@ impl ModuleHandle {
             .iter()
             .filter_map(|r| served_as(r).map(|s| (r.name.clone(), s)))
             .collect();
-        let kubelet = if module.pre.tells_served_names() && !served.is_empty() {
-            {
-                let mut context = context.lock().unwrap_or_else(|p| p.into_inner());
-                let mut told = InitContext::clone(&context);
-                told.served_as = served;
-                *context = Arc::new(told);
-            }
+        let tell = module.pre.tells_served_names() && !served.is_empty();
+        if tell {
+            let mut context = context.lock().unwrap_or_else(|p| p.into_inner());
+            let mut told = InitContext::clone(&context);
+            told.served_as = served;
+            *context = Arc::new(told);
+        }
+        // The first enumeration runs in the health cell: its instance is made now, on a thread
+        // of its own, while the kubelet cell's is (re)made, rather than after it.
+        let health = lane("health")?;
+        warm(&health, deadline);
+        let kubelet = if tell {
             let kubelet = lane("kubelet")?;
             (info, stalled) = first_init(&kubelet, &module, deadline).await?;
             kubelet
@@ -289,16 +294,10 @@ impl ModuleHandle {
                 ),
             });
         }
-        let health = lane("health")?;
         let preferred = if resources.iter().any(|r| r.preferred_allocation) {
             let lane = lane("preferred")?;
-            // Made now, in the background, so the first GetPreferredAllocation finds it ready.
-            let warm = lane.clone();
-            tokio::spawn(async move {
-                let _ = warm
-                    .call(deadline * 2, |_: &mut Instance| Box::pin(async { Ok(()) }))
-                    .await;
-            });
+            // Made now, so the first GetPreferredAllocation finds it ready.
+            warm(&lane, deadline);
             Some(lane)
         } else {
             None
@@ -829,6 +828,16 @@ impl ModuleHandle {
 /// The lane's first instance, made within twice the call deadline (its init has the whole
 /// deadline, as every later re-instantiation does, and the call its own after that): what its
 /// `init` answered, and whether NVML stalled meanwhile.
+/// Has `lane` make its instance now, in the background: its first real call then finds it ready.
+fn warm(lane: &Lane<Instance>, deadline: Duration) {
+    let lane = lane.clone();
+    tokio::spawn(async move {
+        let _ = lane
+            .call(deadline * 2, |_: &mut Instance| Box::pin(async { Ok(()) }))
+            .await;
+    });
+}
+
 async fn first_init(
     lane: &Lane<Instance>,
     module: &LoadedModule,
