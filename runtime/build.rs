@@ -76,23 +76,51 @@ fn main() {
 /// `scripts/startup-order.sh` from callgrind runs of the agent's start-up benchmark) side by side
 /// at the front of the code, with LLD's `--symbol-ordering-file`. Scattered, they are a few
 /// hundred page faults, each of which the kernel answers by mapping up to 16 neighbouring pages
-/// of the binary: most of what was resident at Register, and a large part of a warm start's
-/// time. Only names change the result, never whether it builds: a symbol the list names and the
-/// build lacks is skipped without a warning. Only where LLD is the linker: Rust's default on
-/// x86_64 Linux since 1.90 (the workspace needs 1.95), unless another linker is configured.
+/// of the binary: most of what was resident at Register. The list holds names, which cargo
+/// derives from the profile, the features and the dependencies' versions: a name the build lacks
+/// is skipped without a warning, so a stale list costs locality, never a build. Only where the
+/// toolchain links with its own LLD (rustup's, on x86_64 Linux since Rust 1.90) and no other
+/// linker is configured.
+///
+/// Release binaries are stripped here too, by the link, unless `DEVICELET_KEEP_SYMBOLS` is set:
+/// the profile keeps `strip = "none"` so that a build with symbols has the shipped build's names.
 fn startup_order() {
     let var = |k: &str| std::env::var(k).unwrap_or_default();
+    println!("cargo:rerun-if-env-changed=DEVICELET_KEEP_SYMBOLS");
+    if var("PROFILE") != "release" {
+        return;
+    }
+    if std::env::var_os("DEVICELET_KEEP_SYMBOLS").is_none() {
+        println!("cargo:rustc-link-arg-bins=-Wl,--strip-all");
+    }
     let list = Path::new(env!("CARGO_MANIFEST_DIR")).join("startup-order.txt");
     println!("cargo:rerun-if-changed={}", list.display());
-    println!("cargo:rerun-if-env-changed=RUSTC_LINKER");
+    let target = var("TARGET");
+    // rustup's toolchains carry LLD (`gcc-ld/ld.lld`) and link x86_64 Linux with it; a
+    // distribution's rustc may link with the system's `ld`, which knows no ordering file.
+    let own_lld = std::process::Command::new(var("RUSTC"))
+        .args(["--print", "sysroot"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .is_some_and(|sysroot| {
+            Path::new(sysroot.trim())
+                .join("lib/rustlib")
+                .join(&target)
+                .join("bin/gcc-ld/ld.lld")
+                .exists()
+        });
     // `-C linker=…`, `-C linker-flavor=…`, `-C link-self-contained=-linker` and the like.
-    let linker_flags = var("CARGO_ENCODED_RUSTFLAGS").contains("link");
-    let default_lld = var("TARGET") == "x86_64-unknown-linux-gnu"
-        && var("RUSTC_LINKER").is_empty()
-        && !linker_flags;
+    let other_linker =
+        !var("RUSTC_LINKER").is_empty() || var("CARGO_ENCODED_RUSTFLAGS").contains("link");
     // `-Wl,` splits its argument at commas.
     let passable = !list.to_string_lossy().contains(',');
-    if var("PROFILE") == "release" && default_lld && passable && list.is_file() {
+    if target == "x86_64-unknown-linux-gnu"
+        && own_lld
+        && !other_linker
+        && passable
+        && list.is_file()
+    {
         println!(
             "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={}",
             list.display()

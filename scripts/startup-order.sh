@@ -4,8 +4,9 @@
 # when start-up changes a lot (new front end, new dependency on the start path); a stale list
 # costs only locality, never a build.
 #
-# How: the release node agent and the bench are built with their symbol tables (the same code
-# and names as the stripped build), then the bench's start-up benchmark (`--only startup
+# How: the release node agent is built as the image builds it, keeping its symbol table
+# (DEVICELET_KEEP_SYMBOLS=1 only skips the link's --strip-all: the names are the image's, which
+# they would not be with another profile, other features or another Cargo.lock), then the bench's start-up benchmark (`--only startup
 # --quick`) spawns every agent under callgrind, and every function of the binary that ran in a
 # start that compiled nothing is listed (mangled, as the linker names them), sorted by name.
 # Under valgrind the CPU looks different, so a cache written natively is not used and the
@@ -17,29 +18,32 @@
 # it the release build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v valgrind >/dev/null || apt-get install -y -q valgrind >/dev/null
-target=${CARGO_TARGET_DIR:-$PWD/target}
-export CARGO_PROFILE_RELEASE_STRIP=none
-cargo build --release -p devicelet --bin devicelet-node
-cargo build --release -p devicelet-bench
+command -v valgrind >/dev/null ||
+  apt-get install -y -q valgrind >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q valgrind >/dev/null; }
+target=$(cargo metadata --format-version 1 --no-deps --locked |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+export DEVICELET_KEEP_SYMBOLS=1
+# As the Dockerfile builds it: over the default members, so features resolve as in the image.
+cargo build --release --locked --bin devicelet-node
+cargo build --release --locked -p devicelet-bench
 rustup target add wasm32-wasip2
 # The modules the bench checks for before it starts.
 cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu -p amd-gpu
 bin=$target/release/devicelet-node
 runs=$(mktemp -d)
 trap 'rm -rf "$runs"' EXIT
-cat >"$runs/agent" <<WRAP
-#!/bin/sh
-exec valgrind -q --tool=callgrind --demangle=no --compress-strings=no --compress-pos=no \\
-  --callgrind-out-file="$runs/callgrind.%p" "$bin" "\$@"
-WRAP
+{
+  echo '#!/bin/sh'
+  printf 'exec valgrind -q --tool=callgrind --demangle=no --compress-strings=no --compress-pos=no --callgrind-out-file=%q %q "$@"\n' \
+    "$runs/callgrind.%p" "$bin"
+} >"$runs/agent"
 chmod +x "$runs/agent"
 "$target/release/devicelet-bench" --devicelet "$runs/agent" \
   --module-dir "$target/wasm32-wasip2/release" --only startup --quick --out "$runs/bench.md" ||
   echo "startup-order.sh: the bench stopped early (expected, see above); using the starts it made"
 compgen -G "$runs/callgrind.*" >/dev/null || { echo "startup-order.sh: no start ran under callgrind" >&2; exit 1; }
 python3 - "$bin" "$runs"/callgrind.* >"$runs/order.txt" <<'PY'
-import os, sys
+import os, re, sys
 binary = os.path.realpath(sys.argv[1])
 names = set()
 for path in sys.argv[2:]:
@@ -49,7 +53,8 @@ for path in sys.argv[2:]:
             if line.startswith("ob="):
                 ob = os.path.realpath(line[3:].strip())
             elif line.startswith("fn=") and ob == binary:
-                name = line[3:].strip()
+                # Callgrind marks recursion levels as `name'2`.
+                name = re.sub(r"'\d+$", "", line[3:].strip())
                 if name and not name.startswith("0x") and " " not in name:
                     ran.add(name)
     # A start that compiled its module (Cranelift ran in the agent) is not a warm one.
@@ -63,4 +68,6 @@ for name in sorted(names):
     print(name)
 PY
 mv "$runs/order.txt" runtime/startup-order.txt
-echo "runtime/startup-order.txt: $(grep -vc '^#' runtime/startup-order.txt) functions"
+listed=$(grep -vc '^#' runtime/startup-order.txt)
+found=$(nm "$bin" | awk '{print $NF}' | sort -u | comm -12 - <(grep -v '^#' runtime/startup-order.txt | sort -u) | wc -l)
+echo "runtime/startup-order.txt: $listed functions, $found of them named in $bin"

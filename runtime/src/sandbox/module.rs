@@ -216,7 +216,8 @@ pub struct ModuleHandle {
 
 impl ModuleHandle {
     /// Starts the module's cells, instantiates it and calls `init` with its config (in its
-    /// kubelet cell, under its call deadline). The health cell instantiates on its first call.
+    /// kubelet cell, under its call deadline). The health cell makes its instance meanwhile,
+    /// in the background (the first enumeration runs there).
     ///
     /// `served_as` names the resources a module declared as the agent will serve them: a 0.2
     /// module is told those names at init, so its first instance (which declared them) is
@@ -274,6 +275,8 @@ impl ModuleHandle {
         let health = lane("health")?;
         warm(&health, deadline);
         let kubelet = if tell {
+            // Its cell ends now rather than when start returns: one instance fewer meanwhile.
+            drop(first);
             let kubelet = lane("kubelet")?;
             (info, stalled) = first_init(&kubelet, &module, deadline).await?;
             kubelet
@@ -825,9 +828,6 @@ impl ModuleHandle {
     }
 }
 
-/// The lane's first instance, made within twice the call deadline (its init has the whole
-/// deadline, as every later re-instantiation does, and the call its own after that): what its
-/// `init` answered, and whether NVML stalled meanwhile.
 /// Has `lane` make its instance now, in the background: its first real call then finds it ready.
 fn warm(lane: &Lane<Instance>, deadline: Duration) {
     let lane = lane.clone();
@@ -838,6 +838,9 @@ fn warm(lane: &Lane<Instance>, deadline: Duration) {
     });
 }
 
+/// The lane's first instance, made within twice the call deadline (its init has the whole
+/// deadline, as every later re-instantiation does, and the call its own after that): what its
+/// `init` answered, and whether NVML stalled meanwhile.
 async fn first_init(
     lane: &Lane<Instance>,
     module: &LoadedModule,
