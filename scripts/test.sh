@@ -46,8 +46,32 @@ cargo build --release --target wasm32-wasip2 "${guests[@]}"
 # Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them:
 # `devicelet` and the node agent alone, `devicelet-node`, among them.
 cargo build --all-targets
-# Four tests at a time on any machine: the scenarios mostly wait on sockets, agents and
-# deadlines, so on two cores four overlap their waits without starving one another.
-RUST_TEST_THREADS=4 cargo test
-# The guests' logic runs on the host too, against the SDK's test kit (a fake node).
-cargo test "${guests[@]}"
+# The guests' logic runs on the host too, against the SDK's test kit (a fake node): built here,
+# so that nothing compiles while the scenarios run.
+cargo test --no-run "${guests[@]}"
+# The scenario binary: four tests at a time on any machine. The scenarios mostly wait on
+# sockets, agents and deadlines, so on two cores four overlap their waits without starving one
+# another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
+# than after: cargo holds its lock only while it builds. The scenarios' output comes at the end.
+scenarios_log="target/scenarios.log"
+RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &
+scenarios=$!
+failed=0
+# Every other test of the default members (the same selection, so the same build), then the
+# guests': the integration test binaries but the scenarios' named one by one from cargo's metadata.
+others=()
+while read -r name; do others+=(--test "$name"); done < <(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+m = json.load(sys.stdin)
+default = set(m["workspace_default_members"])
+for p in m["packages"]:
+    if p["id"] in default:
+        for t in p["targets"]:
+            if "test" in t["kind"] and t["name"] != "scenarios":
+                print(t["name"])')
+cargo test --lib --bins "${others[@]}" || failed=1
+cargo test --doc || failed=1
+cargo test "${guests[@]}" || failed=1
+wait "$scenarios" || failed=1
+cat "$scenarios_log"
+exit "$failed"
