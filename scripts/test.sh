@@ -53,7 +53,8 @@ cargo test --no-run "${guests[@]}"
 # sockets, agents and deadlines, so on two cores four overlap their waits without starving one
 # another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
 # than after: cargo holds its lock only while it builds. The scenarios' output comes at the end.
-scenarios_log="target/scenarios.log"
+scenarios_log=$(mktemp)
+trap 'rm -f "$scenarios_log"' EXIT
 RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &
 scenarios=$!
 failed=0

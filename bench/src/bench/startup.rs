@@ -1,8 +1,9 @@
 //! Benchmark 3: Start-up: from spawning `devicelet run` to the simulated kubelet having every
 //! resource registered with a first ListAndWatch snapshot, for 1 and 10 modules, with a cold
-//! compile cache (a new, empty directory) and a warm one (the same directory again), and a first
-//! start on an empty state directory with the modules precompiled, as the image carries them
-//! (`--precompiled-dir`: here the warm cache of the same modules, which has the same layout).
+//! compile cache and state directory (new, empty ones) and warm ones (the same directories
+//! again: the agent restarted on its node), and a first start on an empty state directory with
+//! the modules precompiled, as the image carries them (`--precompiled-dir`: here the warm cache
+//! of the same modules, which has the same layout).
 //! Beside them, the floor: a trivial tonic device plugin process (`devicelet-bench
 //! plugin-process`) spawned and timed the same way; and, with `--fake-nvml`, nvidia-gpu serving
 //! eight fake GPUs from a warm cache.
@@ -43,16 +44,18 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         let (mut cold, mut warm, mut seeded) = (Vec::new(), Vec::new(), Vec::new());
         for rep in 0..s.repeats(REPEATS) {
             let cache = caches.path().join(format!("cache-{modules}-{rep}"));
-            cold.push(once(s, modules, &cache, None).await?);
-            warm.push(once(s, modules, &cache, None).await?);
+            let state = caches.path().join(format!("state-{modules}-{rep}"));
+            cold.push(once(s, modules, (&cache, &state), None).await?);
+            warm.push(once(s, modules, (&cache, &state), None).await?);
             let empty = caches.path().join(format!("empty-{modules}-{rep}"));
-            seeded.push(once(s, modules, &empty, Some(&cache)).await?);
+            let new_state = caches.path().join(format!("new-state-{modules}-{rep}"));
+            seeded.push(once(s, modules, (&empty, &new_state), Some(&cache)).await?);
         }
         let (cold, warm, seeded) = (Samples::new(cold), Samples::new(warm), Samples::new(seeded));
         let what = |cache: &str| {
             format!(
                 "3. Start-up, spawn → every resource registered with a snapshot: {modules} \
-                 module{}, {cache} compile cache (median of {})",
+                 module{}, {cache} compile cache and state directory (median of {})",
                 if modules == 1 { "" } else { "s" },
                 warm.len()
             )
@@ -92,16 +95,18 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     }
     if let Some(fake) = &s.fake_nvml {
         let cache = caches.path().join("cache-nvidia");
-        nvidia_once(s, fake, &cache).await?; // compiles nvidia-gpu into the cache
+        let state = caches.path().join("state-nvidia");
+        nvidia_once(s, fake, (&cache, &state)).await?; // compiles nvidia-gpu into the cache
         let mut warm = Vec::new();
         for _ in 0..s.repeats(REPEATS) {
-            warm.push(nvidia_once(s, fake, &cache).await?);
+            warm.push(nvidia_once(s, fake, (&cache, &state)).await?);
         }
         let warm = Samples::new(warm);
         rows.push(Row::info(
             format!(
                 "3. Start-up, spawn → nvidia.com/gpu registered with 8 GPUs in its snapshot: \
-                 nvidia-gpu over the fake NVML, warm compile cache (median of {})",
+                 nvidia-gpu over the fake NVML, warm compile cache and state directory (median \
+                 of {})",
                 warm.len()
             ),
             format!("{}; {:.2}× the floor", spread(&warm), ratio(&warm, &floor)),
@@ -125,11 +130,12 @@ fn ratio(a: &Samples, b: &Samples) -> f64 {
     a.p50().as_secs_f64() / b.p50().as_secs_f64()
 }
 
-/// One start of a fresh agent process with `modules` modules on a fresh node.
+/// One start of a fresh agent process with `modules` modules on a fresh node (kubelet and
+/// devices), with the compile cache and state directory `(cache, state)`.
 async fn once(
     s: &Settings,
     modules: usize,
-    cache: &Path,
+    (cache, state): (&Path, &Path),
     precompiled: Option<&Path>,
 ) -> anyhow::Result<Duration> {
     let node = Node::start(SimConfig::default()).await?;
@@ -137,7 +143,7 @@ async fn once(
     let (entries, names) = fuse_modules(&s.module_dir, &node.dir.path().join("modules"), modules)?;
     let registry = node.registry(&entries)?;
     let dirs = AgentDirs {
-        state: node.dir.path().join("state"),
+        state: state.to_owned(),
         cache: cache.to_owned(),
         precompiled: precompiled.map(Path::to_owned),
         nvml: None,
@@ -150,10 +156,13 @@ async fn once(
 }
 
 /// One start of nvidia-gpu over eight fake GPUs on a fresh node, until all eight are listed.
-async fn nvidia_once(s: &Settings, fake: &Path, cache: &Path) -> anyhow::Result<Duration> {
+async fn nvidia_once(
+    s: &Settings,
+    fake: &Path,
+    (cache, state): (&Path, &Path),
+) -> anyhow::Result<Duration> {
     let node = Node::start(SimConfig::default()).await?;
-    let state = node.dir.path().join("state");
-    let agent = nvidia::spawn_serving(s, &node, fake, cache, state).await?;
+    let agent = nvidia::spawn_serving(s, &node, fake, cache, state.to_owned()).await?;
     let took = agent.spawned_at.elapsed();
     agent.terminate().await?;
     Ok(took)

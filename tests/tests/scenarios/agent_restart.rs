@@ -965,3 +965,59 @@ front-end = "dra"
     second.kill().expect("SIGKILL");
     second.wait().expect("reaped");
 }
+
+/// A module of WIT 0.2 or later is told at `init` the names its resources are served under. A
+/// first start instantiates it once to learn what it declares, then once in each cell told the
+/// names; the agent keeps those names in its state directory, so a restart tells them to the
+/// first instance and keeps it (one instantiation and `init` fewer before the first snapshot).
+/// Another config makes the memory stale: that start asks first again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_tells_the_module_its_served_names_at_once_and_instantiates_it_once_less() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let told = node.state_dir().join("told-names");
+    let start = |run: usize, config: &str| {
+        let registry = node.registry(&generic_dev(config));
+        let log = node.dir.path().join(format!("agent-{run}.log"));
+        let agent = spawn_agent_logging(
+            &node,
+            &registry,
+            &["--log", "info,devicelet::sandbox::module=debug"],
+            Stdio::from(std::fs::File::create(&log).expect("log file")),
+        );
+        (agent, log)
+    };
+    let read_only = FUSE.replace(
+        r#"["/dev/fuse"] }"#,
+        r#"["/dev/fuse"], permissions = "r" }"#,
+    );
+    assert_ne!(read_only, FUSE);
+    // Per start: the instances made by its first snapshot, and whether the first was told
+    // remembered names.
+    let mut runs = Vec::new();
+    for (run, config) in [(1, FUSE), (2, FUSE), (3, read_only.as_str())] {
+        let (mut agent, log) = start(run, config);
+        // The first snapshot comes from the health cell's enumeration: every instance of the
+        // start is made by then.
+        node.kubelet
+            .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+            .await
+            .expect("served");
+        devicelet_tests::eventually("the served names kept", || {
+            std::fs::read_dir(&told).is_ok_and(|d| d.count() == 1)
+        })
+        .await;
+        agent.kill().expect("kill");
+        let _ = agent.wait();
+        let text = std::fs::read_to_string(&log).expect("the log");
+        runs.push((
+            text.matches("generic-dev serving").count(),
+            text.contains("its first instance was told the names"),
+        ));
+    }
+    assert_eq!(
+        runs,
+        [(3, false), (2, true), (3, false)],
+        "(instances, told at once) for a first start, a restart and a restart with another config"
+    );
+}

@@ -187,7 +187,7 @@ async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_canno
     second.shutdown().await;
     std::fs::set_permissions(&precompiled, std::fs::Permissions::from_mode(0o700)).expect("chmod");
 
-    // An entry changed since it was written: its digest file no longer matches.
+    // An entry changed since it was written: its checksum file no longer matches.
     let mut bytes = std::fs::read(&entry[0]).expect("the entry");
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;

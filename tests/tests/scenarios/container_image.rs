@@ -322,7 +322,7 @@ fn check_tree(root: &Path, agent: &Path, modules: &Path) {
     for (_, built) in MODULES {
         let wasm = std::fs::read(modules.join(built)).expect("the module");
         let name = format!("{}-{key}", devicelet::digest::sha256_hex(&wasm));
-        for file in [format!("{name}.cwasm"), format!("{name}.sha256")] {
+        for file in [format!("{name}.cwasm"), format!("{name}.crc32")] {
             let path = format!("/opt/devicelet/precompiled/{file}");
             let meta = std::fs::metadata(at(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
             assert_eq!(meta.permissions().mode() & 0o7777, 0o600, "{path}'s mode");
