@@ -49,19 +49,9 @@ cargo build --all-targets
 # The guests' logic runs on the host too, against the SDK's test kit (a fake node): built here,
 # so that nothing compiles while the scenarios run.
 cargo test --no-run "${guests[@]}"
-# The scenario binary: four tests at a time on any machine. The scenarios mostly wait on
-# sockets, agents and deadlines, so on two cores four overlap their waits without starving one
-# another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
-# than after: cargo holds its lock only while it builds. The scenarios' output comes at the end.
-scenarios_log=$(mktemp)
-trap 'rm -f "$scenarios_log"' EXIT
-RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &
-scenarios=$!
-failed=0
 # Every other test of the default members (the same selection, so the same build), then the
 # guests': the integration test binaries but the scenarios' named one by one from cargo's metadata.
-others=()
-while read -r name; do others+=(--test "$name"); done < <(cargo metadata --no-deps --format-version 1 | python3 -c '
+names=$(cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
 m = json.load(sys.stdin)
 default = set(m["workspace_default_members"])
@@ -70,9 +60,22 @@ for p in m["packages"]:
         for t in p["targets"]:
             if "test" in t["kind"] and t["name"] != "scenarios":
                 print(t["name"])')
+others=()
+for name in $names; do others+=(--test "$name"); done
+# The scenario binary: four tests at a time on any machine. The scenarios mostly wait on
+# sockets, agents and deadlines, so on two cores four overlap their waits without starving one
+# another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
+# than after: cargo holds its lock only while it builds. The scenarios' output comes at the end.
+scenarios_log=$(mktemp)
+RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &
+scenarios=$!
+# Interrupted: the scenarios stop too, and what they said is shown.
+trap 'kill "$scenarios" 2>/dev/null; cat "$scenarios_log"; rm -f "$scenarios_log"; exit 1' INT TERM
+failed=0
 cargo test --lib --bins "${others[@]}" || failed=1
 cargo test --doc || failed=1
 cargo test "${guests[@]}" || failed=1
 wait "$scenarios" || failed=1
 cat "$scenarios_log"
+rm -f "$scenarios_log"
 exit "$failed"

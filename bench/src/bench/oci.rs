@@ -105,7 +105,6 @@ impl WayIn {
             spec,
             &self.root,
             (&self.libraries, Some(fetcher)),
-            None,
         )
         .await?;
         drop(handle);

@@ -12,7 +12,6 @@ mod pending;
 mod probes;
 mod reload;
 pub mod status;
-mod told_names;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -145,8 +144,6 @@ pub(crate) struct Shared {
     front_end: Option<Arc<dyn front_ends::FrontEndKind>>,
     /// Fetches modules with a `source` into the module store; None without a state directory.
     fetcher: Option<crate::oci::Fetcher>,
-    /// The served names each module was last told; None without a state directory.
-    told_names: Option<told_names::ToldNames>,
     /// Modules whose registry entry waits for a pull, by name.
     pending: Mutex<BTreeMap<String, pending::Pending>>,
     /// What a background pull, or the start after it, reported, by module: kept apart from
@@ -452,7 +449,6 @@ impl Shared {
             &file,
             host_root,
             (&self.libraries, None),
-            self.told_names.as_ref(),
         )
         .await
         {
@@ -728,10 +724,6 @@ impl Agent {
             stopping: Default::default(),
             starting: Default::default(),
             nvml_waiters: Default::default(),
-            told_names: options
-                .state_dir
-                .as_deref()
-                .map(told_names::ToldNames::under),
             fetcher: options.state_dir.as_ref().map(|dir| crate::oci::Fetcher {
                 store: crate::oci::store::Store::under(dir),
                 access: options.registry_access.clone(),

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use wasmtime::Engine;
 
 use super::front_ends::{self, Context, FrontEnd, FrontEndKind, Stop};
-use super::told_names::ToldNames;
 use crate::config::ModuleSpec;
 use crate::config::{MAX_RESOURCES, MAX_RESOURCES_PER_MODULE};
 use crate::device::ResourceInfo;
@@ -63,15 +62,13 @@ impl RunningModule {
 }
 
 /// Compiles (on a blocking thread, or loads it precompiled from `cache`), instantiates and
-/// initialises one module. With `told_names`, its first instance is told the served names its
-/// last start told it, and those it is told now are kept for the next.
+/// initialises one module.
 pub async fn start_module(
     engine: &Engine,
     cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
     (libraries, fetcher): (&Libraries, Option<&Fetcher>),
-    told_names: Option<&ToldNames>,
 ) -> Result<ModuleHandle, LoadError> {
     // A module from a registry loads from its entry in the module store, pulled first if
     // missing.
@@ -96,38 +93,18 @@ pub async fn start_module(
     }
     let (engine, root) = (engine.clone(), host_root.to_owned());
     let libraries = libraries.clone();
-    let memory = told_names.cloned();
-    let (loaded, remembered) = tokio::task::spawn_blocking(move || {
-        let loaded = load(&engine, cache.as_deref(), &spec_owned, &root, &libraries)?;
-        let remembered = memory.and_then(|m| m.recall(&spec_owned, &loaded.digest));
-        Ok::<_, LoadError>((loaded, remembered))
+    let loaded = tokio::task::spawn_blocking(move || {
+        load(&engine, cache.as_deref(), &spec_owned, &root, &libraries)
     })
     .await
     .map_err(|e| LoadError::Invalid {
         module: spec.name.clone(),
         message: format!("loader panicked: {e}"),
     })??;
-    let digest = loaded.digest.clone();
-    let handle = ModuleHandle::start(
-        loaded,
-        |info| {
-            resource::served_name(&spec.resource_domain, info, spec.sharing.rule(&info.name)).ok()
-        },
-        remembered.clone(),
-    )
-    .await?;
-    if let Some(memory) = told_names
-        && remembered.as_deref() != Some(handle.told())
-    {
-        // Off the path to serving: the next start is the one that gains from it.
-        let (memory, spec, told) = (memory.clone(), spec.clone(), handle.told().to_vec());
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = memory.remember(&spec, &digest, &told) {
-                tracing::debug!(module = spec.name, "cannot keep its served names: {e}");
-            }
-        });
-    }
-    Ok(handle)
+    ModuleHandle::start(loaded, |info| {
+        resource::served_name(&spec.resource_domain, info, spec.sharing.rule(&info.name)).ok()
+    })
+    .await
 }
 
 /// Which of a module's declared resources `run` serves, under which names, and why the others

@@ -53,7 +53,6 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             spec,
             &registry.host_root,
             (&libraries, Some(&fetcher)),
-            None,
         )
         .await;
         let module = match loaded {

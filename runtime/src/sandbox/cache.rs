@@ -468,13 +468,13 @@ impl Checksum {
         }
     }
 
-    /// Of the whole of `file`, read from its start (at most [`MAX_CWASM`] bytes and one more, so
-    /// a longer one never matches).
-    fn of_file(mut file: &std::fs::File) -> std::io::Result<Checksum> {
+    /// Of the whole of `file`, read from its start; an error past [`MAX_CWASM`] bytes.
+    fn of_file(file: &std::fs::File) -> std::io::Result<Checksum> {
         let mut hasher = crc32fast::Hasher::new();
         let mut buffer = vec![0u8; 256 << 10];
         let mut len = 0u64;
-        while len <= MAX_CWASM {
+        let mut file = file.take(MAX_CWASM + 1);
+        loop {
             let n = match file.read(&mut buffer) {
                 Ok(0) => break,
                 Ok(n) => n,
@@ -483,6 +483,11 @@ impl Checksum {
             };
             hasher.update(&buffer[..n]);
             len += n as u64;
+        }
+        if len > MAX_CWASM {
+            return Err(std::io::Error::other(format!(
+                "it is over {MAX_CWASM} bytes"
+            )));
         }
         Ok(Checksum {
             crc32: hasher.finalize(),

@@ -212,9 +212,6 @@ pub struct ModuleHandle {
     /// Granted NVML, whether it answered when `init` ran (what the module declared may depend
     /// on it: MIG profiles).
     nvml_at_init: bool,
-    /// The served names its instances are told at init (declared name, served name): none for a
-    /// module that takes none.
-    told: Arc<[(String, String)]>,
 }
 
 impl ModuleHandle {
@@ -224,14 +221,10 @@ impl ModuleHandle {
     ///
     /// `served_as` names the resources a module declared as the agent will serve them: a 0.2
     /// module is told those names at init, so its first instance (which declared them) is
-    /// replaced by one that knows them before any call. Unless `remembered` (what the previous
-    /// start of the same module and config told it) turns out right: the first instance is
-    /// then told those names and kept, and the health cell's is made alongside it rather than
-    /// after, which takes one instantiation and `init` off every warm start.
+    /// replaced by one that knows them before any call.
     pub async fn start(
         module: LoadedModule,
         served_as: impl Fn(&ResourceInfo) -> Option<String>,
-        remembered: Option<Vec<(String, String)>>,
     ) -> Result<ModuleHandle, LoadError> {
         let name = module.name.clone();
         let deadline = module.spec.call_deadline;
@@ -263,69 +256,33 @@ impl ModuleHandle {
             .nvml
             .as_ref()
             .is_some_and(|n| matches!(n.availability(), crate::nvml::Availability::Ready { .. }));
-        let tell_names = |served: Vec<(String, String)>| {
-            let mut context = context.lock().unwrap_or_else(|p| p.into_inner());
-            let mut told = InitContext::clone(&context);
-            told.served_as = served;
-            *context = Arc::new(told);
-        };
-        // What the first instance is told: the remembered names, if the module takes names.
-        let guessed = remembered
-            .filter(|r| module.pre.tells_served_names() && !r.is_empty())
-            .unwrap_or_default();
-        if !guessed.is_empty() {
-            tell_names(guessed.clone());
-        }
         let first = lane("kubelet")?;
-        // The first enumeration runs in the health cell: its instance is made on a thread of
-        // its own, alongside the kubelet cell's when the names it is told are known already.
-        let mut health = None;
-        if !guessed.is_empty() {
-            let cell = lane("health")?;
-            warm(&cell, deadline);
-            health = Some(cell);
-        }
         let (mut info, mut stalled) = first_init(&first, &module, deadline).await?;
         let served: Vec<(String, String)> = info
             .resources
             .iter()
             .filter_map(|r| served_as(r).map(|s| (r.name.clone(), s)))
             .collect();
-        let told = if module.pre.tells_served_names() {
-            served
-        } else {
-            Vec::new()
-        };
-        let kubelet = if told == guessed {
-            first
-        } else {
-            tell_names(told.clone());
-            // Told other names than these (or none): the health cell's instance is made again,
-            // and the kubelet cell's (its cell ends now rather than when start returns: one
-            // instance fewer meanwhile).
-            let cell = lane("health")?;
-            warm(&cell, deadline);
-            health = Some(cell);
+        let tell = module.pre.tells_served_names() && !served.is_empty();
+        if tell {
+            let mut context = context.lock().unwrap_or_else(|p| p.into_inner());
+            let mut told = InitContext::clone(&context);
+            told.served_as = served;
+            *context = Arc::new(told);
+        }
+        // The first enumeration runs in the health cell: its instance is made now, on a thread
+        // of its own, while the kubelet cell's is (re)made, rather than after it.
+        let health = lane("health")?;
+        warm(&health, deadline);
+        let kubelet = if tell {
+            // Its cell ends now rather than when start returns: one instance fewer meanwhile.
             drop(first);
             let kubelet = lane("kubelet")?;
             (info, stalled) = first_init(&kubelet, &module, deadline).await?;
             kubelet
+        } else {
+            first
         };
-        let health = match health {
-            Some(health) => health,
-            None => {
-                let cell = lane("health")?;
-                warm(&cell, deadline);
-                cell
-            }
-        };
-        if !guessed.is_empty() && told == guessed {
-            tracing::debug!(
-                module = %name,
-                "its first instance was told the names its resources were served under at its \
-                 last start, and kept"
-            );
-        }
         let resources = info.resources;
         if let Some(r) = resources
             .iter()
@@ -372,14 +329,7 @@ impl ModuleHandle {
             own_edits: Arc::default(),
             rechecks: Arc::default(),
             nvml_at_init: nvml_at_init && !stalled,
-            told: told.into(),
         })
-    }
-
-    /// The served names its instances are told at init, for the next start to tell its first
-    /// instance (see [`ModuleHandle::start`]).
-    pub fn told(&self) -> &[(String, String)] {
-        &self.told
     }
 
     /// Has `observer` told of every call from now on; the first observer set stays.
