@@ -93,7 +93,12 @@ async fn metrics_follow_allocations_a_kubelet_restart_a_trap_and_a_hot_reload() 
     );
 
     // An allocation: counted as held, and as a call into the module (answered ahead of time or
-    // by the kubelet's own call, both are calls to its `allocate`).
+    // by the kubelet's own call, both are calls to its `allocate`). Registered is not yet
+    // listed: the kubelet has the devices once the first ListAndWatch snapshot reaches it.
+    node.kubelet
+        .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
+        .await
+        .expect("listed");
     node.kubelet
         .allocate("devicelet.io/fuse", 1)
         .await
