@@ -426,7 +426,7 @@ impl CompileCache {
 
     /// Writes the entry by [`crate::files::write_all_atomically`] (0600): both files written
     /// first, then the sidecar renamed into place and the `.cwasm` right after it, so a `.cwasm`
-    /// never sits beside a stale digest, and another agent sharing the cache sees a sidecar
+    /// never sits beside a stale checksum, and another agent sharing the cache sees a sidecar
     /// without its `.cwasm` only between two renames.
     fn store(&self, bytes: &[u8], cwasm: &str, sidecar: &str) -> anyhow::Result<()> {
         let sum = Checksum::of(bytes).line();
