@@ -693,11 +693,19 @@ pub async fn prepared_answers(agent: &devicelet::agent::Agent, resource: &str, r
         .expect("the preparer runs");
 }
 
-/// Runs `devicelet validate --config <file> <args>`: whether it succeeded, and its stdout then
-/// stderr.
+/// `devicelet validate` with the scenarios' compile cache (`--cache-dir`): each module is
+/// compiled once per test run, not in every check.
+pub fn validate_command() -> std::process::Command {
+    let mut cmd = std::process::Command::new(devicelet_bin());
+    cmd.arg("validate").arg("--cache-dir").arg(scenario_cache());
+    cmd
+}
+
+/// Runs `devicelet validate --config <file> <args>` (with [`validate_command`]): whether it
+/// succeeded, and its stdout then stderr.
 pub fn validate_registry(file: &Path, args: &[&std::ffi::OsStr]) -> (bool, String) {
-    let out = std::process::Command::new(devicelet_bin())
-        .args(["validate", "--config"])
+    let out = validate_command()
+        .arg("--config")
         .arg(file)
         .args(args)
         .output()

@@ -34,6 +34,8 @@ pub struct Trial<'a> {
     pub allocate: usize,
     pub once: bool,
     pub libraries: crate::nvml::Libraries,
+    /// `try --cache-dir`.
+    pub cache_dir: Option<std::path::PathBuf>,
     /// Wakes when the fixture changed (None with `--once`); the caller reloads it.
     pub changed: Option<tokio::sync::mpsc::Receiver<()>>,
     /// Reloads the fixture into the node.
@@ -47,6 +49,7 @@ pub async fn run(trial: Trial<'_>) -> anyhow::Result<()> {
         allocate,
         once,
         libraries,
+        cache_dir,
         changed,
         reload,
     } = trial;
@@ -78,6 +81,7 @@ pub async fn run(trial: Trial<'_>) -> anyhow::Result<()> {
     options.hot_reload = false;
     options.cdi_dir = cdi_dir.clone();
     options.libraries = libraries;
+    options.cache_dir = cache_dir;
     options.state_dir = Some(state_dir.clone());
     options.pod_resources = Some(kubelet.pod_resources_socket().to_owned());
     options.dra = Some(DraOptions {

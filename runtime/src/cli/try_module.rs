@@ -49,6 +49,10 @@ pub struct TryArgs {
     /// unprepared.
     #[arg(long)]
     pub dra: bool,
+    /// A compile cache to use and fill, as `run`'s (under the same trust rules): trying a module
+    /// again compiles it only if it changed. Without it, the module is compiled in memory.
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
 }
@@ -231,6 +235,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
             allocate: args.allocate,
             once: args.once,
             libraries: args.libraries.libraries(),
+            cache_dir: args.cache_dir.clone(),
             changed: (!args.once).then_some(changed),
             reload: &reload,
         })
@@ -254,6 +259,7 @@ pub async fn run(args: TryArgs) -> anyhow::Result<()> {
     options.hot_reload = false;
     options.cdi_dir = work.path().join("cdi");
     options.libraries = args.libraries.libraries();
+    options.cache_dir = args.cache_dir.clone();
     let state_dir = work.path().join("state");
     options.state_dir = Some(state_dir.clone());
     options.pod_resources = Some(kubelet.pod_resources_socket().to_owned());

@@ -8,7 +8,9 @@ use crate::agent::{plan, start_module};
 use crate::config::Registry;
 use crate::device::{Device, Health};
 use crate::resource::backend::DeviceBackend;
+use crate::sandbox::cache::CompileCache;
 use crate::sandbox::engine::new_engine;
+use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct ValidateArgs {
@@ -22,6 +24,11 @@ pub struct ValidateArgs {
     /// module answers with itself (nvidia-gpu's `visible-devices = "cdi"`) must be defined there.
     #[arg(long = "cdi-spec-dir", default_values = crate::cdi::installed::SPEC_DIRS)]
     pub cdi_spec_dirs: Vec<PathBuf>,
+    /// A compile cache to use and fill, as `run` does (its own, e.g. /var/lib/devicelet/cache,
+    /// under the same trust rules): a module compiled there before is not compiled again.
+    /// Without it, modules are compiled in memory and nothing is written.
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
     #[command(flatten)]
@@ -46,10 +53,11 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
         access: args.registries.access()?,
     };
     let _remove = RemoveOnDrop(store_dir);
+    let cache = open_cache(args.cache_dir.as_deref());
     for spec in &registry.modules {
         let loaded = start_module(
             &engine,
-            None,
+            cache.clone(),
             spec,
             &registry.host_root,
             (&libraries, Some(&fetcher)),
@@ -171,11 +179,32 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             taken.insert(name, spec.name.clone());
         }
     }
+    if let Some(cache) = &cache {
+        let stats = cache.stats();
+        println!(
+            "compile cache {}: {} module(s) compiled, {} found compiled",
+            cache.dir().display(),
+            stats.misses + stats.replaced,
+            stats.hits
+        );
+    }
     if failures > 0 {
         anyhow::bail!("{}: {failures} problem(s)", args.config.display());
     }
     println!("{}: ok", args.config.display());
     Ok(())
+}
+
+/// The cache at `dir`, if one was given and can be used: one that cannot (not ours, writable
+/// by others) is reported and the modules are compiled in memory, as `run` does.
+fn open_cache(dir: Option<&std::path::Path>) -> Option<Arc<CompileCache>> {
+    match CompileCache::open(dir?) {
+        Ok(cache) => Some(Arc::new(cache)),
+        Err(e) => {
+            println!("warning: {e}; compiling modules without a cache");
+            None
+        }
+    }
 }
 
 /// A `host-root` that is a fixture node (`sys/` and a `dev.list`, as `try` takes) has no real

@@ -211,3 +211,76 @@ async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_canno
     );
     third.shutdown().await;
 }
+
+/// `validate --cache-dir` and `try --cache-dir` use the cache as `run` does: the first check
+/// compiles and fills it, the next finds the module compiled; a cache that cannot be trusted is
+/// said and left alone, and the check still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let file = node.registry(&generic_dev(FUSE));
+    let cache = node.dir.path().join("cache");
+    let validate = |cache: &Path| {
+        let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+            .args(["validate", "--config"])
+            .arg(&file)
+            .arg("--cache-dir")
+            .arg(cache)
+            .output()
+            .expect("devicelet validate");
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        said
+    };
+    let said = validate(&cache);
+    let line = format!("compile cache {}: ", cache.display());
+    assert!(
+        said.contains(&format!("{line}1 module(s) compiled, 0 found compiled")),
+        "{said}"
+    );
+    assert_eq!(cwasm_files(&cache).len(), 1, "the module was cached");
+    let said = validate(&cache);
+    assert!(
+        said.contains(&format!("{line}0 module(s) compiled, 1 found compiled")),
+        "{said}"
+    );
+
+    let open = node.dir.path().join("open");
+    std::fs::create_dir(&open).expect("creating a directory");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777))
+        .expect("making it world-writable");
+    let said = validate(&open);
+    assert!(
+        said.contains("compiling modules without a cache") && !said.contains(" module(s) compiled"),
+        "{said}"
+    );
+    assert!(cwasm_files(&open).is_empty(), "nothing written to it");
+
+    // `try` fills a cache of its own the same way.
+    let tried = node.dir.path().join("tried");
+    let amd = devicelet_tests::workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
+    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+        .arg("try")
+        .arg("--cache-dir")
+        .arg(&tried)
+        .arg("--module")
+        .arg(devicelet_tests::module_dir().join("amd_gpu.wasm"))
+        .arg("--fixture")
+        .arg(&amd)
+        .args(["--once", "--log", "warn"])
+        .output()
+        .expect("devicelet try");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(cwasm_files(&tried).len(), 1, "try cached the module");
+}

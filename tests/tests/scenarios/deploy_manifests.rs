@@ -775,8 +775,8 @@ fn validated_registry(
     let file = dir.path().join("registry.toml");
     std::fs::write(&file, &local).expect("writing the registry");
 
-    let out = Command::new(devicelet_bin())
-        .args(["validate", "--config"])
+    let out = devicelet_tests::validate_command()
+        .arg("--config")
         .arg(&file)
         .arg("--cdi-dir")
         .arg(cdi_dir)

@@ -631,8 +631,8 @@ async fn a_module_with_a_verify_key_is_served_only_once_signed_with_that_key() {
         .expect("served once signed");
     // `validate` says whose signature it checked.
     let file = node.registry(&signed_fuse_from(&line, &vendor_pub));
-    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
-        .args(["validate", "--config"])
+    let out = devicelet_tests::validate_command()
+        .arg("--config")
         .arg(&file)
         .args(registry.args())
         .output()

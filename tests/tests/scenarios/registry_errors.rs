@@ -512,8 +512,8 @@ async fn one_modules_lines_are_chosen_by_its_name_and_a_bad_filter_is_refused() 
     let node = Node::new().await;
     let file = node.registry(&generic_dev(GOOD));
     let validate_with = |log: &str| {
-        let out = Command::new(devicelet_bin())
-            .args(["validate", "--log", log, "--config"])
+        let out = devicelet_tests::validate_command()
+            .args(["--log", log, "--config"])
             .arg(&file)
             .output()
             .expect("running devicelet validate");

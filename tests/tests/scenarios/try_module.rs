@@ -3,7 +3,9 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use devicelet_tests::{devicelet_bin, module_dir, read_until as until, workspace_root};
+use devicelet_tests::{
+    devicelet_bin, module_dir, read_until as until, scenario_cache, workspace_root,
+};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
@@ -17,6 +19,8 @@ dev = ["/dev/kfd", "/dev/dri/*"]
 fn command(fixture: &std::path::Path, config: &std::path::Path) -> Command {
     let mut cmd = Command::new(devicelet_bin());
     cmd.arg("try")
+        .arg("--cache-dir")
+        .arg(scenario_cache())
         .arg("--module")
         .arg(module_dir().join("amd_gpu.wasm"))
         .arg("--fixture")
@@ -140,6 +144,8 @@ mig-strategy = "dynamic"
     .unwrap();
     let out = Command::new(devicelet_bin())
         .arg("try")
+        .arg("--cache-dir")
+        .arg(scenario_cache())
         .arg("--module")
         .arg(module_dir().join("nvidia_gpu.wasm"))
         .arg("--fixture")

@@ -57,9 +57,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         plugin_dir.join("kubelet.sock").display()
     );
 
+    // One compile cache for the three parts: the module is compiled once, by the first (the
+    // OCI part pulls the same bytes).
+    let cache = work.path().join("cache");
     let mut options = AgentOptions::new(registry, plugin_dir.clone());
     options.hot_reload = false;
     options.cdi_dir = work.path().join("cdi");
+    options.cache_dir = Some(cache.clone());
     options.metrics_addr = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
     let agent = Agent::start(options).await?;
     if let Some(e) = agent.load_errors().first() {
@@ -142,6 +146,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         allocate: 1,
         once: true,
         libraries: crate::nvml::Libraries::default(),
+        cache_dir: Some(cache.clone()),
         changed: None,
         reload: &|| {},
     })
@@ -149,7 +154,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     .context("the DRA part")?;
     let oci = work.path().join("oci");
     std::fs::create_dir_all(&oci)?;
-    oci::run(&oci, &module_dir, tree.root())
+    oci::run(&oci, &cache, &module_dir, tree.root())
         .await
         .context("the OCI part")?;
     println!("\ndone");

@@ -56,7 +56,12 @@ fn key_pair(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     Ok((key, public))
 }
 
-pub async fn run(work: &Path, module_dir: &Path, host_root: &Path) -> anyhow::Result<()> {
+pub async fn run(
+    work: &Path,
+    cache: &Path,
+    module_dir: &Path,
+    host_root: &Path,
+) -> anyhow::Result<()> {
     println!("\n— the same module as a signed OCI artifact —");
     let Some(binary) = registry_binary() else {
         println!(
@@ -94,13 +99,14 @@ pub async fn run(work: &Path, module_dir: &Path, host_root: &Path) -> anyhow::Re
     }
     println!("docker-registry serving on http://{addr} (plain HTTP: --insecure-registry {addr})");
 
-    let result = push_sign_pull(work, module_dir, host_root, addr).await;
+    let result = push_sign_pull(work, cache, module_dir, host_root, addr).await;
     let _ = registry.kill().await;
     result
 }
 
 async fn push_sign_pull(
     work: &Path,
+    cache: &Path,
     module_dir: &Path,
     host_root: &Path,
     addr: std::net::SocketAddr,
@@ -152,6 +158,7 @@ groups = [{{ name = "fuse", paths = ["/dev/fuse"] }}]
     let mut options = AgentOptions::new(registry, plugin_dir);
     options.hot_reload = false;
     options.state_dir = Some(work.join("state"));
+    options.cache_dir = Some(cache.to_owned());
     options.cdi_dir = work.join("cdi");
     options.registry_access = access;
     let agent = Agent::start(options).await?;
