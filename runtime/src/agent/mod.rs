@@ -686,21 +686,11 @@ impl Agent {
             None => Ledger::in_memory(),
         };
         // Only saves time: a cache that cannot be used is reported, not fatal.
-        let precompiled = options.precompiled_dir.as_deref().and_then(|dir| {
-            CompileCache::open_precompiled(dir).unwrap_or_else(|e| {
-                tracing::error!("{e}; not using the modules precompiled there");
-                None
-            })
-        });
         let cache = options.cache_dir.as_deref().map(|dir| {
-            let cache = CompileCache::open(dir).map_err(|e| {
-                tracing::error!("{e}; compiling modules without a cache");
-                e.to_string()
-            })?;
-            Ok(Arc::new(match precompiled {
-                Some(precompiled) => cache.with_precompiled(precompiled),
-                None => cache,
-            }))
+            CompileCache::open_with_precompiled(dir, options.precompiled_dir.as_deref(), &|e| {
+                tracing::error!("{e}")
+            })
+            .map(Arc::new)
         });
         let shared = Arc::new(Shared {
             engine,

@@ -25,10 +25,15 @@ pub struct ValidateArgs {
     #[arg(long = "cdi-spec-dir", default_values = crate::cdi::installed::SPEC_DIRS)]
     pub cdi_spec_dirs: Vec<PathBuf>,
     /// A compile cache to use and fill, as `run` does (its own, e.g. /var/lib/devicelet/cache,
-    /// under the same trust rules): a module compiled there before is not compiled again.
-    /// Without it, modules are compiled in memory and nothing is written.
+    /// under the same trust rules): a module compiled there before, or found in
+    /// `--precompiled-dir`, is not compiled again. Without it, modules are compiled in memory
+    /// and nothing is written.
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
+    /// With `--cache-dir`: modules compiled ahead of time, looked in when the cache has no entry,
+    /// as `run` does (the image's reference modules are there).
+    #[arg(long, default_value = "/opt/devicelet/precompiled")]
+    pub precompiled_dir: PathBuf,
     #[command(flatten)]
     pub libraries: super::LibraryArgs,
     #[command(flatten)]
@@ -53,7 +58,13 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
         access: args.registries.access()?,
     };
     let _remove = RemoveOnDrop(store_dir);
-    let cache = open_cache(args.cache_dir.as_deref());
+    let cache = args.cache_dir.as_deref().and_then(|dir| {
+        CompileCache::open_with_precompiled(dir, Some(&args.precompiled_dir), &|e| {
+            println!("warning: {e}")
+        })
+        .ok()
+        .map(Arc::new)
+    });
     for spec in &registry.modules {
         let loaded = start_module(
             &engine,
@@ -193,18 +204,6 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
     }
     println!("{}: ok", args.config.display());
     Ok(())
-}
-
-/// The cache at `dir`, if one was given and can be used: one that cannot (not ours, writable
-/// by others) is reported and the modules are compiled in memory, as `run` does.
-fn open_cache(dir: Option<&std::path::Path>) -> Option<Arc<CompileCache>> {
-    match CompileCache::open(dir?) {
-        Ok(cache) => Some(Arc::new(cache)),
-        Err(e) => {
-            println!("warning: {e}; compiling modules without a cache");
-            None
-        }
-    }
 }
 
 /// A `host-root` that is a fixture node (`sys/` and a `dev.list`, as `try` takes) has no real

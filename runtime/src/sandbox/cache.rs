@@ -179,6 +179,31 @@ impl CompileCache {
         self
     }
 
+    /// The cache at `dir`, looking in `precompiled` on a miss: `run` and `validate` open them
+    /// alike, so that a check finds what the agent would. Neither is needed to load a module,
+    /// so what cannot be used is said through `warn` and left out; `Err` (why) means modules
+    /// are compiled in memory.
+    pub fn open_with_precompiled(
+        dir: &Path,
+        precompiled: Option<&Path>,
+        warn: &dyn Fn(&str),
+    ) -> Result<CompileCache, String> {
+        let precompiled = precompiled.and_then(|path| {
+            CompileCache::open_precompiled(path).unwrap_or_else(|e| {
+                warn(&format!("{e}; not using the modules precompiled there"));
+                None
+            })
+        });
+        let cache = CompileCache::open(dir).map_err(|e| {
+            warn(&format!("{e}; compiling modules without a cache"));
+            e.to_string()
+        })?;
+        Ok(match precompiled {
+            Some(precompiled) => cache.with_precompiled(precompiled),
+            None => cache,
+        })
+    }
+
     pub fn dir(&self) -> &Path {
         &self.path
     }

@@ -213,8 +213,9 @@ async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_canno
 }
 
 /// `validate --cache-dir` and `try --cache-dir` use the cache as `run` does: the first check
-/// compiles and fills it, the next finds the module compiled; a cache that cannot be trusted is
-/// said and left alone, and the check still runs.
+/// compiles and fills it, the next finds the module compiled (in the cache, or among the
+/// precompiled modules as `run` would); a cache that cannot be trusted is said and left alone,
+/// and the check still runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
     use std::os::unix::fs::PermissionsExt;
@@ -228,6 +229,9 @@ async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
             .arg(&file)
             .arg("--cache-dir")
             .arg(cache)
+            // Not the machine's own: the first check has nothing precompiled to find.
+            .arg("--precompiled-dir")
+            .arg(node.dir.path().join("precompiled"))
             .output()
             .expect("devicelet validate");
         let said = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -250,6 +254,19 @@ async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
         said.contains(&format!("{line}0 module(s) compiled, 1 found compiled")),
         "{said}"
     );
+    // A cache has the precompiled directory's layout: a new cache finds the module there, and
+    // nothing is copied into it.
+    std::fs::rename(&cache, node.dir.path().join("precompiled")).expect("moving the cache");
+    let fresh = node.dir.path().join("fresh");
+    let said = validate(&fresh);
+    assert!(
+        said.contains(&format!(
+            "compile cache {}: 0 module(s) compiled, 1 found compiled",
+            fresh.display()
+        )),
+        "{said}"
+    );
+    assert!(cwasm_files(&fresh).is_empty(), "nothing copied");
 
     let open = node.dir.path().join("open");
     std::fs::create_dir(&open).expect("creating a directory");
@@ -262,25 +279,38 @@ async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
     );
     assert!(cwasm_files(&open).is_empty(), "nothing written to it");
 
-    // `try` fills a cache of its own the same way.
+    // `try` fills a cache of its own the same way, and the next `try` finds the module there.
     let tried = node.dir.path().join("tried");
     let amd = devicelet_tests::workspace_root().join("guests/amd-gpu/fixtures/2-gpus");
-    let out = std::process::Command::new(devicelet_tests::devicelet_bin())
-        .arg("try")
-        .arg("--cache-dir")
-        .arg(&tried)
-        .arg("--module")
-        .arg(devicelet_tests::module_dir().join("amd_gpu.wasm"))
-        .arg("--fixture")
-        .arg(&amd)
-        .args(["--once", "--log", "warn"])
-        .output()
-        .expect("devicelet try");
+    let try_module = || {
+        let out = std::process::Command::new(devicelet_tests::devicelet_bin())
+            .arg("try")
+            .arg("--cache-dir")
+            .arg(&tried)
+            .arg("--module")
+            .arg(devicelet_tests::module_dir().join("amd_gpu.wasm"))
+            .arg("--fixture")
+            .arg(&amd)
+            .args(["--once", "--log", "warn,devicelet::sandbox=debug"])
+            .output()
+            .expect("devicelet try");
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{said}");
+        said.lines()
+            .filter(|l| l.contains("compile cache") && l.contains("outcome="))
+            .map(|l| l.split("outcome=").nth(1).unwrap_or_default().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let first = try_module();
     assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        first.len() == 1 && first[0].starts_with("Miss"),
+        "{first:?}"
     );
     assert_eq!(cwasm_files(&tried).len(), 1, "try cached the module");
+    let second = try_module();
+    assert!(
+        second.len() == 1 && second[0].starts_with("Hit"),
+        "{second:?}"
+    );
 }
