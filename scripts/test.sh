@@ -46,9 +46,6 @@ cargo build --release --target wasm32-wasip2 "${guests[@]}"
 # Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them:
 # `devicelet` and the node agent alone, `devicelet-node`, among them.
 cargo build --all-targets
-# The guests' logic runs on the host too, against the SDK's test kit (a fake node): built here,
-# so that nothing compiles while the scenarios run.
-cargo test --no-run "${guests[@]}"
 # Every other test of the default members (the same selection, so the same build), then the
 # guests': the integration test binaries but the scenarios' named one by one from cargo's metadata.
 names=$(cargo metadata --no-deps --format-version 1 | python3 -c '
@@ -65,7 +62,10 @@ for name in $names; do others+=(--test "$name"); done
 # The scenario binary: four tests at a time on any machine. The scenarios mostly wait on
 # sockets, agents and deadlines, so on two cores four overlap their waits without starving one
 # another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
-# than after: cargo holds its lock only while it builds. The scenarios' output comes at the end.
+# than after: cargo holds its lock only while it builds. So does the build of the guests' host
+# tests (their logic against the SDK's test kit, a fake node): the scenarios leave a third of the
+# two cores idle while they wait, and a helper of theirs that asks cargo for a binary meanwhile
+# only waits for the lock. The scenarios' output comes at the end.
 scenarios_log=$(mktemp)
 RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &
 scenarios=$!

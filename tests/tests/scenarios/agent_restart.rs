@@ -162,6 +162,8 @@ async fn logs_carry_no_colour_off_a_terminal_and_are_json_lines_on_request() {
                 "--config",
             ])
             .arg(&registry)
+            .arg("--cache-dir")
+            .arg(devicelet_tests::scenario_cache())
             .stdin(Stdio::null())
             .output()
             .expect("running devicelet validate");
