@@ -519,7 +519,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         if left.is_zero() {
             return code::TIMEOUT;
         }
-        std::thread::sleep(left.min(state::EVENT_POLL));
+        std::thread::sleep(left.min(state::POLL));
     }
 }
 

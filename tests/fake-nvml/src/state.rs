@@ -67,13 +67,8 @@ fn configured(env: &str, file: &str) -> Option<PathBuf> {
     Some(library.parent()?.join(file))
 }
 
-/// How often blocked calls (hung queries) look at the control file again.
+/// How often blocked calls (hung queries, event waits) look at the control file again.
 pub const POLL: Duration = Duration::from_millis(5);
-
-/// How often an event wait looks at the control file again. An agent waits on its event set all
-/// its life: at 5 ms, each agent's waits would cost more CPU than the rest of the fake. Events
-/// still arrive within a fraction of any health deadline.
-pub const EVENT_POLL: Duration = Duration::from_millis(20);
 
 /// The event types the fake can deliver (and reports as supported).
 pub const SUPPORTED_EVENTS: u64 = (nvmlEventTypeXidCriticalError
