@@ -63,8 +63,8 @@ for name in $names; do others+=(--test "$name"); done
 # sockets, agents and deadlines, so on two cores four overlap their waits without starving one
 # another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
 # than after: cargo holds its lock only while it builds. So does the build of the guests' host
-# tests (their logic against the SDK's test kit, a fake node): the scenarios leave a third of the
-# two cores idle while they wait, and a helper of theirs that asks cargo for a binary meanwhile
+# tests (their logic against the SDK's test kit, a fake node): the scenarios leave about a fifth
+# of the two cores idle while they wait, and a helper of theirs that asks cargo for a binary meanwhile
 # only waits for the lock. The scenarios' output comes at the end.
 scenarios_log=$(mktemp)
 RUST_TEST_THREADS=4 cargo test --test scenarios >"$scenarios_log" 2>&1 &

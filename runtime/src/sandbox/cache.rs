@@ -555,8 +555,8 @@ fn deserialize_open(engine: &Engine, file: &std::fs::File) -> wasmtime::Result<C
     if Path::new(&fd).exists() {
         // SAFETY: the file is one this host wrote with `Component::serialize` (our uid, in a
         // directory only we can change), its contents match the checksum we recorded when
-        // writing it, and we never modify a cache file in place (entries are replaced by rename), so the
-        // mapping stays valid for as long as the component lives.
+        // writing it, and we never modify a cache file in place (entries are replaced by
+        // rename), so the mapping stays valid for as long as the component lives.
         return unsafe { Component::deserialize_file(engine, &fd) };
     }
     let mut bytes = Vec::new();
