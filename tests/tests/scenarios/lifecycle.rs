@@ -478,6 +478,8 @@ async fn a_configmap_style_swap_of_the_registry_is_applied() {
     let registry = devicelet::config::Registry::load(&volume.join("registry.toml")).expect("load");
     let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
     options.cdi_dir = node.dir.path().join("cdi");
+    // The tests' shared compile cache, as `Node::start_agent` gives: nothing compiles here.
+    options.cache_dir = Some(devicelet_tests::scenario_cache());
     options.hot_reload = true;
     let agent = devicelet::agent::Agent::start(options)
         .await

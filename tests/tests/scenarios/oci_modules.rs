@@ -2,9 +2,7 @@
 //! (Debian's docker-registry, plain HTTP on 127.0.0.1, listed as insecure): pushed with
 //! `devicelet module push`, pulled by digest into the module store, served from the store with
 //! the registry down, and refused by name when they are not what the digest pins. A registry
-//! that attacks instead of serving: `oci_modules/hostile_registry.rs`.
-
-mod hostile_registry;
+//! that attacks instead of serving: `hostile_registry.rs`.
 
 use devicelet_tests::oci::TestRegistry;
 use devicelet_tests::{Node, WAIT, module_dir};
@@ -19,7 +17,7 @@ fn fuse_from(source_line: &str) -> String {
 }
 
 /// The pending entry of `agent` once a pull failed at least once.
-async fn failed_try(
+pub(crate) async fn failed_try(
     agent: &devicelet::agent::Agent,
     what: &str,
 ) -> devicelet::agent::PendingStatus {
@@ -44,7 +42,7 @@ async fn agent(node: &Node, modules: &str, registry: &TestRegistry) -> devicelet
 }
 
 /// An agent with a state directory, reaching registries as `access` says.
-async fn agent_reaching(
+pub(crate) async fn agent_reaching(
     node: &Node,
     modules: &str,
     access: devicelet::oci::access::Access,

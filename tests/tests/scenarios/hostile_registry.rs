@@ -189,8 +189,8 @@ async fn an_agent_pulling_from_a_hostile_registry_keeps_allocating_its_other_mod
     );
     let access = devicelet::oci::access::Access::load(vec![registry.addr.clone()], None, None)
         .expect("access");
-    let agent = super::agent_reaching(&node, &modules, access).await;
-    let pending = super::failed_try(&agent, "the hostile pull failed").await;
+    let agent = crate::oci_modules::agent_reaching(&node, &modules, access).await;
+    let pending = crate::oci_modules::failed_try(&agent, "the hostile pull failed").await;
     let error = pending.last_error.unwrap_or_default();
     assert!(error.contains("more than 4194304 bytes"), "{error}");
     node.kubelet
