@@ -43,11 +43,13 @@ RUSTC_WORKSPACE_WRAPPER="$(rustup which clippy-driver 2>/dev/null || command -v 
 export RUSTC_WORKSPACE_WRAPPER
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
-# Every target (libraries, binaries, their tests), as `cargo clippy --all-targets` would lint them:
-# `devicelet` and the node agent alone, `devicelet-node`, among them.
-cargo build --all-targets
+# Every library and binary (`devicelet` and the node agent alone, `devicelet-node`, among them)
+# and every test target, as `cargo clippy --all-targets` would lint them; not the empty test
+# harnesses `--all-targets` would also build for targets marked `test = false`.
+cargo build --lib --bins --tests
 # Every other test of the default members (the same selection, so the same build), then the
-# guests': the integration test binaries but the scenarios' named one by one from cargo's metadata.
+# guests': the binaries that have tests and the integration tests but the scenarios, named one by
+# one from cargo's metadata.
 names=$(cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
 m = json.load(sys.stdin)
@@ -56,9 +58,11 @@ for p in m["packages"]:
     if p["id"] in default:
         for t in p["targets"]:
             if "test" in t["kind"] and t["name"] != "scenarios":
-                print(t["name"])')
+                print("--test", t["name"])
+            elif "bin" in t["kind"] and t["test"]:
+                print("--bin", t["name"])')
 others=()
-for name in $names; do others+=(--test "$name"); done
+for word in $names; do others+=("$word"); done
 # The scenario binary: four tests at a time on any machine. The scenarios mostly wait on
 # sockets, agents and deadlines, so on two cores four overlap their waits without starving one
 # another, and the other test binaries (unit tests, mostly waiting too) run beside them rather
@@ -72,7 +76,7 @@ scenarios=$!
 # Interrupted: the scenarios stop too, and what they said is shown.
 trap 'kill "$scenarios" 2>/dev/null; cat "$scenarios_log"; rm -f "$scenarios_log"; exit 1' INT TERM
 failed=0
-cargo test --lib --bins "${others[@]}" || failed=1
+cargo test --lib "${others[@]}" || failed=1
 cargo test --doc || failed=1
 cargo test "${guests[@]}" || failed=1
 wait "$scenarios" || failed=1

@@ -74,7 +74,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "1. Allocate round trip: kubelet's client → agent → generic-dev, ledger in memory \
              ({} calls)",
-            ours_s.len()
+            ours_s.count()
         ),
         ours_s.summary(true),
         "p99 ≤ 1 ms",
@@ -84,7 +84,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "1. Floor: bare tonic unary Allocate over a Unix socket, nothing behind it ({} calls, \
              alternating batches of {BATCH} with the row above)",
-            bare_s.len()
+            bare_s.count()
         ),
         bare_s.summary(true),
     ));
@@ -93,8 +93,8 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
          share it)",
         format!(
             "agent {:.1} / floor {:.1}",
-            ours_cs as f64 / ours_s.len() as f64,
-            bare_cs as f64 / bare_s.len() as f64
+            ours_cs as f64 / ours_s.count() as f64,
+            bare_cs as f64 / bare_s.count() as f64
         ),
     ));
     rows.push(Row::judged(
@@ -116,7 +116,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
     rows.push(Row::info(
         format!(
             "1. Allocate through `Simulator::allocate` (kubelet bookkeeping included, {} calls)",
-            via_sim.len()
+            via_sim.count()
         ),
         via_sim.summary(true),
     ));
@@ -143,7 +143,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "1. Allocate round trip with the ledger on disk, as `devicelet run` (state \
              directory on this machine's disk; {} calls)",
-            on_disk.len()
+            on_disk.count()
         ),
         on_disk.summary(true),
         "p99 ≤ 1 ms",
@@ -185,7 +185,7 @@ async fn sharing_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec
         format!(
             "1. Allocate of one replica, generic-dev shared 4 ways (`fuse.shared`), ledger in \
              memory ({} calls, alternating batches of {BATCH} with the same module unshared)",
-            on.len()
+            on.count()
         ),
         "1. Allocate with sharing on ÷ off (p50, p99)",
         &on,
@@ -243,7 +243,7 @@ async fn cdi_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row
         .and_then(|r| r.cdi.clone())
         .context("CDI status")?;
     anyhow::ensure!(
-        counts.unnamed == 0 && counts.named as usize >= on.len(),
+        counts.unnamed == 0 && counts.named as usize >= on.count(),
         "not every Allocate was named by CDI: {counts:?}"
     );
     agent.shutdown().await;
@@ -251,7 +251,7 @@ async fn cdi_on_against_off(s: &Settings, node: &Node) -> anyhow::Result<Vec<Row
         format!(
             "1. Allocate of one device named by CDI (`cdi-cri`, spec written), ledger in memory \
              ({} calls, alternating batches of {BATCH} with the same module listing device specs)",
-            on.len()
+            on.count()
         ),
         "1. Allocate with CDI on ÷ off (p50, p99)",
         &on,
@@ -340,7 +340,7 @@ async fn across_processes(s: &Settings) -> anyhow::Result<Vec<Row>> {
         rows.push(Row::info(
             format!(
                 "1. Across processes, {what}: client process → `devicelet run` (ledger on disk) → generic-dev ({} calls)",
-                v.ours.len()
+                v.ours.count()
             ),
             v.ours.summary(true),
         ));
@@ -348,7 +348,7 @@ async fn across_processes(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "1. Across processes, {} device(s): client process → a trivial plugin process answering from memory ({} calls, alternating batches of {BATCH} with the row above)",
                 ids.len(),
-                v.trivial.len()
+                v.trivial.count()
             ),
             v.trivial.summary(true),
         ));

@@ -223,14 +223,14 @@ async fn prepare_rows(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "11. DRA NodePrepareResources, one claim of {devices} device(s) of generic-dev \
                  (claim read from the API server stand-in, module's allocate, CDI spec written, \
                  claim journaled on disk), through a DRAPlugin v1 client of our own ({} calls)",
-                prepare.len()
+                prepare.count()
             ),
             prepare.summary(true),
         ));
         rows.push(Row::info(
             format!(
                 "11. DRA NodeUnprepareResources of that claim ({} calls)",
-                unprepare.len()
+                unprepare.count()
             ),
             unprepare.summary(true),
         ));
@@ -259,7 +259,7 @@ async fn prepare_rows(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "11. DRA publish latency: a device node plugged in → listed in the pool's \
              ResourceSlice at the API server stand-in, health-interval 5 s ({} plugs)",
-            plugged.len()
+            plugged.count()
         ),
         plugged.summary(false),
     ));
@@ -339,7 +339,7 @@ dev = ["/dev/kfd", "/dev/dri/*"]
             format!(
                 "11. DRA device Unhealthy (amd-gpu render node removed) → Unhealthy on the \
                  DRAResourceHealth stream, health-interval 5 s ({} changes)",
-                streamed.len()
+                streamed.count()
             ),
             streamed.summary(false),
         ),
@@ -347,7 +347,7 @@ dev = ["/dev/kfd", "/dev/dri/*"]
             format!(
                 "11. DRA device Unhealthy → left the pool's ResourceSlice at the API server \
                  stand-in ({} changes; read every {})",
-                sliced.len(),
+                sliced.count(),
                 duration(POLL)
             ),
             sliced.summary(false),

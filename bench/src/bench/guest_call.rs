@@ -75,21 +75,21 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "7. Guest call: host → generic-dev `allocate` through the module's cell, from \
                  the agent's runtime as its servers call it (`ModuleHandle::allocate`; {} calls)",
-                through_cell.len()
+                through_cell.count()
             ),
             through_cell.summary(false),
         ),
         Row::info(
             format!(
                 "7. Resolving the answer's device node beneath the /dev grants, alone ({} calls)",
-                resolving.len()
+                resolving.count()
             ),
             resolving.summary(false),
         ),
         Row::info(
             format!(
                 "7. Guest call: the bare wasmtime `call_allocate` on a store of our own ({} calls)",
-                bare.len()
+                bare.count()
             ),
             bare.summary(false),
         ),

@@ -53,7 +53,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             "5. Health change (device node added/removed) → new snapshot at the kubelet, \
              health-interval {} ({} changes)",
             duration(INTERVAL),
-            samples.len()
+            samples.count()
         ),
         samples.summary(false),
         format!("p50 ≤ {}", duration(TARGET)),

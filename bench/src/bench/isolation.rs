@@ -87,7 +87,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         Row::info(
             format!(
                 "8. Allocate on generic-dev, two other modules idle ({} calls)",
-                idle.len()
+                idle.count()
             ),
             idle.summary(true),
         ),
@@ -96,7 +96,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "8. Allocate on generic-dev while two other modules spin in enumerate until \
                  their {SPIN} health deadline ({} calls in {measured_in:.1?}; {deadlines} \
                  deadlines hit before the busy phase ended)",
-                busy.len()
+                busy.count()
             ),
             busy.summary(true),
             "p99 ≤ 1 ms",

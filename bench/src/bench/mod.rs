@@ -22,10 +22,10 @@ mod operations;
 mod preferred;
 mod process;
 pub mod remote;
-pub mod report;
 mod restart;
 mod startup;
-pub mod stats;
+
+pub use devicelet_bench::{report, stats};
 
 use std::path::PathBuf;
 

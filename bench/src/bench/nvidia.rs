@@ -192,7 +192,7 @@ async fn event_to_snapshot(s: &Settings, node: &Node, gpus: &Gpus) -> anyhow::Re
         format!(
             "9. NVML critical event (XID 79, fake NVML) → GPU Unhealthy in the kubelet's snapshot, \
              health-interval 1h ({} events)",
-            samples.len()
+            samples.count()
         ),
         samples.summary(false),
         format!("p50 ≤ {}", duration(EVENT_TARGET)),
@@ -238,7 +238,7 @@ async fn preferred(s: &Settings, node: &Node) -> anyhow::Result<Row> {
         format!(
             "9. GetPreferredAllocation, the NVIDIA module's NVLink-aware choice, 8 GPUs in two \
              islands, one must-include, size 4 ({} calls)",
-            samples.len()
+            samples.count()
         ),
         samples.summary(false),
         "p99 ≤ 1 ms",
@@ -335,7 +335,7 @@ async fn while_hung(
     };
     let judged = |what: &str, samples: &Samples| {
         Row::judged(
-            label(what, true, samples.len()),
+            label(what, true, samples.count()),
             summary(samples),
             format!(
                 "p99 ≤ {}, none past the {} deadline",
@@ -352,7 +352,7 @@ async fn while_hung(
             label(
                 "Allocate of one GPU (prepared answer)",
                 false,
-                healthy_allocate.len(),
+                healthy_allocate.count(),
             ),
             summary(&healthy_allocate),
         ),
@@ -361,7 +361,7 @@ async fn while_hung(
             label(
                 "GetPreferredAllocation, size 2",
                 false,
-                healthy_preferred.len(),
+                healthy_preferred.count(),
             ),
             summary(&healthy_preferred),
         ),

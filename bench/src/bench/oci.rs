@@ -193,7 +193,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "12. nvidia-gpu ({size} KiB) from a local registry, cold: pull, every check, \
                  compile, init, into an empty store and compile cache (median of {})",
-                cold.len()
+                cold.count()
             ),
             spread(&cold),
         ),
@@ -205,7 +205,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "12. Warm start from the module store, registry down: store read and checked, \
                  precompiled, init ({} samples)",
-                store.len()
+                store.count()
             ),
             store.summary(false),
         ),
@@ -213,7 +213,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "12. Warm start of the same module from a file (alternating with the row above, \
                  {} samples)",
-                file.len()
+                file.count()
             ),
             file.summary(false),
         ),

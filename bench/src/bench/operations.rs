@@ -78,7 +78,7 @@ async fn routes(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "10. Allocate on the plugin-watcher route (socket in plugins_registry, serving \
                  the registration service too), ledger in memory ({} calls, alternating batches \
                  of {BATCH} with the kubelet.sock route)",
-                rewritten_s.len()
+                rewritten_s.count()
             ),
             rewritten_s.summary(true),
         ),
@@ -86,7 +86,7 @@ async fn routes(s: &Settings) -> anyhow::Result<Vec<Row>> {
             format!(
                 "10. Allocate on the kubelet.sock route, the same module and node layout ({} \
                  calls)",
-                direct_s.len()
+                direct_s.count()
             ),
             direct_s.summary(true),
         ),
@@ -136,7 +136,7 @@ async fn scrape(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "10. Prometheus scrape: `GET /metrics` on a new connection, 10 modules of 1 resource \
              ({} scrapes, {} KiB each)",
-            taken.len(),
+            taken.count(),
             size / 1024
         ),
         taken.summary(true),

@@ -53,7 +53,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 case.devices,
                 case.numa,
                 case.size,
-                samples.len()
+                samples.count()
             ),
             samples.summary(false),
             "p99 ≤ 1 ms",
@@ -114,7 +114,7 @@ fn policy_alone(s: &Settings) -> Row {
             "2. Host preferred allocation alone (`policy::preferred::choose`, no gRPC): 64 \
              devices × 4 replicas on 8 NUMA nodes, a quarter held, one must-include, size 8, \
              packed and distributed ({} calls)",
-            samples.len()
+            samples.count()
         ),
         samples.summary(false),
         "p99 ≤ 1 ms (issue 10)",

@@ -43,7 +43,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "4. Kubelet restart → re-registered with a snapshot; the new kubelet.sock \
                  accepts after {} ms ({} restarts)",
                 accept_delay.as_millis(),
-                samples.len()
+                samples.count()
             ),
             figure,
             target,

@@ -36,7 +36,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         format!(
             "3. Start-up floor: a trivial device plugin process (tonic; serve, Register, one \
              snapshot of 10 devices), spawn → registered with a snapshot (median of {})",
-            floor.len()
+            floor.count()
         ),
         spread(&floor),
     )];
@@ -57,7 +57,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "3. Start-up, spawn → every resource registered with a snapshot: {modules} \
                  module{}, {cache} compile cache and state directory (median of {})",
                 if modules == 1 { "" } else { "s" },
-                warm.len()
+                warm.count()
             )
         };
         rows.push(Row::info(what("cold"), spread(&cold)));
@@ -86,7 +86,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                  module{}, empty compile cache and state, modules precompiled as the image \
                  carries them (its first start on a new node; median of {})",
                 if modules == 1 { "" } else { "s" },
-                seeded.len()
+                seeded.count()
             ),
             format!("{}; {:.2}× warm", spread(&seeded), ratio(&seeded, &warm)),
             "≤ 2× warm (issue 35)".to_owned(),
@@ -107,7 +107,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
                 "3. Start-up, spawn → nvidia.com/gpu registered with 8 GPUs in its snapshot: \
                  nvidia-gpu over the fake NVML, warm compile cache and state directory (median \
                  of {})",
-                warm.len()
+                warm.count()
             ),
             format!("{}; {:.2}× the floor", spread(&warm), ratio(&warm, &floor)),
         ));

@@ -17,7 +17,8 @@ impl Samples {
         Samples { sorted: samples }
     }
 
-    pub fn len(&self) -> usize {
+    /// How many were measured (never none: see [`Samples::new`]).
+    pub fn count(&self) -> usize {
         self.sorted.len()
     }
 
