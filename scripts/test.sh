@@ -44,8 +44,9 @@ export RUSTC_WORKSPACE_WRAPPER
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --release --target wasm32-wasip2 "${guests[@]}"
 # Every library and binary (`devicelet` and the node agent alone, `devicelet-node`, among them)
-# and every test target, as `cargo clippy --all-targets` would lint them; not the empty test
-# harnesses `--all-targets` would also build for targets marked `test = false`.
+# and every test target, as `cargo clippy --all-targets` would lint them; not the empty
+# harnesses `--all-targets` would also build of every library and binary as a benchmark (its
+# `--benches`; none of them has benchmarks).
 cargo build --lib --bins --tests
 # Every other test of the default members (the same selection, so the same build), then the
 # guests': the binaries that have tests and the integration tests but the scenarios, named one by
