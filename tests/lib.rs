@@ -366,12 +366,19 @@ impl Node {
         adjust: impl FnOnce(&mut AgentOptions),
     ) -> Agent {
         let registry = Registry::load(&self.registry(modules)).expect("a valid registry");
+        let mut options = self.agent_options(registry);
+        adjust(&mut options);
+        Agent::start(options).await.expect("starting the agent")
+    }
+
+    /// The options every test agent on this node starts from, for a scenario that starts (or
+    /// spawns) its agent itself.
+    pub fn agent_options(&self, registry: Registry) -> AgentOptions {
         let mut options = AgentOptions::new(registry, self.plugin_dir());
         // Never the machine's own CDI directory: the agent cleans up specs of its kind there.
         options.cdi_dir = self.dir.path().join("cdi");
         options.cache_dir = Some(scenario_cache());
-        adjust(&mut options);
-        Agent::start(options).await.expect("starting the agent")
+        options
     }
 
     /// Options for an agent that keeps a ledger and reconciles it with this node's kubelet.

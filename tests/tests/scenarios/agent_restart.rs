@@ -152,18 +152,9 @@ async fn logs_carry_no_colour_off_a_terminal_and_are_json_lines_on_request() {
     node.add_char("/dev/fuse", 10, 229);
     let registry = node.registry(&generic_dev(FUSE));
     let run = |format: &str| {
-        let out = Command::new(devicelet_bin())
-            .args([
-                "--log",
-                "debug",
-                "--log-format",
-                format,
-                "validate",
-                "--config",
-            ])
+        let out = devicelet_tests::validate_command()
+            .args(["--log", "debug", "--log-format", format, "--config"])
             .arg(&registry)
-            .arg("--cache-dir")
-            .arg(devicelet_tests::scenario_cache())
             .stdin(Stdio::null())
             .output()
             .expect("running devicelet validate");

@@ -476,10 +476,7 @@ async fn a_configmap_style_swap_of_the_registry_is_applied() {
     symlink("..2026_11_22_v1", volume.join("..data")).expect("..data");
     symlink("..data/registry.toml", volume.join("registry.toml")).expect("registry link");
     let registry = devicelet::config::Registry::load(&volume.join("registry.toml")).expect("load");
-    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
-    options.cdi_dir = node.dir.path().join("cdi");
-    // The tests' shared compile cache, as `Node::start_agent` gives: nothing compiles here.
-    options.cache_dir = Some(devicelet_tests::scenario_cache());
+    let mut options = node.agent_options(registry);
     options.hot_reload = true;
     let agent = devicelet::agent::Agent::start(options)
         .await

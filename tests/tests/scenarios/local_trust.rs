@@ -304,8 +304,7 @@ async fn a_ledger_planted_by_another_user_or_left_writable_is_refused_at_start()
         adjust(&ledger);
         let registry =
             devicelet::config::Registry::load(&node.registry(&fuse("fuse"))).expect("registry");
-        let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
-        options.cdi_dir = node.dir.path().join("cdi");
+        let mut options = node.agent_options(registry);
         node.with_ledger()(&mut options);
         options
     };

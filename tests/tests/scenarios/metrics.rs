@@ -299,10 +299,7 @@ async fn probes_answer_while_modules_load_and_a_module_that_fails_to_load_does_n
         misbehaving("stuck", "resource = \"bad\"\ninit = \"loop\"", "2s")
     );
     let registry = devicelet::config::Registry::load(&node.registry(&modules)).expect("registry");
-    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
-    options.cdi_dir = node.dir.path().join("cdi");
-    // The tests' shared compile cache, as `Node::start_agent` gives: nothing compiles here.
-    options.cache_dir = Some(devicelet_tests::scenario_cache());
+    let mut options = node.agent_options(registry);
     options.metrics_addr = Some(addr);
     let starting = tokio::spawn(devicelet::agent::Agent::start(options));
 

@@ -240,10 +240,7 @@ async fn a_slow_module_delays_no_other_module_at_start() {
     );
     let modules = format!("{slow}\n{}", generic_dev(FUSE));
     let registry = devicelet::config::Registry::load(&node.registry(&modules)).expect("registry");
-    let mut options = devicelet::agent::AgentOptions::new(registry, node.plugin_dir());
-    options.cdi_dir = node.dir.path().join("cdi");
-    // The tests' shared compile cache, as `Node::start_agent` gives: nothing compiles here.
-    options.cache_dir = Some(devicelet_tests::scenario_cache());
+    let options = node.agent_options(registry);
     let mut starting = tokio::spawn(Agent::start(options));
     node.kubelet
         .wait_until("devicelet.io/fuse", WAIT, |r| r.allocatable == 2)
