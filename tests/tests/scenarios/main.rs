@@ -15,6 +15,7 @@ mod documentation;
 mod dra;
 mod dra_advanced;
 mod dra_modules;
+mod guest_bindings;
 mod hostile_modules;
 mod hostile_registry;
 mod lifecycle;

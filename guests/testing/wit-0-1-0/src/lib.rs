@@ -3,10 +3,8 @@
 //! (through the 0.1.0 `devnodes` import) as the resource `legacy`, so a scenario can check that
 //! an agent speaking a newer 0.1.x still loads, enumerates and allocates it.
 
-wit_bindgen::generate!({
-    path: "../../../wit/v0.1.0",
-    world: "device-plugin",
-});
+// What `wit_bindgen::generate!` would expand to for `wit/v0.1.0/`, written by `sdk-guest/bindgen`.
+include!("bindings.rs");
 
 use devicelet::plugin::types::{
     ContainerEdits, Device, DeviceNode, Health, PluginError, ResourceInfo,

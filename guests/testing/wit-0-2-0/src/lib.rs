@@ -4,10 +4,8 @@
 //! request config `{"tag": "..."}` and puts it in the container's env, so a scenario can check
 //! that an agent speaking 0.3 still serves it through both kubelet APIs.
 
-wit_bindgen::generate!({
-    path: "../../../wit/v0.2.0",
-    world: "device-plugin-full",
-});
+// What `wit_bindgen::generate!` would expand to for `wit/v0.2.0/`, written by `sdk-guest/bindgen`.
+include!("bindings.rs");
 
 use devicelet::plugin::devnodes;
 use devicelet::plugin::types::{
