@@ -113,8 +113,8 @@ use std::cell::RefCell;
 #[doc(hidden)]
 pub mod bindings {
     #![allow(missing_docs)]
-    // What `wit_bindgen::generate!` would expand to, written by `sdk-guest/bindgen` from
-    // `wit/` (WIT 0.3.1; see its options there): a module's build then compiles no WIT generator.
+    // What `wit_bindgen::generate!` would expand to for `wit/` (this crate's WIT, 0.3.1), written
+    // by `sdk-guest/bindgen` with the options it names: a module's build compiles no generator.
     include!("bindings.rs");
 }
 

@@ -1,5 +1,5 @@
 //! The guests' WIT bindings are committed source (`sdk-guest/bindgen` writes them, so no module
-//! build compiles wit-bindgen's macro): each file must still be what its WIT says.
+//! build compiles wit-bindgen's macro): each file must still be what the generator writes today.
 
 use devicelet_tests::workspace_root;
 use sha2::{Digest, Sha256};
@@ -12,8 +12,15 @@ const BINDINGS: &[&str] = &[
     "guests/testing/wit-0-1-0/src/bindings.rs",
 ];
 
-/// The digest the generator records: the directory's `.wit` files by name, each name, a NUL,
-/// its bytes, a NUL (as `wit_digest` in `sdk-guest/bindgen`).
+/// The generator's header: five lines, the last three digests.
+const HEADER_LINES: usize = 5;
+
+fn sha256(bytes: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(bytes))
+}
+
+/// The digest the generator records of a WIT folder: its `.wit` files by name, each name, a
+/// NUL, its bytes, a NUL (as `wit_digest` in `sdk-guest/bindgen`).
 fn wit_digest(dir: &std::path::Path) -> String {
     let mut names: Vec<_> = std::fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
@@ -31,34 +38,58 @@ fn wit_digest(dir: &std::path::Path) -> String {
     format!("{:x}", hash.finalize())
 }
 
-/// A WIT edit without `cargo run -p devicelet-sdk-bindgen` would ship modules built against
-/// the old interface; the recorded digest of each file's WIT directory catches it.
+/// A new WIT folder for the SDK (`sdk-guest/wit` pointed at it), an edit of the generator's
+/// options, or a hand edit of a bindings file, without `cargo run -p devicelet-sdk-bindgen`,
+/// would ship modules built from bindings nobody generated: the header's digests catch each.
 #[test]
-fn each_guest_bindings_file_is_written_from_todays_wit() {
+fn each_guest_bindings_file_is_what_the_generator_writes_today() {
     let root = workspace_root();
+    let generator = sha256(
+        &std::fs::read(root.join("sdk-guest/bindgen/src/main.rs")).expect("the generator's source"),
+    );
     let mut stale = Vec::new();
     for file in BINDINGS {
         let text = std::fs::read_to_string(root.join(file))
             .unwrap_or_else(|e| panic!("{file}: {e} (run `cargo run -p devicelet-sdk-bindgen`)"));
+        let header: Vec<&str> = text.lines().take(HEADER_LINES).collect();
         let field = |key: &str| {
-            text.lines()
-                .take(3)
+            header
+                .iter()
                 .find_map(|l| l.strip_prefix(key))
                 .unwrap_or_else(|| panic!("{file}: no `{key}` line in its header"))
-                .to_owned()
         };
-        let wit = field("// wit: ");
-        let dir = wit.split_whitespace().next().expect("a WIT directory");
-        let recorded = field("// wit-sha256: ");
-        let now = wit_digest(&root.join(dir));
-        if recorded != now {
-            stale.push(format!(
-                "{file} ({dir}: written from {recorded}, now {now})"
-            ));
+        let dir = field("// wit: ")
+            .split_whitespace()
+            .next()
+            .expect("a WIT folder");
+        let body = text
+            .splitn(HEADER_LINES + 1, '\n')
+            .nth(HEADER_LINES)
+            .expect("text below the header");
+        for (what, recorded, now) in [
+            (
+                "its WIT folder",
+                field("// wit-sha256: "),
+                wit_digest(&root.join(dir)),
+            ),
+            (
+                "the generator",
+                field("// generator-sha256: "),
+                generator.clone(),
+            ),
+            (
+                "its own text",
+                field("// body-sha256: "),
+                sha256(body.as_bytes()),
+            ),
+        ] {
+            if recorded != now {
+                stale.push(format!("{file}: {what} changed since it was written"));
+            }
         }
     }
     assert!(
         stale.is_empty(),
-        "bindings older than their WIT; run `cargo run -p devicelet-sdk-bindgen`: {stale:#?}"
+        "run `cargo run -p devicelet-sdk-bindgen`: {stale:#?}"
     );
 }
