@@ -10,10 +10,12 @@
 //! `guest_bindings::each_guest_bindings_file_is_what_the_generator_writes_today` recomputes them,
 //! so bindings left behind by either change, or edited by hand, fail the test suite.
 
-use std::path::{Path, PathBuf};
+mod digest;
+
+use std::path::Path;
 
 use anyhow::{Context, Result};
-use sha2::{Digest, Sha256};
+use digest::{sha256, wit_digest};
 use wit_bindgen_core::WorldGenerator;
 use wit_bindgen_rust::Opts;
 use wit_parser::Resolve;
@@ -108,28 +110,4 @@ fn generate(wit: &Path, b: &Bindings) -> Result<String> {
     options.build().generate(&mut resolve, world, &mut files)?;
     let (_, source) = files.iter().next().context("the generator wrote no file")?;
     Ok(String::from_utf8(source.to_vec())?)
-}
-
-/// The WIT directory's `.wit` files, by name: each name, a NUL, its bytes, a NUL (through a
-/// link, the folder it names). The scenario that checks the outputs computes it the same way.
-fn wit_digest(dir: &Path) -> Result<String> {
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<Result<_, _>>()?;
-    names.retain(|p| p.extension().is_some_and(|e| e == "wit"));
-    names.sort();
-    let mut hash = Sha256::new();
-    for path in names {
-        let name = path.file_name().context("a file name")?;
-        hash.update(name.as_encoded_bytes());
-        hash.update([0]);
-        hash.update(std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?);
-        hash.update([0]);
-    }
-    Ok(format!("{:x}", hash.finalize()))
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    format!("{:x}", Sha256::digest(bytes))
 }

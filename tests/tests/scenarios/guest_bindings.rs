@@ -2,7 +2,12 @@
 //! build compiles wit-bindgen's macro): each file must still be what the generator writes today.
 
 use devicelet_tests::workspace_root;
-use sha2::{Digest, Sha256};
+
+/// The generator's digests: its own file, included as it is.
+#[path = "../../../sdk-guest/bindgen/src/digest.rs"]
+mod digest;
+
+use digest::{sha256, wit_digest};
 
 /// Every bindings file the generator writes (its `BINDINGS` list).
 const BINDINGS: &[&str] = &[
@@ -14,29 +19,6 @@ const BINDINGS: &[&str] = &[
 
 /// The generator's header: five lines, the last three digests.
 const HEADER_LINES: usize = 5;
-
-fn sha256(bytes: &[u8]) -> String {
-    format!("{:x}", Sha256::digest(bytes))
-}
-
-/// The digest the generator records of a WIT folder: its `.wit` files by name, each name, a
-/// NUL, its bytes, a NUL (as `wit_digest` in `sdk-guest/bindgen`).
-fn wit_digest(dir: &std::path::Path) -> String {
-    let mut names: Vec<_> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
-        .map(|e| e.expect("a directory entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "wit"))
-        .collect();
-    names.sort();
-    let mut hash = Sha256::new();
-    for path in names {
-        hash.update(path.file_name().expect("a name").as_encoded_bytes());
-        hash.update([0]);
-        hash.update(std::fs::read(&path).expect("reading a WIT file"));
-        hash.update([0]);
-    }
-    format!("{:x}", hash.finalize())
-}
 
 /// A new WIT folder for the SDK (`sdk-guest/wit` pointed at it), an edit of the generator's
 /// options, or a hand edit of a bindings file, without `cargo run -p devicelet-sdk-bindgen`,
@@ -70,7 +52,7 @@ fn each_guest_bindings_file_is_what_the_generator_writes_today() {
             (
                 "its WIT folder",
                 field("// wit-sha256: "),
-                wit_digest(&root.join(dir)),
+                wit_digest(&root.join(dir)).expect("the WIT folder's digest"),
             ),
             (
                 "the generator",
