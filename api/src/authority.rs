@@ -564,6 +564,17 @@ impl Rewriter {
 
     fn rewrite(&mut self, block: &Block, out: &mut Vec<u8>) -> io::Result<()> {
         self.decoded += check(&block.fragment).map_err(refused)?;
+        // The usual first request (the kubelet's device manager sends `localhost`) is told
+        // apart without the HPACK decoder, which would decode every string in the block: the
+        // connection is passed through from here on, so its state is never needed.
+        if self.mode == Mode::Deciding
+            && let Some(sent) = first_authority(&block.fragment)
+            && sent.as_deref().is_none_or(server_takes)
+        {
+            self.mode = Mode::Passing;
+            put_block(block, &block.fragment, out);
+            return Ok(());
+        }
         let Self {
             authority,
             decoder,
@@ -596,11 +607,7 @@ impl Rewriter {
             return Err(refused("request header list over 64 KiB"));
         }
         if *mode == Mode::Deciding {
-            let takes = |a: &[u8]| {
-                std::str::from_utf8(a)
-                    .is_ok_and(|a| a.parse::<tonic::codegen::http::uri::Authority>().is_ok())
-            };
-            if sent.as_deref().is_none_or(takes) {
+            if sent.as_deref().is_none_or(server_takes) {
                 // The server takes it as sent: from here on the connection is passed through, so
                 // this block goes as it came, keeping the server's HPACK table the client's.
                 *mode = Mode::Passing;
@@ -609,24 +616,135 @@ impl Rewriter {
                 *mode = Mode::Rewriting;
             }
         }
-        let mut rest = &encoded[..];
-        let mut kind = HEADERS;
-        let mut flags = if block.end_stream { END_STREAM } else { 0 };
-        loop {
-            let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME));
-            if tail.is_empty() {
-                flags |= END_HEADERS;
+        put_block(block, &encoded, out);
+        Ok(())
+    }
+}
+
+/// Whether the HTTP/2 server behind the rewriter accepts `authority` as sent (`h2` parses it as
+/// a URI authority and resets the stream when it does not parse).
+fn server_takes(authority: &[u8]) -> bool {
+    std::str::from_utf8(authority)
+        .is_ok_and(|a| a.parse::<tonic::codegen::http::uri::Authority>().is_ok())
+}
+
+/// Sends `encoded` as `block`'s header block: a HEADERS frame, and CONTINUATION frames when it
+/// is over [`MAX_FRAME`].
+fn put_block(block: &Block, encoded: &[u8], out: &mut Vec<u8>) {
+    let mut rest = encoded;
+    let mut kind = HEADERS;
+    let mut flags = if block.end_stream { END_STREAM } else { 0 };
+    loop {
+        let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME));
+        if tail.is_empty() {
+            flags |= END_HEADERS;
+        }
+        put_head(out, chunk.len(), kind, flags, block.stream);
+        out.extend_from_slice(chunk);
+        if tail.is_empty() {
+            return;
+        }
+        rest = tail;
+        kind = CONTINUATION;
+        flags = 0;
+    }
+}
+
+/// HPACK's static table has 61 entries; `:authority` is the first (RFC 7541, appendix A).
+const STATIC_ENTRIES: usize = 61;
+const AUTHORITY_INDEX: usize = 1;
+
+/// The `:authority` a connection's first header block sends (the last one, if several), read
+/// without decoding the other fields: `Some(None)` when it sends none. `None` when that cannot
+/// be told without the whole HPACK decoder: a field refers to the dynamic table (entries the
+/// block itself inserted), or a string that matters does not decode. `block` has passed
+/// [`check`].
+fn first_authority(block: &[u8]) -> Option<Option<Vec<u8>>> {
+    let mut at = 0;
+    let mut sent = None;
+    while let Some(&first) = block.get(at) {
+        let rest = &block[at..];
+        if first & 0x80 != 0 {
+            // Indexed field: the static table's `:authority` entry has an empty value.
+            let (index, used) = hpack_int(rest, 7)?;
+            match index {
+                0 => return None,
+                AUTHORITY_INDEX => sent = Some(Vec::new()),
+                i if i > STATIC_ENTRIES => return None,
+                _ => {}
             }
-            put_head(out, chunk.len(), kind, flags, block.stream);
-            out.extend_from_slice(chunk);
-            if tail.is_empty() {
-                return Ok(());
+            at += used;
+            continue;
+        }
+        if first & 0xe0 == 0x20 {
+            // Dynamic table size update.
+            at += hpack_int(rest, 5)?.1;
+            continue;
+        }
+        // A literal field: with incremental indexing (6-bit name index), or without indexing
+        // or never indexed (4-bit).
+        let prefix = if first & 0x40 != 0 { 6 } else { 4 };
+        let (index, mut used) = hpack_int(rest, prefix)?;
+        let is_authority = match index {
+            0 => {
+                let (name, n) = hpack_str(rest.get(used..)?)?;
+                used += n;
+                &*decoded(name)? == b":authority"
             }
-            rest = tail;
-            kind = CONTINUATION;
-            flags = 0;
+            i if i > STATIC_ENTRIES => return None,
+            i => i == AUTHORITY_INDEX,
+        };
+        let (value, n) = hpack_str(rest.get(used..)?)?;
+        used += n;
+        if is_authority {
+            sent = Some(decoded(value)?.into_owned());
+        }
+        at += used;
+    }
+    Some(sent)
+}
+
+/// An HPACK string as it is on the wire: Huffman-coded or not, and its octets.
+type WireStr<'a> = (bool, &'a [u8]);
+
+/// The string at the start of `buf` (RFC 7541, 5.2) and the octets it takes.
+fn hpack_str(buf: &[u8]) -> Option<(WireStr<'_>, usize)> {
+    let huffman = buf.first()? & 0x80 != 0;
+    let (len, used) = hpack_int(buf, 7)?;
+    let end = used.checked_add(len)?;
+    Some(((huffman, buf.get(used..end)?), end))
+}
+
+/// A string's octets, Huffman-decoded if they are coded. `fluke-hpack`'s decoder builds its
+/// code table (hundreds of allocations) every time it is made, so one is made per process.
+fn decoded((huffman, octets): WireStr<'_>) -> Option<std::borrow::Cow<'_, [u8]>> {
+    use std::sync::{Mutex, OnceLock};
+    if !huffman {
+        return Some(octets.into());
+    }
+    static DECODER: OnceLock<Mutex<fluke_hpack::huffman::HuffmanDecoder>> = OnceLock::new();
+    let mut decoder = DECODER
+        .get_or_init(|| Mutex::new(fluke_hpack::huffman::HuffmanDecoder::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    decoder.decode(octets).ok().map(Into::into)
+}
+
+/// The integer at the start of `buf` with an `prefix`-bit prefix (RFC 7541, 5.1), and the
+/// octets it takes: at most four continuation octets, as `fluke-hpack` 0.3.1 reads them.
+fn hpack_int(buf: &[u8], prefix: u8) -> Option<(usize, usize)> {
+    let mask = (1u8 << prefix) - 1;
+    let mut value = usize::from(buf.first()? & mask);
+    if value < usize::from(mask) {
+        return Some((value, 1));
+    }
+    for (k, &b) in buf.iter().skip(1).take(4).enumerate() {
+        value += usize::from(b & 0x7f) << (7 * k);
+        if b & 0x80 == 0 {
+            return Some((value, k + 2));
         }
     }
+    None
 }
 
 pub(crate) fn put_head(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
@@ -714,27 +832,12 @@ fn put_int(out: &mut Vec<u8>, mut value: usize, prefix: u8, first: u8) {
 /// costs a bounded amount of work. No dynamic-table-size update may go above [`DEFAULT_TABLE`]
 /// (the decoder refuses those too; this says why).
 fn check(block: &[u8]) -> Result<usize, &'static str> {
-    fn int(buf: &[u8], prefix: u8) -> Option<(usize, usize)> {
-        let mask = (1u8 << prefix) - 1;
-        let mut value = usize::from(buf.first()? & mask);
-        if value < usize::from(mask) {
-            return Some((value, 1));
-        }
-        for (k, &b) in buf.iter().skip(1).take(4).enumerate() {
-            value += usize::from(b & 0x7f) << (7 * k);
-            if b & 0x80 == 0 {
-                return Some((value, k + 2));
-            }
-        }
-        None
-    }
+    let int = hpack_int;
     fn string(buf: &[u8]) -> Option<usize> {
-        let (len, used) = int(buf, 7)?;
-        let end = used.checked_add(len)?;
-        (end <= buf.len()).then_some(end)
+        hpack_str(buf).map(|(_, used)| used)
     }
     fn literal(buf: &[u8], prefix: u8) -> Option<usize> {
-        let (index, mut used) = int(buf, prefix)?;
+        let (index, mut used) = hpack_int(buf, prefix)?;
         if index == 0 {
             used += string(buf.get(used..)?)?;
         }
@@ -1167,6 +1270,81 @@ mod tests {
             fields.contains(&(":authority".to_string(), LOCALHOST.to_string())),
             "{fields:?}"
         );
+    }
+
+    /// RFC 7541's own examples (appendix C.4): requests whose strings are Huffman-coded.
+    #[test]
+    fn the_first_authority_is_read_without_the_decoder() {
+        // C.4.1: `:authority: www.example.com`, a literal with the static table's name.
+        let first = hex("828684418cf1e3c2e5f23a6ba0ab90f4ff");
+        assert_eq!(
+            first_authority(&first),
+            Some(Some(b"www.example.com".to_vec()))
+        );
+        // It agrees with the decoder.
+        let fields = decode(&mut Decoder::new(), &first);
+        assert!(fields.contains(&(":authority".into(), "www.example.com".into())));
+        // C.4.2, the next request on that connection, refers to the dynamic table (`be`): the
+        // whole decoder is needed.
+        assert_eq!(first_authority(&hex("828684be5886a8eb10649cbf")), None);
+        // None sent; or the static table's entry, which has an empty value.
+        assert_eq!(first_authority(&hex("828684")), Some(None));
+        assert_eq!(first_authority(&hex("8281")), Some(Some(Vec::new())));
+        // A literal name, Huffman-coded like the value (`:authority` in the code of appendix B,
+        // as the decoder reads it), and a size update before it.
+        let name = huffman(":authority");
+        let mut block = vec![0x20, 0x00, 0x80 | name.len() as u8];
+        block.extend(&name);
+        put_int(&mut block, LOCALHOST.len(), 7, 0x00);
+        block.extend(LOCALHOST.as_bytes());
+        assert_eq!(first_authority(&block), Some(Some(LOCALHOST.into())));
+        // A Huffman string that does not decode: the decoder decides (and refuses it).
+        assert_eq!(first_authority(&hex("4182ffff")), None);
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// HPACK's Huffman code of `s` (RFC 7541, appendix B), for the few characters the tests
+    /// use; checked against `fluke-hpack`'s decoder.
+    fn huffman(s: &str) -> Vec<u8> {
+        let code = |c| match c {
+            ':' => (0b1011100, 7),
+            'a' => (0b00011, 5),
+            'u' => (0b101101, 6),
+            't' => (0b01001, 5),
+            'h' => (0b100111, 6),
+            'o' => (0b00111, 5),
+            'r' => (0b101100, 6),
+            'i' => (0b00110, 5),
+            'y' => (0b1111010, 7),
+            _ => panic!("no code for {c:?} here"),
+        };
+        let (mut bits, mut len, mut out) = (0u64, 0, Vec::new());
+        for c in s.chars() {
+            let (code, n) = code(c);
+            bits = (bits << n) | code;
+            len += n;
+            while len >= 8 {
+                len -= 8;
+                out.push((bits >> len) as u8);
+            }
+        }
+        if len > 0 {
+            // Padded with the most significant bits of EOS (all ones).
+            out.push(((bits << (8 - len)) as u8) | (0xff >> len));
+        }
+        let decoded = fluke_hpack::huffman::HuffmanDecoder::new().decode(&out);
+        assert_eq!(
+            decoded.as_deref(),
+            Ok(s.as_bytes()),
+            "the code table above is wrong"
+        );
+        out
     }
 
     async fn refused_kind(input: Vec<u8>) -> io::ErrorKind {
