@@ -36,6 +36,7 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         spec,
         &registry.host_root,
         (&Default::default(), None),
+        None,
     )
     .await?;
     let mut through_cell = Vec::new();

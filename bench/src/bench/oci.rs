@@ -105,6 +105,7 @@ impl WayIn {
             spec,
             &self.root,
             (&self.libraries, Some(fetcher)),
+            None,
         )
         .await?;
         drop(handle);

@@ -139,6 +139,9 @@ pub(crate) struct Shared {
     starting: std::sync::atomic::AtomicUsize,
     /// Modules waiting for NVML to answer before they are started again (one waiter each).
     nvml_waiters: Mutex<std::collections::BTreeSet<String>>,
+    /// The registry's module files being read at start-up, by module: each start takes its
+    /// own, and what is left is dropped once the first starts are done.
+    read_ahead: Mutex<BTreeMap<String, modules::ReadAhead>>,
     /// Where and for which node modules with `front-end = "dra"` are served; None: not at all.
     dra: Option<crate::dra::driver::DraOptions>,
     front_end: Option<Arc<dyn front_ends::FrontEndKind>>,
@@ -443,12 +446,18 @@ impl Shared {
             Ok(None) => return Vec::new(),
             Err(e) => return vec![e],
         };
+        let ahead = self
+            .read_ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&spec.name);
         let handle = match modules::start_module(
             &self.engine,
             self.usable_cache(),
             &file,
             host_root,
             (&self.libraries, None),
+            ahead,
         )
         .await
         {
@@ -642,6 +651,14 @@ impl Agent {
     /// Loads the modules and starts serving; registration with the kubelet proceeds in the
     /// background (and is retried) so a kubelet that is not up yet does not stop the agent.
     pub async fn start(options: AgentOptions) -> anyhow::Result<Agent> {
+        // Each module's file is read and hashed meanwhile, on threads of their own.
+        let read_ahead: BTreeMap<String, modules::ReadAhead> = options
+            .registry
+            .modules
+            .iter()
+            .filter(|m| m.source.is_none())
+            .map(|m| (m.name.clone(), modules::ReadAhead::start(m)))
+            .collect();
         let engine = engine::new_engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let instance = instance_id();
         // Bound first: a port in use is a configuration error worth stopping for, and the
@@ -714,6 +731,7 @@ impl Agent {
             stopping: Default::default(),
             starting: Default::default(),
             nvml_waiters: Default::default(),
+            read_ahead: Mutex::new(read_ahead),
             fetcher: options.state_dir.as_ref().map(|dir| crate::oci::Fetcher {
                 store: crate::oci::store::Store::under(dir),
                 access: options.registry_access.clone(),
@@ -747,6 +765,8 @@ impl Agent {
             .map(|m| m.name.clone())
             .collect();
         shared.start_modules(&options.registry, &names).await;
+        // Any left (a module whose start ended before loading) are for no one now.
+        std::mem::take(&mut *shared.read_ahead.lock().unwrap_or_else(|p| p.into_inner()));
         drop(loading);
         shared.first_snapshots().await;
         // Specs of resources that went away, or stopped using CDI, while no agent ran: their

@@ -16,7 +16,7 @@ use crate::kubelet::resource::{self, Serving};
 use crate::nvml::Libraries;
 use crate::oci::Fetcher;
 use crate::sandbox::cache::CompileCache;
-use crate::sandbox::loader::load;
+use crate::sandbox::loader::{ModuleFile, load_file, read};
 use crate::sandbox::slot::ModuleSlot;
 use crate::sandbox::{LoadError, ModuleHandle};
 
@@ -61,14 +61,33 @@ impl RunningModule {
     }
 }
 
+/// A module's file being read and hashed ahead of its start ([`read`], on a blocking thread),
+/// while the agent's own start-up runs.
+pub struct ReadAhead {
+    pub path: std::path::PathBuf,
+    pub file: tokio::task::JoinHandle<Result<ModuleFile, LoadError>>,
+}
+
+impl ReadAhead {
+    pub fn start(spec: &ModuleSpec) -> ReadAhead {
+        let spec_owned = spec.clone();
+        ReadAhead {
+            path: spec.path.clone(),
+            file: tokio::task::spawn_blocking(move || read(&spec_owned)),
+        }
+    }
+}
+
 /// Compiles (on a blocking thread, or loads it precompiled from `cache`), instantiates and
-/// initialises one module.
+/// initialises one module. `ahead`: its file, read ahead ([`ReadAhead`]); used only if it is the
+/// file `spec` loads.
 pub async fn start_module(
     engine: &Engine,
     cache: Option<Arc<CompileCache>>,
     spec: &ModuleSpec,
     host_root: &Path,
     (libraries, fetcher): (&Libraries, Option<&Fetcher>),
+    ahead: Option<ReadAhead>,
 ) -> Result<ModuleHandle, LoadError> {
     // A module from a registry loads from its entry in the module store, pulled first if
     // missing.
@@ -91,16 +110,37 @@ pub async fn start_module(
         spec_owned.path = path;
         spec_owned.sha256 = Some(sha256);
     }
+    let panicked = |what: &str, e: tokio::task::JoinError| LoadError::Invalid {
+        module: spec.name.clone(),
+        message: format!("{what} panicked: {e}"),
+    };
+    let ahead = match ahead {
+        Some(ahead) if ahead.path == spec_owned.path => Some(
+            ahead
+                .file
+                .await
+                .map_err(|e| panicked("reading the module", e))??,
+        ),
+        _ => None,
+    };
     let (engine, root) = (engine.clone(), host_root.to_owned());
     let libraries = libraries.clone();
     let loaded = tokio::task::spawn_blocking(move || {
-        load(&engine, cache.as_deref(), &spec_owned, &root, &libraries)
+        let file = match ahead {
+            Some(file) => file,
+            None => read(&spec_owned)?,
+        };
+        load_file(
+            &engine,
+            cache.as_deref(),
+            &spec_owned,
+            &root,
+            &libraries,
+            file,
+        )
     })
     .await
-    .map_err(|e| LoadError::Invalid {
-        module: spec.name.clone(),
-        message: format!("loader panicked: {e}"),
-    })??;
+    .map_err(|e| panicked("the loader", e))??;
     ModuleHandle::start(loaded, |info| {
         resource::served_name(&spec.resource_domain, info, spec.sharing.rule(&info.name)).ok()
     })

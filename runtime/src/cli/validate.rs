@@ -72,6 +72,7 @@ pub async fn run(args: ValidateArgs) -> anyhow::Result<()> {
             spec,
             &registry.host_root,
             (&libraries, Some(&fetcher)),
+            None,
         )
         .await;
         let module = match loaded {
