@@ -15,8 +15,10 @@ RUN rustup target add wasm32-wasip2
 WORKDIR /src
 COPY . .
 # The node agent alone (`devicelet-node`: no simulator, fixtures, `try`, `demo` or `simulate`),
-# installed as /usr/bin/devicelet.
-RUN cargo build --release --locked --bin devicelet-node \
+# installed as /usr/bin/devicelet. `-p devicelet`: features resolve over the agent's own
+# dependencies, not over every workspace member (the tests' CDI checker would add an HTTP client
+# and a second TLS provider, aws-lc-rs, that the agent has no use for).
+RUN cargo build --release --locked -p devicelet --bin devicelet-node \
  && cargo build --release --locked --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
 RUN scripts/image-rootfs.sh target/release/devicelet-node target/wasm32-wasip2/release /rootfs
 

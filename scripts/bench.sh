@@ -13,7 +13,11 @@ if ! command -v docker-registry >/dev/null; then
   apt-get install -y -q docker-registry >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q docker-registry >/dev/null; }
 fi
 cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu -p amd-gpu
-cargo build --release -p devicelet -p devicelet-bench -p fake-nvml
+# The agent last and on its own, as the Dockerfile builds it: a build of several packages
+# resolves features over all of them and would leave other binaries (other symbol names, so
+# without runtime/startup-order.txt's layout) than the image's.
+cargo build --release -p devicelet-bench -p fake-nvml
+cargo build --release -p devicelet
 target="${CARGO_TARGET_DIR:-target}"
 export DEVICELET_BENCH_SCRIPT="./scripts/bench.sh${*:+ $*}"
 "$target/release/devicelet-bench" --devicelet "$target/release/devicelet-node" \

@@ -36,7 +36,7 @@ modules=(generic-dev amd-gpu nvidia-gpu vfio-pci)
 nvml_needs=(libdl.so.2 libpthread.so.0 librt.so.1 libm.so.6)
 
 [[ -f $binary && -x $binary ]] ||
-    die "no agent binary at '$binary' (build it first: cargo build --release --bin devicelet-node)"
+    die "no agent binary at '$binary' (build it first: cargo build --release -p devicelet --bin devicelet-node)"
 for m in "${modules[@]}"; do
     [[ -f $module_dir/${m//-/_}.wasm ]] ||
         die "module '$m' missing: no '${m//-/_}.wasm' in '$module_dir' (build the modules first: cargo build --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci)"

@@ -172,12 +172,17 @@ if [[ $prebuilt == true ]]; then
     else
         echo "image.sh: no rustup here; assuming the wasm32-wasip2 target is installed" >&2
     fi
-    profile_flag=()
-    [[ $profile == release ]] && profile_flag=(--release)
     # The node agent alone, as the Dockerfile builds it: no simulator, fixtures, `try`, `demo` or
-    # `simulate`. As tests/lib.rs builds it (`--bin`, not `-p`), so a debug image reuses the
-    # tests' build.
-    cargo build --locked "${profile_flag[@]}" --bin devicelet-node
+    # `simulate`. A release one exactly as the Dockerfile builds it (`-p devicelet`: features
+    # resolved over the agent's own dependencies, the names runtime/startup-order.txt lists); a
+    # debug one as tests/lib.rs builds it (`--bin` over the default members), so that it reuses
+    # the tests' build.
+    if [[ $profile == release ]]; then
+        agent_flags=(--release -p devicelet)
+    else
+        agent_flags=()
+    fi
+    cargo build --locked "${agent_flags[@]}" --bin devicelet-node
     cargo build --locked --release --target wasm32-wasip2 -p generic-dev -p amd-gpu -p nvidia-gpu -p vfio-pci
     target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')

@@ -23,9 +23,11 @@ command -v valgrind >/dev/null ||
 target=$(cargo metadata --format-version 1 --no-deps --locked |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 export DEVICELET_KEEP_SYMBOLS=1
-# As the Dockerfile builds it: over the default members, so features resolve as in the image.
-cargo build --release --locked --bin devicelet-node
+# Exactly as the Dockerfile builds it (`-p devicelet`), so features resolve as in the image. The
+# bench is built first: its own build resolves features over the bench too, and must not be the
+# last to write the agent's binaries.
 cargo build --release --locked -p devicelet-bench
+cargo build --release --locked -p devicelet --bin devicelet-node
 rustup target add wasm32-wasip2
 # The modules the bench checks for before it starts.
 cargo build --release --target wasm32-wasip2 -p generic-dev -p misbehaving -p nvidia-gpu -p amd-gpu
