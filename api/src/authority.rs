@@ -655,30 +655,45 @@ const STATIC_ENTRIES: usize = 61;
 const AUTHORITY_INDEX: usize = 1;
 
 /// The `:authority` a connection's first header block sends (the last one, if several), read
-/// without decoding the other fields: `Some(None)` when it sends none. `None` when that cannot
-/// be told without the whole HPACK decoder: a field refers to the dynamic table (entries the
-/// block itself inserted), or a string that matters does not decode. `block` has passed
-/// [`check`].
+/// without decoding the other fields: `Some(None)` when it sends none. `None` when the whole
+/// HPACK decoder must decide: a field refers to the dynamic table (entries the block itself
+/// inserted), a size update follows a field or ends the block (the decoder refuses those), the
+/// block is larger than real requests' (over [`SCANNED_BLOCK`]: the list it decodes to could be
+/// over [`MAX_LIST`]), or the `:authority` sent does not decode. `block` has passed [`check`].
+///
+/// Other strings are not decoded: a name is compared in its coded form (a string has one valid
+/// Huffman coding), and one that does not decode, in a field passed through, is refused by the
+/// server's own decoder (a compression error ends the connection), as it would be in any later
+/// block of a connection passed through.
 fn first_authority(block: &[u8]) -> Option<Option<Vec<u8>>> {
+    if block.len() > SCANNED_BLOCK {
+        return None;
+    }
     let mut at = 0;
-    let mut sent = None;
+    let mut sent: Option<WireStr<'_>> = None;
+    let (mut fields, mut last_was_update) = (0, false);
     while let Some(&first) = block.get(at) {
         let rest = &block[at..];
+        last_was_update = first & 0xe0 == 0x20;
+        if last_was_update {
+            // A dynamic table size update: only before the first field.
+            if fields > 0 {
+                return None;
+            }
+            at += hpack_int(rest, 5)?.1;
+            continue;
+        }
+        fields += 1;
         if first & 0x80 != 0 {
             // Indexed field: the static table's `:authority` entry has an empty value.
             let (index, used) = hpack_int(rest, 7)?;
             match index {
                 0 => return None,
-                AUTHORITY_INDEX => sent = Some(Vec::new()),
+                AUTHORITY_INDEX => sent = Some((false, &[])),
                 i if i > STATIC_ENTRIES => return None,
                 _ => {}
             }
             at += used;
-            continue;
-        }
-        if first & 0xe0 == 0x20 {
-            // Dynamic table size update.
-            at += hpack_int(rest, 5)?.1;
             continue;
         }
         // A literal field: with incremental indexing (6-bit name index), or without indexing
@@ -689,7 +704,7 @@ fn first_authority(block: &[u8]) -> Option<Option<Vec<u8>>> {
             0 => {
                 let (name, n) = hpack_str(rest.get(used..)?)?;
                 used += n;
-                &*decoded(name)? == b":authority"
+                name == (false, &b":authority"[..]) || name == (true, &AUTHORITY_HUFFMAN[..])
             }
             i if i > STATIC_ENTRIES => return None,
             i => i == AUTHORITY_INDEX,
@@ -697,12 +712,27 @@ fn first_authority(block: &[u8]) -> Option<Option<Vec<u8>>> {
         let (value, n) = hpack_str(rest.get(used..)?)?;
         used += n;
         if is_authority {
-            sent = Some(decoded(value)?.into_owned());
+            sent = Some(value);
         }
         at += used;
     }
-    Some(sent)
+    if last_was_update {
+        return None;
+    }
+    match sent {
+        None => Some(None),
+        Some(value) => decoded(value).map(Some),
+    }
 }
+
+/// The largest first block [`first_authority`] reads (real requests' take a few hundred
+/// octets). Huffman coding at most multiplies a string by 8/5 and a one-octet field refers to at
+/// most a static entry's name and value, so a block this size decodes to well under
+/// [`MAX_LIST`].
+const SCANNED_BLOCK: usize = 16 * 1024;
+
+/// `:authority` in HPACK's Huffman code (RFC 7541, appendix B), padded with EOS's first bits.
+const AUTHORITY_HUFFMAN: [u8; 8] = [0xb8, 0x3b, 0x53, 0x39, 0xec, 0x32, 0x7d, 0x7f];
 
 /// An HPACK string as it is on the wire: Huffman-coded or not, and its octets.
 type WireStr<'a> = (bool, &'a [u8]);
@@ -716,18 +746,17 @@ fn hpack_str(buf: &[u8]) -> Option<(WireStr<'_>, usize)> {
 }
 
 /// A string's octets, Huffman-decoded if they are coded. `fluke-hpack`'s decoder builds its
-/// code table (hundreds of allocations) every time it is made, so one is made per process.
-fn decoded((huffman, octets): WireStr<'_>) -> Option<std::borrow::Cow<'_, [u8]>> {
-    use std::sync::{Mutex, OnceLock};
+/// code table (hundreds of allocations) every time one is made, so each thread keeps one.
+fn decoded((huffman, octets): WireStr<'_>) -> Option<Vec<u8>> {
+    use std::cell::RefCell;
     if !huffman {
-        return Some(octets.into());
+        return Some(octets.to_vec());
     }
-    static DECODER: OnceLock<Mutex<fluke_hpack::huffman::HuffmanDecoder>> = OnceLock::new();
-    let mut decoder = DECODER
-        .get_or_init(|| Mutex::new(fluke_hpack::huffman::HuffmanDecoder::new()))
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    decoder.decode(octets).ok().map(Into::into)
+    thread_local! {
+        static DECODER: RefCell<fluke_hpack::huffman::HuffmanDecoder> =
+            RefCell::new(fluke_hpack::huffman::HuffmanDecoder::new());
+    }
+    DECODER.with_borrow_mut(|decoder| decoder.decode(octets).ok())
 }
 
 /// The integer at the start of `buf` with an `prefix`-bit prefix (RFC 7541, 5.1), and the
@@ -1290,9 +1319,10 @@ mod tests {
         // None sent; or the static table's entry, which has an empty value.
         assert_eq!(first_authority(&hex("828684")), Some(None));
         assert_eq!(first_authority(&hex("8281")), Some(Some(Vec::new())));
-        // A literal name, Huffman-coded like the value (`:authority` in the code of appendix B,
-        // as the decoder reads it), and a size update before it.
+        // A literal name, Huffman-coded (the code of appendix B, as the decoder reads it), with
+        // a raw value, and a size update before it.
         let name = huffman(":authority");
+        assert_eq!(name, AUTHORITY_HUFFMAN);
         let mut block = vec![0x20, 0x00, 0x80 | name.len() as u8];
         block.extend(&name);
         put_int(&mut block, LOCALHOST.len(), 7, 0x00);
@@ -1300,6 +1330,15 @@ mod tests {
         assert_eq!(first_authority(&block), Some(Some(LOCALHOST.into())));
         // A Huffman string that does not decode: the decoder decides (and refuses it).
         assert_eq!(first_authority(&hex("4182ffff")), None);
+        // So does a size update after a field, or at the end, and a block larger than real
+        // requests'.
+        assert_eq!(first_authority(&hex("8220")), None);
+        assert_eq!(first_authority(&hex("20")), None);
+        let mut large = hex("828684");
+        large.resize(SCANNED_BLOCK + 1, 0x82);
+        assert_eq!(first_authority(&large), None);
+        large.truncate(SCANNED_BLOCK);
+        assert_eq!(first_authority(&large), Some(None));
     }
 
     fn hex(s: &str) -> Vec<u8> {

@@ -18,6 +18,15 @@ pub const MAX_MODULE: u64 = 64 << 20;
 /// Reads `path` if it is a regular file of at most `max` bytes. Opened non-blocking so that a
 /// FIFO cannot park the caller before its type is known.
 pub fn read_regular(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    read_regular_with_metadata(path, max).map(|(bytes, _)| bytes)
+}
+
+/// [`read_regular`], and the metadata of the file it read (taken from the open file, so it
+/// is that file's even if the path changes meanwhile).
+pub fn read_regular_with_metadata(
+    path: &Path,
+    max: u64,
+) -> io::Result<(Vec<u8>, std::fs::Metadata)> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
@@ -55,7 +64,7 @@ pub fn read_regular(path: &Path, max: u64) -> io::Result<Vec<u8>> {
             format!("it grew past {max} bytes while being read"),
         ));
     }
-    Ok(bytes)
+    Ok((bytes, meta))
 }
 
 /// The prefix of the temporary names [`write_atomically`] uses for `name`: a dot (hidden, and

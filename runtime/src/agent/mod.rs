@@ -766,7 +766,11 @@ impl Agent {
             .collect();
         shared.start_modules(&options.registry, &names).await;
         // Any left (a module whose start ended before loading) are for no one now.
-        std::mem::take(&mut *shared.read_ahead.lock().unwrap_or_else(|p| p.into_inner()));
+        shared
+            .read_ahead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         drop(loading);
         shared.first_snapshots().await;
         // Specs of resources that went away, or stopped using CDI, while no agent ran: their

@@ -63,24 +63,18 @@ impl RunningModule {
 
 /// A module's file being read and hashed ahead of its start ([`read`], on a blocking thread),
 /// while the agent's own start-up runs.
-pub struct ReadAhead {
-    pub path: std::path::PathBuf,
-    pub file: tokio::task::JoinHandle<Result<ModuleFile, LoadError>>,
-}
+pub struct ReadAhead(tokio::task::JoinHandle<Result<ModuleFile, LoadError>>);
 
 impl ReadAhead {
     pub fn start(spec: &ModuleSpec) -> ReadAhead {
-        let spec_owned = spec.clone();
-        ReadAhead {
-            path: spec.path.clone(),
-            file: tokio::task::spawn_blocking(move || read(&spec_owned)),
-        }
+        let spec = spec.clone();
+        ReadAhead(tokio::task::spawn_blocking(move || read(&spec)))
     }
 }
 
 /// Compiles (on a blocking thread, or loads it precompiled from `cache`), instantiates and
-/// initialises one module. `ahead`: its file, read ahead ([`ReadAhead`]); used only if it is the
-/// file `spec` loads.
+/// initialises one module. `ahead`: its file, read ahead ([`ReadAhead`]); used only if it is
+/// still what `spec`'s file holds (otherwise, or if that read failed, the file is read again).
 pub async fn start_module(
     engine: &Engine,
     cache: Option<Arc<CompileCache>>,
@@ -115,20 +109,18 @@ pub async fn start_module(
         message: format!("{what} panicked: {e}"),
     };
     let ahead = match ahead {
-        Some(ahead) if ahead.path == spec_owned.path => Some(
-            ahead
-                .file
-                .await
-                .map_err(|e| panicked("reading the module", e))??,
-        ),
-        _ => None,
+        Some(ReadAhead(read)) => read
+            .await
+            .map_err(|e| panicked("reading the module", e))?
+            .ok(),
+        None => None,
     };
     let (engine, root) = (engine.clone(), host_root.to_owned());
     let libraries = libraries.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let file = match ahead {
-            Some(file) => file,
-            None => read(&spec_owned)?,
+            Some(file) if file.is_current_for(&spec_owned) => file,
+            _ => read(&spec_owned)?,
         };
         load_file(
             &engine,

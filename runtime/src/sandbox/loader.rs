@@ -52,11 +52,32 @@ pub fn load(
 
 /// A module's file as [`load`] reads it, and its sha256.
 pub struct ModuleFile {
-    /// The path it was read from.
-    pub path: PathBuf,
+    path: PathBuf,
     bytes: Vec<u8>,
     /// Lowercase hex.
     digest: String,
+    /// Which file, in which state, was read: device, inode, size, modification and change
+    /// times.
+    identity: (u64, u64, u64, (i64, i64), (i64, i64)),
+}
+
+fn identity(meta: &std::fs::Metadata) -> (u64, u64, u64, (i64, i64), (i64, i64)) {
+    use std::os::unix::fs::MetadataExt;
+    let (mtime, ctime) = (
+        (meta.mtime(), meta.mtime_nsec()),
+        (meta.ctime(), meta.ctime_nsec()),
+    );
+    (meta.dev(), meta.ino(), meta.size(), mtime, ctime)
+}
+
+impl ModuleFile {
+    /// Whether this is what reading `spec`'s file now would give: the same path, still naming
+    /// the same file, unchanged since (a file replaced, e.g. a ConfigMap's link swapped, is a
+    /// new inode; one written in place has new times). Blocking (a `stat`).
+    pub fn is_current_for(&self, spec: &ModuleSpec) -> bool {
+        self.path == spec.path
+            && std::fs::metadata(&self.path).is_ok_and(|meta| identity(&meta) == self.identity)
+    }
 }
 
 /// What [`load`] does first: reads `spec`'s file (a regular file, at most
@@ -64,23 +85,25 @@ pub struct ModuleFile {
 /// the rest of its start-up runs, so that a module's start does not wait for it (about 0.4 ms of
 /// sha256 for a 650 KB module, at every start: the digest keys the compile cache). Blocking.
 pub fn read(spec: &ModuleSpec) -> Result<ModuleFile, LoadError> {
-    let bytes =
-        crate::files::read_regular(&spec.path, crate::files::MAX_MODULE).map_err(|error| {
-            LoadError::Read {
+    let (bytes, meta) =
+        crate::files::read_regular_with_metadata(&spec.path, crate::files::MAX_MODULE).map_err(
+            |error| LoadError::Read {
                 module: spec.name.clone(),
                 path: spec.path.clone(),
                 error,
-            }
-        })?;
+            },
+        )?;
     Ok(ModuleFile {
         path: spec.path.clone(),
         digest: sha256_hex(&bytes),
         bytes,
+        identity: identity(&meta),
     })
 }
 
-/// [`load`] from a file already [`read`]: `spec`'s own, read for this load (a file read before
-/// an edit of it must not stand in for the edited one).
+/// [`load`] from a file already [`read`]: `spec`'s own, as it is now
+/// ([`ModuleFile::is_current_for`]; a file read before an edit must not stand in for the edited
+/// one).
 pub fn load_file(
     engine: &Engine,
     cache: Option<&CompileCache>,
@@ -316,7 +339,47 @@ fn ms(since: Instant) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+
     use super::interface;
+
+    /// A file read ahead of a module's start stands in for reading it then only while it is
+    /// still the same file, unchanged.
+    #[test]
+    fn a_file_read_ahead_stands_in_only_while_it_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let module = dir.path().join("m.wasm");
+        std::fs::write(&module, b"first").unwrap();
+        let text = format!(
+            "[[module]]\nname = \"m\"\npath = {:?}\n",
+            module.display().to_string()
+        );
+        let registry =
+            crate::config::Registry::parse(&text, &dir.path().join("registry.toml")).unwrap();
+        let spec = &registry.modules[0];
+        let read = || super::read(spec).unwrap();
+        assert!(read().is_current_for(spec));
+        // Another path.
+        let mut other = spec.clone();
+        other.path = dir.path().join("other.wasm");
+        std::fs::write(&other.path, b"first").unwrap();
+        assert!(!read().is_current_for(&other));
+        // Replaced (a new file renamed over it, as a ConfigMap's update is).
+        let before = read();
+        std::fs::write(dir.path().join("new"), b"first").unwrap();
+        std::fs::rename(dir.path().join("new"), &module).unwrap();
+        assert!(!before.is_current_for(spec));
+        // Written to.
+        let before = read();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&module)
+            .unwrap()
+            .write_all(b"!")
+            .unwrap();
+        assert!(!before.is_current_for(spec));
+        assert!(read().is_current_for(spec));
+    }
 
     #[test]
     fn push_refuses_what_is_no_component_by_name() {
