@@ -734,6 +734,10 @@ const SCANNED_BLOCK: usize = 16 * 1024;
 /// `:authority` in HPACK's Huffman code (RFC 7541, appendix B), padded with EOS's first bits.
 const AUTHORITY_HUFFMAN: [u8; 8] = [0xb8, 0x3b, 0x53, 0x39, 0xec, 0x32, 0x7d, 0x7f];
 
+/// `localhost`, what the kubelet's device manager sends, in the same code: known without
+/// making a decoder (building one's table is most of what reading a first block costs).
+const LOCALHOST_HUFFMAN: [u8; 6] = [0xa0, 0xe4, 0x1d, 0x13, 0x9d, 0x09];
+
 /// An HPACK string as it is on the wire: Huffman-coded or not, and its octets.
 type WireStr<'a> = (bool, &'a [u8]);
 
@@ -751,6 +755,9 @@ fn decoded((huffman, octets): WireStr<'_>) -> Option<Vec<u8>> {
     use std::cell::RefCell;
     if !huffman {
         return Some(octets.to_vec());
+    }
+    if octets == LOCALHOST_HUFFMAN {
+        return Some(LOCALHOST.as_bytes().to_vec());
     }
     thread_local! {
         static DECODER: RefCell<fluke_hpack::huffman::HuffmanDecoder> =
@@ -1323,6 +1330,11 @@ mod tests {
         // a raw value, and a size update before it.
         let name = huffman(":authority");
         assert_eq!(name, AUTHORITY_HUFFMAN);
+        assert_eq!(huffman(LOCALHOST), LOCALHOST_HUFFMAN);
+        // What grpc-go sends: `localhost`, Huffman-coded, with the static table's name.
+        let mut block = vec![0x82, 0x41, 0x80 | LOCALHOST_HUFFMAN.len() as u8];
+        block.extend(LOCALHOST_HUFFMAN);
+        assert_eq!(first_authority(&block), Some(Some(LOCALHOST.into())));
         let mut block = vec![0x20, 0x00, 0x80 | name.len() as u8];
         block.extend(&name);
         put_int(&mut block, LOCALHOST.len(), 7, 0x00);
@@ -1361,6 +1373,9 @@ mod tests {
             'r' => (0b101100, 6),
             'i' => (0b00110, 5),
             'y' => (0b1111010, 7),
+            'c' => (0b00100, 5),
+            'l' => (0b101000, 6),
+            's' => (0b01000, 5),
             _ => panic!("no code for {c:?} here"),
         };
         let (mut bits, mut len, mut out) = (0u64, 0, Vec::new());
