@@ -14,8 +14,8 @@
 # out; the next ones, warm, make the list. The bench then stops at the first start that
 # outlasts its 30 s wait under callgrind; the warm starts before it are enough (about 2,700
 # functions; fewer than 1,000 fails the script).
-# Needs valgrind (installed with apt-get when missing) and about 15 minutes on 2 cores, most of
-# it the release build.
+# Needs valgrind (installed with apt-get when missing) and about 20 minutes on 2 cores, most of
+# it the two release builds (the bench's, then the agent's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null ||

@@ -132,8 +132,9 @@ pub fn devicelet_bin() -> &'static Path {
     BIN.get_or_init(|| {
         let status = cargo()
             // Not `-p devicelet`: over the default members, features resolve as for `cargo
-            // test` (no member has dev-dependencies), so this reuses that build's dependencies
-            // instead of compiling wasmtime and the rest a second time.
+            // test` (the only dev-dependency, api's tempfile, is a normal one of this crate
+            // too), so this reuses that build's dependencies instead of compiling wasmtime and
+            // the rest a second time.
             .args(["build", "--quiet", "--bin", "devicelet"])
             .status()
             .expect("running cargo to build devicelet");
