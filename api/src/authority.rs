@@ -672,49 +672,35 @@ fn first_authority(block: &[u8]) -> Option<Option<Vec<u8>>> {
     let mut at = 0;
     let mut sent: Option<WireStr<'_>> = None;
     let (mut fields, mut last_was_update) = (0, false);
-    while let Some(&first) = block.get(at) {
-        let rest = &block[at..];
-        last_was_update = first & 0xe0 == 0x20;
-        if last_was_update {
+    while at < block.len() {
+        let (field, used) = hpack_repr(&block[at..])?;
+        at += used;
+        last_was_update = matches!(field, Repr::SizeUpdate(_));
+        match field {
             // A dynamic table size update: only before the first field.
-            if fields > 0 {
+            Repr::SizeUpdate(_) if fields > 0 => return None,
+            Repr::SizeUpdate(_) => continue,
+            Repr::Indexed(0) => return None,
+            Repr::Indexed(index) | Repr::Literal { index, .. } if index > STATIC_ENTRIES => {
                 return None;
             }
-            at += hpack_int(rest, 5)?.1;
-            continue;
+            // The static table's `:authority` entry has an empty value.
+            Repr::Indexed(AUTHORITY_INDEX) => sent = Some((false, &[])),
+            Repr::Indexed(_) => {}
+            Repr::Literal { index, name, value } => {
+                let is_authority = match name {
+                    Some(name) => {
+                        name == (false, &b":authority"[..])
+                            || name == (true, &AUTHORITY_HUFFMAN[..])
+                    }
+                    None => index == AUTHORITY_INDEX,
+                };
+                if is_authority {
+                    sent = Some(value);
+                }
+            }
         }
         fields += 1;
-        if first & 0x80 != 0 {
-            // Indexed field: the static table's `:authority` entry has an empty value.
-            let (index, used) = hpack_int(rest, 7)?;
-            match index {
-                0 => return None,
-                AUTHORITY_INDEX => sent = Some((false, &[])),
-                i if i > STATIC_ENTRIES => return None,
-                _ => {}
-            }
-            at += used;
-            continue;
-        }
-        // A literal field: with incremental indexing (6-bit name index), or without indexing
-        // or never indexed (4-bit).
-        let prefix = if first & 0x40 != 0 { 6 } else { 4 };
-        let (index, mut used) = hpack_int(rest, prefix)?;
-        let is_authority = match index {
-            0 => {
-                let (name, n) = hpack_str(rest.get(used..)?)?;
-                used += n;
-                name == (false, &b":authority"[..]) || name == (true, &AUTHORITY_HUFFMAN[..])
-            }
-            i if i > STATIC_ENTRIES => return None,
-            i => i == AUTHORITY_INDEX,
-        };
-        let (value, n) = hpack_str(rest.get(used..)?)?;
-        used += n;
-        if is_authority {
-            sent = Some(value);
-        }
-        at += used;
     }
     if last_was_update {
         return None;
@@ -740,6 +726,47 @@ const LOCALHOST_HUFFMAN: [u8; 6] = [0xa0, 0xe4, 0x1d, 0x13, 0x9d, 0x09];
 
 /// An HPACK string as it is on the wire: Huffman-coded or not, and its octets.
 type WireStr<'a> = (bool, &'a [u8]);
+
+/// One field representation of a header block (RFC 7541, section 6), as it is on the wire.
+enum Repr<'a> {
+    /// An indexed field: its table index.
+    Indexed(usize),
+    /// A literal field: its name's table index, or 0 and the `name` that follows, and its value.
+    Literal {
+        index: usize,
+        name: Option<WireStr<'a>>,
+        value: WireStr<'a>,
+    },
+    /// A dynamic table size update: the new size.
+    SizeUpdate(usize),
+}
+
+/// The field representation at the start of `buf` and the octets it takes; None when it is
+/// incomplete.
+fn hpack_repr(buf: &[u8]) -> Option<(Repr<'_>, usize)> {
+    let first = *buf.first()?;
+    if first & 0x80 != 0 {
+        let (index, used) = hpack_int(buf, 7)?;
+        return Some((Repr::Indexed(index), used));
+    }
+    if first & 0xe0 == 0x20 {
+        let (size, used) = hpack_int(buf, 5)?;
+        return Some((Repr::SizeUpdate(size), used));
+    }
+    // With incremental indexing (6-bit name index), or without indexing or never indexed
+    // (4-bit).
+    let prefix = if first & 0x40 != 0 { 6 } else { 4 };
+    let (index, mut used) = hpack_int(buf, prefix)?;
+    let name = if index == 0 {
+        let (name, n) = hpack_str(buf.get(used..)?)?;
+        used += n;
+        Some(name)
+    } else {
+        None
+    };
+    let (value, n) = hpack_str(buf.get(used..)?)?;
+    Some((Repr::Literal { index, name, value }, used + n))
+}
 
 /// The string at the start of `buf` (RFC 7541, 5.2) and the octets it takes.
 fn hpack_str(buf: &[u8]) -> Option<(WireStr<'_>, usize)> {
@@ -868,40 +895,20 @@ fn put_int(out: &mut Vec<u8>, mut value: usize, prefix: u8, first: u8) {
 /// costs a bounded amount of work. No dynamic-table-size update may go above [`DEFAULT_TABLE`]
 /// (the decoder refuses those too; this says why).
 fn check(block: &[u8]) -> Result<usize, &'static str> {
-    let int = hpack_int;
-    fn string(buf: &[u8]) -> Option<usize> {
-        hpack_str(buf).map(|(_, used)| used)
-    }
-    fn literal(buf: &[u8], prefix: u8) -> Option<usize> {
-        let (index, mut used) = hpack_int(buf, prefix)?;
-        if index == 0 {
-            used += string(buf.get(used..)?)?;
-        }
-        Some(used + string(buf.get(used..)?)?)
-    }
-    let malformed = "malformed request header block";
     let mut at = 0;
     let mut fields = 0;
-    while let Some(&first) = block.get(at) {
+    while at < block.len() {
         fields += 1;
         if fields > MAX_FIELDS {
             return Err("request header block with over 100 fields");
         }
-        let rest = &block[at..];
-        let used = if first & 0x80 != 0 {
-            int(rest, 7).map(|(_, used)| used)
-        } else if first & 0x40 != 0 {
-            literal(rest, 6)
-        } else if first & 0x20 != 0 {
-            let (size, used) = int(rest, 5).ok_or(malformed)?;
-            if size > DEFAULT_TABLE {
-                return Err("HPACK table size update above 4096");
-            }
-            Some(used)
-        } else {
-            literal(rest, 4)
-        };
-        at += used.ok_or(malformed)?;
+        let (field, used) = hpack_repr(&block[at..]).ok_or("malformed request header block")?;
+        if let Repr::SizeUpdate(size) = field
+            && size > DEFAULT_TABLE
+        {
+            return Err("HPACK table size update above 4096");
+        }
+        at += used;
     }
     Ok(fields)
 }
