@@ -26,6 +26,10 @@
 //! Anything wrong with an entry (including a file wasmtime refuses to deserialize, e.g. after an
 //! upgrade) is logged, the entry deleted, the module compiled again and the entry rewritten.
 //! Failing to write the cache is logged and otherwise ignored: the cache only saves time.
+//!
+//! Processes sharing a cache compile a module once: a miss takes the entry's lock file before
+//! compiling, and a process that finds it held waits and then loads the entry
+//! ([`super::entry_lock`]).
 
 use std::hash::{Hash, Hasher};
 use std::io::Read;
@@ -39,6 +43,7 @@ use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
+use super::entry_lock::{self, Locked};
 use crate::digest::hex;
 use crate::trust::{self, euid};
 
@@ -93,6 +98,10 @@ pub struct CompileCache {
     hits: AtomicU64,
     misses: AtomicU64,
     replaced: AtomicU64,
+    /// Loads that found another process compiling their entry and waited for it.
+    waits: AtomicU64,
+    /// How long such a load waits before compiling the module itself.
+    wait_limit: std::time::Duration,
     /// Components compiled ahead of time (an image's, by `devicelet precompile`), looked in
     /// when this cache has no entry: a new node's first start deserializes them instead of
     /// compiling. Read only: nothing is ever written or deleted there.
@@ -168,6 +177,8 @@ impl CompileCache {
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             replaced: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            wait_limit: entry_lock::WAIT_LIMIT,
             precompiled: None,
         })
     }
@@ -247,6 +258,32 @@ impl CompileCache {
         let name = format!("{digest}-{}", engine_key(engine));
         let cwasm = format!("{name}.cwasm");
         let sidecar = format!("{name}.{SIDECAR}");
+        // A first look without the lock: a warm start takes no lock file.
+        if let Ok(Some(component)) = self.try_load(engine, &cwasm, &sidecar) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok((component, CacheOutcome::Hit));
+        }
+        if let Some(component) = self.precompiled_entry(engine, &cwasm, &sidecar) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok((component, CacheOutcome::Hit));
+        }
+        // Another process (a `validate`, an agent starting beside this one) may be compiling
+        // it: wait for it, then look again.
+        let waiting = || {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                module = digest,
+                "compile cache: another process is compiling this module; waiting for it"
+            );
+        };
+        let _compiling =
+            match entry_lock::lock(&self.dir, format!("{name}.lock"), self.wait_limit, &waiting) {
+                Locked::AtOnce(lock) | Locked::AfterWaiting(lock) => Some(lock),
+                Locked::Not(why) => {
+                    tracing::debug!(module = digest, "compile cache: compiling unlocked: {why}");
+                    None
+                }
+            };
         let outcome = match self.try_load(engine, &cwasm, &sidecar) {
             Ok(Some(component)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
@@ -255,10 +292,6 @@ impl CompileCache {
             Ok(None) => {
                 // A sidecar without its .cwasm: a write interrupted between the two renames.
                 self.remove_if_present(&sidecar);
-                if let Some(component) = self.precompiled_entry(engine, &cwasm, &sidecar) {
-                    self.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok((component, CacheOutcome::Hit));
-                }
                 CacheOutcome::Miss
             }
             Err(reason) => {
@@ -699,6 +732,64 @@ mod tests {
         });
         let stats = cache.stats();
         assert_eq!((stats.misses, stats.hits), (1, 1));
+    }
+
+    /// What another process sharing the cache would hold while compiling `wasm`: the entry's
+    /// lock file, locked through a file description of its own.
+    fn held_elsewhere(cache: &CompileCache, engine: &Engine, wasm: &[u8]) -> std::fs::File {
+        let name = format!("{}-{}.lock", digest_of(wasm), engine_key(engine));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(cache.dir().join(name))
+            .unwrap();
+        file.lock().unwrap();
+        file
+    }
+
+    #[test]
+    fn a_module_another_process_is_compiling_is_waited_for_and_found_cached() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = cache_in(&tmp);
+        let other = cache_in(&tmp);
+        let engine = engine();
+        let held = held_elsewhere(&other, &engine, EMPTY);
+        std::thread::scope(|s| {
+            let loading = s.spawn(|| load(&cache, &engine));
+            while cache.waits.load(Ordering::Relaxed) == 0 {
+                assert!(!loading.is_finished(), "the load did not wait");
+                std::thread::yield_now();
+            }
+            // The other process's compile lands, then its lock goes.
+            let (cwasm, sidecar) = entry(&cache, &engine);
+            let bytes = compile(&engine, EMPTY, "empty")
+                .unwrap()
+                .serialize()
+                .unwrap();
+            let names = |p: &Path| p.file_name().unwrap().to_str().unwrap().to_owned();
+            other
+                .store(&bytes, &names(&cwasm), &names(&sidecar))
+                .unwrap();
+            drop(held);
+            assert_eq!(loading.join().unwrap(), CacheOutcome::Hit);
+        });
+        assert_eq!((cache.stats().misses, cache.stats().hits), (0, 1));
+    }
+
+    #[test]
+    fn a_compile_stuck_elsewhere_holds_a_load_back_only_until_the_wait_limit() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cache = cache_in(&tmp);
+        cache.wait_limit = std::time::Duration::from_millis(50);
+        let engine = engine();
+        let _held = held_elsewhere(&cache, &engine, EMPTY);
+        let started = Instant::now();
+        assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
+        assert!(started.elapsed() >= cache.wait_limit);
+        assert_eq!(cache.waits.load(Ordering::Relaxed), 1);
+        // Compiled and cached all the same, for the next start.
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod checks;
 pub mod compile_filter;
 pub mod compiler;
 pub mod engine;
+mod entry_lock;
 pub mod error;
 pub mod host;
 pub mod loader;

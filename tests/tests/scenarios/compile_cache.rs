@@ -212,6 +212,65 @@ async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_canno
     third.shutdown().await;
 }
 
+/// Two processes sharing a cache (here two `validate`s started together, as an operator's check
+/// may run beside the agent's start) compile a module once: the second waits for the first's
+/// compile and loads what it wrote. Whichever way they overlap, one compiles and one finds it
+/// compiled, and no lock file is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_sharing_a_cache_compile_a_module_once() {
+    let node = Node::new().await;
+    node.add_char("/dev/fuse", 10, 229);
+    let file = node.registry(&generic_dev(FUSE));
+    let cache = node.dir.path().join("cache");
+    let validate = || {
+        std::process::Command::new(devicelet_tests::devicelet_bin())
+            .args(["validate", "--config"])
+            .arg(&file)
+            .arg("--cache-dir")
+            .arg(&cache)
+            .arg("--precompiled-dir")
+            .arg(node.dir.path().join("precompiled"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("devicelet validate")
+    };
+    let (first, second) = (validate(), validate());
+    let mut compiled = 0;
+    let mut found = 0;
+    for child in [first, second] {
+        let out = child.wait_with_output().expect("devicelet validate");
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = format!("compile cache {}: ", cache.display());
+        let counts = said
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no cache line: {said}"));
+        let number = |after: &str| -> u32 {
+            counts
+                .split(", ")
+                .find_map(|part| part.strip_suffix(after))
+                .and_then(|n| n.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {after:?} in {counts:?}"))
+        };
+        compiled += number(" module(s) compiled");
+        found += number(" found compiled");
+    }
+    assert_eq!((compiled, found), (1, 1), "one compile between the two");
+    assert_eq!(cwasm_files(&cache).len(), 1);
+    let left: Vec<_> = std::fs::read_dir(&cache)
+        .expect("the cache")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".lock"))
+        .collect();
+    assert!(left.is_empty(), "lock files left: {left:?}");
+}
+
 /// `validate --cache-dir` and `try --cache-dir` use the cache as `run` does: the first check
 /// compiles and fills it, the next finds the module compiled (in the cache, or among the
 /// precompiled modules as `run` would); a cache that cannot be trusted is said and left alone,
