@@ -27,9 +27,9 @@
 //! upgrade) is logged, the entry deleted, the module compiled again and the entry rewritten.
 //! Failing to write the cache is logged and otherwise ignored: the cache only saves time.
 //!
-//! Processes sharing a cache compile a module once: a miss takes the entry's lock file before
-//! compiling, and a process that finds it held waits and then loads the entry
-//! ([`super::entry_lock`]).
+//! Processes sharing a cache compile a module once when they can: a miss takes the entry's lock
+//! file before compiling, and a process that finds it held waits (boundedly) and then loads the
+//! entry ([`super::entry_lock`]).
 
 use std::hash::{Hash, Hasher};
 use std::io::Read;
@@ -258,14 +258,20 @@ impl CompileCache {
         let name = format!("{digest}-{}", engine_key(engine));
         let cwasm = format!("{name}.cwasm");
         let sidecar = format!("{name}.{SIDECAR}");
-        // A first look without the lock: a warm start takes no lock file.
-        if let Ok(Some(component)) = self.try_load(engine, &cwasm, &sidecar) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok((component, CacheOutcome::Hit));
-        }
-        if let Some(component) = self.precompiled_entry(engine, &cwasm, &sidecar) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok((component, CacheOutcome::Hit));
+        // A first look without the lock: a warm start takes no lock file. A damaged entry is
+        // dealt with under the lock, below.
+        match self.try_load(engine, &cwasm, &sidecar) {
+            Ok(Some(component)) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Ok((component, CacheOutcome::Hit));
+            }
+            Ok(None) => {
+                if let Some(component) = self.precompiled_entry(engine, &cwasm, &sidecar) {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok((component, CacheOutcome::Hit));
+                }
+            }
+            Err(_) => {}
         }
         // Another process (a `validate`, an agent starting beside this one) may be compiling
         // it: wait for it, then look again.
@@ -280,7 +286,10 @@ impl CompileCache {
             match entry_lock::lock(&self.dir, format!("{name}.lock"), self.wait_limit, &waiting) {
                 Locked::AtOnce(lock) | Locked::AfterWaiting(lock) => Some(lock),
                 Locked::Not(why) => {
-                    tracing::debug!(module = digest, "compile cache: compiling unlocked: {why}");
+                    tracing::warn!(
+                        module = digest,
+                        "compile cache: compiling it unlocked: {why}"
+                    );
                     None
                 }
             };
@@ -873,6 +882,27 @@ mod tests {
                 replaced: 1
             }
         );
+    }
+
+    /// A damaged entry is deleted and the module compiled again even where a precompiled
+    /// directory holds it: otherwise the damaged file would stay and be read at every start.
+    #[test]
+    fn a_damaged_entry_is_replaced_even_with_a_precompiled_copy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = engine();
+        let precompiled = CompileCache::open(&tmp.path().join("precompiled")).unwrap();
+        assert_eq!(load(&precompiled, &engine), CacheOutcome::Miss);
+        let cache = cache_in(&tmp).with_precompiled(precompiled);
+        assert_eq!(
+            load(&cache, &engine),
+            CacheOutcome::Hit,
+            "found precompiled"
+        );
+        let (cwasm, sidecar) = entry(&cache, &engine);
+        std::fs::write(&cwasm, b"garbage").unwrap();
+        std::fs::write(&sidecar, format!("{:08x} 7\n", crc32fast::hash(b"garbage"))).unwrap();
+        assert_replaced(load(&cache, &engine), "deserialize");
+        assert_eq!(load(&cache, &engine), CacheOutcome::Hit, "rewritten");
     }
 
     #[test]

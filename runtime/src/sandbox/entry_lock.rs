@@ -4,18 +4,19 @@
 //! entry written, instead of compiling the same module at the same moment.
 //!
 //! The lock only saves work. Entries are written whole and checked at every load, so a waiter
-//! that gives up (after [`WAIT_LIMIT`]: the holder may be stopped or stuck) compiles the module
-//! itself, as it would without the lock, and so does one that cannot make or lock the file. A
-//! lock file is removed by its holder when done, and the lock dies with its process.
+//! that gives up (after [`WAIT_LIMIT`]: the holder may be stopped, stuck or compiling something
+//! huge) compiles the module itself, as it would without the lock, and so does one that cannot
+//! make or lock the file, and one whose holder could not compile the module. A lock file is
+//! removed by its holder when done, and the lock dies with its process.
 
 use std::fs::{File, TryLockError};
 use std::time::{Duration, Instant};
 
 use cap_std::fs::{Dir, MetadataExt as _, OpenOptions, OpenOptionsExt};
 
-/// How long a load waits for another process compiling the same entry. Longer than any
-/// compile of a module this agent takes (seconds), so a waiter gives up only on a holder that
-/// is stopped or stuck, and then pays a compile of its own, no more.
+/// How long a load waits for another process compiling the same entry: far longer than a
+/// reference module's compile (seconds), shorter than the compiler child's own limit, so a
+/// holder that is stopped, stuck or slow costs a waiter at most this and a compile of its own.
 pub(super) const WAIT_LIMIT: Duration = Duration::from_secs(120);
 
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
@@ -76,6 +77,8 @@ pub(super) fn lock<'a>(
                 limit.as_secs()
             ));
         }
+        // Not held across the pause: a file taken but no longer at `name` is let go now.
+        drop(file);
         if !waited {
             waiting();
             waited = true;

@@ -235,11 +235,16 @@ async fn two_processes_sharing_a_cache_compile_a_module_once() {
             .spawn()
             .expect("devicelet validate")
     };
+    // Each one's output read while the other runs: neither blocks on a full pipe.
     let (first, second) = (validate(), validate());
+    let waits = [first, second].map(|child| std::thread::spawn(move || child.wait_with_output()));
     let mut compiled = 0;
     let mut found = 0;
-    for child in [first, second] {
-        let out = child.wait_with_output().expect("devicelet validate");
+    for waiting in waits {
+        let out = waiting
+            .join()
+            .expect("waiting for devicelet validate")
+            .expect("devicelet validate");
         let said = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
