@@ -388,7 +388,8 @@ async fn a_call_its_caller_gave_up_on_is_counted_as_cancelled() {
     use devicelet::kubelet::api::deviceplugin::device_plugin_client::DevicePluginClient;
     use devicelet::kubelet::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
     let node = Node::new().await;
-    let modules = misbehaving("spinner", "resource = \"bad\"\nallocate = \"loop\"", "5s");
+    // The spin outlasts the caller's 200 ms by far; it is spent CPU until its deadline.
+    let modules = misbehaving("spinner", "resource = \"bad\"\nallocate = \"loop\"", "1s");
     let agent = node.start_agent_with(&modules, on_loopback).await;
     let addr = agent.metrics_addr().expect("serving metrics");
     node.kubelet
