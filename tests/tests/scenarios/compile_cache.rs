@@ -212,6 +212,19 @@ async fn a_first_start_loads_precompiled_modules_and_compiles_only_what_it_canno
     third.shutdown().await;
 }
 
+/// `devicelet validate` of `registry` with a compile cache and a precompiled directory.
+fn validate_with(registry: &Path, cache: &Path, precompiled: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new(devicelet_tests::devicelet_bin());
+    command
+        .args(["validate", "--config"])
+        .arg(registry)
+        .arg("--cache-dir")
+        .arg(cache)
+        .arg("--precompiled-dir")
+        .arg(precompiled);
+    command
+}
+
 /// Two processes sharing a cache (here two `validate`s started together, as an operator's check
 /// may run beside the agent's start) compile a module once: the second waits for the first's
 /// compile and loads what it wrote. Whichever way they overlap, one compiles and one finds it
@@ -223,13 +236,7 @@ async fn two_processes_sharing_a_cache_compile_a_module_once() {
     let file = node.registry(&generic_dev(FUSE));
     let cache = node.dir.path().join("cache");
     let validate = || {
-        std::process::Command::new(devicelet_tests::devicelet_bin())
-            .args(["validate", "--config"])
-            .arg(&file)
-            .arg("--cache-dir")
-            .arg(&cache)
-            .arg("--precompiled-dir")
-            .arg(node.dir.path().join("precompiled"))
+        validate_with(&file, &cache, &node.dir.path().join("precompiled"))
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -288,14 +295,8 @@ async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
     let file = node.registry(&generic_dev(FUSE));
     let cache = node.dir.path().join("cache");
     let validate = |cache: &Path| {
-        let out = std::process::Command::new(devicelet_tests::devicelet_bin())
-            .args(["validate", "--config"])
-            .arg(&file)
-            .arg("--cache-dir")
-            .arg(cache)
-            // Not the machine's own: the first check has nothing precompiled to find.
-            .arg("--precompiled-dir")
-            .arg(node.dir.path().join("precompiled"))
+        // Not the machine's own precompiled directory: the first check has nothing to find.
+        let out = validate_with(&file, cache, &node.dir.path().join("precompiled"))
             .output()
             .expect("devicelet validate");
         let said = String::from_utf8_lossy(&out.stdout).into_owned();
