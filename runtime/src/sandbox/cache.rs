@@ -43,7 +43,7 @@ use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
-use super::entry_lock::{self, Locked};
+use super::entry_lock;
 use crate::digest::hex;
 use crate::trust::{self, euid};
 
@@ -283,16 +283,14 @@ impl CompileCache {
             );
         };
         let _compiling =
-            match entry_lock::lock(&self.dir, format!("{name}.lock"), self.wait_limit, &waiting) {
-                Locked::AtOnce(lock) | Locked::AfterWaiting(lock) => Some(lock),
-                Locked::Not(why) => {
+            entry_lock::lock(&self.dir, format!("{name}.lock"), self.wait_limit, &waiting)
+                .inspect_err(|why| {
                     tracing::warn!(
                         module = digest,
                         "compile cache: compiling it unlocked: {why}"
                     );
-                    None
-                }
-            };
+                })
+                .ok();
         let outcome = match self.try_load(engine, &cwasm, &sidecar) {
             Ok(Some(component)) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);

@@ -29,50 +29,33 @@ pub(super) struct EntryLock<'a> {
     file: File,
 }
 
-/// How [`lock`] went.
-pub(super) enum Locked<'a> {
-    /// Taken without waiting: nobody else was compiling the entry.
-    AtOnce(EntryLock<'a>),
-    /// Taken after another process let it go, having perhaps written the entry.
-    AfterWaiting(EntryLock<'a>),
-    /// Not taken (why): compile without it.
-    Not(String),
-}
-
 /// Takes the lock file `name` in `dir`, waiting at most `limit` for another holder (`waiting` is
-/// called once, when the first try finds it held). Blocking (it sleeps between tries): call it
-/// from a blocking thread.
+/// called once, when the first try finds it held). Err (why) when it is not taken: compile
+/// without it. Blocking (it sleeps between tries): call it from a blocking thread.
 pub(super) fn lock<'a>(
     dir: &'a Dir,
     name: String,
     limit: Duration,
     waiting: &dyn Fn(),
-) -> Locked<'a> {
+) -> Result<EntryLock<'a>, String> {
     let started = Instant::now();
     let mut pause = FIRST_PAUSE;
     let mut waited = false;
     loop {
         let file = match open(dir, &name) {
             Ok(file) => file,
-            Err(e) => return Locked::Not(format!("cannot open {name}: {e}")),
+            Err(e) => return Err(format!("cannot open {name}: {e}")),
         };
         match file.try_lock() {
             // Still the file at `name`? A holder that just finished removed it, and a newcomer
             // may have made another: lock that one instead.
-            Ok(()) if is_at(dir, &name, &file) => {
-                let lock = EntryLock { dir, name, file };
-                return if waited {
-                    Locked::AfterWaiting(lock)
-                } else {
-                    Locked::AtOnce(lock)
-                };
-            }
+            Ok(()) if is_at(dir, &name, &file) => return Ok(EntryLock { dir, name, file }),
             Ok(()) | Err(TryLockError::WouldBlock) => {}
-            Err(TryLockError::Error(e)) => return Locked::Not(format!("cannot lock {name}: {e}")),
+            Err(TryLockError::Error(e)) => return Err(format!("cannot lock {name}: {e}")),
         }
         let left = limit.saturating_sub(started.elapsed());
         if left.is_zero() {
-            return Locked::Not(format!(
+            return Err(format!(
                 "another process has been compiling it for {}s",
                 limit.as_secs()
             ));
@@ -131,7 +114,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = dir(&tmp);
         let lock = lock(&dir, "e.lock".into(), WAIT_LIMIT, &|| panic!("waited"));
-        assert!(matches!(lock, Locked::AtOnce(_)));
+        assert!(lock.is_ok());
         assert!(tmp.path().join("e.lock").exists());
         drop(lock);
         assert!(!tmp.path().join("e.lock").exists());
@@ -146,7 +129,7 @@ mod tests {
         other.lock().unwrap();
         let limit = Duration::from_millis(50);
         let started = Instant::now();
-        let Locked::Not(why) = lock(&dir, "e.lock".into(), limit, &|| ()) else {
+        let Err(why) = lock(&dir, "e.lock".into(), limit, &|| ()) else {
             panic!("took a lock another holds");
         };
         assert!(started.elapsed() >= limit, "gave up before the limit");
@@ -159,7 +142,7 @@ mod tests {
     fn a_lock_let_go_is_taken_after_waiting() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = dir(&tmp);
-        let Locked::AtOnce(held) = lock(&dir, "e.lock".into(), WAIT_LIMIT, &|| ()) else {
+        let Ok(held) = lock(&dir, "e.lock".into(), WAIT_LIMIT, &|| panic!("waited")) else {
             panic!("a free lock was not taken at once");
         };
         let (tried, first_try) = std::sync::mpsc::channel();
@@ -168,10 +151,7 @@ mod tests {
             move || {
                 let dir = Dir::open_ambient_dir(&path, cap_std::ambient_authority()).unwrap();
                 let waiting = move || tried.send(()).unwrap();
-                matches!(
-                    lock(&dir, "e.lock".into(), WAIT_LIMIT, &waiting),
-                    Locked::AfterWaiting(_)
-                )
+                lock(&dir, "e.lock".into(), WAIT_LIMIT, &waiting).is_ok()
             }
         });
         // Let go only once the waiter found it held; it then takes a new file's lock.
