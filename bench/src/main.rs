@@ -47,6 +47,15 @@ pub struct BenchArgs {
     /// devicelet.
     #[arg(long)]
     pub dra_peer: Option<PathBuf>,
+    /// Another build of the agent (e.g. before a change): the start-up benchmark then also
+    /// starts both, one module from a warm cache, in interleaved pairs, so that the machine's
+    /// load falls on both alike, and prints them side by side.
+    #[arg(long)]
+    pub compare: Option<PathBuf>,
+    /// Other builds of the modules (e.g. before a change), for the compared side of those
+    /// pairs: the same agent with `--compare` left out.
+    #[arg(long)]
+    pub compare_module_dir: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -83,6 +92,16 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .transpose()?,
         dra_peer: args
             .dra_peer
+            .as_deref()
+            .map(std::path::absolute)
+            .transpose()?,
+        compare: args
+            .compare
+            .as_deref()
+            .map(std::path::absolute)
+            .transpose()?,
+        compare_module_dir: args
+            .compare_module_dir
             .as_deref()
             .map(std::path::absolute)
             .transpose()?,

@@ -44,6 +44,10 @@ pub struct Settings {
     pub fake_nvml: Option<PathBuf>,
     /// The reference Go DRA driver's kubelet plugin, for the DRA rows beside it.
     pub dra_peer: Option<PathBuf>,
+    /// A second agent binary, started beside `devicelet` in interleaved pairs (start-up).
+    pub compare: Option<PathBuf>,
+    /// The compared side's modules, if not `module_dir`'s.
+    pub compare_module_dir: Option<PathBuf>,
 }
 
 impl Settings {

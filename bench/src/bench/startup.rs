@@ -21,6 +21,9 @@ use super::stats::{Samples, duration};
 use devicelet_simulator::SimConfig;
 
 const REPEATS: usize = 5;
+/// Pairs of warm starts with `--compare`: start-up medians move by more than a change's gain
+/// from one run to the next on a shared machine, so only interleaved samples compare.
+const PAIRS: usize = 30;
 /// Issue 35: a warm start of one module within this, and within [`FLOOR_RATIO`] of the floor.
 const WARM_TARGET: Duration = Duration::from_millis(8);
 const FLOOR_RATIO: f64 = 1.2;
@@ -93,6 +96,9 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
             ratio(&seeded, &warm) <= 2.0,
         ));
     }
+    if s.compare.is_some() || s.compare_module_dir.is_some() {
+        rows.push(compare(s, caches.path()).await?);
+    }
     if let Some(fake) = &s.fake_nvml {
         let cache = caches.path().join("cache-nvidia");
         let state = caches.path().join("state-nvidia");
@@ -113,6 +119,60 @@ pub async fn run(s: &Settings) -> anyhow::Result<Vec<Row>> {
         ));
     }
     Ok(rows)
+}
+
+/// Warm starts of one module, this agent and modules against the compared ones, in
+/// interleaved pairs (which starts first alternates), each side on its own warm cache and state
+/// directory.
+async fn compare(s: &Settings, dirs: &Path) -> anyhow::Result<Row> {
+    let pairs = s.n(PAIRS);
+    let that = Settings {
+        devicelet: s.compare.clone().unwrap_or_else(|| s.devicelet.clone()),
+        module_dir: s
+            .compare_module_dir
+            .clone()
+            .unwrap_or_else(|| s.module_dir.clone()),
+        ..s.clone()
+    };
+    let dirs_of = |name: &str| {
+        (
+            dirs.join(format!("cache-{name}")),
+            dirs.join(format!("state-{name}")),
+        )
+    };
+    let (a, b) = (dirs_of("this"), dirs_of("other"));
+    // Each compiles its module into its own cache first.
+    once(s, 1, (&a.0, &a.1), None).await?;
+    once(&that, 1, (&b.0, &b.1), None).await?;
+    let (mut ours, mut theirs, mut faster) = (Vec::new(), Vec::new(), 0);
+    for pair in 0..pairs {
+        let (x, y) = if pair % 2 == 0 {
+            let x = once(s, 1, (&a.0, &a.1), None).await?;
+            (x, once(&that, 1, (&b.0, &b.1), None).await?)
+        } else {
+            let y = once(&that, 1, (&b.0, &b.1), None).await?;
+            (once(s, 1, (&a.0, &a.1), None).await?, y)
+        };
+        faster += usize::from(x < y);
+        ours.push(x);
+        theirs.push(y);
+    }
+    let (ours, theirs) = (Samples::new(ours), Samples::new(theirs));
+    Ok(Row::info(
+        format!(
+            "3. Start-up, 1 module, warm: this build beside the compared one ({} with modules \
+             from {}), {pairs} interleaved pairs",
+            that.devicelet.display(),
+            that.module_dir.display()
+        ),
+        format!(
+            "{} · compared: {}; {:.2}× the compared build's median, faster in {faster} of \
+             {pairs} pairs",
+            spread(&ours),
+            spread(&theirs),
+            ratio(&ours, &theirs)
+        ),
+    ))
 }
 
 /// `median 25.1 ms (21.0 ms – 30.2 ms)`.
