@@ -1118,6 +1118,16 @@ pub mod context {
         CONTEXT.with(|c| c.borrow().0.clone())
     }
 
+    /// Whether the agent told this instance no served names: it is the first instance of this
+    /// load of the module, whose `init` tells the agent what the module serves. The agent then
+    /// makes the instances that answer calls (one for `enumerate`, one for the kubelet's
+    /// calls, another after a trap), each running `init` again, so what is worth doing once per
+    /// load, such as logging what the module serves, belongs behind this. (A module that
+    /// declares no resource the agent serves is told no names in any instance.)
+    pub fn first_instance() -> bool {
+        CONTEXT.with(|c| c.borrow().1.is_empty())
+    }
+
     /// The full name the resource the module declared as `declared` is served under
     /// (`vendor.com/vf`, or `vendor.com/gpu.shared` when the registry shares and renames it);
     /// None before the agent knows it, or when it serves no such resource.

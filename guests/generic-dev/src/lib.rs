@@ -430,19 +430,11 @@ impl GenericDev {
     }
 }
 
-impl Plugin for GenericDev {
-    fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
-        let specs = parse_config(config).map_err(PluginError::InvalidConfig)?;
-        let mut groups: Vec<Group> = specs
-            .into_iter()
-            .map(|spec| Group {
-                spec,
-                known: BTreeMap::new(),
-                collisions: BTreeSet::new(),
-            })
-            .collect();
-        let mut served = Vec::with_capacity(groups.len());
-        for group in &mut groups {
+/// Logs each group with the nodes it has now.
+fn announce(groups: &mut [Group]) {
+    let served: Vec<String> = groups
+        .iter_mut()
+        .map(|group| {
             let spec = &group.spec;
             let mut line = format!(
                 "{} ({}, permissions {}",
@@ -458,9 +450,28 @@ impl Plugin for GenericDev {
                 Err(PluginError::Failed(why)) => line.push_str(&format!("): not scanned: {why}")),
                 Err(_) => line.push_str("): not scanned"),
             }
-            served.push(line);
+            line
+        })
+        .collect();
+    devicelet_sdk::info!("generic-dev serving {}", served.join("; "));
+}
+
+impl Plugin for GenericDev {
+    fn init(config: &str) -> Result<(Self, Vec<ResourceInfo>), PluginError> {
+        let specs = parse_config(config).map_err(PluginError::InvalidConfig)?;
+        let mut groups: Vec<Group> = specs
+            .into_iter()
+            .map(|spec| Group {
+                spec,
+                known: BTreeMap::new(),
+                collisions: BTreeSet::new(),
+            })
+            .collect();
+        // What the module serves is said once per load, by the first instance: the agent's
+        // others, made right after it, find their devices when first asked.
+        if devicelet_sdk::context::first_instance() {
+            announce(&mut groups);
         }
-        devicelet_sdk::info!("generic-dev serving {}", served.join("; "));
         let resources = groups
             .iter()
             .map(|g| ResourceInfo::new(g.spec.name.clone()).with_prestart(g.spec.prestart_check))
@@ -736,6 +747,26 @@ mod kit_tests {
         let edits = module.allocate("serial", &["ttyUSB0", "ttyUSB1"]).unwrap();
         let paths: Vec<&str> = edits.devices.iter().map(|d| d.host_path.as_str()).collect();
         assert_eq!(paths, ["/dev/ttyUSB0", "/dev/ttyUSB1"]);
+    }
+
+    #[test]
+    fn what_it_serves_is_logged_by_the_first_instance_alone() {
+        let enumerating = Harness::<GenericDev>::init(node(), CONFIG).unwrap();
+        let _kubelet = enumerating.another(CONFIG).unwrap();
+        let serving: Vec<String> = enumerating
+            .host()
+            .logs()
+            .into_iter()
+            .map(|(_, line)| line)
+            .filter(|line| line.starts_with("generic-dev serving"))
+            .collect();
+        assert_eq!(
+            serving,
+            [
+                "generic-dev serving fuse (/dev/fuse, permissions rw): 1 node(s) now; serial \
+              (/dev/ttyUSB*, permissions rwm, prestart check): 2 node(s) now"
+            ]
+        );
     }
 
     #[test]

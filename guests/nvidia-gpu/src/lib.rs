@@ -621,11 +621,14 @@ impl Plugin for NvidiaGpu {
             _ => {}
         }
         module.resources = resources.clone();
-        devicelet_sdk::info!(
-            "serving {} GPU unit(s) as {}",
-            units.len(),
-            resources.join(", ")
-        );
+        // Once per load: the agent's other instances run `init` again right after.
+        if devicelet_sdk::context::first_instance() {
+            devicelet_sdk::info!(
+                "serving {} GPU unit(s) as {}",
+                units.len(),
+                resources.join(", ")
+            );
+        }
         // NVLink-aware choice for whole GPUs; MIG devices are left to the agent's NUMA policy.
         let whole_gpus = module.config.mig_strategy != MigStrategy::Single || profiles.is_empty();
         let infos = resources
