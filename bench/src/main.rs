@@ -124,11 +124,27 @@ async fn run(args: BenchArgs) -> anyhow::Result<()> {
             path.display()
         );
     }
+    if let Some(other) = &settings.compare {
+        anyhow::ensure!(other.is_file(), "--compare: {} is missing", other.display());
+    }
+    if let Some(dir) = &settings.compare_module_dir {
+        let path = dir.join("generic_dev.wasm");
+        anyhow::ensure!(
+            path.is_file(),
+            "--compare-module-dir: {} is missing",
+            path.display()
+        );
+    }
     let names: Vec<String> = if args.only.is_empty() {
         bench::NAMES.iter().map(|s| s.to_string()).collect()
     } else {
         args.only
     };
+    anyhow::ensure!(
+        (settings.compare.is_none() && settings.compare_module_dir.is_none())
+            || names.iter().any(|n| n == "startup"),
+        "--compare and --compare-module-dir add to the start-up benchmark, which --only leaves out"
+    );
     let mut rows = Vec::new();
     for name in &names {
         eprintln!("bench: {name} …");

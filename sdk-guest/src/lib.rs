@@ -1121,9 +1121,10 @@ pub mod context {
     /// Whether the agent told this instance no served names: it is the first instance of this
     /// load of the module, whose `init` tells the agent what the module serves. The agent then
     /// makes the instances that answer calls (one for `enumerate`, one for the kubelet's
-    /// calls, another after a trap), each running `init` again, so what is worth doing once per
-    /// load, such as logging what the module serves, belongs behind this. (A module that
-    /// declares no resource the agent serves is told no names in any instance.)
+    /// calls, one for `preferred` when a resource asks for it, a new one after a trap), each
+    /// running `init` again, so what is worth doing once per load, such as logging what the
+    /// module serves, belongs behind this. (A module none of whose declared resources has a
+    /// valid name in its resource domain is told no names in any instance.)
     pub fn first_instance() -> bool {
         CONTEXT.with(|c| c.borrow().1.is_empty())
     }

@@ -111,7 +111,9 @@ async fn bare_calls(
         &loaded,
         &devicelet::device::InitContext {
             config: spec.config.to_string(),
-            ..Default::default()
+            resource_domain: spec.resource_domain.clone(),
+            // As a cell's instance is told, after the module's first one declared it.
+            served_as: vec![("fuse".into(), format!("{}/fuse", spec.resource_domain))],
         },
     )
     .await
