@@ -167,6 +167,10 @@ pub struct CacheStatus {
     pub hits: u64,
     pub misses: u64,
     pub replaced: u64,
+    /// Loads that found another process (a `validate`, a `precompile`, another agent) compiling
+    /// the same module into the cache, and waited for it rather than compiling it too.
+    #[serde(default)]
+    pub waited: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -299,6 +303,7 @@ pub(super) fn collect(shared: &Shared) -> Status {
                 hits: stats.hits,
                 misses: stats.misses,
                 replaced: stats.replaced,
+                waited: stats.waited,
             }
         }
         Err(why) => CacheStatus {

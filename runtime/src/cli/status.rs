@@ -206,8 +206,16 @@ fn render(status: &Status) -> String {
             Some(why) => format!("compile cache NOT USED (modules compiled in memory): {why}\n"),
             None => format!(
                 "compile cache: {} modules loaded precompiled, {} compiled, {} cached copies \
-                 replaced\n",
-                c.hits, c.misses, c.replaced
+                 replaced{}\n",
+                c.hits,
+                c.misses,
+                c.replaced,
+                match c.waited {
+                    0 => String::new(),
+                    n => format!(
+                        "; {n} load(s) waited for another process compiling the same module"
+                    ),
+                }
             ),
         };
     }
@@ -343,6 +351,28 @@ mod tests {
                  kind found that the agent did not write\n"
             ),
             "{text}"
+        );
+
+        // Loads that waited for another process's compile, in the status and the metrics.
+        let mut waited = status;
+        waited.cache = Some(crate::agent::status::CacheStatus {
+            hits: 1,
+            misses: 1,
+            waited: 2,
+            ..Default::default()
+        });
+        let text = render(&waited);
+        assert!(
+            text.contains(
+                "compile cache: 1 modules loaded precompiled, 1 compiled, 0 cached copies \
+                 replaced; 2 load(s) waited for another process compiling the same module\n"
+            ),
+            "{text}"
+        );
+        let metrics = crate::metrics::Metrics::default().render(&waited, true);
+        assert!(
+            metrics.contains("\ndevicelet_compile_cache_waits_total 2\n"),
+            "{metrics}"
         );
     }
 }

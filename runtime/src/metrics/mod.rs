@@ -600,6 +600,11 @@ fn register_status(registry: &mut Registry, status: &Status, ready: bool) {
                 ),
             ],
         );
+        registry.register(
+            "compile_cache_waits",
+            "Module loads that found another process (a validate, a precompile, another agent) compiling the same module into the cache, and waited for it",
+            counter(cache.waited),
+        );
     }
     let drivers: [Figure<crate::agent::status::DraDriverStatus>; 6] = [
         (

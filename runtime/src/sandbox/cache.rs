@@ -83,6 +83,8 @@ pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
     pub replaced: u64,
+    /// Loads that found another process compiling their module and waited for it.
+    pub waited: u64,
 }
 
 /// A directory of precompiled components. Share it (behind an `Arc`) between loads.
@@ -224,6 +226,7 @@ impl CompileCache {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             replaced: self.replaced.load(Ordering::Relaxed),
+            waited: self.waits.load(Ordering::Relaxed),
         }
     }
 
@@ -764,7 +767,7 @@ mod tests {
         let held = held_elsewhere(&other, &engine, EMPTY);
         std::thread::scope(|s| {
             let loading = s.spawn(|| load(&cache, &engine));
-            while cache.waits.load(Ordering::Relaxed) == 0 {
+            while cache.stats().waited == 0 {
                 assert!(!loading.is_finished(), "the load did not wait");
                 std::thread::yield_now();
             }
@@ -794,7 +797,7 @@ mod tests {
         let started = Instant::now();
         assert_eq!(load(&cache, &engine), CacheOutcome::Miss);
         assert!(started.elapsed() >= cache.wait_limit);
-        assert_eq!(cache.waits.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.stats().waited, 1);
         // Compiled and cached all the same, for the next start.
         assert_eq!(load(&cache, &engine), CacheOutcome::Hit);
     }
@@ -811,7 +814,8 @@ mod tests {
             CacheStats {
                 hits: 1,
                 misses: 1,
-                replaced: 0
+                replaced: 0,
+                waited: 0,
             }
         );
 
@@ -877,7 +881,8 @@ mod tests {
             CacheStats {
                 hits: 1,
                 misses: 1,
-                replaced: 1
+                replaced: 1,
+                waited: 0,
             }
         );
     }

@@ -32,6 +32,8 @@ fn stats(hits: u64, misses: u64, replaced: u64) -> Option<CacheStats> {
         hits,
         misses,
         replaced,
+        // No other process shares these agents' caches.
+        waited: 0,
     })
 }
 
