@@ -141,17 +141,19 @@ async fn compare(s: &Settings, dirs: &Path) -> anyhow::Result<Row> {
         )
     };
     let (a, b) = (dirs_of("this"), dirs_of("other"));
+    let this = || once(s, 1, (&a.0, &a.1), None);
+    let other = || once(&that, 1, (&b.0, &b.1), None);
     // Each compiles its module into its own cache first.
-    once(s, 1, (&a.0, &a.1), None).await?;
-    once(&that, 1, (&b.0, &b.1), None).await?;
+    this().await?;
+    other().await?;
     let (mut ours, mut theirs, mut faster) = (Vec::new(), Vec::new(), 0);
     for pair in 0..pairs {
         let (x, y) = if pair % 2 == 0 {
-            let x = once(s, 1, (&a.0, &a.1), None).await?;
-            (x, once(&that, 1, (&b.0, &b.1), None).await?)
+            let x = this().await?;
+            (x, other().await?)
         } else {
-            let y = once(&that, 1, (&b.0, &b.1), None).await?;
-            (once(s, 1, (&a.0, &a.1), None).await?, y)
+            let y = other().await?;
+            (this().await?, y)
         };
         faster += usize::from(x < y);
         ours.push(x);

@@ -227,6 +227,17 @@ fn validate_with(registry: &Path, cache: &Path, precompiled: &Path) -> std::proc
     command
 }
 
+/// What a `devicelet validate` that must have succeeded printed.
+fn succeeded(out: std::process::Output) -> String {
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    said
+}
+
 /// Two processes sharing a cache (here two `validate`s started together, as an operator's check
 /// may run beside the agent's start) compile a module once: the second waits for the first's
 /// compile and loads what it wrote. Whichever way they overlap, one compiles and one finds it
@@ -250,15 +261,11 @@ async fn two_processes_sharing_a_cache_compile_a_module_once() {
     let mut compiled = 0;
     let mut found = 0;
     for waiting in waits {
-        let out = waiting
-            .join()
-            .expect("waiting for devicelet validate")
-            .expect("devicelet validate");
-        let said = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{said}{}",
-            String::from_utf8_lossy(&out.stderr)
+        let said = succeeded(
+            waiting
+                .join()
+                .expect("waiting for devicelet validate")
+                .expect("devicelet validate"),
         );
         let line = format!("compile cache {}: ", cache.display());
         let counts = said
@@ -298,16 +305,11 @@ async fn validate_and_try_fill_a_cache_and_compile_nothing_the_second_time() {
     let cache = node.dir.path().join("cache");
     let validate = |cache: &Path| {
         // Not the machine's own precompiled directory: the first check has nothing to find.
-        let out = validate_with(&file, cache, &node.dir.path().join("precompiled"))
-            .output()
-            .expect("devicelet validate");
-        let said = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{said}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        said
+        succeeded(
+            validate_with(&file, cache, &node.dir.path().join("precompiled"))
+                .output()
+                .expect("devicelet validate"),
+        )
     };
     let said = validate(&cache);
     let line = format!("compile cache {}: ", cache.display());
